@@ -1,0 +1,67 @@
+"""The block-hash chain: one function shared by the router and every worker.
+
+A prompt is cut into full blocks of ``block_size`` tokens. Block ``i`` hashes to
+``h_i = H(h_{i-1}, tokens of block i, extra keys)`` where ``h_{-1}`` is derived from the
+model identity, so two models never share entries, and the extra keys of the first block
+carry the tenant's cache salt (a shared prefix cache is a timing side channel; tenants
+share blocks only when they opt in by using the same salt). Because each hash covers its
+parent, equal hashes mean equal prefixes, not just equal blocks.
+
+H is BLAKE2b with an 8-byte digest over a fixed byte encoding, so the value is the same
+in every process, on every machine and in every Python version (never Python's
+``hash()``). A hit is still re-checked against the stored tokens by the block manager, so
+a collision can cost a cache miss but never a wrong token. ``tests/unit/test_hashing.py``
+pins the output: changing anything here invalidates every cache and index entry in a
+running cluster, so it is a breaking change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+HASH_VERSION = 1
+"""Bumped whenever the encoding below changes; part of the root hash."""
+
+
+def _digest(payload: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+
+
+def root_hash(model_id: str) -> int:
+    """The parent of a sequence's first block: ties every chain to one model."""
+    return _digest(f"pdserve-block-hash-v{HASH_VERSION}:{model_id}".encode())
+
+
+def hash_block(parent: int, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
+    """Hash one full block given its parent's hash. Pure and thread-safe."""
+    payload = struct.pack(
+        f"<QI{len(token_ids)}IH", parent, len(token_ids), *token_ids, len(extra_keys)
+    )
+    return _digest(payload + extra_keys)
+
+
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    model_id: str,
+    cache_salt: str | None = None,
+    parent: int | None = None,
+    start_block: int = 0,
+) -> list[int]:
+    """Hashes of every *full* block of ``token_ids`` (a trailing partial block has none).
+
+    ``parent``/``start_block`` continue an existing chain: pass the last known hash and
+    the index of the first block still to hash, to hash newly filled blocks only.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    h = root_hash(model_id) if parent is None else parent
+    salt = cache_salt.encode() if cache_salt else b""
+    out: list[int] = []
+    for i in range(start_block, len(token_ids) // block_size):
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        h = hash_block(h, block, salt if i == 0 else b"")
+        out.append(h)
+    return out

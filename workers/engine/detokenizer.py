@@ -1,0 +1,83 @@
+"""Incremental detokenization and stop strings.
+
+Decoding one token at a time is wrong for byte-level BPE: a multi-byte character can span
+tokens, and tokenizers merge spaces differently at a text boundary. Each step decodes a
+short window of recent tokens and emits only the text that is now stable: text ending in
+U+FFFD (an incomplete UTF-8 sequence) is held back until the next token completes it.
+
+Stop strings are searched in the new text plus enough held-over characters to catch a
+stop string split across steps; up to ``len(stop) - 1`` characters are held back while
+they could still begin a stop string, and text after a stop string is never emitted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_WINDOW = 6  # tokens of left context re-decoded each step
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(prompt_token_ids[-_WINDOW:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._stop = stop
+        self._include_stop = include_stop_str_in_output
+        self._max_stop = max((len(s) for s in stop), default=0)
+        self.text = ""  # everything decided so far (cut at a stop string)
+        self._emitted = 0  # characters of ``text`` returned by add()/flush()
+        self.stopped_by: str | None = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated token; returns the newly stable text (may be empty)."""
+        if self.stopped_by is not None:
+            return ""
+        self._ids.append(token_id)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""  # incomplete character: wait for the next token
+        delta = full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if len(self._ids) > 4 * _WINDOW:  # keep the window short
+            drop = self._prefix_offset
+            self._ids = self._ids[drop:]
+            self._prefix_offset, self._read_offset = 0, self._read_offset - drop
+        return self._append(delta)
+
+    def _append(self, delta: str) -> str:
+        if self._stop:
+            start = max(0, len(self.text) - self._max_stop + 1)
+            self.text += delta
+            window = self.text[start:]
+            hits = [(window.find(s), s) for s in self._stop if s in window]
+            if hits:
+                pos, s = min(hits)
+                self.text = self.text[: start + pos + (len(s) if self._include_stop else 0)]
+                self.stopped_by = s
+        else:
+            self.text += delta
+        return self._emit(final=self.stopped_by is not None)
+
+    def _emit(self, final: bool) -> str:
+        # Hold back what could be the start of a stop string until it is decided.
+        hold = 0 if final else max(0, self._max_stop - 1)
+        upto = max(self._emitted, len(self.text) - hold)
+        out = self.text[self._emitted : upto]
+        self._emitted = upto
+        return out
+
+    def flush(self) -> str:
+        """The request ended: release any held-back text."""
+        return self._emit(final=True)

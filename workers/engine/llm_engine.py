@@ -1,0 +1,216 @@
+"""The engine loop: requests in, token deltas out.
+
+``add_request`` validates and tokenizes a request and queues it; each ``step`` asks the
+scheduler for a batch, runs it through the model runner, feeds the sampled tokens back,
+detokenizes them incrementally and reports one :class:`RequestOutput` per request that
+produced a token (and one last one when it finishes). ``abort_request`` frees a
+request's blocks at once. Not thread-safe: one thread drives an engine; servers wrap it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import AutoTokenizer, GenerationConfig
+
+from .block_manager import KVEventListener
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner, model_context_len
+from .params import EngineConfig, InvalidRequestError, SamplingParams, SchedulerConfig
+from .sampler import TokenLogprobs
+from .scheduler import Scheduler
+from .sequence import FinishReason, Sequence
+
+
+@dataclass
+class RequestOutput:
+    """Cumulative state of one request after a step, plus what is new since the last."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    delta_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class _Tracked:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    arrival_time: float
+    first_token_time: float | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+def model_identity(model_path: Path, dtype: str) -> str:
+    """Seeds the block-hash chain: KV from another model or dtype must never match."""
+    digest = hashlib.sha256((model_path / "config.json").read_bytes()).hexdigest()[:16]
+    return f"{model_path.name}:{digest}:{dtype}"
+
+
+class LLMEngine:
+    def __init__(
+        self, config: EngineConfig, kv_listeners: Iterable[KVEventListener] = ()
+    ) -> None:
+        self.config = config
+        path = Path(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        context = model_context_len(path)
+        max_len = min(config.max_model_len or context, context)
+        self.runner = ModelRunner(config, max_len)
+        # A sequence must always fit in the whole cache, or it could never be scheduled.
+        self.max_model_len = min(max_len, self.runner.num_blocks * config.block_size)
+        self.model_id = model_identity(path, config.dtype)
+        self.eos_token_ids = _eos_token_ids(path, self.tokenizer)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_blocks=self.runner.num_blocks,
+                block_size=config.block_size,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                model_id=self.model_id,
+                enable_prefix_caching=config.enable_prefix_caching,
+                watermark_blocks=min(self.runner.num_blocks // 100, self.runner.num_blocks - 1),
+            ),
+            kv_listeners,
+        )
+        self._requests: dict[str, _Tracked] = {}
+        self.step_shapes: list[tuple[int, int]] | None = None
+        """When a list (set it to ``[]``), each step appends (tokens run, rows sampled):
+        benchmarks replay these shapes to time the GEMM floor."""
+
+    # -- requests ------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt).input_ids)
+        return [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Validate and queue; raises :class:`InvalidRequestError` and changes nothing."""
+        ids = self.tokenize(prompt)
+        self._validate(request_id, ids)
+        seq = self.scheduler.add(request_id, ids, params, cache_salt)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, ids, params.stop, params.include_stop_str_in_output
+        )
+        self._requests[request_id] = _Tracked(seq, detok, time.monotonic())
+
+    def _validate(self, request_id: str, ids: list[int]) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+        if not ids:
+            raise InvalidRequestError("prompt", "must contain at least 1 token, got 0")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"{len(ids)} tokens leave no room to generate: the limit is "
+                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})",
+            )
+        vocab = self.runner.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
+            )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it was not running."""
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return False
+        self.scheduler.abort(request_id)
+        self.runner.sampler.release(request_id)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out.chunks)
+        if self.step_shapes is not None:
+            self.step_shapes.append((out.num_batched_tokens, len(result.seq_ids)))
+        sampled = dict(zip(result.seq_ids, result.sample.token_ids, strict=True))
+        self.scheduler.update(out, sampled, self.eos_token_ids)
+        now = time.monotonic()
+        outputs = []
+        for seq_id, token, lp in zip(
+            result.seq_ids, result.sample.token_ids, result.sample.logprobs, strict=True
+        ):
+            tracked = self._requests[seq_id]
+            seq = tracked.seq
+            if tracked.first_token_time is None:
+                tracked.first_token_time = now
+            if lp is not None:
+                tracked.logprobs.append(lp)
+            delta = tracked.detok.add(token)
+            if tracked.detok.stopped_by is not None and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP)
+            if seq.is_finished:
+                delta += tracked.detok.flush()
+                del self._requests[seq_id]
+                self.runner.sampler.release(seq_id)
+            outputs.append(self._output(tracked, [token], delta, now))
+        return outputs
+
+    def _output(
+        self, t: _Tracked, new_ids: list[int], delta: str, now: float
+    ) -> RequestOutput:
+        seq = t.seq
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            new_token_ids=new_ids,
+            text=t.detok.text,
+            delta_text=delta,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            logprobs=list(t.logprobs) if seq.params.logprobs is not None else None,
+            arrival_time=t.arrival_time,
+            first_token_time=t.first_token_time,
+            finish_time=now if seq.is_finished else None,
+        )
+
+
+def _eos_token_ids(path: Path, tokenizer: object) -> frozenset[int]:
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    for value in (eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(value)
+    return frozenset(ids)

@@ -1,0 +1,101 @@
+"""Owns the tensors: model weights, the preallocated paged KV cache, the sampler.
+
+Lifecycle: construct (load the checkpoint with transformers' ``from_pretrained``, build
+the fused forward, allocate the whole KV cache once from the memory budget) ->
+:meth:`ModelRunner.execute` once per scheduler step -> drop. The cache never grows: a
+request gets blocks from the block manager, never new tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from workers.models.decoder import DecoderModel
+
+from .attention import build_attention_batch
+from .params import EngineConfig
+from .sampler import Sampler, SampleResult
+from .scheduler import ScheduledChunk
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Tokens sampled this step, by sequence id, with optional logprobs."""
+
+    seq_ids: list[str]
+    sample: SampleResult
+
+
+def model_context_len(model_path: Path) -> int:
+    """The longest context the checkpoint supports (sliding-window models: the window)."""
+    cfg = AutoConfig.from_pretrained(model_path)
+    limit = cfg.max_position_embeddings
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", True):
+        # Full attention inside the window is exact; beyond it we would need masking.
+        limit = min(limit, window)
+    return int(limit)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        hf = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype)
+        hf.eval()
+        self.model = DecoderModel(hf, max_model_len)
+        self.vocab_size = self.model.shape.vocab_size
+        self.block_size = config.block_size
+        s = self.model.shape
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        self.block_bytes = s.num_layers * 2 * config.block_size * s.num_kv_heads * s.head_dim * elem
+        if config.num_blocks is not None:
+            self.num_blocks = config.num_blocks
+        else:
+            self.num_blocks = int(config.kv_cache_memory_gb * 2**30) // self.block_bytes
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no block of "
+                f"{self.block_bytes} bytes; raise it"
+            )
+        # Zeroed, not empty: padded decode rows read real memory under a mask, and
+        # uninitialised NaNs would leak through 0 * NaN.
+        self.kv_cache = torch.zeros(
+            s.num_layers, 2, self.num_blocks * config.block_size, s.num_kv_heads, s.head_dim,
+            dtype=self.dtype,
+        )
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
+        decode = [c for c in chunks if c.num_tokens == 1]
+        prefill = [c for c in chunks if c.num_tokens > 1]
+        ordered = decode + prefill
+        ids: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[ScheduledChunk] = []
+        for c in ordered:
+            ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
+            if c.samples:
+                sample_rows.append(len(ids) - 1)
+                sampling.append(c)
+        batch, positions = build_attention_batch(
+            [c.seq.block_table for c in decode],
+            [c.start + 1 for c in decode],
+            [(c.seq.block_table, c.start, c.num_tokens) for c in prefill],
+            self.block_size,
+        )
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long), positions, batch, self.kv_cache,
+            torch.tensor(sample_rows, dtype=torch.long),
+        )
+        seq_ids = [c.seq.seq_id for c in sampling]
+        sample = self.sampler.sample(logits, seq_ids, [c.seq.params for c in sampling])
+        return StepResult(seq_ids, sample)

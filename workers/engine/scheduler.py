@@ -1,0 +1,218 @@
+"""Continuous batching with a token budget, chunked prefill and preemption. No torch.
+
+Each :meth:`Scheduler.schedule` call builds one step:
+
+1. Running sequences that are decoding get one token each, oldest first. When the block
+   pool runs dry, the newest running sequence is preempted: its blocks are freed (the
+   full ones stay in the prefix cache) and it goes back to the waiting queue to be
+   recomputed later (prompt + what it generated so far).
+2. Running sequences still in prefill get the next chunk of their prompt, as much as the
+   remaining token budget allows (chunked prefill).
+3. Waiting sequences are admitted strictly first come, first served: reuse their cached
+   prefix, then take a chunk. If the head of the queue does not fit, nobody behind it is
+   admitted (no starvation of long prompts), and nothing is admitted in a step that had
+   to preempt.
+
+:meth:`Scheduler.update` applies the step's sampled tokens, caches newly full blocks and
+finishes sequences that hit EOS, a stop token, ``max_tokens`` or the context limit.
+Every path out of RUNNING goes through :meth:`Scheduler.finish` or a preemption, both
+of which free the sequence's blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager, KVEventListener
+from .params import SamplingParams, SchedulerConfig
+from .sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` starting at ``start`` run this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence (its logits are sampled)."""
+        return self.start + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, listeners: Iterable[KVEventListener] = ()
+    ) -> None:
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, listeners
+        )
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # sorted by arrival
+        self._seqs: dict[str, Sequence] = {}
+        self._arrivals = 0
+
+    # -- requests ----------------------------------------------------------------------
+
+    def add(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Sequence:
+        """Queue a validated request. Raises ``KeyError`` on a duplicate id."""
+        if seq_id in self._seqs:
+            raise KeyError(f"request id {seq_id!r} is already in use")
+        cfg = self.config
+        seq = Sequence(
+            seq_id, prompt_token_ids, params, self._arrivals, cfg.block_size, cfg.model_id,
+            cache_salt,
+        )
+        self._arrivals += 1
+        self._seqs[seq_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Take ``seq`` out of the queues and free its blocks (idempotent)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self._seqs[seq.seq_id]
+
+    def abort(self, seq_id: str) -> bool:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return False
+        self.finish(seq, FinishReason.ABORT)
+        return True
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._seqs)
+
+    # -- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if self._grow_or_preempt(seq, n, out):
+                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                budget -= n
+        if not out.preempted:
+            self._admit(budget, out)
+        return out
+
+    def _grow_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Make room for ``n`` more tokens of ``seq``, preempting the newest others."""
+        bm = self.block_manager
+        while not bm.allocate(seq, seq.num_computed_tokens + n):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+        out.chunks = [c for c in out.chunks if c.seq is not seq]
+        out.preempted.append(seq)
+
+    def _admit(self, budget: int, out: SchedulerOutput) -> None:
+        cfg, bm = self.config, self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            match = bm.match_prefix(seq)
+            n = min(seq.num_tokens - match.num_tokens, budget)
+            new_blocks = -(-(match.num_tokens + n) // cfg.block_size) - len(match.block_ids)
+            available = bm.num_free_blocks - match.num_free_reused
+            # The watermark keeps room for running sequences to grow, but never blocks
+            # the only request in the system (it would wait forever).
+            reserve = cfg.watermark_blocks if self.running else 0
+            if new_blocks > available - reserve:
+                break
+            self.waiting.pop(0)
+            bm.take_prefix(seq, match)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = match.num_tokens
+            ok = bm.allocate(seq, match.num_tokens + n)
+            assert ok, "admission checked the free blocks"
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            budget -= n
+
+    # -- after the forward pass ----------------------------------------------------------
+
+    def update(
+        self, out: SchedulerOutput, sampled: dict[str, int], eos_token_ids: frozenset[int]
+    ) -> list[Sequence]:
+        """Record computed chunks and sampled tokens; returns sequences that finished.
+
+        ``sampled`` maps the id of every sampling chunk's sequence to its new token.
+        """
+        finished = []
+        for chunk in out.chunks:
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.block_manager.cache_computed_blocks(seq)
+            if not chunk.samples:
+                continue
+            token = sampled[seq.seq_id]
+            seq.append_token(token)
+            reason = self._stop_reason(seq, token, eos_token_ids)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(
+        self, seq: Sequence, token: int, eos: frozenset[int]
+    ) -> FinishReason | None:
+        p = seq.params
+        if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,1 @@
+"""Model forwards over the paged KV cache (torch only; no scheduling)."""

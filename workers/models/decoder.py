@@ -1,0 +1,178 @@
+"""The Llama-family decoder forward over a paged KV cache.
+
+One implementation serves Llama, Mistral, Qwen2 (q/k/v biases) and Qwen3 (per-head q/k
+RMSNorm): they differ only in which weights exist. Weights come from a model that
+transformers loaded with ``from_pretrained``; q/k/v and gate/up are concatenated once so
+each layer runs four GEMMs over all tokens of the step (prefill chunks and decode tokens
+flattened together). RoPE tables come from the transformers model's own rotary module,
+so every RoPE scaling variant it supports is reproduced exactly. Numerics follow the
+transformers reference (RMSNorm in fp32, residual adds in the model dtype) so greedy
+output matches it token for token.
+
+Attention reads and writes the paged cache through the :class:`AttentionBatch` the
+model runner prepares once per step; see ``workers/engine/attention.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from workers.engine.attention import AttentionBatch, paged_attention
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_eps: float
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op (fp32 statistics, weight in model dtype)."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, 1, head_dim] (halves duplicated)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DecoderModel:
+    """Holds the weights and runs one step's forward; owns no cache and no state."""
+
+    def __init__(self, hf_model: torch.nn.Module, max_positions: int) -> None:
+        cfg = hf_model.config
+        arch = (cfg.architectures or [type(hf_model).__name__])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {arch} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.shape = ModelShape(
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            rms_eps=cfg.rms_norm_eps,
+        )
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        inner = hf_model.model
+        self.dtype = inner.embed_tokens.weight.dtype
+        self.embed = inner.embed_tokens.weight.detach()
+        self.final_norm = inner.norm.weight.detach()
+        self.lm_head = hf_model.lm_head.weight.detach()  # tied: the same tensor as embed
+        self.layers = [self._layer_weights(layer) for layer in inner.layers]
+        # RoPE tables for every position, computed by the model's own rotary module.
+        with torch.no_grad():
+            pos = torch.arange(max_positions).unsqueeze(0)
+            probe = torch.empty(1, dtype=self.dtype)
+            cos, sin = inner.rotary_emb(probe, pos)
+        self.cos = cos[0].unsqueeze(1).contiguous()  # [positions, 1, head_dim]
+        self.sin = sin[0].unsqueeze(1).contiguous()
+
+    @staticmethod
+    def _layer_weights(layer: torch.nn.Module) -> LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        biases = [p.bias for p in projections]
+        if getattr(mlp, "gate_proj").bias is not None:
+            raise ValueError("MLP biases are not supported")
+
+        def w(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.detach()
+
+        return LayerWeights(
+            input_norm=layer.input_layernorm.weight.detach(),
+            qkv=torch.cat([p.weight.detach() for p in projections]).contiguous(),
+            qkv_bias=None if biases[0] is None else torch.cat([b.detach() for b in biases]),
+            q_norm=w(getattr(attn, "q_norm", None) and attn.q_norm.weight),
+            k_norm=w(getattr(attn, "k_norm", None) and attn.k_norm.weight),
+            o=attn.o_proj.weight.detach(),
+            o_bias=w(attn.o_proj.bias),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
+            down=mlp.down_proj.weight.detach(),
+        )
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step must read: every layer weight plus the LM head."""
+        total = self.lm_head.numel() * self.lm_head.element_size()
+        for lw in self.layers:
+            for t in vars(lw).values():
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run all tokens of a step; return fp32 logits for ``sample_rows`` only.
+
+        ``kv_cache``: [layers, 2, slots, kv_heads, head_dim], written in place.
+        """
+        s = self.shape
+        q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]
+        x = F.embedding(input_ids, self.embed)
+        n = x.shape[0]
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw.input_norm, s.rms_eps)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(n, s.num_heads, s.head_dim)
+            k = k.view(n, s.num_kv_heads, s.head_dim)
+            v = v.view(n, s.num_kv_heads, s.head_dim)
+            if lw.q_norm is not None:
+                q = rms_norm(q, lw.q_norm, s.rms_eps)
+                k = rms_norm(k, lw.k_norm, s.rms_eps)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            attn = paged_attention(q, k, v, kv_cache[i], batch)
+            x = x + F.linear(attn, lw.o, lw.o_bias)
+            h = rms_norm(x, lw.post_norm, s.rms_eps)
+            gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw.down)
+        h = rms_norm(x[sample_rows], self.final_norm, s.rms_eps)
+        return F.linear(h, self.lm_head).float()
