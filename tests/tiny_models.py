@@ -38,6 +38,12 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (ENDOFTEXT, IM_START, IM_END)
 
+# Qwen2's pre-tokenizer split pattern (GPT-4 style, single digits).
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -165,8 +171,9 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 384) -> Path:
 
     Special tokens ``<|endoftext|>`` (ids 0; also bos/eos/pad), ``<|im_start|>`` (1) and
     ``<|im_end|>`` (2) come first, then the 256 byte symbols, then the learned merges. A ChatML
-    chat template is attached. Because the model is byte-level, any UTF-8 text encodes and
-    ``decode(encode(text)) == text``.
+    chat template is attached. Byte-level, so any UTF-8 text encodes; input is NFC-normalised
+    (as Qwen2's tokenizer does), so ``decode(encode(text)) == unicodedata.normalize("NFC", text)``
+    -- i.e. an exact round trip for any NFC text (ASCII, "héllo 日本", emoji, ...).
 
     Args:
         out_dir: Directory to write ``tokenizer.json``/``tokenizer_config.json`` etc. into.
@@ -175,14 +182,23 @@ def train_tokenizer(out_dir: Path, vocab_size: int = 384) -> Path:
     Returns:
         ``out_dir``.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < len(SPECIAL_TOKENS) + 256:
         raise ValueError(f"vocab_size must be >= {len(SPECIAL_TOKENS) + 256}, got {vocab_size}")
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # Exactly the pipeline transformers' Qwen2Tokenizer hard-codes: AutoTokenizer forces that
+    # class for model_type "qwen2" whatever tokenizer_config.json says, so using it everywhere
+    # keeps tokenization identical across all four checkpoints and plain `tokenizers` loading.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -410,6 +426,7 @@ def _self_check() -> None:
     import tempfile
     import time
 
+    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -441,32 +458,53 @@ def _self_check() -> None:
         print("determinism: OK (byte-identical rebuild)")
 
         tok = AutoTokenizer.from_pretrained(str(paths["tokenizer"]))
-        for text in ["héllo 日本", "Hello, world!\n\tx = 1  ", "emoji 🙂 and ñ"]:
+        raw = Tokenizer.from_file(str(paths["tokenizer"] / "tokenizer.json"))
+        texts = [
+            "héllo 日本",
+            "Hello, world!\n\tx = 1  ",
+            "emoji 🙂 and ñ\r\n  trailing ",
+            "it's 12345 o'clock",
+            "<|im_start|>user\nhi<|im_end|>\n",
+        ]
+        for text in texts:
             ids = tok(text).input_ids
+            assert ids == raw.encode(text).ids, text
             assert tok.decode(ids) == text, (text, tok.decode(ids))
-        chat = tok.apply_chat_template(
-            [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
-        )
+        assert tok("<|im_end|>").input_ids == [tok.convert_tokens_to_ids(IM_END)]
+        chat_msgs = [{"role": "user", "content": "hi"}]
+        chat = tok.apply_chat_template(chat_msgs, tokenize=False, add_generation_prompt=True)
         assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", chat
         print(
-            f"tokenizer: vocab={len(tok)} eos={tok.eos_token_id} "
+            f"tokenizer: vocab={len(tok)} bos=eos=pad={tok.eos_token_id} "
             f"im_start={tok.convert_tokens_to_ids(IM_START)} "
             f"im_end={tok.convert_tokens_to_ids(IM_END)} round-trip OK"
         )
 
         for arch in ARCHS:
             d = paths[arch]
+            # AutoTokenizer picks a different class per model_type (Qwen2Tokenizer for qwen2);
+            # all must tokenize identically and agree with the config's special ids.
             atok = AutoTokenizer.from_pretrained(str(d))
-            assert atok("héllo 日本").input_ids == tok("héllo 日本").input_ids
+            for text in texts:
+                assert atok(text).input_ids == tok(text).input_ids, (arch, text)
+                assert atok.decode(atok(text).input_ids) == text, (arch, text)
+            assert atok.apply_chat_template(chat_msgs, tokenize=False, add_generation_prompt=True)
+            assert len(atok) == len(tok), arch
             model = AutoModelForCausalLM.from_pretrained(str(d))
             sd = model.state_dict()
             if arch == "qwen2":
                 assert "model.layers.0.self_attn.q_proj.bias" in sd
                 assert "model.layers.0.self_attn.k_proj.bias" in sd
                 assert "model.layers.0.self_attn.v_proj.bias" in sd
+                assert float(sd["model.layers.0.self_attn.k_proj.bias"].abs().min()) > 0
             if arch == "qwen3":
                 assert "model.layers.0.self_attn.q_norm.weight" in sd
                 assert "model.layers.0.self_attn.k_norm.weight" in sd
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                assert getattr(model.config, key) == getattr(atok, key), (arch, key)
+                assert getattr(model.generation_config, key) == getattr(atok, key), (arch, key)
+            assert model.config.vocab_size == len(atok)
+            assert model.dtype == torch.float32
             tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
             assert tied == model.config.tie_word_embeddings, arch
             n_params = sum(p.numel() for p in model.parameters())

@@ -1,0 +1,235 @@
+"""``pdserve bench-engine``: our engine against Hugging Face ``generate`` and the GEMM floor.
+
+For each dtype and workload, in one process and one run:
+
+1. **pdserve**: ``LLM.generate`` on random 128-token prompts, greedy, EOS ignored,
+   recording the shape of every engine step (tokens run, rows sampled);
+2. **GEMM floor**: the model's linear layers alone (fused QKV, O, fused gate/up, down,
+   and the LM head for sampled rows only) replayed for exactly those step shapes; our
+   time over it is the cost of everything else (attention, paging, scheduling,
+   sampling, Python);
+3. **HF generate**: the same prompts as one static batch (the baseline).
+
+Then single-stream decode against the memory-bandwidth floor (weight bytes / measured
+copy bandwidth) and the TTFT of a lone 512-token prompt against one HF forward pass.
+Everything prints as tables with the workload and machine, and lands in a JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from workers.engine.llm import LLM
+from workers.engine.params import SamplingParams
+from workers.models.decoder import DecoderModel
+
+WORKLOADS = {"a": (32, 128, 64), "b": (256, 128, 128)}  # prompts, tokens in, tokens out
+QUICK = {"a": (4, 32, 8), "b": (8, 32, 8)}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str | None
+    cache_dir: Path | None
+    workloads: tuple[str, ...] = ("a", "b")
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    threads: int | None = None
+    out: str | None = None
+    skip_hf: bool = False
+    quick: bool = False
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Stay clear of the low ids, where tokenizers keep their special tokens.
+    return torch.randint(100, vocab, (n, length), generator=gen).tolist()
+
+
+def gemm_floor_seconds(model: DecoderModel, shapes: list[tuple[int, int]]) -> float:
+    """Time of the linear layers alone for these (tokens, sampled rows) steps.
+
+    Identical shapes are timed up to three times and extrapolated (the decode steps of a
+    static workload all look alike), which keeps the floor cheap to measure.
+    """
+    s = model.shape
+    total = 0.0
+    with torch.inference_mode():
+        for (tokens, sampled), count in Counter(shapes).items():
+            x = torch.randn(tokens, s.hidden_size, dtype=model.dtype)
+            a = torch.randn(tokens, s.num_heads * s.head_dim, dtype=model.dtype)
+            m = torch.randn(tokens, s.intermediate_size, dtype=model.dtype)
+            h = torch.randn(sampled, s.hidden_size, dtype=model.dtype)
+            reps = min(count, 3)
+            start = time.perf_counter()
+            for _ in range(reps):
+                for lw in model.layers:
+                    F.linear(x, lw.qkv, lw.qkv_bias)
+                    F.linear(a, lw.o, lw.o_bias)
+                    F.linear(x, lw.gate_up)
+                    F.linear(m, lw.down)
+                F.linear(h, model.lm_head)
+            total += (time.perf_counter() - start) / reps * count
+    return total
+
+
+def copy_bandwidth_gbs(nbytes: int = 256 * 2**20) -> float:
+    """Read + write bytes per second of a large tensor copy (the memory floor's unit)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best / 1e9
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], out_len: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    llm.generate(random_prompts(2, len(prompts[0]), llm.engine.runner.vocab_size, 999),
+                 SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))  # warm-up
+    llm.engine.step_shapes = []
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, progress=True)
+    elapsed = time.perf_counter() - start
+    shapes, llm.engine.step_shapes = llm.engine.step_shapes, None
+    tokens = sum(len(o.token_ids) for o in outs)
+    floor = gemm_floor_seconds(llm.engine.runner.model, shapes)
+    return {"seconds": elapsed, "tokens": tokens, "steps": len(shapes), "floor_seconds": floor}
+
+
+def run_hf(model_path: str, dtype: torch.dtype, prompts: list[list[int]], out_len: int
+           ) -> dict[str, float]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    ids = torch.tensor(prompts)
+    kwargs = dict(do_sample=False, max_new_tokens=out_len, min_new_tokens=out_len,
+                  pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids[:2, :16], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2})
+        start = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "tokens": (out.shape[1] - ids.shape[1]) * ids.shape[0]}
+
+
+def single_stream(llm: LLM, model_path: str, dtype: torch.dtype, quick: bool) -> dict:
+    """Lone-request decode speed vs the bandwidth floor, and 512-token TTFT vs HF."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = llm.engine.runner.vocab_size
+    n_out = 16 if quick else 64
+    [prompt] = random_prompts(1, 128, vocab, 7)
+    out = llm.generate([prompt], SamplingParams(max_tokens=n_out, temperature=0.0,
+                                                ignore_eos=True))[0]
+    itl = (out.finish_time - out.first_token_time) / (len(out.token_ids) - 1)
+    bw = copy_bandwidth_gbs()
+    weight_bytes = llm.engine.runner.model.weight_bytes()
+    floor_itl = weight_bytes / (bw * 1e9)
+    [long_prompt] = random_prompts(1, 512, vocab, 8)
+    ttfts = []
+    for _ in range(3):
+        o = llm.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))[0]
+        ttfts.append(o.first_token_time - o.arrival_time)
+        llm.engine.scheduler.block_manager.reset_prefix_cache()  # measure a cold prompt
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    ids = torch.tensor([long_prompt])
+    hf_times = []
+    with torch.inference_mode():
+        for _ in range(3):
+            start = time.perf_counter()
+            hf(ids, logits_to_keep=1)
+            hf_times.append(time.perf_counter() - start)
+    return {
+        "decode_itl_ms": itl * 1e3, "bandwidth_floor_itl_ms": floor_itl * 1e3,
+        "itl_over_floor": itl / floor_itl, "copy_bandwidth_gbs": bw,
+        "weight_mb": weight_bytes / 1e6, "ttft_512_ms": min(ttfts) * 1e3,
+        "hf_forward_512_ms": min(hf_times) * 1e3,
+    }
+
+
+def run_bench(opts: BenchOptions) -> int:
+    from workers.model_store import resolve_model
+
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    model_path = str(resolve_model(opts.model, opts.cache_dir))
+    workloads = QUICK if opts.quick else WORKLOADS
+    host = machine()
+    print(f"machine: {host}\nmodel: {model_path}\nload: {os.getloadavg()[0]:.2f} (1-min avg)")
+    results: list[dict] = []
+    for dtype_name in opts.dtypes:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+        llm = LLM(model_path, dtype=dtype_name, kv_cache_memory_gb=4.0,
+                  num_threads=opts.threads)
+        for w in opts.workloads:
+            n, n_in, n_out = workloads[w]
+            prompts = random_prompts(n, n_in, llm.engine.runner.vocab_size, seed=0)
+            print(f"\n[{dtype_name}] workload {w}: {n} prompts x {n_in} tokens -> {n_out} "
+                  "tokens, greedy, EOS ignored", file=sys.stderr)
+            ours = run_engine(llm, prompts, n_out)
+            hf = None if opts.skip_hf else run_hf(model_path, dtype, prompts, n_out)
+            results.append({"dtype": dtype_name, "workload": w, "prompts": n, "tokens_in": n_in,
+                            "tokens_out": n_out, "pdserve": ours, "hf": hf})
+            _print_row(results[-1])
+        stream = single_stream(llm, model_path, dtype, opts.quick)
+        results.append({"dtype": dtype_name, "single_stream": stream})
+        _print_stream(dtype_name, stream)
+        del llm
+    if opts.out:
+        Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(opts.out).write_text(json.dumps(
+            {"machine": host, "model": model_path, "options": asdict(opts) | {
+                "cache_dir": str(opts.cache_dir)}, "results": results}, indent=2))
+        print(f"\nresults written to {opts.out}")
+    return 0
+
+
+def _print_row(r: dict) -> None:
+    ours, hf = r["pdserve"], r["hf"]
+    ours_tps = ours["tokens"] / ours["seconds"]
+    floor_tps = ours["tokens"] / ours["floor_seconds"]
+    print(f"\n{r['dtype']} workload {r['workload']}: {r['prompts']} prompts x {r['tokens_in']} "
+          f"in -> {r['tokens_out']} out, greedy, EOS ignored")
+    print(f"  {'':24}{'tok/s':>9}{'seconds':>9}{'vs HF':>8}")
+    hf_tps = hf["tokens"] / hf["seconds"] if hf else None
+    ratio = f"{ours_tps / hf_tps:7.2f}x" if hf_tps else "      -"
+    print(f"  {'pdserve':24}{ours_tps:9.1f}{ours['seconds']:9.2f} {ratio}")
+    if hf:
+        print(f"  {'HF generate (static)':24}{hf_tps:9.1f}{hf['seconds']:9.2f}{'1.00x':>8}")
+    print(f"  {'GEMM floor':24}{floor_tps:9.1f}{ours['floor_seconds']:9.2f}")
+    print(f"  efficiency: {ours['floor_seconds'] / ours['seconds']:.0%} of the GEMM floor "
+          f"(total time {ours['seconds'] / ours['floor_seconds']:.2f}x the floor), "
+          f"{ours['steps']} steps")
+
+
+def _print_stream(dtype: str, s: dict) -> None:
+    print(f"\n{dtype} single stream: decode ITL {s['decode_itl_ms']:.2f} ms vs bandwidth floor "
+          f"{s['bandwidth_floor_itl_ms']:.2f} ms ({s['weight_mb']:.0f} MB at "
+          f"{s['copy_bandwidth_gbs']:.1f} GB/s) = {s['itl_over_floor']:.2f}x; "
+          f"TTFT 512 tokens {s['ttft_512_ms']:.1f} ms vs one HF forward "
+          f"{s['hf_forward_512_ms']:.1f} ms")
