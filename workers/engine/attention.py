@@ -27,16 +27,16 @@ class PrefillSpan:
     start: int  # first row of the chunk in the step's flattened tokens
     num_tokens: int
     context_len: int  # tokens attended to, prefix included
-    slots: torch.Tensor | None  # [context_len] cache slots; None = no cached prefix
-    mask: torch.Tensor | None  # [num_tokens, context_len] causal mask with offset
+    blocks: torch.Tensor | None  # block ids covering the context; None = no cached prefix
+    mask: torch.Tensor | None  # [num_tokens, blocks * block_size] causal mask with offset
 
 
 @dataclass(frozen=True)
 class AttentionBatch:
     slot_mapping: torch.Tensor  # [tokens]
     num_decode: int
-    decode_slots: torch.Tensor | None  # [num_decode, max_len]
-    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_len]; None = no padding
+    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block ids, zero-padded
+    decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size]
     prefills: tuple[PrefillSpan, ...]
 
 
@@ -51,45 +51,48 @@ def build_attention_batch(
     ``decode_tables``/``decode_lens``: block table and context length (new token
     included) per decoding sequence. ``prefill_spans``: (block table, start position,
     number of tokens) per prefill chunk, in row order after the decode rows.
+
+    Contexts are gathered whole blocks at a time (``index_select`` of 16-token rows is
+    ~3x faster here than gathering token slots), so the gathered length is rounded up
+    to a block and the mask hides the tail.
     """
     slots: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
     num_decode = len(decode_tables)
-    decode_slots = decode_mask = None
+    decode_blocks = decode_mask = None
     if num_decode:
-        max_len = max(decode_lens)
-        max_blocks = -(-max_len // block_size)
-        table = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                              for t in decode_tables], dtype=torch.long)
-        offsets = torch.arange(block_size)
-        decode_slots = (table.unsqueeze(-1) * block_size + offsets).view(num_decode, -1)
-        decode_slots = decode_slots[:, :max_len].contiguous()
+        max_blocks = -(-max(decode_lens) // block_size)
+        padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks))
+                  for t in decode_tables]
+        table = torch.tensor(padded, dtype=torch.long)
         lens = torch.tensor(decode_lens, dtype=torch.long)
-        if min(decode_lens) != max_len:
-            decode_mask = (torch.arange(max_len) < lens.unsqueeze(1)).view(
-                num_decode, 1, 1, max_len
-            )
-        slots.append(decode_slots.gather(1, (lens - 1).unsqueeze(1)).squeeze(1))
-        positions.append(lens - 1)
+        decode_blocks = table.view(-1)
+        width = max_blocks * block_size
+        if min(decode_lens) != width:
+            decode_mask = (torch.arange(width) < lens.unsqueeze(1)).view(num_decode, 1, 1, width)
+        last = lens - 1
+        slots.append(table.gather(1, (last // block_size).unsqueeze(1)).squeeze(1) * block_size
+                     + last % block_size)
+        positions.append(last)
     spans = []
     row = num_decode
     for table, start, n in prefill_spans:
         ctx = start + n
         pos = torch.arange(start, ctx)
-        t = torch.tensor(table, dtype=torch.long)
-        all_slots = t[torch.arange(ctx) // block_size] * block_size + torch.arange(ctx) % block_size
-        slots.append(all_slots[start:])
+        nblocks = -(-ctx // block_size)
+        blocks = torch.tensor(table[:nblocks], dtype=torch.long)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         positions.append(pos)
         if start == 0:
             spans.append(PrefillSpan(row, n, ctx, None, None))
         else:
-            mask = torch.arange(ctx).unsqueeze(0) <= pos.unsqueeze(1)
-            spans.append(PrefillSpan(row, n, ctx, all_slots, mask))
+            mask = torch.arange(nblocks * block_size).unsqueeze(0) <= pos.unsqueeze(1)
+            spans.append(PrefillSpan(row, n, ctx, blocks, mask))
         row += n
     batch = AttentionBatch(
         slot_mapping=torch.cat(slots),
         num_decode=num_decode,
-        decode_slots=decode_slots,
+        decode_blocks=decode_blocks,
         decode_mask=decode_mask,
         prefills=tuple(spans),
     )
@@ -97,7 +100,12 @@ def build_attention_batch(
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, batch: AttentionBatch
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    batch: AttentionBatch,
+    block_size: int,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; returns [tokens, heads*dim].
 
@@ -110,21 +118,24 @@ def paged_attention(
     k_cache.index_copy_(0, batch.slot_mapping, k)
     v_cache.index_copy_(0, batch.slot_mapping, v)
     out = torch.empty_like(q)
+    k_blocks = k_cache.view(-1, block_size, num_kv, dim)
+    v_blocks = v_cache.view(-1, block_size, num_kv, dim)
     d = batch.num_decode
     if d:
         # [d, len, kv, dim] -> [d, kv, len, dim]; queries [d, kv, group, dim].
-        kd = k_cache[batch.decode_slots].transpose(1, 2)
-        vd = v_cache[batch.decode_slots].transpose(1, 2)
+        kd = k_blocks.index_select(0, batch.decode_blocks).view(d, -1, num_kv, dim).transpose(1, 2)
+        vd = v_blocks.index_select(0, batch.decode_blocks).view(d, -1, num_kv, dim).transpose(1, 2)
         qd = q[:d].view(d, num_kv, group, dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask)
         out[:d] = od.reshape(d, num_heads, dim)
     for span in batch.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)
-        if span.slots is None:
+        if span.blocks is None:
             kp, vp = k[rows], v[rows]
         else:
-            kp, vp = k_cache[span.slots], v_cache[span.slots]
+            kp = k_blocks.index_select(0, span.blocks).view(-1, num_kv, dim)
+            vp = v_blocks.index_select(0, span.blocks).view(-1, num_kv, dim)
         op = F.scaled_dot_product_attention(
             qp,
             kp.transpose(0, 1).unsqueeze(0),

@@ -8,6 +8,8 @@ request gets blocks from the block manager, never new tensors.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +45,30 @@ def model_context_len(model_path: Path) -> int:
     return int(limit)
 
 
+def keep_freed_memory() -> None:
+    """Stop glibc from returning large freed buffers to the OS after every op.
+
+    Each step allocates activations of the same few sizes; by default glibc serves them
+    with fresh ``mmap``s, so every op page-faults on zeroed pages. Raising the mmap and
+    trim thresholds keeps them in the heap for reuse (what tcmalloc/jemalloc would do,
+    which vLLM asks users to preload). Process-wide and harmless to repeat.
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc.mallopt(m_mmap_threshold, 1 << 30)
+    libc.mallopt(m_trim_threshold, 1 << 31)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, max_model_len: int) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        keep_freed_memory()
         self.dtype = TORCH_DTYPES[config.dtype]
         hf = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype)
         hf.eval()
@@ -94,7 +116,7 @@ class ModelRunner:
         )
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long), positions, batch, self.kv_cache,
-            torch.tensor(sample_rows, dtype=torch.long),
+            torch.tensor(sample_rows, dtype=torch.long), self.block_size,
         )
         seq_ids = [c.seq.seq_id for c in sampling]
         sample = self.sampler.sample(logits, seq_ids, [c.seq.params for c in sampling])

@@ -87,8 +87,9 @@ class SchedulerConfig:
             "block_size": self.block_size >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
             "max_num_seqs": self.max_num_seqs >= 1,
-            "max_model_len": self.max_model_len >= 2,
             "watermark_blocks": 0 <= self.watermark_blocks < self.num_blocks,
+            # A sequence must fit in the whole pool, or it could never be scheduled.
+            "max_model_len": 2 <= self.max_model_len <= self.num_blocks * self.block_size,
         }
         for name, ok in checks.items():
             if not ok:

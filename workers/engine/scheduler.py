@@ -37,11 +37,13 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool
+    """Whether the chunk reaches the end of the sequence (its last logits are sampled)."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the sequence (its logits are sampled)."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    @classmethod
+    def next_for(cls, seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_tokens, start + num_tokens == seq.num_tokens)
 
 
 @dataclass
@@ -133,7 +135,7 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._grow_or_preempt(seq, n, out):
-                out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+                out.chunks.append(ScheduledChunk.next_for(seq, n))
                 budget -= n
         if not out.preempted:
             self._admit(budget, out)
@@ -180,7 +182,7 @@ class Scheduler:
             assert ok, "admission checked the free blocks"
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
-            out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
+            out.chunks.append(ScheduledChunk.next_for(seq, n))
             budget -= n
 
     # -- after the forward pass ----------------------------------------------------------

@@ -113,7 +113,7 @@ class DecoderModel:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases = [p.bias for p in projections]
-        if getattr(mlp, "gate_proj").bias is not None:
+        if mlp.gate_proj.bias is not None:
             raise ValueError("MLP biases are not supported")
 
         def w(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -148,6 +148,7 @@ class DecoderModel:
         batch: AttentionBatch,
         kv_cache: torch.Tensor,
         sample_rows: torch.Tensor,
+        block_size: int,
     ) -> torch.Tensor:
         """Run all tokens of a step; return fp32 logits for ``sample_rows`` only.
 
@@ -161,15 +162,17 @@ class DecoderModel:
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw.input_norm, s.rms_eps)
             qkv = F.linear(h, lw.qkv, lw.qkv_bias)
-            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(n, s.num_heads, s.head_dim)
-            k = k.view(n, s.num_kv_heads, s.head_dim)
+            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
+            qk = qk.view(n, s.num_heads + s.num_kv_heads, s.head_dim)
             v = v.view(n, s.num_kv_heads, s.head_dim)
             if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, s.rms_eps)
-                k = rms_norm(k, lw.k_norm, s.rms_eps)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            attn = paged_attention(q, k, v, kv_cache[i], batch)
+                q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
+                qk = torch.cat(
+                    [rms_norm(q, lw.q_norm, s.rms_eps), rms_norm(k, lw.k_norm, s.rms_eps)], dim=1
+                )
+            # Queries and keys are adjacent in the fused projection: rotate them together.
+            q, k = apply_rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
+            attn = paged_attention(q, k, v, kv_cache[i], batch, block_size)
             x = x + F.linear(attn, lw.o, lw.o_bias)
             h = rms_norm(x, lw.post_norm, s.rms_eps)
             gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random checkpoints of every architecture, the default model,
+a Hugging Face reference, and the leak check every KV-moving test ends with."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch -> checkpoint directory (plus "tokenizer"), built once per session."""
+    return tiny_models.build_all(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real default model, converted once into the shared cache."""
+    from workers.model_store import resolve_model
+
+    cache = os.environ.get("PDSERVE_TEST_CACHE_DIR")
+    return resolve_model(None, Path(cache) if cache else None)
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+              dtype: str = "float32") -> list[list[int]]:
+    """Reference: transformers ``generate``, one prompt at a time, EOS ignored."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            g = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                               pad_token_id=0)
+            out.append(g[0, len(ids):].tolist())
+    return out
+
+
+def assert_no_leaks(engine) -> None:  # noqa: ANN001 - LLMEngine, imported lazily
+    """Every request is gone and every KV block is back in the free pool."""
+    sched = engine.scheduler
+    bm = sched.block_manager
+    assert not engine.has_unfinished_requests()
+    assert sched.num_unfinished == 0 and not sched.running and not sched.waiting
+    assert bm.num_free_blocks == bm.num_blocks, (
+        f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
+    )
+    assert all(b.ref_count == 0 for b in bm.blocks)

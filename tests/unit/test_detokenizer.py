@@ -1,0 +1,36 @@
+"""Incremental detokenization: multi-byte characters, stop strings split across tokens."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from workers.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_checkpoints: dict[str, Path]):
+    return AutoTokenizer.from_pretrained(tiny_checkpoints["tokenizer"])
+
+
+def stream(tok, text: str, **kw) -> tuple[list[str], IncrementalDetokenizer]:
+    prompt = tok("Say:").input_ids
+    d = IncrementalDetokenizer(tok, prompt, **kw)
+    deltas = [d.add(t) for t in tok(text, add_special_tokens=False).input_ids]
+    deltas.append(d.flush())
+    return deltas, d
+
+
+@pytest.mark.parametrize("text", [" plain ascii words here", " héllo 日本語 ✓ 🙂 done", " a\nb  c"])
+def test_deltas_concatenate_to_the_text(tok, text: str) -> None:
+    deltas, d = stream(tok, text)
+    assert "".join(deltas) == d.text == text
+    assert not any("\ufffd" in x for x in deltas)
+
+
+def test_stop_string_cuts_the_text_even_across_tokens(tok) -> None:
+    deltas, d = stream(tok, " one two STOP three", stop=("STOP",))
+    assert d.text == " one two " and "".join(deltas) == d.text and d.stopped_by == "STOP"
+    deltas, d = stream(tok, " one two STOP three", stop=("STOP",),
+                       include_stop_str_in_output=True)
+    assert d.text == " one two STOP" and "".join(deltas) == d.text

@@ -1,0 +1,186 @@
+"""Scheduler: token budget, chunked prefill, FCFS admission, preemption. No torch.
+
+A fake "model" samples token 1000 + step for every sampling chunk, so the tests drive
+the scheduler exactly as the engine does, without tensors.
+"""
+
+from __future__ import annotations
+
+from workers.engine.params import SamplingParams, SchedulerConfig
+from workers.engine.scheduler import Scheduler, SchedulerOutput
+from workers.engine.sequence import SequenceStatus
+
+BS = 4
+NO_EOS: frozenset[int] = frozenset()
+
+
+def make(num_blocks: int = 64, budget: int = 32, max_seqs: int = 8, **kw: object) -> Scheduler:
+    return Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=BS,
+                                     max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                                     max_model_len=min(256, num_blocks * BS), model_id="m", **kw))  # type: ignore[arg-type]
+
+
+def step(s: Scheduler, n: int = 0) -> SchedulerOutput:
+    out = s.schedule()
+    sampled = {c.seq.seq_id: 1000 + n for c in out.chunks if c.samples}
+    s.update(out, sampled, NO_EOS)
+    return out
+
+
+def run_all(s: Scheduler, limit: int = 1000) -> int:
+    steps = 0
+    while s.num_unfinished:
+        step(s, steps)
+        steps += 1
+        assert steps < limit, "scheduler made no progress"
+    return steps
+
+
+def assert_empty(s: Scheduler) -> None:
+    bm = s.block_manager
+    assert not s.running and not s.waiting and s.num_unfinished == 0
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_budget_is_respected_and_prefill_is_chunked() -> None:
+    s = make(budget=10)
+    s.add("a", list(range(25)), SamplingParams(max_tokens=2))
+    chunks = [step(s, i).chunks for i in range(3)]
+    assert [(c[0].start, c[0].num_tokens) for c in chunks] == [(0, 10), (10, 10), (20, 5)]
+    assert not chunks[0][0].samples and chunks[2][0].samples
+    assert s.get("a").output_token_ids == [1002]
+    run_all(s)
+    assert_empty(s)
+
+
+def test_decodes_are_scheduled_before_prefill_chunks() -> None:
+    s = make(budget=8)
+    s.add("a", [1, 2, 3], SamplingParams(max_tokens=5))
+    step(s)  # a prefilled, now decoding
+    s.add("b", list(range(20)), SamplingParams(max_tokens=1))
+    out = step(s, 1)
+    assert [(c.seq.seq_id, c.num_tokens) for c in out.chunks] == [("a", 1), ("b", 7)]
+    run_all(s)
+    assert_empty(s)
+
+
+def test_admission_is_first_come_first_served() -> None:
+    s = make(num_blocks=6, budget=64)
+    s.add("big", list(range(20)), SamplingParams(max_tokens=1))  # 5 blocks + 1 to grow
+    s.add("small", [1], SamplingParams(max_tokens=1))
+    s.add("later", [2], SamplingParams(max_tokens=1))
+    out = s.schedule()
+    # big takes 5 of 6 blocks; small fits in the last one and later waits behind it.
+    assert [c.seq.seq_id for c in out.chunks] == ["big", "small"]
+    s.update(out, {"big": 7, "small": 7}, NO_EOS)
+    run_all(s)
+    assert_empty(s)
+
+
+def test_head_of_line_blocks_later_requests() -> None:
+    s = make(num_blocks=4, budget=64)
+    s.add("a", list(range(8)), SamplingParams(max_tokens=20))  # grows to 7 blocks' worth
+    step(s)
+    s.add("huge", list(range(50, 62)), SamplingParams(max_tokens=1))  # needs 3, 1 free
+    s.add("tiny", [5], SamplingParams(max_tokens=1))  # would fit, but must not overtake
+    out = step(s, 1)
+    assert [c.seq.seq_id for c in out.chunks] == ["a"]
+    assert [q.seq_id for q in s.waiting] == ["huge", "tiny"]
+    run_all(s)
+    assert_empty(s)
+
+
+def test_max_num_seqs_caps_the_running_batch() -> None:
+    s = make(max_seqs=2)
+    for i in range(4):
+        s.add(str(i), [i + 1], SamplingParams(max_tokens=3))
+    out = s.schedule()
+    assert len(out.chunks) == 2
+    s.update(out, {c.seq.seq_id: 9 for c in out.chunks}, NO_EOS)
+    run_all(s)
+    assert_empty(s)
+
+
+def test_newest_request_is_preempted_and_recomputed_when_blocks_run_out() -> None:
+    s = make(num_blocks=4, budget=64)
+    s.add("old", [1, 2, 3], SamplingParams(max_tokens=8))
+    s.add("new", [4, 5, 6], SamplingParams(max_tokens=8))
+    step(s)  # both prefilled: one block each
+    preempted = []
+    for i in range(1, 40):
+        out = step(s, i)
+        preempted += [p.seq_id for p in out.preempted]
+        if not s.num_unfinished:
+            break
+    assert preempted and set(preempted) == {"new"}
+    assert_empty(s)
+
+
+def test_preempted_request_resumes_with_its_generated_tokens() -> None:
+    s = make(num_blocks=4, budget=64)
+    s.add("old", [1, 2, 3], SamplingParams(max_tokens=8))
+    new = s.add("new", [4, 5, 6], SamplingParams(max_tokens=8))
+    produced: list[int] = []
+    for i in range(60):
+        out = step(s, i)
+        if out.preempted:
+            produced = list(new.output_token_ids)
+            assert new.status is SequenceStatus.WAITING and new.block_table == []
+            assert new.num_computed_tokens == 0
+            break
+    assert produced, "expected a preemption"
+    run_all(s)
+    assert new.output_token_ids[: len(produced)] == produced
+    assert new.num_output_tokens == 8 and new.num_preemptions >= 1
+    assert_empty(s)
+
+
+def test_prefix_cache_hit_skips_computed_tokens() -> None:
+    s = make(budget=64)
+    s.add("a", list(range(10)), SamplingParams(max_tokens=1))
+    run_all(s)
+    b = s.add("b", list(range(8)) + [77, 78], SamplingParams(max_tokens=1))
+    out = s.schedule()
+    assert out.chunks[0].start == 8 and out.chunks[0].num_tokens == 2
+    assert b.num_cached_tokens == 8
+    s.update(out, {"b": 5}, NO_EOS)
+    assert_empty(s)
+
+
+def test_stop_conditions_finish_and_free() -> None:
+    s = make()
+    s.add("eos", [1, 2], SamplingParams(max_tokens=10))
+    s.add("stop_id", [1, 2], SamplingParams(max_tokens=10, stop_token_ids=(1000,)))
+    s.add("ignore", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    out = s.schedule()
+    finished = s.update(out, {"eos": 0, "stop_id": 1000, "ignore": 0}, frozenset({0}))
+    assert {q.seq_id: q.finish_reason.value for q in finished} == {"eos": "stop",
+                                                                   "stop_id": "stop"}
+    run_all(s)
+    assert_empty(s)
+
+
+def test_context_limit_finishes_with_length() -> None:
+    s = Scheduler(SchedulerConfig(num_blocks=16, block_size=BS, max_model_len=6, model_id="m"))
+    q = s.add("a", [1, 2, 3, 4], SamplingParams(max_tokens=100))
+    run_all(s)
+    assert q.num_tokens == 6 and q.finish_reason.value == "length"
+    assert_empty(s)
+
+
+def test_abort_frees_blocks_in_any_state() -> None:
+    s = make(budget=4)
+    s.add("running", list(range(10)), SamplingParams(max_tokens=5))
+    s.add("waiting", [1], SamplingParams(max_tokens=5))
+    step(s)
+    assert s.abort("running") and s.abort("waiting") and not s.abort("unknown")
+    assert_empty(s)
+
+
+def test_many_requests_with_tight_memory_all_finish() -> None:
+    s = make(num_blocks=12, budget=16, max_seqs=6, watermark_blocks=1)
+    for i in range(20):
+        s.add(str(i), [i % 7 + 1] * (3 + i % 9), SamplingParams(max_tokens=4 + i % 5))
+    run_all(s)
+    assert_empty(s)
