@@ -174,11 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from workers.model_store import ModelStoreError
+
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) == "bench-engine":
         args.workload = args.workload or ["a", "b"]
         args.dtype = args.dtype or list(DTYPES)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModelStoreError as e:
+        print(f"pdserve {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

