@@ -3,8 +3,12 @@
 The environment is read here and only here (``PDSERVE_CACHE_DIR``), into typed configs
 handed down to the engine. Subcommands:
 
-* ``pdserve generate --offline [--model PATH] PROMPT`` runs the engine in-process and
-  streams the text (``--json`` prints the object DESIGN.md's command-line section defines);
+* ``pdserve up [--mixed K]`` starts a local cluster (K mixed workers and a router, as
+  processes on 127.0.0.1) on the default model and serves until Ctrl-C;
+* ``pdserve worker`` / ``pdserve router`` run one component as a plain process;
+* ``pdserve generate [--target HOST:PORT | --offline] PROMPT`` streams the text
+  (``--json`` prints the object DESIGN.md's command-line section defines);
+* ``pdserve status [--target HOST:PORT]`` shows the workers; exit 0 once the router serves;
 * ``pdserve bench-engine`` compares the engine with Hugging Face ``generate`` and the
   GEMM floor (see ``workers/bench_engine.py``);
 * ``pdserve convert-model`` converts the default model once, ahead of time.
@@ -63,9 +67,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from workers.model_store import resolve_model
 
     if not args.offline:
-        print("pdserve generate: only --offline is available in this version (it runs the "
-              "engine in this process)", file=sys.stderr)
-        return EXIT_INVALID
+        return _generate_remote(args)
     try:
         params = SamplingParams(
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -115,6 +117,106 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from router.client import Client, Completion
+
+    prompt: object = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+                "stop": tuple(args.stop or ()), "ignore_eos": args.ignore_eos}
+    try:
+        with Client(args.target) as client:
+            out = Completion()
+            for msg in client.stream(prompt, **sampling):  # type: ignore[arg-type]
+                out.add(msg)
+                if not args.json:
+                    print(msg.text, end="", flush=True)
+    except InvalidRequestError as e:
+        print(f"pdserve generate: invalid request: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except grpc.RpcError as e:
+        print(f"pdserve generate: {args.target} answered {e.code().name}: {e.details()}",
+              file=sys.stderr)
+        return EXIT_INVALID if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    print(json.dumps(out.to_json()) if args.json else "")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from router.client import Client
+
+    try:
+        with Client(args.target) as client:
+            status = client.status(timeout=args.timeout)
+    except grpc.RpcError as e:
+        print(f"pdserve status: router at {args.target} is not serving ({e.code().name}: "
+              f"{e.details()}); start one with `pdserve up`", file=sys.stderr)
+        return 1
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+
+        print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True)))
+        return 0
+    print(f"router {args.target}: model {status.model}, {status.requests_in_flight}/"
+          f"{status.max_requests_in_flight} requests in flight")
+    print(f"{'worker':24}{'role':8}{'serving':>8}{'running':>9}{'waiting':>9}{'free KV':>14}")
+    for w in status.workers:
+        print(f"{w.address:24}{w.role:8}{'yes' if w.serving else 'NO':>8}"
+              f"{w.running_requests:>9}{w.waiting_requests:>9}"
+              f"{f'{w.free_blocks}/{w.total_blocks}':>14}")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from workers.engine.params import EngineConfig
+    from workers.model_store import resolve_model
+    from workers.server import WorkerConfig, serve
+
+    path = resolve_model(args.model, _cache_dir(args))
+    config = WorkerConfig(
+        engine=EngineConfig(model=str(path), **_engine_options(args)),  # type: ignore[arg-type]
+        model_name=path.name, role=args.role, host=args.host, port=args.port)
+    asyncio.run(serve(config))
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router.core import RouterConfig
+    from router.server import ServerConfig, serve
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, _cache_dir(args))
+    config = ServerConfig(
+        router=RouterConfig(workers=tuple(args.worker), model_path=str(path),
+                            model_name=path.name, max_in_flight=args.max_in_flight),
+        host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port)
+    asyncio.run(serve(config))
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from cluster.local import LocalCluster, LocalClusterConfig
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, _cache_dir(args))  # convert once, before any child
+    config = LocalClusterConfig(
+        model=str(path), mixed=args.mixed, host=args.host, port=args.port,
+        http_port=args.http_port, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
+        max_in_flight=args.max_in_flight, threads_per_worker=args.threads)
+    with LocalCluster(config) as cluster:
+        cluster.wait_ready()
+        print(cluster.usage(), flush=True)
+        return cluster.wait()
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     from workers.model_store import resolve_model
 
@@ -136,8 +238,46 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
+    u = sub.add_parser("up", help="start a local cluster and serve until Ctrl-C")
+    u.add_argument("--mixed", type=int, default=1, help="number of mixed workers")
+    u.add_argument("--model", default=None)
+    u.add_argument("--cache-dir", default=None)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=50051, help="router gRPC port")
+    u.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: off)")
+    u.add_argument("--dtype", choices=DTYPES, default="float32")
+    u.add_argument("--kv-cache-gb", type=float, default=1.0, help="per worker")
+    u.add_argument("--max-in-flight", type=int, default=256)
+    u.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker (default: cores / workers)")
+    u.set_defaults(func=cmd_up)
+
+    w = sub.add_parser("worker", help="one engine worker as a plain process")
+    w.add_argument("--role", choices=("mixed",), default="mixed")
+    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--port", type=int, default=50061)
+    _add_engine_flags(w)
+    w.set_defaults(func=cmd_worker)
+
+    r = sub.add_parser("router", help="the router as a plain process")
+    r.add_argument("--worker", action="append", required=True, help="HOST:PORT (repeatable)")
+    r.add_argument("--model", default=None, help="checkpoint whose tokenizer to use")
+    r.add_argument("--cache-dir", default=None)
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=50051)
+    r.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: off)")
+    r.add_argument("--max-in-flight", type=int, default=256)
+    r.set_defaults(func=cmd_router)
+
+    st = sub.add_parser("status", help="workers and load; exit 0 once the router serves")
+    st.add_argument("--target", default="127.0.0.1:50051")
+    st.add_argument("--timeout", type=float, default=5.0)
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("prompt")
+    g.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
     g.add_argument("--offline", action="store_true",
                    help="run the engine in this process instead of asking a router")
     g.add_argument("--chat", action="store_true",

@@ -1,69 +1,16 @@
-"""Typed, validated request parameters and engine configuration.
+"""Typed, validated engine configuration, checked once at construction, never mutated.
 
-Everything here is checked once, at construction, and never mutated afterwards. A bad
-value raises :class:`InvalidRequestError` naming the field, the value and the limit, so a
-server can hand it to the client as ``INVALID_ARGUMENT`` unchanged.
+Request parameters (:class:`SamplingParams`) live in ``cluster.sampling`` because the
+router validates them too; they are re-exported here as part of the engine's API.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cluster.sampling import InvalidRequestError, SamplingParams
 
-class InvalidRequestError(ValueError):
-    """A request the engine refuses; ``field`` names the offending parameter."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens for one request (OpenAI / vLLM semantics).
-
-    ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k. Filters apply in the
-    order temperature, top-k, top-p, min-p. ``seed`` makes a request's samples
-    independent of whatever else shares its batch. ``logprobs=n`` returns the sampled
-    token's log-probability and the ``n`` most likely ones (of the raw model distribution).
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        # Accept lists from callers but store tuples so the object stays hashable/frozen.
-        object.__setattr__(self, "stop", _as_tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop", "stop strings must be non-empty")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def _as_tuple(stop: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    return (stop,) if isinstance(stop, str) else tuple(stop)
+__all__ = ["DTYPES", "EngineConfig", "InvalidRequestError", "SamplingParams", "SchedulerConfig"]
 
 
 @dataclass(frozen=True)

@@ -63,24 +63,45 @@ inline float exp_nonpos(float x) {
   return y * scale;
 }
 
-// s[i] <- exp(s[i] - max(s)); returns the sum.
-inline float softmax_unnormalised(float* s, int64_t n) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t i = 0; i < n; ++i) m = s[i] > m ? s[i] : m;
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) {
-    const float e = exp_nonpos(s[i] - m);
-    s[i] = e;
-    sum += e;
+// Scores are token-major: s[t * ns + j] for head j of ns (only the first ng are real).
+// Replaces them by exp(s - max over t of head j) and writes 1 / sum per real head.
+// Every 16 * ns elements the head pattern repeats, so the loops run over that period
+// with per-lane max and sum arrays and vectorise without gathers.
+inline void softmax_token_major(float* s, int64_t len, int ns, int ng, float* inv) {
+  const int64_t n = len * ns, period = 16 * ns;
+  alignas(64) float mrep[16 * kMaxGroup], srep[16 * kMaxGroup];
+  std::fill(mrep, mrep + period, -std::numeric_limits<float>::infinity());
+  for (int64_t base = 0; base < n; base += period) {
+    const int64_t m = std::min(period, n - base);
+    const float* x = s + base;
+#pragma omp simd
+    for (int64_t j = 0; j < m; ++j) mrep[j] = x[j] > mrep[j] ? x[j] : mrep[j];
   }
-  return sum;
+  float mx[kMaxGroup], sum[kMaxGroup];
+  std::fill(mx, mx + ns, -std::numeric_limits<float>::infinity());
+  std::fill(sum, sum + ns, 0.0f);
+  for (int64_t j = 0; j < period; ++j) mx[j % ns] = std::max(mx[j % ns], mrep[j]);
+  for (int64_t j = 0; j < period; ++j) {
+    mrep[j] = mx[j % ns];
+    srep[j] = 0.0f;
+  }
+  for (int64_t base = 0; base < n; base += period) {
+    const int64_t m = std::min(period, n - base);
+    float* x = s + base;
+#pragma omp simd
+    for (int64_t j = 0; j < m; ++j) {
+      const float e = exp_nonpos(x[j] - mrep[j]);
+      x[j] = e;
+      srep[j] += e;
+    }
+  }
+  for (int64_t j = 0; j < period; ++j) sum[j % ns] += srep[j];
+  for (int j = 0; j < ng; ++j) inv[j] = 1.0f / sum[j];
 }
 
 template <typename T>
-inline void store_row(T* dst, const float* src, float mul, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i] * mul);
+inline void store_row(T* dst, const float* src, int64_t d) {
+  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
 struct Geometry {
@@ -88,12 +109,8 @@ struct Geometry {
   int64_t k_block, k_token, v_block, v_token;  // element strides
 };
 
-template <typename I>
-struct Table {
-  const I* row;  // this sequence's block table
-  int64_t stride;
-  int64_t operator[](int64_t b) const { return static_cast<int64_t>(row[b * stride]); }
-};
+// One sequence's block ids (validated copies, int64).
+using Table = const int64_t*;
 
 #if PDS_AVX512
 
@@ -106,39 +123,85 @@ inline __m512 load16(const c10::Half* p, __mmask16 m) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
 }
 
-// Chunks of 16 floats per V pass: NG * kChunks accumulators stay in registers.
-template <int NG>
-constexpr int v_chunks() { return NG <= 1 ? 16 : (NG <= 2 ? 12 : (NG <= 3 ? 8 : (NG <= 4 ? 6 : 3))); }
+// Horizontal sums of four vectors at once: [sum a, sum b, sum c, sum d].
+inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 x = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 
-// NG query heads (qf: NG rows of padded_dim fp32, pre-scaled) against one context.
-template <typename T, int NG, typename I>
-void attend_avx512(const float* qf, const T* kc, const T* vc, Table<I> table, int64_t len,
-                   const Geometry& g, const __mmask16* masks, float* scores, float* acc_out) {
-  const int64_t B = g.block_size, P = g.padded_dim, C = P / 16;
-  // K pass: scores[j * len + t] = q_j . k_t
-  for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
-    const int64_t blk = table[b];
-    const T* kb = kc + blk * g.k_block;
-    const int64_t n = std::min(B, len - t0);
-    for (int64_t o = 0; o < n; ++o) {
-      const T* kr = kb + o * g.k_token;
-      __m512 acc[NG];
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t rows, int64_t stride, int64_t bytes) {
+  for (int64_t o = 0; o < rows; ++o) {
+    const char* r = reinterpret_cast<const char*>(base + o * stride);
+    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(r + off, _MM_HINT_T0);
+  }
+}
+
+// Query heads computed together in the K pass (7 is padded to 8) and tokens per tile:
+// NGP * TT accumulators, a multiple of 4 for reduce4, at most 20 of 32 registers.
+constexpr int padded_group(int ng) { return ng == 7 ? 8 : ng; }
+constexpr int tile_tokens(int ngp) { return ngp == 1 || ngp == 2 || ngp == 3 || ngp == 5 ? 4 : 2; }
+// 16-float chunks per V pass: NG * CH accumulators + NG weights + 1 row in registers.
+constexpr int v_chunks(int ng) { return std::min(16, 28 / ng - 1); }
+
+// K tile: scores of TT consecutive rows against NGP query heads, written token-major
+// to out[0 .. TT * NGP).
+template <typename T, int NGP, int TT>
+inline void k_tile(const float* qf, int64_t P, int64_t C, const __mmask16* masks,
+                   const T* const* rows, float* out) {
+  __m512 acc[TT * NGP];
+#pragma GCC unroll 32
+  for (int i = 0; i < TT * NGP; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512 kv[TT];
 #pragma GCC unroll 8
-      for (int j = 0; j < NG; ++j) acc[j] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < C; ++c) {
-        const __m512 kv = load16(kr + 16 * c, masks[c]);
+    for (int i = 0; i < TT; ++i) kv[i] = load16(rows[i] + 16 * c, masks[c]);
 #pragma GCC unroll 8
-        for (int j = 0; j < NG; ++j)
-          acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + j * P + 16 * c), kv, acc[j]);
-      }
+    for (int j = 0; j < NGP; ++j) {
+      const __m512 qv = _mm512_loadu_ps(qf + j * P + 16 * c);
 #pragma GCC unroll 8
-      for (int j = 0; j < NG; ++j) scores[j * len + t0 + o] = _mm512_reduce_add_ps(acc[j]);
+      for (int i = 0; i < TT; ++i) acc[i * NGP + j] = _mm512_fmadd_ps(qv, kv[i], acc[i * NGP + j]);
     }
   }
-  float inv[NG];
-  for (int j = 0; j < NG; ++j) inv[j] = 1.0f / softmax_unnormalised(scores + j * len, len);
-  // V pass, CH chunks at a time: acc_out[j * P + d] = sum_t p_jt v_t[d] / sum_j
-  constexpr int CH = v_chunks<NG>();
+#pragma GCC unroll 8
+  for (int i = 0; i < TT * NGP; i += 4)
+    _mm_storeu_ps(out + i, reduce4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+}
+
+// NG query heads (qf: rows of padded_dim fp32, pre-scaled, zero past head_dim and for
+// the padding head) against one context; acc_out[j * P + d] = attention output.
+// scores needs (len + 4) * 8 floats.
+template <typename T, int NG>
+void attend_avx512(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
+                   const Geometry& g, const __mmask16* masks, float* scores, float* acc_out) {
+  constexpr int NGP = padded_group(NG), TT = tile_tokens(NGP);
+  const int64_t B = g.block_size, P = g.padded_dim, C = P / 16;
+  const int64_t row_bytes = g.head_dim * static_cast<int64_t>(sizeof(T));
+  const int64_t nblocks = (len + B - 1) / B;
+  // K pass. A partial tile repeats the block's last row; its extra scores land on the
+  // next tokens' slots (rewritten later) or past len.
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t t0 = b * B, n = std::min(B, len - t0);
+    const T* kb = kc + table[b] * g.k_block;
+    if (b + 1 < nblocks)
+      prefetch_rows(kc + table[b + 1] * g.k_block, std::min(B, len - t0 - B), g.k_token, row_bytes);
+    for (int64_t o = 0; o < n; o += TT) {
+      const T* rows[TT];
+#pragma GCC unroll 8
+      for (int i = 0; i < TT; ++i) rows[i] = kb + std::min<int64_t>(o + i, n - 1) * g.k_token;
+      k_tile<T, NGP, TT>(qf, P, C, masks, rows, scores + (t0 + o) * NGP);
+    }
+  }
+  float inv[kMaxGroup];
+  softmax_token_major(scores, len, NGP, NG, inv);
+  // V pass, CH chunks of 16 at a time.
+  constexpr int CH = v_chunks(NG);
   for (int64_t c0 = 0; c0 < C; c0 += CH) {
     const int64_t nc = std::min<int64_t>(CH, C - c0);
     __m512 acc[NG][CH];
@@ -146,15 +209,18 @@ void attend_avx512(const float* qf, const T* kc, const T* vc, Table<I> table, in
     for (int j = 0; j < NG; ++j)
 #pragma GCC unroll 16
       for (int c = 0; c < CH; ++c) acc[j][c] = _mm512_setzero_ps();
-    for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
-      const int64_t blk = table[b];
-      const T* vb = vc + blk * g.v_block + 16 * c0;
-      const int64_t n = std::min(B, len - t0);
-      for (int64_t o = 0; o < n; ++o) {
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t t0 = b * B, n = std::min(B, len - t0);
+      const T* vb = vc + table[b] * g.v_block + 16 * c0;
+      if (c0 == 0 && b + 1 < nblocks)
+        prefetch_rows(vc + table[b + 1] * g.v_block, std::min(B, len - t0 - B), g.v_token,
+                      row_bytes);
+      const float* pt = scores + t0 * NGP;
+      for (int64_t o = 0; o < n; ++o, pt += NGP) {
         const T* vr = vb + o * g.v_token;
         __m512 p[NG];
 #pragma GCC unroll 8
-        for (int j = 0; j < NG; ++j) p[j] = _mm512_set1_ps(scores[j * len + t0 + o]);
+        for (int j = 0; j < NG; ++j) p[j] = _mm512_set1_ps(pt[j]);
 #pragma GCC unroll 16
         for (int c = 0; c < CH; ++c) {
           if (c < nc) {
@@ -178,8 +244,8 @@ void attend_avx512(const float* qf, const T* kc, const T* vc, Table<I> table, in
 #endif  // PDS_AVX512
 
 // Portable version (any ISA; the compiler vectorises the inner loops).
-template <typename T, typename I>
-void attend_generic(const float* qf, int ng, const T* kc, const T* vc, Table<I> table,
+template <typename T>
+void attend_generic(const float* qf, int ng, const T* kc, const T* vc, Table table,
                     int64_t len, const Geometry& g, float* scores, float* acc_out) {
   const int64_t B = g.block_size, D = g.head_dim, P = g.padded_dim;
   for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
@@ -192,12 +258,12 @@ void attend_generic(const float* qf, int ng, const T* kc, const T* vc, Table<I> 
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < D; ++d) s += qj[d] * to_f32(kr[d]);
-        scores[j * len + t0 + o] = s;
+        scores[(t0 + o) * ng + j] = s;
       }
     }
   }
   float inv[kMaxGroup];
-  for (int j = 0; j < ng; ++j) inv[j] = 1.0f / softmax_unnormalised(scores + j * len, len);
+  softmax_token_major(scores, len, ng, ng, inv);
   std::fill(acc_out, acc_out + ng * P, 0.0f);
   for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
     const T* vb = vc + table[b] * g.v_block;
@@ -205,7 +271,7 @@ void attend_generic(const float* qf, int ng, const T* kc, const T* vc, Table<I> 
     for (int64_t o = 0; o < n; ++o) {
       const T* vr = vb + o * g.v_token;
       for (int j = 0; j < ng; ++j) {
-        const float p = scores[j * len + t0 + o];
+        const float p = scores[(t0 + o) * ng + j];
         float* a = acc_out + j * P;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) a[d] += p * to_f32(vr[d]);
@@ -216,10 +282,10 @@ void attend_generic(const float* qf, int ng, const T* kc, const T* vc, Table<I> 
     for (int64_t d = 0; d < D; ++d) acc_out[j * P + d] *= inv[j];
 }
 
-template <typename T, typename I>
+template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& block_tables, const std::vector<int64_t>& lens, double scale,
-         at::Tensor& out) {
+         const std::vector<int64_t>& tables, int64_t table_stride,
+         const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KV = k_cache.size(2);
   const int64_t G = H / KV;
@@ -231,8 +297,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t k_head = k_cache.stride(2), v_head = v_cache.stride(2);
-  const I* tp = block_tables.data_ptr<I>();
-  const int64_t t_seq = block_tables.stride(0), t_blk = block_tables.stride(1);
   T* op = out.data_ptr<T>();  // contiguous [S, H, D]
   const float fscale = static_cast<float>(scale);
 
@@ -249,7 +313,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     const int64_t P = geo.padded_dim;
     std::vector<float> qf(kMaxGroup * P, 0.0f), acc(kMaxGroup * P, 0.0f);
-    std::vector<float> scores(kMaxGroup * std::max<int64_t>(max_len, 1));
+    std::vector<float> scores(kMaxGroup * (max_len + 8));
 #if PDS_AVX512
     std::vector<__mmask16> masks(P / 16, static_cast<__mmask16>(0xFFFF));
     if (D % 16) masks.back() = static_cast<__mmask16>((1u << (D % 16)) - 1);
@@ -270,14 +334,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         const T* qr = qp + s * q_seq + (head0 + j) * q_head;
         for (int64_t d = 0; d < D; ++d) qf[j * P + d] = to_f32(qr[d]) * fscale;
       }
-      Table<I> table{tp + s * t_seq, t_blk};
+      if (ng == 7) std::fill(qf.begin() + 7 * P, qf.begin() + 8 * P, 0.0f);  // padding head
+      Table table = tables.data() + s * table_stride;
       const T* kc = kp + h * k_head;
       const T* vc = vp + h * v_head;
 #if PDS_AVX512
       switch (ng) {
 #define PDS_CASE(N)                                                                          \
   case N:                                                                                    \
-    attend_avx512<T, N, I>(qf.data(), kc, vc, table, len, geo, masks.data(), scores.data(), \
+    attend_avx512<T, N>(qf.data(), kc, vc, table, len, geo, masks.data(), scores.data(), \
                            acc.data());                                                      \
     break;
         PDS_CASE(1) PDS_CASE(2) PDS_CASE(3) PDS_CASE(4)
@@ -286,9 +351,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         default: break;
       }
 #else
-      attend_generic<T, I>(qf.data(), ng, kc, vc, table, len, geo, scores.data(), acc.data());
+      attend_generic<T>(qf.data(), ng, kc, vc, table, len, geo, scores.data(), acc.data());
 #endif
-      for (int j = 0; j < ng; ++j) store_row(orow + j * D, acc.data() + j * P, 1.0f, D);
+      for (int j = 0; j < ng; ++j) store_row(orow + j * D, acc.data() + j * P, D);
     }
   });
 }
@@ -330,40 +395,38 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty({S, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (S == 0 || H == 0) return out;
 
-  // Lengths and the block ids each sequence uses are validated up front, so the workers
-  // never read outside the cache.
+  // Lengths and the block ids each sequence uses are validated (and copied to int64)
+  // up front, so the workers never read outside the cache.
   const int64_t max_blocks = block_tables.size(1);
   std::vector<int64_t> lens(S);
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t l = lt == at::kInt ? context_lens.data_ptr<int32_t>()[s * context_lens.stride(0)]
-                                     : context_lens.data_ptr<int64_t>()[s * context_lens.stride(0)];
+    const int64_t i = s * context_lens.stride(0);
+    const int64_t l = lt == at::kInt ? context_lens.data_ptr<int32_t>()[i]
+                                     : context_lens.data_ptr<int64_t>()[i];
     TORCH_CHECK(l >= 0 && l <= max_blocks * B, "context_lens[", s, "] = ", l,
                 " is outside [0, max_blocks * block_size = ", max_blocks * B, "]");
     lens[s] = l;
-    const int64_t used = (l + B - 1) / B;
-    for (int64_t b = 0; b < used; ++b) {
-      const int64_t id =
-          it == at::kInt
-              ? block_tables.data_ptr<int32_t>()[s * block_tables.stride(0) + b * block_tables.stride(1)]
-              : block_tables.data_ptr<int64_t>()[s * block_tables.stride(0) + b * block_tables.stride(1)];
+  }
+  const int64_t used = (*std::max_element(lens.begin(), lens.end()) + B - 1) / B;
+  std::vector<int64_t> tables(S * used, 0);
+  for (int64_t s = 0; s < S; ++s) {
+    for (int64_t b = 0, n = (lens[s] + B - 1) / B; b < n; ++b) {
+      const int64_t i = s * block_tables.stride(0) + b * block_tables.stride(1);
+      const int64_t id = it == at::kInt ? block_tables.data_ptr<int32_t>()[i]
+                                        : block_tables.data_ptr<int64_t>()[i];
       TORCH_CHECK(id >= 0 && id < num_blocks, "block_tables[", s, ", ", b, "] = ", id,
                   " is outside [0, ", num_blocks, ")");
+      tables[s * used + b] = id;
     }
   }
 
-#define PDS_RUN(T)                                                               \
-  if (it == at::kInt)                                                            \
-    run<T, int32_t>(qc, k_cache, v_cache, block_tables, lens, scale, out);       \
-  else                                                                           \
-    run<T, int64_t>(qc, k_cache, v_cache, block_tables, lens, scale, out);
   if (dt == at::kFloat) {
-    PDS_RUN(float)
+    run<float>(qc, k_cache, v_cache, tables, used, lens, scale, out);
   } else if (dt == at::kBFloat16) {
-    PDS_RUN(c10::BFloat16)
+    run<c10::BFloat16>(qc, k_cache, v_cache, tables, used, lens, scale, out);
   } else {
-    PDS_RUN(c10::Half)
+    run<c10::Half>(qc, k_cache, v_cache, tables, used, lens, scale, out);
   }
-#undef PDS_RUN
   return out;
 }
 

@@ -1,0 +1,162 @@
+"""A whole cluster on this machine, as plain processes: what ``pdserve up`` runs.
+
+Lifecycle: pick free loopback ports -> start K mixed workers (each with its share of the
+cores: ``OMP_NUM_THREADS`` and ``--threads`` set per process, so they do not thrash) ->
+start the router pointed at them -> :meth:`LocalCluster.wait_ready` until the router
+answers ``GetStatus`` -> serve until Ctrl-C or until any process dies -> stop everyone
+(SIGTERM, then SIGKILL after a grace period). Used by the CLI and by the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import TracebackType
+
+
+def _die_with_parent() -> None:
+    """Children get SIGTERM if ``pdserve up`` dies without cleaning up (Linux only)."""
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class LocalClusterConfig:
+    model: str
+    mixed: int = 1
+    host: str = "127.0.0.1"
+    port: int = 50051
+    http_port: int = 8000
+    dtype: str = "float32"
+    kv_cache_gb: float = 1.0
+    max_in_flight: int = 256
+    threads_per_worker: int | None = None
+    block_size: int = 16
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mixed < 1:
+            raise ValueError(f"--mixed must be >= 1, got {self.mixed}")
+
+
+class LocalCluster:
+    def __init__(self, config: LocalClusterConfig) -> None:
+        self.config = config
+        cores = os.cpu_count() or 1
+        self.threads = config.threads_per_worker or max(1, cores // config.mixed)
+        self.worker_addresses = [f"{config.host}:{free_port(config.host)}"
+                                 for _ in range(config.mixed)]
+        self.target = f"{config.host}:{config.port}"
+        self.http_url = (f"http://{config.host}:{config.http_port}"
+                         if config.http_port else None)
+        self.procs: list[subprocess.Popen] = []
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _spawn(self, args: list[str], threads: int) -> subprocess.Popen:
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        out = subprocess.DEVNULL if self.config.quiet else None
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", *args], env=env,
+                                stdout=out, stderr=out,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> None:
+        c = self.config
+        for address in self.worker_addresses:
+            port = address.rsplit(":", 1)[1]
+            self._spawn(["worker", "--role", "mixed", "--model", c.model, "--host", c.host,
+                         "--port", port, "--dtype", c.dtype, "--kv-cache-gb", str(c.kv_cache_gb),
+                         "--block-size", str(c.block_size), "--threads", str(self.threads)],
+                        self.threads)
+        router = ["router", "--model", c.model, "--host", c.host, "--port", str(c.port),
+                  "--http-port", str(c.http_port), "--max-in-flight", str(c.max_in_flight)]
+        for address in self.worker_addresses:
+            router += ["--worker", address]
+        self._spawn(router, 1)
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        from router.client import Client
+
+        deadline = time.monotonic() + timeout
+        with Client(self.target) as client:
+            while True:
+                dead = [p for p in self.procs if p.poll() is not None]
+                if dead:
+                    raise RuntimeError(f"a cluster process exited with {dead[0].returncode} "
+                                       "while starting; see its output above")
+                try:
+                    status = client.status(timeout=2.0)
+                    if all(w.serving for w in status.workers):
+                        return
+                except Exception:  # noqa: BLE001 - not up yet
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the cluster did not serve within {timeout:.0f}s")
+                time.sleep(0.5)
+
+    def usage(self) -> str:
+        lines = [f"pdserve is serving {os.path.basename(self.config.model)} with "
+                 f"{self.config.mixed} mixed worker(s) ({self.threads} threads each).",
+                 f"  gRPC:  pdserve generate --target {self.target} \"Hello\"",
+                 f"         pdserve status --target {self.target}"]
+        if self.http_url:
+            lines.append(
+                f"  HTTP:  curl {self.http_url}/v1/chat/completions -H 'Content-Type: "
+                "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": "
+                "\"Hello\"}], \"max_tokens\": 32}'")
+        lines.append("Press Ctrl-C to stop.")
+        return "\n".join(lines)
+
+    def wait(self) -> int:
+        """Serve until Ctrl-C or SIGTERM (exit 0) or until a process dies (exit 1)."""
+
+        def interrupt(signum: int, frame: object) -> None:
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, interrupt)
+        try:
+            while True:
+                for p in self.procs:
+                    if p.poll() is not None:
+                        print(f"pdserve up: a cluster process exited with {p.returncode}; "
+                              "stopping the others", file=sys.stderr)
+                        return 1
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            return 0
+
+    def stop(self, grace: float = 10.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

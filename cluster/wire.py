@@ -1,0 +1,46 @@
+"""Protobuf <-> typed values, shared by the router and the workers.
+
+The generated ``protos`` package sits below everything (it imports nothing of ours), so
+this bottom-layer module may use it. Conversion validates: a bad value raises
+:class:`~cluster.sampling.InvalidRequestError` naming the field.
+"""
+
+from __future__ import annotations
+
+from protos.pdserve.v1 import common_pb2
+
+from .sampling import SamplingParams
+
+FINISH_REASONS = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields keep the engine defaults."""
+    kwargs: dict[str, object] = {
+        name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)
+    }
+    return SamplingParams(
+        stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        min_p=p.min_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+        ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    return msg

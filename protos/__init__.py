@@ -1,0 +1,1 @@
+"""Protobuf contracts and their generated stubs (regenerate with ``python -m protos.generate``)."""

@@ -1,0 +1,1 @@
+"""The front door: validation, tokenization, routing, the OpenAI HTTP front, the client."""

@@ -1,0 +1,246 @@
+"""Native CPU kernels, compiled for the machine that runs them on first use.
+
+:func:`paged_decode_attention` is fused decode attention over the paged KV cache
+(``paged_attention.cpp``): one query token per sequence, K/V read straight from the
+cache blocks named by each sequence's block table, no gather copy. It runs on torch's
+intra-op thread pool (``at::parallel_for``), so it honours ``torch.set_num_threads``.
+
+The extension is built with ``-O3 -march=native`` into ``cache_dir`` (default
+``~/.cache/pdserve/kernels``), in a directory named by a hash of the source, the flags,
+the torch version and this CPU's feature flags, so a later process (or another machine
+sharing the home directory) only reuses a build that matches. Builds use
+``torch.utils.cpp_extension.load`` when ``ninja`` is on ``PATH`` and call the C++
+compiler directly otherwise. A file lock serialises concurrent builders across
+processes; the loser waits and then loads the winner's library.
+
+Nothing here raises on a missing compiler: :func:`load` returns ``None`` and logs why
+once, and :func:`available` is ``False``, so callers fall back to the torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+DEFAULT_CACHE_DIR = Path("~/.cache/pdserve/kernels")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
+# -fopenmp compiles at::parallel_for's OpenMP region inline; -lgomp resolves to the
+# libgomp torch already loaded (same soname), so the kernel shares torch's pool.
+LDFLAGS = ("-fopenmp",)
+_OP_NAMESPACE = "pdserve_kernels"
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    library: Path
+    compiled: bool  # False: an existing build was loaded
+    seconds: float  # compile + load (compiled) or load only
+    builder: str  # "ninja" or "c++" (compiled here), "other process" (waited), "cached"
+
+
+_lock = threading.Lock()
+_op: Callable | None = None
+_info: BuildInfo | None = None
+_error: str | None = None
+
+
+def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
+    """The compiled ``paged_decode_attention`` op, building it if needed; None if unusable.
+
+    The first call in a process decides: later calls return the same op (or None)
+    whatever ``cache_dir`` they pass.
+    """
+    global _op, _info, _error
+    if _op is not None or _error is not None:
+        return _op
+    with _lock:
+        if _op is not None or _error is not None:
+            return _op
+        try:
+            _info = _build_and_load(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser())
+            _op = getattr(torch.ops, _OP_NAMESPACE).paged_decode_attention
+            log.info(
+                "paged decode kernel %s in %.2fs (%s)",
+                "compiled" if _info.compiled else "loaded",
+                _info.seconds,
+                _info.library,
+            )
+        except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
+            _error = f"{type(e).__name__}: {e}".strip()
+            log.warning("paged decode kernel unavailable, using the torch path: %s", _error)
+    return _op
+
+
+def available(cache_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Whether the kernel is (or can now be built and) loaded in this process."""
+    return load(cache_dir) is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned None (None if it succeeded or was never called)."""
+    return _error
+
+
+def build_info() -> BuildInfo | None:
+    """How this process got the kernel: library path, compiled or cached, seconds."""
+    return _info
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged context.
+
+    q: ``[num_seqs, num_heads, head_dim]``; k_cache, v_cache: ``[num_blocks, block_size,
+    kv_heads, head_dim]`` (rows contiguous; e.g. ``cache[0].view(-1, block_size, kv,
+    dim)``); block_tables: int32/int64 ``[num_seqs, max_blocks]``; context_lens:
+    int32/int64 ``[num_seqs]`` (tokens attended to, the new one included; 0 gives zeros).
+    Query head ``h`` reads kv head ``h // (num_heads // kv_heads)``. scale defaults to
+    ``head_dim ** -0.5``. Returns ``[num_seqs, num_heads, head_dim]`` in q's dtype
+    (float32, bfloat16 or float16; accumulation in float32).
+
+    Raises RuntimeError if the kernel is unavailable (check :func:`available` first).
+    """
+    op = load()
+    if op is None:
+        raise RuntimeError(f"paged decode kernel unavailable: {_error}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return op(q, k_cache, v_cache, block_tables, context_lens, float(scale))
+
+
+def _cache_key() -> str:
+    h = hashlib.sha256()
+    h.update(SOURCE.read_bytes())
+    for part in (*CFLAGS, "|", *LDFLAGS, "|", torch.__version__, str(torch.compiled_with_cxx11_abi()),
+                 sys.platform, platform.machine(), _cpu_flags()):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags: -march=native builds must not move to a lesser CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_and_load(cache_dir: Path) -> BuildInfo:
+    name = f"pdserve_paged_attention_{_cache_key()}"
+    build_dir = cache_dir / name
+    library = build_dir / f"{name}.so"
+    stamp = build_dir / "built"
+    start = time.perf_counter()
+    if not (stamp.exists() and library.exists()):
+        from torch.utils.cpp_extension import get_cxx_compiler
+
+        compiler = get_cxx_compiler()
+        if shutil.which(compiler) is None:
+            raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with _file_lock(cache_dir / f"{name}.lock"):
+            if not (stamp.exists() and library.exists()):  # not built by another process while we waited
+                builder = _compile(name, build_dir, library, compiler)
+                torch.ops.load_library(str(library))
+                stamp.write_text("ok\n")
+                return BuildInfo(library, True, time.perf_counter() - start, builder)
+            torch.ops.load_library(str(library))
+            return BuildInfo(library, False, time.perf_counter() - start, "other process")
+    torch.ops.load_library(str(library))
+    return BuildInfo(library, False, time.perf_counter() - start, "cached")
+
+
+def _compile(name: str, build_dir: Path, library: Path, compiler: str) -> str:
+    from torch.utils import cpp_extension
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # We hold the file lock, so a torch baton left here is from a builder that died.
+    (build_dir / "lock").unlink(missing_ok=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cpp_extension.is_ninja_available():
+            # Builds build_dir/<name>.so without loading it twice: is_python_module=False
+            # loads through torch.ops.load_library, which is idempotent per path.
+            cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(build_dir),
+                verbose=False,
+                is_python_module=False,
+            )
+            builder = "ninja"
+        else:
+            _compile_direct(compiler, library, cpp_extension)
+            builder = "c++"
+    for w in caught:
+        log.debug("while building %s: %s", name, w.message)
+    return builder
+
+
+def _compile_direct(compiler: str, library: Path, cpp_extension) -> None:
+    """One compiler call (no ninja): same flags torch would use for a non-Python library."""
+    abi = int(torch.compiled_with_cxx11_abi())
+    cmd = [
+        compiler, *CFLAGS, "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-isystem{p}" for p in cpp_extension.include_paths()),
+        str(SOURCE),
+        *(f"-L{p}" for p in cpp_extension.library_paths()),
+        "-lc10", "-ltorch_cpu", *LDFLAGS,
+    ]
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+    os.close(fd)
+    try:
+        res = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+        os.replace(tmp, library)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextmanager
+def _file_lock(path: Path):
+    """Exclusive inter-process lock, released by the OS if the holder dies."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: rely on torch's baton only
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
