@@ -48,7 +48,8 @@ class LocalClusterConfig:
     max_in_flight: int = 256
     threads_per_worker: int | None = None
     block_size: int = 16
-    quiet: bool = False
+    log_dir: str | None = None
+    """Where each process writes ``<name>.log``; None: they share this terminal."""
 
     def __post_init__(self) -> None:
         if self.mixed < 1:
@@ -66,6 +67,7 @@ class LocalCluster:
         self.http_url = (f"http://{config.host}:{config.http_port}"
                          if config.http_port else None)
         self.procs: list[subprocess.Popen] = []
+        self.names: list[str] = []
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -75,20 +77,26 @@ class LocalCluster:
                  tb: TracebackType | None) -> None:
         self.stop()
 
-    def _spawn(self, args: list[str], threads: int) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], threads: int) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-        out = subprocess.DEVNULL if self.config.quiet else None
+        out = None
+        if self.config.log_dir:
+            os.makedirs(self.config.log_dir, exist_ok=True)
+            out = open(os.path.join(self.config.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
         proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", *args], env=env,
                                 stdout=out, stderr=out,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        if out is not None:
+            out.close()  # the child holds its own descriptor
         self.procs.append(proc)
+        self.names.append(name)
         return proc
 
     def start(self) -> None:
         c = self.config
-        for address in self.worker_addresses:
+        for i, address in enumerate(self.worker_addresses):
             port = address.rsplit(":", 1)[1]
-            self._spawn(["worker", "--role", "mixed", "--model", c.model, "--host", c.host,
+            self._spawn(f"worker-{i}", ["worker", "--role", "mixed", "--model", c.model, "--host", c.host,
                          "--port", port, "--dtype", c.dtype, "--kv-cache-gb", str(c.kv_cache_gb),
                          "--block-size", str(c.block_size), "--threads", str(self.threads)],
                         self.threads)
@@ -96,7 +104,7 @@ class LocalCluster:
                   "--http-port", str(c.http_port), "--max-in-flight", str(c.max_in_flight)]
         for address in self.worker_addresses:
             router += ["--worker", address]
-        self._spawn(router, 1)
+        self._spawn("router", router, 1)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         from router.client import Client
@@ -104,10 +112,14 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         with Client(self.target) as client:
             while True:
-                dead = [p for p in self.procs if p.poll() is not None]
+                dead = [(n, p) for n, p in zip(self.names, self.procs, strict=True)
+                        if p.poll() is not None]
                 if dead:
-                    raise RuntimeError(f"a cluster process exited with {dead[0].returncode} "
-                                       "while starting; see its output above")
+                    name, proc = dead[0]
+                    where = (os.path.join(self.config.log_dir, f"{name}.log")
+                             if self.config.log_dir else "its output above")
+                    raise RuntimeError(f"{name} exited with {proc.returncode} while starting; "
+                                       f"see {where}")
                 try:
                     status = client.status(timeout=2.0)
                     if all(w.serving for w in status.workers):

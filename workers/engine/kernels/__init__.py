@@ -84,7 +84,7 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
                 _info.library,
             )
         except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
-            _error = f"{type(e).__name__}: {e}".strip()
+            _error = f"{type(e).__name__}: {e}".strip()[-4000:]  # compiler output can be long
             log.warning("paged decode kernel unavailable, using the torch path: %s", _error)
     return _op
 
@@ -135,8 +135,9 @@ def paged_decode_attention(
 def _cache_key() -> str:
     h = hashlib.sha256()
     h.update(SOURCE.read_bytes())
-    for part in (*CFLAGS, "|", *LDFLAGS, "|", torch.__version__, str(torch.compiled_with_cxx11_abi()),
-                 sys.platform, platform.machine(), _cpu_flags()):
+    abi = str(torch.compiled_with_cxx11_abi())
+    for part in (*CFLAGS, "|", *LDFLAGS, "|", torch.__version__, abi, sys.platform,
+                 platform.machine(), _cpu_flags()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:16]
@@ -168,7 +169,8 @@ def _build_and_load(cache_dir: Path) -> BuildInfo:
             raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
         cache_dir.mkdir(parents=True, exist_ok=True)
         with _file_lock(cache_dir / f"{name}.lock"):
-            if not (stamp.exists() and library.exists()):  # not built by another process while we waited
+            # Another process may have built it while we waited for the lock.
+            if not (stamp.exists() and library.exists()):
                 builder = _compile(name, build_dir, library, compiler)
                 torch.ops.load_library(str(library))
                 stamp.write_text("ok\n")
@@ -224,6 +226,7 @@ def _compile_direct(compiler: str, library: Path, cpp_extension) -> None:
         res = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
+        os.chmod(tmp, 0o755)
         os.replace(tmp, library)
     finally:
         if os.path.exists(tmp):

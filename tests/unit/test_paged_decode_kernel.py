@@ -1,0 +1,150 @@
+"""The native paged decode-attention kernel against plain torch attention.
+
+Random caches, shuffled (non-contiguous) block tables and ragged context lengths; the
+reference gathers each context and runs SDPA the way ``attention.py`` does. Skipped
+when the extension cannot be built here (no C++ compiler).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workers.engine import kernels
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def op():
+    cache = os.environ.get("PDSERVE_TEST_CACHE_DIR")
+    fn = kernels.load(Path(cache) / "kernels" if cache else None)
+    if fn is None:
+        pytest.skip(f"paged decode kernel unavailable: {kernels.unavailable_reason()}")
+    return kernels.paged_decode_attention
+
+
+def make_case(lens: list[int], kv_heads: int, group: int, dim: int, dtype: torch.dtype,
+              seed: int = 0, spare_blocks: int = 5, table_dtype: torch.dtype = torch.int32):
+    """q, k/v caches [blocks, BLOCK, kv, dim], block tables (shuffled ids, zero padded)."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // BLOCK) for n in lens]
+    num_blocks = sum(per_seq) + spare_blocks
+    ids = torch.randperm(num_blocks, generator=g)
+    width = max(max(per_seq), 1) + 1  # one unused column: tables may be wider than needed
+    table = torch.zeros(len(lens), width, dtype=table_dtype)
+    used = 0
+    for s, nb in enumerate(per_seq):
+        table[s, :nb] = ids[used:used + nb].to(table_dtype)
+        used += nb
+    shape = (num_blocks, BLOCK, kv_heads, dim)
+    k = torch.randn(shape, generator=g).to(dtype)
+    v = torch.randn(shape, generator=g).to(dtype)
+    q = torch.randn(len(lens), kv_heads * group, dim, generator=g).to(dtype)
+    return q, k, v, table, torch.tensor(lens, dtype=torch.int32)
+
+
+def reference(q, k, v, table, lens, scale):
+    """Gather each context's blocks, then SDPA in float32 with query heads folded per kv head."""
+    num_seqs, heads, dim = q.shape
+    kv = k.shape[2]
+    out = torch.zeros(num_seqs, heads, dim)
+    for s in range(num_seqs):
+        n = int(lens[s])
+        if n == 0:
+            continue
+        blocks = table[s, : -(-n // BLOCK)].long()
+        ks = k.index_select(0, blocks).reshape(-1, kv, dim)[:n].float().transpose(0, 1)
+        vs = v.index_select(0, blocks).reshape(-1, kv, dim)[:n].float().transpose(0, 1)
+        qs = q[s].float().view(kv, heads // kv, dim)
+        out[s] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).reshape(heads, dim)
+    return out
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    else:  # output rounding (bf16: 8 bits of mantissa) on values of magnitude ~1
+        torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+LENS = [1, 16, 17, 5, 64, 100, 31, 48, 2, 130]  # 1, exact block multiples, ragged
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [12, 64])
+@pytest.mark.parametrize("kv_heads,group", [(2, 1), (3, 3)])
+def test_matches_torch_reference(op, dtype, dim, kv_heads, group) -> None:
+    q, k, v, table, lens = make_case(LENS, kv_heads, group, dim, dtype, seed=dim + group)
+    scale = dim ** -0.5
+    out = op(q, k, v, table, lens, scale)
+    check(out, reference(q, k, v, table, lens, scale), dtype)
+
+
+@pytest.mark.parametrize("dim,kv_heads,group", [(20, 1, 7), (128, 2, 11), (64, 1, 8), (32, 2, 5)])
+def test_other_head_dims_and_group_sizes(op, dim, kv_heads, group) -> None:
+    q, k, v, table, lens = make_case([3, 33, 80, 16], kv_heads, group, dim, torch.float32)
+    out = op(q, k, v, table, lens, 0.3)
+    check(out, reference(q, k, v, table, lens, 0.3), torch.float32)
+
+
+def test_float16_int64_tables_and_default_scale(op) -> None:
+    q, k, v, table, lens = make_case(LENS, 3, 3, 64, torch.float16, table_dtype=torch.int64)
+    out = op(q, k, v, table, lens.long())
+    check(out, reference(q, k, v, table, lens, 64 ** -0.5), torch.float16)
+
+
+def test_reads_the_engine_cache_layout_in_place(op) -> None:
+    """Views of one [2, slots, kv, dim] cache and a q sliced from a wider activation."""
+    kv, group, dim = 3, 3, 64
+    q, k, v, table, lens = make_case([7, 40, 200], kv, group, dim, torch.float32)
+    cache = torch.stack([k.view(-1, kv, dim), v.view(-1, kv, dim)])
+    k_view = cache[0].view(-1, BLOCK, kv, dim)
+    v_view = cache[1].view(-1, BLOCK, kv, dim)
+    wide = torch.cat([q.view(3, -1), torch.randn(3, 2 * kv * dim)], dim=1)  # q | k | v
+    q_view = wide[:, : kv * group * dim].view(3, kv * group, dim)
+    assert not q_view.is_contiguous()
+    out = op(q_view, k_view, v_view, table, lens, 0.125)
+    check(out, reference(q, k, v, table, lens, 0.125), torch.float32)
+
+
+def test_large_scores_and_empty_context(op) -> None:
+    """Max subtraction keeps huge logits finite; a zero-length context gives zeros."""
+    q, k, v, table, lens = make_case([0, 50, 1], 1, 2, 16, torch.float32)
+    q = q * 400
+    out = op(q, k, v, table, lens, 1.0)
+    assert torch.isfinite(out).all()
+    assert (out[0] == 0).all()
+    check(out, reference(q, k, v, table, lens, 1.0), torch.float32)
+
+
+def test_thread_count_does_not_change_results(op) -> None:
+    q, k, v, table, lens = make_case([300] * 6 + [9], 3, 3, 64, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = op(q, k, v, table, lens, 0.125)
+        torch.set_num_threads(max(2, threads))
+        many = op(q, k, v, table, lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+
+
+def test_rejects_bad_inputs(op) -> None:
+    q, k, v, table, lens = make_case([20, 3], 2, 2, 16, torch.float32)
+    bad = table.clone()
+    bad[0, 1] = k.shape[0]
+    with pytest.raises(RuntimeError, match="outside"):
+        op(q, k, v, bad, lens, 1.0)
+    with pytest.raises(RuntimeError, match="outside"):
+        op(q, k, v, table, torch.tensor([20, table.shape[1] * BLOCK + 1], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        op(q.bfloat16(), k, v, table, lens, 1.0)
+    with pytest.raises(RuntimeError, match="multiple"):
+        op(q[:, :3], k, v, table, lens, 1.0)
