@@ -234,6 +234,16 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     ))
 
 
+def cmd_bench_router(args: argparse.Namespace) -> int:
+    from cluster.bench_router import RouterBenchOptions, run
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, _cache_dir(args))
+    run(RouterBenchOptions(model=str(path), num_requests=args.num_requests,
+                           max_tokens=args.max_tokens, out=args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -310,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
     b.add_argument("--quick", action="store_true", help="a small run to check the harness")
     b.set_defaults(func=cmd_bench_engine)
+
+    br = sub.add_parser("bench-router", help="latency the router adds over a direct worker call")
+    br.add_argument("--model", default=None)
+    br.add_argument("--cache-dir", default=None)
+    br.add_argument("--num-requests", type=int, default=200)
+    br.add_argument("--max-tokens", type=int, default=8)
+    br.add_argument("--out", default="bench-results/router.json")
+    br.set_defaults(func=cmd_bench_router)
     return parser
 
 

@@ -26,7 +26,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -167,12 +166,11 @@ def _build_and_load(cache_dir: Path) -> BuildInfo:
         compiler = get_cxx_compiler()
         if shutil.which(compiler) is None:
             raise RuntimeError(f"no C++ compiler ({compiler!r} is not on PATH)")
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        build_dir.mkdir(parents=True, exist_ok=True)
         with _file_lock(cache_dir / f"{name}.lock"):
             # Another process may have built it while we waited for the lock.
             if not (stamp.exists() and library.exists()):
                 builder = _compile(name, build_dir, library, compiler)
-                torch.ops.load_library(str(library))
                 stamp.write_text("ok\n")
                 return BuildInfo(library, True, time.perf_counter() - start, builder)
             torch.ops.load_library(str(library))
@@ -182,55 +180,59 @@ def _build_and_load(cache_dir: Path) -> BuildInfo:
 
 
 def _compile(name: str, build_dir: Path, library: Path, compiler: str) -> str:
+    """Build (and load) the library in a private directory, then move it into place.
+
+    Runs under the file lock: any other ``tmp-*`` directory is left by a builder that
+    died (its compiler may still be running, hence a fresh directory per build).
+    """
     from torch.utils import cpp_extension
 
-    build_dir.mkdir(parents=True, exist_ok=True)
-    # We hold the file lock, so a torch baton left here is from a builder that died.
-    (build_dir / "lock").unlink(missing_ok=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if cpp_extension.is_ninja_available():
-            # Builds build_dir/<name>.so without loading it twice: is_python_module=False
-            # loads through torch.ops.load_library, which is idempotent per path.
-            cpp_extension.load(
-                name=name,
-                sources=[str(SOURCE)],
-                extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
-                build_directory=str(build_dir),
-                verbose=False,
-                is_python_module=False,
-            )
-            builder = "ninja"
-        else:
-            _compile_direct(compiler, library, cpp_extension)
-            builder = "c++"
-    for w in caught:
-        log.debug("while building %s: %s", name, w.message)
+    for old in build_dir.glob("tmp-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    work = build_dir / f"tmp-{os.getpid()}"
+    work.mkdir()
+    built = work / f"{name}.so"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if cpp_extension.is_ninja_available():
+                # is_python_module=False: torch loads it with torch.ops.load_library.
+                cpp_extension.load(
+                    name=name,
+                    sources=[str(SOURCE)],
+                    extra_cflags=list(CFLAGS),
+                    extra_ldflags=list(LDFLAGS),
+                    build_directory=str(work),
+                    verbose=False,
+                    is_python_module=False,
+                )
+                os.replace(built, library)  # same inode: the loaded copy stays valid
+                builder = "ninja"
+            else:
+                _compile_direct(compiler, built, cpp_extension)
+                os.replace(built, library)
+                torch.ops.load_library(str(library))
+                builder = "c++"
+        for w in caught:
+            log.debug("while building %s: %s", name, w.message)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return builder
 
 
-def _compile_direct(compiler: str, library: Path, cpp_extension) -> None:
-    """One compiler call (no ninja): same flags torch would use for a non-Python library."""
+def _compile_direct(compiler: str, output: Path, cpp_extension) -> None:
+    """One compiler call (no ninja): the flags torch would use for a non-Python library."""
     abi = int(torch.compiled_with_cxx11_abi())
     cmd = [
         compiler, *CFLAGS, "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-isystem{p}" for p in cpp_extension.include_paths()),
-        str(SOURCE),
+        str(SOURCE), "-o", str(output),
         *(f"-L{p}" for p in cpp_extension.library_paths()),
         "-lc10", "-ltorch_cpu", *LDFLAGS,
     ]
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, library)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-4000:]}")
 
 
 @contextmanager
