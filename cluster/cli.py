@@ -51,7 +51,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, object]:
+    cache = _cache_dir(args)
     return {
+        "kernel_cache_dir": str(cache / "kernels") if cache else None,
         "dtype": args.dtype,
         "kv_cache_memory_gb": args.kv_cache_gb,
         "block_size": args.block_size,

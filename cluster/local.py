@@ -96,10 +96,10 @@ class LocalCluster:
         c = self.config
         for i, address in enumerate(self.worker_addresses):
             port = address.rsplit(":", 1)[1]
-            self._spawn(f"worker-{i}", ["worker", "--role", "mixed", "--model", c.model, "--host", c.host,
-                         "--port", port, "--dtype", c.dtype, "--kv-cache-gb", str(c.kv_cache_gb),
-                         "--block-size", str(c.block_size), "--threads", str(self.threads)],
-                        self.threads)
+            args = ["worker", "--role", "mixed", "--model", c.model, "--host", c.host,
+                    "--port", port, "--dtype", c.dtype, "--kv-cache-gb", str(c.kv_cache_gb),
+                    "--block-size", str(c.block_size), "--threads", str(self.threads)]
+            self._spawn(f"worker-{i}", args, self.threads)
         router = ["router", "--model", c.model, "--host", c.host, "--port", str(c.port),
                   "--http-port", str(c.http_port), "--max-in-flight", str(c.max_in_flight)]
         for address in self.worker_addresses:

@@ -80,6 +80,7 @@ reads ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids`` form). Completi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -101,6 +102,7 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
 DEFAULT_DISCONNECT_POLL_S = 0.25
+LINGER_S = 10.0  # aiohttp's default lingering_time: how long an unread body is drained
 CHAT_TEXT_PART_SEPARATOR = "\n"
 LOGPROB_FLOOR = -9999.0  # what a -inf / NaN logprob is reported as (JSON has no inf)
 
@@ -704,6 +706,7 @@ class OpenAIFront:
         self.request_timeout = request_timeout
         self.disconnect_poll_s = disconnect_poll_s
         self.created = int(time.time())
+        self.background: set[asyncio.Future[None]] = set()
         if isinstance(router, TokenStringsLike):
             self.token_strings: Callable[[Sequence[int]], list[str]] = router.token_strings
         else:
@@ -740,10 +743,12 @@ class OpenAIFront:
         too_large = ApiError(413, f"request body is larger than the limit of {limit} bytes",
                              None, "request_too_large")
         if request.content_length is not None and request.content_length > limit:
+            self._end_drain_on_disconnect(request)
             raise too_large
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
+            self._end_drain_on_disconnect(request)
             raise too_large from None
         try:
             body = json.loads(raw, parse_constant=_reject_constant)
@@ -754,6 +759,28 @@ class OpenAIFront:
             raise ApiError(400, f"request body must be a JSON object, got {_describe(body)}",
                            None, "invalid_json")
         return body
+
+    def _end_drain_on_disconnect(self, request: web.Request) -> None:
+        """After answering 413, aiohttp drains the unread body (up to ``LINGER_S``) so the
+        client can read the answer, but it does not notice the client leaving meanwhile and
+        would hold the connection (and delay shutdown) until the timeout. End the drain as
+        soon as the connection closes."""
+
+        async def watch() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    _wait_disconnected(request, self.disconnect_poll_s), LINGER_S)
+            request.content.feed_eof()
+
+        task = asyncio.ensure_future(watch())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def close(self, app: web.Application | None = None) -> None:
+        for task in list(self.background):
+            task.cancel()
+        if self.background:
+            await asyncio.wait(list(self.background))
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         try:
@@ -883,6 +910,7 @@ def create_app(router: RouterLike, max_body_bytes: int = 8 * 2**20, *,
                         disconnect_poll_s=disconnect_poll_s)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
     app[FRONT_KEY] = front
+    app.on_shutdown.append(front.close)
     app.router.add_get("/health", front.health)
     app.router.add_get("/v1/models", front.list_models)
     app.router.add_get("/v1/models/{model}", front.get_model)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import hf_greedy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
-from conftest import hf_greedy
 from protos.pdserve.v1 import api_pb2, api_pb2_grpc
 from router.client import AsyncClient, Client, build_request
 from workers.engine.llm import LLM

@@ -6,16 +6,19 @@ runner flattens all scheduled tokens into one row per token, decode tokens first
 builds one :class:`AttentionBatch`, shared by every layer:
 
 * every new token's K/V is written to its slot (``slot_mapping``);
-* decode tokens (one per sequence) attend together: their contexts are gathered from
-  the cache into a padded ``[seqs, max_len]`` batch with a padding mask, and the query
-  heads of each KV head are folded into the query-length axis, so grouped-query
-  attention runs without repeating K/V;
+* decode tokens (one per sequence) attend together. With the native kernel
+  (``workers/engine/kernels``, compiled on first use) attention reads K/V straight from
+  the blocks of each block table; without a C++ compiler, the contexts are gathered into
+  a padded ``[seqs, max_len]`` batch with a padding mask and the query heads of each KV
+  head are folded into the query-length axis, so grouped-query attention runs without
+  repeating K/V. Both paths are tested against each other;
 * each prefill chunk attends causally to its own tokens (no cache read when the chunk is
   the sequence's start) or to its cached prefix plus itself (gathered from the cache).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +38,8 @@ class PrefillSpan:
 class AttentionBatch:
     slot_mapping: torch.Tensor  # [tokens]
     num_decode: int
-    decode_blocks: torch.Tensor | None  # [num_decode * max_blocks] block ids, zero-padded
+    decode_table: torch.Tensor | None  # [num_decode, max_blocks] block ids, zero-padded
+    decode_lens: torch.Tensor | None  # [num_decode] context lengths, new token included
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size]
     prefills: tuple[PrefillSpan, ...]
 
@@ -59,14 +63,13 @@ def build_attention_batch(
     slots: list[torch.Tensor] = []
     positions: list[torch.Tensor] = []
     num_decode = len(decode_tables)
-    decode_blocks = decode_mask = None
+    table = lens = decode_mask = None
     if num_decode:
         max_blocks = -(-max(decode_lens) // block_size)
         padded = [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks))
                   for t in decode_tables]
         table = torch.tensor(padded, dtype=torch.long)
         lens = torch.tensor(decode_lens, dtype=torch.long)
-        decode_blocks = table.view(-1)
         width = max_blocks * block_size
         if min(decode_lens) != width:
             decode_mask = (torch.arange(width) < lens.unsqueeze(1)).view(num_decode, 1, 1, width)
@@ -76,11 +79,11 @@ def build_attention_batch(
         positions.append(last)
     spans = []
     row = num_decode
-    for table, start, n in prefill_spans:
+    for block_table, start, n in prefill_spans:
         ctx = start + n
         pos = torch.arange(start, ctx)
         nblocks = -(-ctx // block_size)
-        blocks = torch.tensor(table[:nblocks], dtype=torch.long)
+        blocks = torch.tensor(block_table[:nblocks], dtype=torch.long)
         slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         positions.append(pos)
         if start == 0:
@@ -92,7 +95,8 @@ def build_attention_batch(
     batch = AttentionBatch(
         slot_mapping=torch.cat(slots),
         num_decode=num_decode,
-        decode_blocks=decode_blocks,
+        decode_table=table,
+        decode_lens=lens,
         decode_mask=decode_mask,
         prefills=tuple(spans),
     )
@@ -106,6 +110,7 @@ def paged_attention(
     cache: torch.Tensor,
     batch: AttentionBatch,
     block_size: int,
+    decode_op: Callable | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; returns [tokens, heads*dim].
 
@@ -121,10 +126,14 @@ def paged_attention(
     k_blocks = k_cache.view(-1, block_size, num_kv, dim)
     v_blocks = v_cache.view(-1, block_size, num_kv, dim)
     d = batch.num_decode
-    if d:
+    if d and decode_op is not None:
+        out[:d] = decode_op(q[:d], k_blocks, v_blocks, batch.decode_table, batch.decode_lens,
+                            dim**-0.5)
+    elif d:
         # [d, len, kv, dim] -> [d, kv, len, dim]; queries [d, kv, group, dim].
-        kd = k_blocks.index_select(0, batch.decode_blocks).view(d, -1, num_kv, dim).transpose(1, 2)
-        vd = v_blocks.index_select(0, batch.decode_blocks).view(d, -1, num_kv, dim).transpose(1, 2)
+        blocks = batch.decode_table.view(-1)
+        kd = k_blocks.index_select(0, blocks).view(d, -1, num_kv, dim).transpose(1, 2)
+        vd = v_blocks.index_select(0, blocks).view(d, -1, num_kv, dim).transpose(1, 2)
         qd = q[:d].view(d, num_kv, group, dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask)
         out[:d] = od.reshape(d, num_heads, dim)

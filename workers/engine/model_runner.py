@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from workers.models.decoder import DecoderModel
 
+from . import kernels
 from .attention import build_attention_batch
 from .params import EngineConfig
 from .sampler import Sampler, SampleResult
@@ -72,7 +73,8 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.dtype]
         hf = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype)
         hf.eval()
-        self.model = DecoderModel(hf, max_model_len)
+        decode_op = kernels.load(config.kernel_cache_dir) if config.use_decode_kernel else None
+        self.model = DecoderModel(hf, max_model_len, decode_op)
         self.vocab_size = self.model.shape.vocab_size
         self.block_size = config.block_size
         s = self.model.shape

@@ -15,6 +15,7 @@ model runner prepares once per step; see ``workers/engine/attention.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class DecoderModel:
     """Holds the weights and runs one step's forward; owns no cache and no state."""
 
-    def __init__(self, hf_model: torch.nn.Module, max_positions: int) -> None:
+    def __init__(
+        self, hf_model: torch.nn.Module, max_positions: int, decode_op: Callable | None = None
+    ) -> None:
+        self.decode_op = decode_op  # fused paged decode attention; None: the torch path
         cfg = hf_model.config
         arch = (cfg.architectures or [type(hf_model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -172,7 +176,7 @@ class DecoderModel:
                 )
             # Queries and keys are adjacent in the fused projection: rotate them together.
             q, k = apply_rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
-            attn = paged_attention(q, k, v, kv_cache[i], batch, block_size)
+            attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op)
             x = x + F.linear(attn, lw.o, lw.o_bias)
             h = rms_norm(x, lw.post_norm, s.rms_eps)
             gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
