@@ -12,7 +12,9 @@ Lifecycle of one request through this front
 1. **Body.** aiohttp's ``client_max_size`` is ``max_body_bytes``. A ``Content-Length`` over
    it is answered 413 before a byte of the body is read; a chunked body that grows past it
    is answered 413 once it does. Both as OpenAI error JSON (a middleware turns every aiohttp
-   HTTP error, 404 and 405 included, into that shape).
+   HTTP error, 404 and 405 included, into that shape). aiohttp then drains the unread body
+   (up to ``LINGER_S``) so the client can read the answer; this front ends that drain as
+   soon as the client disconnects, which aiohttp alone does not notice.
 2. **Parse.** The body must be a JSON object (``NaN``/``Infinity`` are refused). Each field
    this front knows is type-checked here; a wrong type is a 400 naming the field. Fields
    that ask for something pdserve does not do (``n`` > 1, ``echo``, penalties, tools, ...)
@@ -23,8 +25,9 @@ Lifecycle of one request through this front
    (``cmpl-<hex>`` / ``chatcmpl-<hex>``), the prompt is ``text``, ``token_ids`` or
    ``messages`` (chat messages are rendered by the router with the chat template), the
    sampling fields go to ``SamplingParams``, ``cache_salt`` passes through.
-4. **Drive.** A driver task owns the router's async generator; the handler waits on it and
-   on a watcher polling the connection (every ``disconnect_poll_s``). The first message is
+4. **Drive.** ``router.generate(req, timeout=request_timeout)``. A driver task owns the
+   router's async generator; the handler waits on it and on a watcher polling the
+   connection (every ``disconnect_poll_s``). The first message is
    awaited *before* any response byte is sent, so a request the router refuses (bad
    sampling value, prompt too long, overload, unknown model) gets its real HTTP status and
    an OpenAI error body, streaming or not.
@@ -49,13 +52,17 @@ Fields
 Both endpoints: ``model``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``seed``, ``stop`` (string or list), ``stop_token_ids``, ``ignore_eos``,
 ``include_stop_str_in_output``, ``cache_salt``, ``stream``, ``stream_options``
-(``include_usage``). ``/v1/completions``: ``prompt`` (a string, a list of token ids, or a
-list holding exactly one of those: several prompts per request are refused, send one
-request each), ``logprobs`` (int, 0..20). ``/v1/chat/completions``: ``messages`` (roles
-``system``/``developer`` (sent as ``system``)/``user``/``assistant``; ``content`` a string or
-a list of ``{"type": "text", "text"}`` parts, joined with ``"\\n"``), ``max_completion_tokens``
-(wins over ``max_tokens``; without either the limit is ``max_model_len``, i.e. the rest of
-the context), ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs: true``).
+(``include_usage``; ignored without ``stream: true``).
+
+``/v1/completions``: ``prompt`` (a string, a list of token ids, or a list holding exactly
+one of those: several prompts per request are refused, send one request each),
+``logprobs`` (int, 0..20).
+
+``/v1/chat/completions``: ``messages`` (roles ``system``, ``developer`` (sent as
+``system``), ``user``, ``assistant``; ``content`` a string or a list of
+``{"type": "text", "text"}`` parts, joined with ``"\\n"``), ``max_completion_tokens``
+(wins over ``max_tokens``; without either the limit is ``max_model_len``, i.e. the rest
+of the context), ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs: true``).
 
 Accepted only at their neutral value (anything else is a 400 naming the field): ``n`` 1,
 ``best_of`` 1, ``echo`` false, ``suffix`` "", ``repetition_penalty`` 1, ``frequency_penalty``
@@ -71,8 +78,9 @@ Ignored: ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_ca
 not named in this docstring.
 
 Logprobs are rendered with token strings from the router's optional
-``token_strings(ids) -> list[str]`` (each token decoded on its own); without it a token
-reads ``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids`` form). Completions'
+``token_strings(ids) -> list[str]`` (each token decoded on its own), else from its
+``tokenizer.batch_decode`` (a Hugging Face tokenizer), else a token reads
+``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids`` form). Completions'
 ``text_offset`` counts those strings' lengths from the start of the completion, and
 ``top_logprobs`` holds the alternatives plus the sampled token (vLLM's convention).
 """
@@ -707,10 +715,7 @@ class OpenAIFront:
         self.disconnect_poll_s = disconnect_poll_s
         self.created = int(time.time())
         self.background: set[asyncio.Future[None]] = set()
-        if isinstance(router, TokenStringsLike):
-            self.token_strings: Callable[[Sequence[int]], list[str]] = router.token_strings
-        else:
-            self.token_strings = _token_id_strings
+        self.token_strings = _token_strings_of(router)
 
     # -- simple endpoints
 
@@ -865,6 +870,18 @@ class OpenAIFront:
 
 def _token_id_strings(ids: Sequence[int]) -> list[str]:
     return [f"token_id:{i}" for i in ids]
+
+
+def _token_strings_of(router: RouterLike) -> Callable[[Sequence[int]], list[str]]:
+    """``router.token_strings``, else each id decoded alone by ``router.tokenizer`` (a
+    Hugging Face tokenizer), else ``"token_id:<id>"``."""
+    if isinstance(router, TokenStringsLike):
+        return router.token_strings
+    tokenizer = getattr(router, "tokenizer", None)
+    batch_decode = getattr(tokenizer, "batch_decode", None)
+    if callable(batch_decode):
+        return lambda ids: list(batch_decode([[i] for i in ids]))
+    return _token_id_strings
 
 
 # --------------------------------------------------------------------------- application

@@ -24,7 +24,7 @@ from workers.engine.params import SamplingParams
 
 
 def start(model: Path, log_dir: Path, **kw: object) -> LocalCluster:
-    cfg = LocalClusterConfig(model=str(model), port=free_port(), http_port=0,
+    cfg = LocalClusterConfig(model=str(model), port=free_port(), http_port=free_port(),
                              kv_cache_gb=0.05, log_dir=str(log_dir), **kw)  # type: ignore[arg-type]
     cluster = LocalCluster(cfg)
     cluster.start()

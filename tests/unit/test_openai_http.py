@@ -306,6 +306,18 @@ def test_completion_logprobs_legacy_format() -> None:
     assert lp["text_offset"] == [0, 5, 10, 15, 20]
 
 
+def test_logprobs_use_the_router_tokenizer_when_there_is_one() -> None:
+    class Tokenizer:
+        def batch_decode(self, seqs: list[list[int]]) -> list[str]:
+            return ["".join(chr(ord("a") + t % 26) for t in s) for s in seqs]
+
+    router = ScriptedRouter(script(TEXTS, logprobs=True))
+    router.tokenizer = Tokenizer()  # type: ignore[attr-defined]
+    status, out = serve(router, post_json("/v1/completions", {"prompt": "p", "logprobs": 1}))
+    assert status == 200
+    assert out["choices"][0]["logprobs"]["tokens"] == ["w", "x", "y", "z", "a"]
+
+
 def test_logprobs_without_token_strings_use_token_id_form() -> None:
     router = ScriptedRouter(script(TEXTS, logprobs=True))
     status, out = serve(router, post_json("/v1/completions", {"prompt": "p", "logprobs": 0}))
