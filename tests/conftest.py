@@ -63,3 +63,13 @@ def assert_no_leaks(engine) -> None:  # noqa: ANN001 - LLMEngine, imported lazil
         f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
     )
     assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_checkpoints, tmp_path_factory):
+    """A real local cluster (router + one mixed worker) on the tiny llama, shared."""
+    from cluster_helpers import start
+
+    c = start(tiny_checkpoints["llama"], tmp_path_factory.mktemp("cluster-logs"))
+    yield c
+    c.stop()

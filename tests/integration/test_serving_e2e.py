@@ -8,54 +8,17 @@ block is held and no request is left running on any worker.
 from __future__ import annotations
 
 import asyncio
-import time
-from pathlib import Path
 
 import grpc
 import pytest
+from cluster_helpers import assert_cluster_idle, start
 from conftest import hf_greedy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from cluster.local import LocalCluster, LocalClusterConfig, free_port
 from protos.pdserve.v1 import api_pb2, api_pb2_grpc
 from router.client import AsyncClient, Client, build_request
 from workers.engine.llm import LLM
 from workers.engine.params import SamplingParams
-
-
-def start(model: Path, log_dir: Path, **kw: object) -> LocalCluster:
-    cfg = LocalClusterConfig(model=str(model), port=free_port(), http_port=free_port(),
-                             kv_cache_gb=0.05, log_dir=str(log_dir), **kw)  # type: ignore[arg-type]
-    cluster = LocalCluster(cfg)
-    cluster.start()
-    try:
-        cluster.wait_ready(timeout=180)
-    except Exception:
-        cluster.stop()
-        raise
-    return cluster
-
-
-def assert_cluster_idle(cluster: LocalCluster, timeout: float = 10.0) -> None:
-    """No request running or waiting, every KV block free, on every worker."""
-    deadline = time.monotonic() + timeout
-    with Client(cluster.target) as client:
-        while True:
-            status = client.status()
-            busy = [w for w in status.workers if w.running_requests or w.waiting_requests
-                    or w.free_blocks != w.total_blocks]
-            if not busy and status.requests_in_flight == 0:
-                return
-            assert time.monotonic() < deadline, f"KV blocks or requests leaked: {status}"
-            time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_checkpoints, tmp_path_factory):
-    c = start(tiny_checkpoints["llama"], tmp_path_factory.mktemp("cluster-logs"))
-    yield c
-    c.stop()
-
 
 GREEDY = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True}
 

@@ -1,0 +1,36 @@
+"""Starting a real local cluster for end-to-end tests, and its leak check."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from cluster.local import LocalCluster, LocalClusterConfig, free_port
+from router.client import Client
+
+
+def start(model: Path, log_dir: Path, **kw: object) -> LocalCluster:
+    cfg = LocalClusterConfig(model=str(model), port=free_port(), http_port=free_port(),
+                             kv_cache_gb=0.05, log_dir=str(log_dir), **kw)  # type: ignore[arg-type]
+    cluster = LocalCluster(cfg)
+    cluster.start()
+    try:
+        cluster.wait_ready(timeout=180)
+    except Exception:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def assert_cluster_idle(cluster: LocalCluster, timeout: float = 10.0) -> None:
+    """No request running or waiting, every KV block free, on every worker."""
+    deadline = time.monotonic() + timeout
+    with Client(cluster.target) as client:
+        while True:
+            status = client.status()
+            busy = [w for w in status.workers if w.running_requests or w.waiting_requests
+                    or w.free_blocks != w.total_blocks]
+            if not busy and status.requests_in_flight == 0:
+                return
+            assert time.monotonic() < deadline, f"KV blocks or requests leaked: {status}"
+            time.sleep(0.05)

@@ -1,0 +1,89 @@
+"""The OpenAI-compatible HTTP front against a real cluster: the official ``openai``
+client, raw HTTP for bad input, and the leak check after each test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from cluster_helpers import assert_cluster_idle
+from router.client import Client
+
+
+def post(cluster, path: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(cluster.http_url + path, data=data,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_openai_client_completes_and_streams(cluster) -> None:
+    client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused")
+    [model] = [m.id for m in client.models.list().data]
+    done = client.completions.create(model=model, prompt="Hello there", max_tokens=12,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    with Client(cluster.target) as grpc_client:
+        ref = grpc_client.generate("Hello there", max_tokens=12, temperature=0.0,
+                                   ignore_eos=True)
+    assert done.choices[0].text == ref.text and done.usage.completion_tokens == 12
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=model, prompt="Hello there", max_tokens=12, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices]
+    assert "".join(pieces) == ref.text
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.prompt_tokens > 0
+    assert chat.usage.prompt_tokens_details.cached_tokens is not None
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content and chunks[-1].usage.completion_tokens > 0
+    assert_cluster_idle(cluster)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "text"),
+    [
+        (b"{not json", 400, "JSON"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "gpt-4"),
+        ({"prompt": ""}, 400, "at least 1 token"),
+        ({"prompt": "word " * 600}, 400, "max_model_len"),
+        ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"prompt": "x", "top_p": 2}, 400, "top_p"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": "x", "n": 3}, 400, "n"),
+        (b'{"prompt": "' + b"a" * (50 * 2**20) + b'"}', 413, ""),
+    ],
+)
+def test_bad_http_requests_get_clear_errors(cluster, body, status, text) -> None:
+    code, payload = post(cluster, "/v1/completions", body)
+    assert code == status and "error" in payload and text in payload["error"]["message"]
+    ok, _ = post(cluster, "/v1/completions", {"prompt": "still serving", "max_tokens": 2})
+    assert ok == 200
+    assert_cluster_idle(cluster)
+
+
+def test_http_client_disconnect_frees_blocks(cluster) -> None:
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=cluster.http_url + "/v1", api_key="unused")
+        stream = await client.completions.create(
+            model="llama", prompt="go on", max_tokens=400, stream=True,
+            extra_body={"ignore_eos": True})
+        async for _ in stream:
+            break
+        await stream.close()
+        await client.close()
+
+    asyncio.run(run())
+    assert_cluster_idle(cluster)
