@@ -10,8 +10,8 @@ import urllib.request
 
 import openai
 import pytest
-
 from cluster_helpers import assert_cluster_idle
+
 from router.client import Client
 
 
