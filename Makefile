@@ -1,5 +1,6 @@
-# Two commands for a fresh machine: `make run` (install what is missing, then generate
-# with the default model) and `make test` (install test needs, then run the tests).
+# Two commands for a fresh machine: `make run` (install what is missing, then start the
+# whole cluster on the default model and serve until Ctrl-C) and `make test` (install
+# test needs, then run the tests).
 VENV ?= .venv
 PYTHON ?= python3
 PY := $(VENV)/bin/python
@@ -22,14 +23,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 run: install
-	$(VENV)/bin/pdserve generate --offline --chat --max-tokens 64 \
-		"What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/pdserve up
 
 test: install
 	$(PY) -m pytest -q
 
 bench: install
 	$(VENV)/bin/pdserve bench-engine
+	$(VENV)/bin/pdserve bench-router
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -40,3 +40,25 @@ def test_generate_rejects_bad_parameters_clearly(tiny_checkpoints, flag, value, 
 def test_missing_model_directory_is_explained(tmp_path) -> None:
     r = pdserve("generate", "--offline", "--model", str(tmp_path / "nope"), "hi")
     assert r.returncode != 0 and "nope" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_status_exits_nonzero_until_a_router_serves() -> None:
+    from cluster.local import free_port
+
+    r = pdserve("status", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1")
+    assert r.returncode == 1 and "not serving" in r.stderr and "pdserve up" in r.stderr
+
+
+def test_status_and_generate_against_a_running_cluster(cluster) -> None:
+    r = pdserve("status", "--target", cluster.target, "--json")
+    assert r.returncode == 0, r.stderr
+    status = json.loads(r.stdout)
+    assert status["model"] == "llama" and status["workers"][0]["serving"] is True
+    r = pdserve("generate", "--target", cluster.target, "--max-tokens", "4", "--ignore-eos",
+                "--json", "Hello there")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == 4 and out["usage"]["completion_tokens"] == 4
+    assert out["prompt_token_ids"] and 0 < out["ttft_s"] <= out["e2e_s"]
+    r = pdserve("generate", "--target", cluster.target, "--top-p", "0", "hi")
+    assert r.returncode == 2 and "top_p" in r.stderr
