@@ -79,7 +79,7 @@ async def serve(config: ServerConfig) -> None:
     await server.start()
     runner = None
     if config.http_port is not None:
-        from .openai_http import create_app
+        from .openai import create_app
 
         runner = web.AppRunner(create_app(router, max_body_bytes=MAX_MESSAGE_BYTES))
         await runner.setup()

@@ -1,4 +1,4 @@
-"""The OpenAI HTTP front (router/openai_http.py) against a scripted router.
+"""The OpenAI HTTP front (router/openai/) against a scripted router.
 
 Only the translation layer is tested here: OpenAI JSON <-> GenerateRequest/GenerateResponse,
 SSE framing, error shapes and statuses, and that a client going away closes the router's
@@ -21,7 +21,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from protos.pdserve.v1 import api_pb2, common_pb2
 from router.errors import RouterError
-from router.openai_http import create_app
+from router.openai import create_app
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPT_IDS = [11, 12, 13, 14, 15]

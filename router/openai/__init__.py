@@ -1,0 +1,27 @@
+"""The OpenAI-compatible HTTP front of the router (``/v1/completions``, ``/v1/chat/completions``).
+
+This package only translates: OpenAI JSON in, one :class:`api_pb2.GenerateRequest` to the
+router, the router's :class:`api_pb2.GenerateResponse` stream back out as OpenAI JSON or
+server-sent events. Everything about *values* (temperature >= 0, the prompt fits the
+context, the model is loaded, there is room for one more request) is the router's call; it
+raises :class:`RouterError` and the same error reaches the client with
+:func:`router.errors.http_status` of its gRPC code, so both APIs say the same thing.
+
+One request's lifecycle, and the module that owns each step (each module's docstring has
+the details):
+
+1. **Body** (:mod:`.app`): read within ``max_body_bytes`` (413 otherwise).
+2. **Parse** (:mod:`.protocol`): the body is a JSON object; each known field is type-checked,
+   unsupported features are refused unless neutral, unknown fields are ignored.
+3. **Translate** (:mod:`.protocol`): one ``GenerateRequest``.
+4. **Drive** (:mod:`.app`): ``router.generate``, watched for the client going away.
+5. **Answer** (:mod:`.responses` shapes the OpenAI objects, SSE chunks and error bodies;
+   :mod:`.app` sends them).
+6. **Cleanup** (:mod:`.app`): the router generator is closed however the request ends.
+
+Imports go one way: ``app`` -> ``responses`` -> ``protocol``.
+"""
+
+from .app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,311 @@
+"""The aiohttp application: reading bodies, driving the router, sending answers, cleaning up.
+
+Lifecycle steps 1, 4, 6 and the sending half of 5 (parsing is :mod:`.protocol`, the shape of
+every answer is :mod:`.responses`).
+
+1. **Body.** aiohttp's ``client_max_size`` is ``max_body_bytes``. A ``Content-Length`` over
+   it is answered 413 before a byte of the body is read; a chunked body that grows past it
+   is answered 413 once it does. Both as OpenAI error JSON (a middleware turns every aiohttp
+   HTTP error, 404 and 405 included, into that shape). aiohttp then drains the unread body
+   (up to ``LINGER_S``) so the client can read the answer; this front ends that drain as
+   soon as the client disconnects, which aiohttp alone does not notice.
+4. **Drive.** ``router.generate(req, timeout=request_timeout)``. A driver task owns the
+   router's async generator; the handler waits on it and on a watcher polling the
+   connection (every ``disconnect_poll_s``). The first message is
+   awaited *before* any response byte is sent, so a request the router refuses (bad
+   sampling value, prompt too long, overload, unknown model) gets its real HTTP status and
+   an OpenAI error body, streaming or not.
+5. **Answer.** Non-streaming: messages are accumulated and one JSON body is sent after the
+   message carrying ``finish_reason``. Streaming: ``text/event-stream``, one event per
+   router message that has something to say, the usage chunk when asked for, then
+   ``data: [DONE]``. A :class:`RouterError` after the stream started becomes an event
+   ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+6. **Cleanup.** However the request ends, the router generator is closed: after the final
+   message (``aclose()``, which must be a no-op for the router once the request finished),
+   on an error, or when the client goes away, which is noticed three ways: a write raises
+   ``ConnectionResetError`` (``aclose()``), the watcher sees the transport closed (the
+   driver task is cancelled, so ``CancelledError`` is thrown into the generator at its
+   ``await``), or aiohttp cancels the handler (``handler_cancellation=True``; same as the
+   watcher). The router cancels the request and frees its KV blocks in response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from protos.pdserve.v1 import api_pb2, common_pb2
+from router.errors import RouterError
+
+from .protocol import ApiError, Call, RouterLike, decode_body, dumps, parse_request
+from .responses import (
+    SSE_DONE,
+    SSE_HEADERS,
+    Renderer,
+    api_error_body,
+    as_api_error,
+    error_body,
+    sse,
+    token_strings_of,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DISCONNECT_POLL_S = 0.25
+LINGER_S = 10.0  # aiohttp's default lingering_time: how long an unread body is drained
+
+
+def _error_response(exc: Exception, request_id: str | None = None) -> web.Response:
+    err = as_api_error(exc)
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return web.json_response(api_error_body(err), status=err.status, headers=headers,
+                             dumps=dumps)
+
+
+def _client_gone(call: Call, holder: list[web.StreamResponse]) -> web.StreamResponse:
+    """What a request whose client went away returns: its stream if it had begun, else 499."""
+    log.info("client went away; request %s cancelled", call.id)
+    return holder[0] if holder else web.Response(status=499)
+
+
+# --------------------------------------------------------------------------- driving
+
+
+async def _next_message(
+    gen: AsyncIterator[api_pb2.GenerateResponse],
+) -> api_pb2.GenerateResponse:
+    """The router's next message; its failures come out as RouterError."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        raise RouterError(grpc.StatusCode.INTERNAL,
+                          "the router ended the request without a finish reason") from None
+    except RouterError:
+        raise
+    except Exception as exc:
+        log.exception("router generator failed")
+        raise RouterError(grpc.StatusCode.INTERNAL,
+                          f"internal error: {type(exc).__name__}: {exc}") from exc
+
+
+async def _close(gen: AsyncIterator[api_pb2.GenerateResponse]) -> None:
+    aclose = getattr(gen, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except Exception:
+        log.exception("closing the router generator failed")
+
+
+async def _wait_disconnected(request: web.Request, poll_s: float) -> None:
+    while True:
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return
+        await asyncio.sleep(poll_s)
+
+
+class OpenAIFront:
+    """The handlers; one per application."""
+
+    def __init__(self, router: RouterLike, *, max_body_bytes: int,
+                 request_timeout: float | None, disconnect_poll_s: float) -> None:
+        self.router = router
+        self.max_body_bytes = max_body_bytes
+        self.request_timeout = request_timeout
+        self.disconnect_poll_s = disconnect_poll_s
+        self.created = int(time.time())
+        self.background: set[asyncio.Future[None]] = set()
+        self.token_strings = token_strings_of(router)
+
+    # -- simple endpoints
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.router.model_name, "object": "model", "created": self.created,
+                "owned_by": "pdserve", "max_model_len": self.router.max_model_len}
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]}, dumps=dumps)
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.router.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist", "model", "model_not_found")
+        return web.json_response(self._model_card(), dumps=dumps)
+
+    # -- generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _read_body(self, request: web.Request) -> dict[str, Any]:
+        limit = self.max_body_bytes
+        too_large = ApiError(413, f"request body is larger than the limit of {limit} bytes",
+                             None, "request_too_large")
+        if request.content_length is not None and request.content_length > limit:
+            self._end_drain_on_disconnect(request)
+            raise too_large
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            self._end_drain_on_disconnect(request)
+            raise too_large from None
+        return decode_body(raw)
+
+    def _end_drain_on_disconnect(self, request: web.Request) -> None:
+        """After answering 413, aiohttp drains the unread body (up to ``LINGER_S``) so the
+        client can read the answer, but it does not notice the client leaving meanwhile and
+        would hold the connection (and delay shutdown) until the timeout. End the drain as
+        soon as the connection closes."""
+
+        async def watch() -> None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    _wait_disconnected(request, self.disconnect_poll_s), LINGER_S)
+            request.content.feed_eof()
+
+        task = asyncio.ensure_future(watch())
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def close(self, app: web.Application | None = None) -> None:
+        for task in list(self.background):
+            task.cancel()
+        if self.background:
+            await asyncio.wait(list(self.background))
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        # A body or request refused here raises ApiError/RouterError; _json_errors answers it.
+        call = parse_request(await self._read_body(request), self.router, chat=chat)
+        gen = self.router.generate(call.req, timeout=self.request_timeout)
+        holder: list[web.StreamResponse] = []
+        driver = (self._stream(request, call, gen, holder) if call.stream
+                  else self._collect(call, gen))
+        task = asyncio.ensure_future(driver)
+        watcher = asyncio.ensure_future(_wait_disconnected(request, self.disconnect_poll_s))
+        try:
+            await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Reached on completion, on the client going away (watcher) and on aiohttp
+            # cancelling this handler: in the last two the driver is cancelled, which throws
+            # CancelledError into the router generator, which cancels the request.
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait((task,))
+        if task.cancelled():
+            return _client_gone(call, holder)
+        return task.result()
+
+    async def _collect(self, call: Call,
+                       gen: AsyncIterator[api_pb2.GenerateResponse]) -> web.StreamResponse:
+        msgs: list[api_pb2.GenerateResponse] = []
+        try:
+            while True:
+                msg = await _next_message(gen)
+                msgs.append(msg)
+                if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    break
+        except RouterError as exc:
+            return _error_response(exc, call.id)
+        finally:
+            await _close(gen)
+        body = Renderer(call, self.token_strings).body(msgs)
+        return web.json_response(body, headers={"X-Request-Id": call.id}, dumps=dumps)
+
+    async def _stream(self, request: web.Request, call: Call,
+                      gen: AsyncIterator[api_pb2.GenerateResponse],
+                      holder: list[web.StreamResponse]) -> web.StreamResponse:
+        renderer = Renderer(call, self.token_strings)
+        try:
+            try:
+                msg = await _next_message(gen)
+            except RouterError as exc:
+                return _error_response(exc, call.id)
+            resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": call.id})
+            holder.append(resp)
+            await resp.prepare(request)
+            try:
+                while True:
+                    chunk = renderer.chunk(msg)
+                    if chunk is not None:
+                        await resp.write(sse(chunk))
+                    if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        break
+                    msg = await _next_message(gen)
+                if call.include_usage:
+                    await resp.write(sse(renderer.usage_chunk()))
+            except RouterError as exc:
+                await resp.write(sse(api_error_body(as_api_error(exc))))
+            await resp.write(SSE_DONE)
+            return resp
+        except ConnectionError:
+            return _client_gone(call, holder)
+        finally:
+            await _close(gen)
+
+
+# --------------------------------------------------------------------------- application
+
+
+@web.middleware
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every error leaves as OpenAI error JSON, aiohttp's own (404, 405, 413) included."""
+    try:
+        return await handler(request)
+    except (ApiError, RouterError) as exc:
+        return _error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 404:
+            message = f"no such endpoint: {request.method} {request.path}"
+        elif exc.status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+        else:
+            message = exc.text or exc.reason
+        return web.json_response(error_body(exc.status, message), status=exc.status,
+                                 dumps=dumps)
+    except Exception as exc:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return _error_response(exc)
+
+
+FRONT_KEY = web.AppKey("pdserve_openai_front", OpenAIFront)
+
+
+def create_app(router: RouterLike, max_body_bytes: int = 8 * 2**20, *,
+               request_timeout: float | None = None,
+               disconnect_poll_s: float = DEFAULT_DISCONNECT_POLL_S) -> web.Application:
+    """The OpenAI-compatible aiohttp application in front of ``router``.
+
+    ``request_timeout`` is passed to every ``router.generate`` call; ``disconnect_poll_s``
+    is how often a waiting request checks that its client is still connected.
+    """
+    front = OpenAIFront(router, max_body_bytes=max_body_bytes, request_timeout=request_timeout,
+                        disconnect_poll_s=disconnect_poll_s)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
+    app[FRONT_KEY] = front
+    app.on_shutdown.append(front.close)
+    app.router.add_get("/health", front.health)
+    app.router.add_get("/v1/models", front.list_models)
+    app.router.add_get("/v1/models/{model}", front.get_model)
+    app.router.add_post("/v1/completions", front.completions)
+    app.router.add_post("/v1/chat/completions", front.chat_completions)
+    return app

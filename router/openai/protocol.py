@@ -1,0 +1,425 @@
+"""OpenAI request bodies in, one ``api_pb2.GenerateRequest`` out (lifecycle steps 2 and 3).
+
+2. **Parse.** The body must be a JSON object (``NaN``/``Infinity`` are refused). Each field
+   this front knows is type-checked here; a wrong type is a 400 naming the field. Fields
+   that ask for something pdserve does not do (``n`` > 1, ``echo``, penalties, tools, ...)
+   are refused with a 400 saying so, unless they carry their neutral value. Unknown fields
+   are ignored (see *Fields* below). ``model``, when present, must be the served model
+   (else 404, ``code: "model_not_found"``).
+3. **Translate.** One ``GenerateRequest``: ``request_id`` is the response id
+   (``cmpl-<hex>`` / ``chatcmpl-<hex>``), the prompt is ``text``, ``token_ids`` or
+   ``messages`` (chat messages are rendered by the router with the chat template), the
+   sampling fields go to ``SamplingParams``, ``cache_salt`` passes through.
+
+Failures are raised, never answered here: :class:`RouterError` (``INVALID_ARGUMENT`` naming
+the field, or ``NOT_FOUND`` for the model) so they read like the router's own refusals, or
+:class:`ApiError` for what has no gRPC code (a body that is not JSON).
+
+Fields
+------
+Both endpoints: ``model``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
+``min_p``, ``seed``, ``stop`` (string or list), ``stop_token_ids``, ``ignore_eos``,
+``include_stop_str_in_output``, ``cache_salt``, ``stream``, ``stream_options``
+(``include_usage``; ignored without ``stream: true``).
+
+``/v1/completions``: ``prompt`` (a string, a list of token ids, or a list holding exactly
+one of those: several prompts per request are refused, send one request each),
+``logprobs`` (int, 0..20).
+
+``/v1/chat/completions``: ``messages`` (roles ``system``, ``developer`` (sent as
+``system``), ``user``, ``assistant``; ``content`` a string or a list of
+``{"type": "text", "text"}`` parts, joined with ``"\\n"``), ``max_completion_tokens``
+(wins over ``max_tokens``; without either the limit is ``max_model_len``, i.e. the rest
+of the context), ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs: true``).
+
+Accepted only at their neutral value (anything else is a 400 naming the field): ``n`` 1,
+``best_of`` 1, ``echo`` false, ``suffix`` "", ``repetition_penalty`` 1, ``frequency_penalty``
+0, ``presence_penalty`` 0, ``logit_bias`` {}, ``min_tokens`` 0, ``use_beam_search`` false,
+``prompt_logprobs`` null, ``tools``/``functions`` empty, ``tool_choice`` "none"/"auto",
+``response_format`` ``{"type": "text"}``, ``continue_final_message`` false, the vLLM
+``guided_*`` fields and ``structured_outputs`` null.
+
+Ignored: ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``,
+``reasoning_effort``, ``stream_options.continuous_usage_stats``, ``skip_special_tokens``,
+``spaces_between_special_tokens``, ``add_generation_prompt`` (the router always adds it),
+``chat_template``/``chat_template_kwargs``, ``priority``, a message's ``name``, and any field
+not named in this docstring.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import grpc
+
+from protos.pdserve.v1 import api_pb2, common_pb2
+from router.errors import RouterError
+
+UINT32_MAX = 2**32 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_LOGPROBS = 20
+CHAT_TEXT_PART_SEPARATOR = "\n"
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
+              "assistant": "assistant"}
+
+
+class RouterLike(Protocol):
+    """What this front needs from the router core (``router/core.py``)."""
+
+    model_name: str
+    max_model_len: int
+
+    def generate(
+        self, req: api_pb2.GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[api_pb2.GenerateResponse]: ...
+
+
+class ApiError(Exception):
+    """An error answered with an HTTP status that has no gRPC code (413, 404 route, ...)."""
+
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+# --------------------------------------------------------------------------- JSON
+
+
+def dumps(obj: Any) -> str:
+    """The front's JSON encoding, both in messages and on the wire: compact, no NaN."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (``NaN``/``Infinity`` refused), else ApiError 400."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", None,
+                       "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body must be a JSON object, got {_describe(body)}",
+                       None, "invalid_json")
+    return body
+
+
+# --------------------------------------------------------------------------- fields
+
+
+def _bad(param: str, message: str) -> RouterError:
+    return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _describe(v: Any) -> str:
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+            dict: "object"}.get(type(v), type(v).__name__)
+    text = json.dumps(v) if not isinstance(v, (list, dict)) else ""
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{kind} {text}".strip()
+
+
+def _token_ids(v: list[Any], name: str, lo: int = 0, hi: int = UINT32_MAX) -> list[int]:
+    for i, t in enumerate(v):
+        if not _is_int(t) or not lo <= t <= hi:
+            raise _bad(name, f"{name}[{i}] must be an integer in [{lo}, {hi}], got "
+                             f"{_describe(t)}")
+    return list(v)
+
+
+class _Fields:
+    """Typed reads of the JSON body. JSON ``null`` reads as absent; failures name the field."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+
+    def get(self, name: str) -> Any:
+        return self.body.get(name)
+
+    def int_(self, name: str, lo: int, hi: int) -> int | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        if not _is_int(v):
+            raise _bad(name, f"{name} must be an integer, got {_describe(v)}")
+        if not lo <= v <= hi:
+            raise _bad(name, f"{name} must be in [{lo}, {hi}], got {v}")
+        return v
+
+    def number(self, name: str) -> float | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        if not _is_number(v):
+            raise _bad(name, f"{name} must be a number, got {_describe(v)}")
+        return float(v)
+
+    def bool_(self, name: str) -> bool | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        if not isinstance(v, bool):
+            raise _bad(name, f"{name} must be true or false, got {_describe(v)}")
+        return v
+
+    def str_(self, name: str) -> str | None:
+        v = self.body.get(name)
+        if v is None:
+            return None
+        if not isinstance(v, str):
+            raise _bad(name, f"{name} must be a string, got {_describe(v)}")
+        return v
+
+    def str_list(self, name: str) -> list[str]:
+        v = self.body.get(name)
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return list(v)
+        raise _bad(name, f"{name} must be a string or a list of strings, got {_describe(v)}")
+
+    def int_list(self, name: str, lo: int, hi: int) -> list[int]:
+        v = self.body.get(name)
+        if v is None:
+            return []
+        if not isinstance(v, list):
+            raise _bad(name, f"{name} must be a list of integers, got {_describe(v)}")
+        return _token_ids(v, name, lo, hi)
+
+
+# --------------------------------------------------------------------------- neutral-only
+
+
+def _eq(value: Any) -> Callable[[Any], bool]:
+    """Accepts exactly ``value`` (numbers compare as numbers, booleans only as booleans)."""
+    if isinstance(value, bool):
+        return lambda v: v is value
+    return lambda v: _is_number(v) and v == value
+
+
+def _empty(v: Any) -> bool:
+    return isinstance(v, (list, dict, str)) and not v
+
+
+def _never(v: Any) -> bool:
+    return False
+
+
+# name -> (accepts, what to say when it does not). Checked only when the field is non-null.
+NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "n": (_eq(1), "only n=1 is supported: pdserve returns one choice per request; send "
+                  "separate requests for more"),
+    "best_of": (_eq(1), "only best_of=1 is supported"),
+    "echo": (_eq(False), "echo is not supported"),
+    "suffix": (_empty, "suffix is not supported"),
+    "repetition_penalty": (_eq(1), "repetition_penalty is not supported (only 1.0 or absent)"),
+    "frequency_penalty": (_eq(0), "frequency_penalty is not supported (only 0 or absent)"),
+    "presence_penalty": (_eq(0), "presence_penalty is not supported (only 0 or absent)"),
+    "logit_bias": (_empty, "logit_bias is not supported"),
+    "min_tokens": (_eq(0), "min_tokens is not supported (only 0 or absent)"),
+    "use_beam_search": (_eq(False), "beam search is not supported"),
+    "prompt_logprobs": (_never, "prompt_logprobs is not supported"),
+    "tools": (_empty, "tools are not supported"),
+    "functions": (_empty, "functions are not supported"),
+    "tool_choice": (lambda v: v in ("none", "auto"), "tool_choice is not supported"),
+    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
+                        "response_format other than {\"type\": \"text\"} is not supported"),
+    "continue_final_message": (_eq(False), "continue_final_message is not supported"),
+    "guided_json": (_never, "guided decoding is not supported"),
+    "guided_regex": (_never, "guided decoding is not supported"),
+    "guided_choice": (_never, "guided decoding is not supported"),
+    "guided_grammar": (_never, "guided decoding is not supported"),
+    "structured_outputs": (_never, "structured outputs are not supported"),
+}
+
+
+def _check_neutral(f: _Fields) -> None:
+    for name, (accepts, why) in NEUTRAL_ONLY.items():
+        v = f.get(name)
+        if v is not None and not accepts(v):
+            raise _bad(name, f"{why}; got {name}={dumps(v)}")
+
+
+# --------------------------------------------------------------------------- translation
+
+
+def _sampling(f: _Fields, *, chat: bool, max_model_len: int) -> common_pb2.SamplingParams:
+    s = common_pb2.SamplingParams()
+    max_tokens = f.int_("max_tokens", 1, UINT32_MAX)
+    if chat:
+        max_completion = f.int_("max_completion_tokens", 1, UINT32_MAX)
+        if max_completion is not None:
+            max_tokens = max_completion
+        elif max_tokens is None:
+            # OpenAI chat has no small default: the limit is the rest of the context.
+            max_tokens = max_model_len
+    if max_tokens is not None:
+        s.max_tokens = max_tokens
+    for name in ("temperature", "top_p", "min_p"):
+        v = f.number(name)
+        if v is not None:
+            if not math.isfinite(v):
+                raise _bad(name, f"{name} must be finite, got {v}")
+            setattr(s, name, v)
+    top_k = f.int_("top_k", INT32_MIN, INT32_MAX)
+    if top_k is not None:
+        s.top_k = top_k
+    seed = f.int_("seed", INT64_MIN, INT64_MAX)
+    if seed is not None:
+        s.seed = seed
+    s.stop.extend(f.str_list("stop"))
+    s.stop_token_ids.extend(f.int_list("stop_token_ids", 0, UINT32_MAX))
+    s.ignore_eos = bool(f.bool_("ignore_eos"))
+    s.include_stop_str_in_output = bool(f.bool_("include_stop_str_in_output"))
+    if chat:
+        want = f.bool_("logprobs")
+        top = f.int_("top_logprobs", 0, MAX_LOGPROBS)
+        if top is not None and not want:
+            raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+        if want:
+            s.logprobs = top or 0
+    else:
+        n = f.int_("logprobs", 0, MAX_LOGPROBS)
+        if n is not None:
+            s.logprobs = n
+    return s
+
+
+def _completion_prompt(v: Any) -> str | list[int]:
+    if v is None:
+        raise _bad("prompt", "prompt is required")
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise _bad("prompt", "prompt must not be an empty list")
+        if all(_is_int(t) for t in v):
+            return _token_ids(v, "prompt")
+        if len(v) == 1 and isinstance(v[0], (str, list)):
+            if isinstance(v[0], list) and not v[0]:
+                raise _bad("prompt", "prompt[0] must not be an empty list")
+            if isinstance(v[0], list) and not all(_is_int(t) for t in v[0]):
+                raise _bad("prompt", "prompt[0] must be a list of token ids")
+            return _completion_prompt(v[0])
+        if all(isinstance(p, (str, list)) for p in v):
+            raise _bad("prompt", f"batched prompts (a list of {len(v)} prompts) are not "
+                                 "supported: send one request per prompt")
+    raise _bad("prompt", "prompt must be a string, a list of token ids, or a list holding "
+                         f"one of those; got {_describe(v)}")
+
+
+def _chat_messages(v: Any) -> api_pb2.ChatMessages:
+    if not isinstance(v, list) or not v:
+        raise _bad("messages", "messages must be a non-empty list of {role, content} objects")
+    out = api_pb2.ChatMessages()
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(where, f"{where} must be an object with role and content")
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise _bad(f"{where}.role", f"{where}.role must be a string")
+        if role not in CHAT_ROLES:
+            raise _bad(f"{where}.role", f"{where}.role {role!r} is not supported; use system, "
+                                        "developer, user or assistant")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise _bad(f"{where}.tool_calls", "tool calls are not supported")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise _bad(f"{where}.content", f"{where}.content is required")
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                pwhere = f"{where}.content[{j}]"
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    kind = part.get("type") if isinstance(part, dict) else _describe(part)
+                    raise _bad(pwhere, f"{pwhere}: only text parts are supported, got {kind!r}")
+                text = part.get("text")
+                if not isinstance(text, str):
+                    raise _bad(f"{pwhere}.text", f"{pwhere}.text must be a string")
+                texts.append(text)
+            content = CHAT_TEXT_PART_SEPARATOR.join(texts)
+        elif not isinstance(content, str):
+            raise _bad(f"{where}.content", f"{where}.content must be a string or a list of "
+                                           f"text parts, got {_describe(content)}")
+        out.messages.add(role=CHAT_ROLES[role], content=content)
+    return out
+
+
+class Call:
+    """One parsed OpenAI request: what to send the router and how to answer."""
+
+    def __init__(self, *, chat: bool, req: api_pb2.GenerateRequest, model: str, stream: bool,
+                 include_usage: bool, logprobs: bool) -> None:
+        self.chat = chat
+        self.req = req
+        self.id = req.request_id
+        self.model = model
+        self.created = int(time.time())
+        self.stream = stream
+        self.include_usage = include_usage
+        self.logprobs = logprobs
+
+
+def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool) -> Call:
+    """Validate an OpenAI request body and translate it; raises RouterError/ApiError."""
+    f = _Fields(body)
+    model = f.str_("model")
+    if model is not None and model != router.model_name:
+        raise RouterError(grpc.StatusCode.NOT_FOUND,
+                          f"The model `{model}` does not exist: this server serves "
+                          f"`{router.model_name}` (see GET /v1/models)", "model")
+    _check_neutral(f)
+    stream = bool(f.bool_("stream"))
+    options = f.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", f"stream_options must be an object, got {_describe(options)}")
+    include_usage = False
+    if options:
+        v = options.get("include_usage")
+        if v is not None and not isinstance(v, bool):
+            raise _bad("stream_options.include_usage",
+                       f"stream_options.include_usage must be true or false, got {_describe(v)}")
+        include_usage = bool(v) and stream
+    cache_salt = f.str_("cache_salt")
+    sampling = _sampling(f, chat=chat, max_model_len=router.max_model_len)
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    req = api_pb2.GenerateRequest(request_id=prefix + uuid.uuid4().hex, model=model or "",
+                                  sampling=sampling, cache_salt=cache_salt or "")
+    if chat:
+        req.messages.CopyFrom(_chat_messages(f.get("messages")))
+    else:
+        prompt = _completion_prompt(f.get("prompt"))
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.token_ids.ids.extend(prompt)
+    return Call(chat=chat, req=req, model=router.model_name, stream=stream,
+                include_usage=include_usage, logprobs=sampling.HasField("logprobs"))

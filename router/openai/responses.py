@@ -1,0 +1,273 @@
+"""Router messages out as OpenAI objects (the shaping half of lifecycle step 5).
+
+Nothing here does I/O: these functions build the dicts and bytes that :mod:`.app` sends.
+
+5. **Answer.** Non-streaming: the accumulated messages become one ``text_completion`` /
+   ``chat.completion`` body (:meth:`Renderer.body`). Streaming: one ``data: {chunk}`` event
+   per router message that carries text, logprobs or the finish reason (chat's first chunk
+   carries ``role: "assistant"``), then, with ``stream_options.include_usage``, a chunk
+   with ``choices: []`` and the usage (every other chunk then has ``usage: null``), then
+   ``data: [DONE]``. Usage reports the router's ``prompt_tokens``, ``completion_tokens``
+   and ``cached_tokens`` (as ``prompt_tokens_details.cached_tokens``).
+
+Errors take OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: a
+:class:`RouterError` keeps the HTTP status of its gRPC code (:func:`router.errors.http_status`),
+its field as ``param`` and the code's name as ``code`` (``model_not_found`` for an unknown
+model); any other exception is a 500 ``internal``. After a stream started, the same body is
+sent as an SSE event.
+
+Logprobs are rendered with token strings from the router's optional
+``token_strings(ids) -> list[str]`` (each token decoded on its own), else from its
+``tokenizer.batch_decode`` (a Hugging Face tokenizer), else a token reads
+``"token_id:<id>"`` (vLLM's ``return_tokens_as_token_ids`` form). Completions'
+``text_offset`` counts those strings' lengths from the start of the completion, and
+``top_logprobs`` holds the alternatives plus the sampled token (vLLM's convention). A
+``-inf``/NaN logprob reads ``LOGPROB_FLOOR`` (JSON has no infinity).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import grpc
+
+from protos.pdserve.v1 import api_pb2, common_pb2
+from router.errors import RouterError, http_status
+
+from .protocol import ApiError, Call, RouterLike, dumps
+
+LOGPROB_FLOOR = -9999.0  # what a -inf / NaN logprob is reported as (JSON has no inf)
+
+FINISH_REASONS = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event carrying ``obj`` as JSON."""
+    return b"data: " + dumps(obj).encode() + b"\n\n"
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _error_type(status: int) -> str:
+    if status == 429:
+        return "rate_limit_error"
+    if status == 504:
+        return "timeout_error"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": _error_type(status), "param": param,
+                      "code": code}}
+
+
+def api_error_body(err: ApiError) -> dict[str, Any]:
+    """:func:`error_body` of an :class:`ApiError`."""
+    return error_body(err.status, err.message, err.param, err.code)
+
+
+def _from_router_error(exc: RouterError) -> ApiError:
+    code = exc.code.name.lower() if isinstance(exc.code, grpc.StatusCode) else None
+    if exc.code == grpc.StatusCode.NOT_FOUND and exc.field == "model":
+        code = "model_not_found"
+    return ApiError(http_status(exc.code), exc.message, exc.field, code)
+
+
+def as_api_error(exc: Exception) -> ApiError:
+    """Any failure as the status, message, param and code the client is told."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RouterError):
+        return _from_router_error(exc)
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal")
+
+
+# --------------------------------------------------------------------------- token strings
+
+
+@runtime_checkable
+class TokenStringsLike(Protocol):
+    """Optional router method: each token id decoded on its own, for logprobs."""
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]: ...
+
+
+def _token_id_strings(ids: Sequence[int]) -> list[str]:
+    return [f"token_id:{i}" for i in ids]
+
+
+def token_strings_of(router: RouterLike) -> Callable[[Sequence[int]], list[str]]:
+    """``router.token_strings``, else each id decoded alone by ``router.tokenizer`` (a
+    Hugging Face tokenizer), else ``"token_id:<id>"``."""
+    if isinstance(router, TokenStringsLike):
+        return router.token_strings
+    tokenizer = getattr(router, "tokenizer", None)
+    batch_decode = getattr(tokenizer, "batch_decode", None)
+    if callable(batch_decode):
+        return lambda ids: list(batch_decode([[i] for i in ids]))
+    return _token_id_strings
+
+
+# --------------------------------------------------------------------------- rendering
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+class Renderer:
+    """Turns router messages into OpenAI chunks / bodies for one request."""
+
+    def __init__(self, call: Call, token_strings: Callable[[Sequence[int]], list[str]]) -> None:
+        self.call = call
+        self.token_strings = token_strings
+        self.text_offset = 0  # completions logprobs: where the next token starts
+        self.sent_role = False
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.usage: common_pb2.Usage | None = None
+        self.finish_reason: str | None = None
+
+    # -- bookkeeping shared by both modes
+
+    def observe(self, msg: api_pb2.GenerateResponse) -> None:
+        if msg.prompt_token_ids:
+            self.prompt_tokens = len(msg.prompt_token_ids)
+        self.completion_tokens += len(msg.token_ids)
+        if msg.HasField("usage"):
+            self.usage = msg.usage
+        if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = FINISH_REASONS.get(msg.finish_reason, "abort")
+
+    def usage_json(self) -> dict[str, Any]:
+        if self.usage is not None:
+            p, c, k = (self.usage.prompt_tokens, self.usage.completion_tokens,
+                       self.usage.cached_tokens)
+        else:
+            p, c, k = self.prompt_tokens, self.completion_tokens, 0
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": k}}
+
+    # -- logprobs
+
+    def _strings(self, entries: Sequence[common_pb2.TokenLogprob]) -> tuple[list[str], list[str]]:
+        ids = [e.token_id for e in entries]
+        top_ids = [t.token_id for e in entries for t in e.top]
+        strings = self.token_strings(ids + top_ids)
+        return strings[:len(ids)], strings[len(ids):]
+
+    def completion_logprobs(self, entries: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
+        tokens, top_strings = self._strings(entries)
+        out: dict[str, Any] = {"tokens": tokens, "token_logprobs": [], "top_logprobs": [],
+                               "text_offset": []}
+        k = 0
+        for e, tok in zip(entries, tokens, strict=True):
+            top: dict[str, float] = {}
+            for t in e.top:
+                top[top_strings[k]] = _lp(t.logprob)
+                k += 1
+            top.setdefault(tok, _lp(e.logprob))
+            out["token_logprobs"].append(_lp(e.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.text_offset)
+            self.text_offset += len(tok)
+        return out
+
+    def chat_logprobs(self, entries: Sequence[common_pb2.TokenLogprob]) -> list[dict[str, Any]]:
+        tokens, top_strings = self._strings(entries)
+        content = []
+        k = 0
+        for e, tok in zip(entries, tokens, strict=True):
+            top = []
+            for t in e.top:
+                s = top_strings[k]
+                k += 1
+                top.append({"token": s, "logprob": _lp(t.logprob), "bytes": list(s.encode())})
+            content.append({"token": tok, "logprob": _lp(e.logprob),
+                            "bytes": list(tok.encode()), "top_logprobs": top})
+        return content
+
+    # -- streaming
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        call = self.call
+        out: dict[str, Any] = {
+            "id": call.id,
+            "object": "chat.completion.chunk" if call.chat else "text_completion",
+            "created": call.created, "model": call.model, "system_fingerprint": None,
+            "choices": choices,
+        }
+        if call.include_usage:
+            out["usage"] = None
+        return out
+
+    def chunk(self, msg: api_pb2.GenerateResponse) -> dict[str, Any] | None:
+        """The SSE chunk for one router message, or None when it carries nothing to say."""
+        self.observe(msg)
+        want_lp = self.call.logprobs and len(msg.logprobs) > 0
+        finish = self.finish_reason if msg.finish_reason else None
+        if self.call.chat:
+            if not (msg.text or want_lp or finish or not self.sent_role):
+                return None
+            delta: dict[str, Any] = {}
+            if not self.sent_role:
+                delta["role"] = "assistant"
+                self.sent_role = True
+            if msg.text or "role" in delta:
+                delta["content"] = msg.text
+            lp = {"content": self.chat_logprobs(msg.logprobs), "refusal": None} if want_lp \
+                else None
+            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            if not (msg.text or want_lp or finish):
+                return None
+            lp = self.completion_logprobs(msg.logprobs) if want_lp else None
+            choice = {"index": 0, "text": msg.text, "logprobs": lp, "finish_reason": finish}
+        return self._envelope([choice])
+
+    def usage_chunk(self) -> dict[str, Any]:
+        out = self._envelope([])
+        out["usage"] = self.usage_json()
+        return out
+
+    # -- non-streaming
+
+    def body(self, msgs: Sequence[api_pb2.GenerateResponse]) -> dict[str, Any]:
+        for m in msgs:
+            self.observe(m)
+        text = "".join(m.text for m in msgs)
+        entries = [e for m in msgs for e in m.logprobs]
+        call = self.call
+        if call.chat:
+            lp = {"content": self.chat_logprobs(entries), "refusal": None} \
+                if call.logprobs else None
+            choice = {"index": 0, "message": {"role": "assistant", "content": text,
+                                              "refusal": None},
+                      "logprobs": lp, "finish_reason": self.finish_reason}
+        else:
+            lp = self.completion_logprobs(entries) if call.logprobs else None
+            choice = {"index": 0, "text": text, "logprobs": lp,
+                      "finish_reason": self.finish_reason}
+        return {"id": call.id, "object": "chat.completion" if call.chat else "text_completion",
+                "created": call.created, "model": call.model, "system_fingerprint": None,
+                "choices": [choice], "usage": self.usage_json()}
