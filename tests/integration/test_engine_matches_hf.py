@@ -23,11 +23,11 @@ def prompts_for(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.parametrize(("arch", "kernel"), [(a, True) for a in ARCHS] + [("qwen2", False)])
 def test_batched_greedy_matches_hf(arch: str, kernel: bool, tiny_checkpoints) -> None:
-    """``kernel=False`` checks the torch fallback of decode attention (no C++ compiler)."""
+    """``kernel=False`` checks the torch fallback of the native kernels (no C++ compiler)."""
     path = tiny_checkpoints[arch]
     # Small blocks and budget: prompts span several blocks and prefill is chunked.
     llm = LLM(path, num_blocks=128, block_size=4, max_num_batched_tokens=23,
-              use_decode_kernel=kernel)
+              use_native_kernels=kernel)
     prompts = prompts_for(llm)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 20)

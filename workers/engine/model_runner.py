@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from workers.models.decoder import DecoderModel
+from workers.models.decoder import TORCH_OPS, DecoderModel, ElementwiseOps
 
 from . import kernels
 from .attention import build_attention_batch
@@ -24,6 +24,7 @@ from .params import EngineConfig
 from .sampler import Sampler, SampleResult
 from .scheduler import ScheduledChunk
 
+NATIVE_OPS = ElementwiseOps(kernels.rms_norm, kernels.add_rms_norm, kernels.rope_, kernels.silu_mul)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -73,8 +74,12 @@ class ModelRunner:
         self.dtype = TORCH_DTYPES[config.dtype]
         hf = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype)
         hf.eval()
-        decode_op = kernels.load(config.kernel_cache_dir) if config.use_decode_kernel else None
-        self.model = DecoderModel(hf, max_model_len, decode_op)
+        native = config.use_native_kernels and kernels.load(config.kernel_cache_dir) is not None
+        self.model = DecoderModel(
+            hf, max_model_len,
+            decode_op=kernels.paged_decode_attention if native else None,
+            ops=NATIVE_OPS if native else TORCH_OPS,
+        )
         self.vocab_size = self.model.shape.vocab_size
         self.block_size = config.block_size
         s = self.model.shape

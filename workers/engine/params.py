@@ -64,9 +64,9 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
-    use_decode_kernel: bool = True
-    """Fused native decode attention, compiled on first use; falls back to torch ops
-    (with a logged warning) where no C++ compiler is found."""
+    use_native_kernels: bool = True
+    """Fused native decode attention and elementwise ops, compiled on first use; falls
+    back to torch ops (with a logged warning) where no C++ compiler is found."""
     kernel_cache_dir: str | None = None  # None: ~/.cache/pdserve/kernels
 
     def __post_init__(self) -> None:

@@ -72,13 +72,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    x.add_(residual)
+    return rms_norm(x, weight, eps)
+
+
+def _rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return qk.copy_(apply_rope(qk, cos, sin))
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ElementwiseOps:
+    """The memory-bound ops between GEMMs. ``TORCH_OPS`` are the reference; the native
+    kernels (``workers.engine.kernels``) are fused versions equal to them bit for bit."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    rope_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+TORCH_OPS = ElementwiseOps(rms_norm, _add_rms_norm, _rope_, _silu_mul)
+
+
 class DecoderModel:
     """Holds the weights and runs one step's forward; owns no cache and no state."""
 
     def __init__(
-        self, hf_model: torch.nn.Module, max_positions: int, decode_op: Callable | None = None
+        self,
+        hf_model: torch.nn.Module,
+        max_positions: int,
+        decode_op: Callable | None = None,
+        ops: ElementwiseOps = TORCH_OPS,
     ) -> None:
         self.decode_op = decode_op  # fused paged decode attention; None: the torch path
+        self.ops = ops
         cfg = hf_model.config
         arch = (cfg.architectures or [type(hf_model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -158,28 +193,31 @@ class DecoderModel:
 
         ``kv_cache``: [layers, 2, slots, kv_heads, head_dim], written in place.
         """
-        s = self.shape
+        s, ops, eps = self.shape, self.ops, self.shape.rms_eps
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+        heads = s.num_heads + s.num_kv_heads
         cos, sin = self.cos[positions], self.sin[positions]
-        x = F.embedding(input_ids, self.embed)
+        x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         n = x.shape[0]
+        mlp_out: torch.Tensor | None = None
         for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.input_norm, s.rms_eps)
+            # The previous layer's MLP residual add is fused into this layer's input norm.
+            if mlp_out is None:
+                h = ops.rms_norm(x, lw.input_norm, eps)
+            else:
+                h = ops.add_rms_norm(x, mlp_out, lw.input_norm, eps)
             qkv = F.linear(h, lw.qkv, lw.qkv_bias)
-            qk, v = qkv.split([q_size + kv_size, kv_size], dim=-1)
-            qk = qk.view(n, s.num_heads + s.num_kv_heads, s.head_dim)
-            v = v.view(n, s.num_kv_heads, s.head_dim)
-            if lw.q_norm is not None:
-                q, k = qk.split([s.num_heads, s.num_kv_heads], dim=1)
-                qk = torch.cat(
-                    [rms_norm(q, lw.q_norm, s.rms_eps), rms_norm(k, lw.k_norm, s.rms_eps)], dim=1
-                )
             # Queries and keys are adjacent in the fused projection: rotate them together.
-            q, k = apply_rope(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
+            qk = qkv[:, : q_size + kv_size].view(n, heads, s.head_dim)
+            v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
+            if lw.q_norm is not None:
+                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+                q.copy_(ops.rms_norm(q, lw.q_norm, eps))
+                k.copy_(ops.rms_norm(k, lw.k_norm, eps))
+            q, k = ops.rope_(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
             attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op)
-            x = x + F.linear(attn, lw.o, lw.o_bias)
-            h = rms_norm(x, lw.post_norm, s.rms_eps)
-            gate, up = F.linear(h, lw.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw.down)
-        h = rms_norm(x[sample_rows], self.final_norm, s.rms_eps)
+            h = ops.add_rms_norm(x, F.linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
+            mlp_out = F.linear(ops.silu_mul(F.linear(h, lw.gate_up)), lw.down)
+        x.add_(mlp_out)
+        h = ops.rms_norm(x[sample_rows], self.final_norm, eps)
         return F.linear(h, self.lm_head).float()

@@ -2,8 +2,16 @@
 
 :func:`paged_decode_attention` is fused decode attention over the paged KV cache
 (``paged_attention.cpp``): one query token per sequence, K/V read straight from the
-cache blocks named by each sequence's block table, no gather copy. It runs on torch's
-intra-op thread pool (``at::parallel_for``), so it honours ``torch.set_num_threads``.
+cache blocks named by each sequence's block table, no gather copy.
+
+:func:`rms_norm`, :func:`add_rms_norm`, :func:`rope_` and :func:`silu_mul`
+(``fused_ops.cpp``) fuse the decoder layer's elementwise chains into one pass each and
+reproduce the torch expressions in ``workers/models/decoder.py`` bit for bit (float32
+and bfloat16): same roundings, same order of the RMSNorm sum as torch's reduction
+kernel, same exp as torch's silu.
+
+All run on torch's intra-op thread pool (``at::parallel_for``), so they honour
+``torch.set_num_threads``. Both sources build into one library.
 
 The extension is built with ``-O3 -march=native`` into ``cache_dir`` (default
 ``~/.cache/pdserve/kernels``), in a directory named by a hash of the source, the flags,
@@ -38,13 +46,18 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "fused_ops.cpp"))
 DEFAULT_CACHE_DIR = Path("~/.cache/pdserve/kernels")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 # -fopenmp compiles at::parallel_for's OpenMP region inline; -lgomp resolves to the
 # libgomp torch already loaded (same soname), so the kernel shares torch's pool.
 LDFLAGS = ("-fopenmp",)
 _OP_NAMESPACE = "pdserve_kernels"
+# Vectorized<float> widths of the torch kernels the fused ops reproduce: torch's sum
+# kernel has no AVX-512 variant (8 lanes on AVX2 and AVX-512 machines, and on NEON);
+# its silu kernel does (16 lanes under the AVX512 capability).
+SUM_LANES = 8
+SILU_LANES = 16 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 8
 
 
 @dataclass(frozen=True)
@@ -57,12 +70,14 @@ class BuildInfo:
 
 _lock = threading.Lock()
 _op: Callable | None = None
+_fused: dict[str, Callable] = {}
 _info: BuildInfo | None = None
 _error: str | None = None
 
 
 def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
-    """The compiled ``paged_decode_attention`` op, building it if needed; None if unusable.
+    """The compiled ``paged_decode_attention`` op, building the library if needed (the
+    fused ops below load with it); None if unusable.
 
     The first call in a process decides: later calls return the same op (or None)
     whatever ``cache_dir`` they pass.
@@ -75,16 +90,21 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
             return _op
         try:
             _info = _build_and_load(Path(cache_dir or DEFAULT_CACHE_DIR).expanduser())
-            _op = getattr(torch.ops, _OP_NAMESPACE).paged_decode_attention
+            ns = getattr(torch.ops, _OP_NAMESPACE)
+            _fused.update(
+                (name, getattr(ns, name).default)
+                for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul")
+            )
+            _op = ns.paged_decode_attention
             log.info(
-                "paged decode kernel %s in %.2fs (%s)",
+                "native kernels %s in %.2fs (%s)",
                 "compiled" if _info.compiled else "loaded",
                 _info.seconds,
                 _info.library,
             )
         except Exception as e:  # noqa: BLE001 - any failure means "use the torch path"
             _error = f"{type(e).__name__}: {e}".strip()[-4000:]  # compiler output can be long
-            log.warning("paged decode kernel unavailable, using the torch path: %s", _error)
+            log.warning("native kernels unavailable, using the torch path: %s", _error)
     return _op
 
 
@@ -131,9 +151,61 @@ def paged_decode_attention(
     return op(q, k_cache, v_cache, block_tables, context_lens, float(scale))
 
 
+def _fused_op(name: str) -> Callable:
+    if load() is None:
+        raise RuntimeError(f"native kernels unavailable: {_error}")
+    return _fused[name]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``decoder.rms_norm`` (transformers' LlamaRMSNorm) in one pass, bit for bit.
+
+    x: float32 or bfloat16 ``[..., D]`` (last dim contiguous; any strides elsewhere, e.g.
+    a q or k view of the fused QKV output); weight: ``[D]`` in x's dtype. Statistics in
+    float32; for bfloat16 the normalised row is rounded to bfloat16 before the weight
+    multiply, as transformers does. Returns a new contiguous tensor of x's shape.
+    """
+    return _fused_op("rms_norm")(x, weight, float(eps), SUM_LANES)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``x += residual`` in place (rounded to x's dtype), then :func:`rms_norm` of it.
+
+    Equal bit for bit to ``x = x + residual; h = decoder.rms_norm(x, weight, eps)``;
+    returns ``h``. residual: x's shape and dtype, last dim contiguous.
+    """
+    return _fused_op("add_rms_norm")(x, residual, weight, float(eps), SUM_LANES)
+
+
+def rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``decoder.apply_rope`` in place: ``qk = qk * cos + rotate_half(qk) * sin``.
+
+    qk: ``[tokens, heads, head_dim]``, float32 or bfloat16, last dim contiguous (may be
+    a view of the fused QKV output); cos/sin: ``[tokens, 1, head_dim]`` or ``[tokens,
+    head_dim]`` in qk's dtype, halves duplicated. Each product and the sum are rounded
+    to the dtype as torch does, so the result is bit-exact. Returns qk.
+    """
+    _fused_op("rope_")(qk, cos, sin)
+    return qk
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, dim=-1)``, bit for bit.
+
+    gate_up: float32 or bfloat16 ``[..., 2 * I]``, last dim contiguous. Returns a new
+    contiguous ``[..., I]`` tensor.
+    """
+    return _fused_op("silu_mul")(gate_up, SILU_LANES)
+
+
 def _cache_key() -> str:
     h = hashlib.sha256()
-    h.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        h.update(source.name.encode())
+        h.update(b"\0")
+        h.update(source.read_bytes())
     abi = str(torch.compiled_with_cxx11_abi())
     for part in (*CFLAGS, "|", *LDFLAGS, "|", torch.__version__, abi, sys.platform,
                  platform.machine(), _cpu_flags()):
@@ -199,7 +271,7 @@ def _compile(name: str, build_dir: Path, library: Path, compiler: str) -> str:
                 # is_python_module=False: torch loads it with torch.ops.load_library.
                 cpp_extension.load(
                     name=name,
-                    sources=[str(SOURCE)],
+                    sources=[str(s) for s in SOURCES],
                     extra_cflags=list(CFLAGS),
                     extra_ldflags=list(LDFLAGS),
                     build_directory=str(work),
@@ -226,7 +298,7 @@ def _compile_direct(compiler: str, output: Path, cpp_extension) -> None:
     cmd = [
         compiler, *CFLAGS, "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-isystem{p}" for p in cpp_extension.include_paths()),
-        str(SOURCE), "-o", str(output),
+        *(str(s) for s in SOURCES), "-o", str(output),
         *(f"-L{p}" for p in cpp_extension.library_paths()),
         "-lc10", "-ltorch_cpu", *LDFLAGS,
     ]
