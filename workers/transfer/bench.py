@@ -1,0 +1,230 @@
+"""Transfer benchmark: KV bytes/s prefill -> decode over the channel vs a raw TCP copy.
+
+    python -m workers.transfer.bench [--tokens 2048] [--iters 10] [--dtypes float32,bfloat16]
+
+Workload: one request's KV shaped like SmolLM2-135M (30 layers, 3 KV heads, head_dim 64,
+block 16). This process plays the prefill worker; a child process (this module with
+``--child``) plays the decode worker. Per iteration and dtype the same bytes go:
+
+- raw:     ``socket.sendall`` of the payload into ``recv_into`` a preallocated buffer
+           (the loopback link's practical limit, no framing, no copies after receipt);
+- direct:  ``KVSender.send`` of the payload into ``KVReceiver`` reserved blocks of a
+           paged cache that form one run of consecutive ids (offer, checks, accept,
+           payload received in place: the direct framing);
+- staged:  the same into scattered (reversed) block ids (payload lands in channel
+           buffers and is scattered into the cache: one more copy on the decode side);
+- gather:  as direct, but starting from the prefill's own paged cache
+           (``send_blocks``: a gather copy on the prefill side first).
+
+Each timing runs from the send call to the child's "done" line, so both paths pay the
+same notification. The modes alternate per iteration so load drift hits both alike.
+Parent and child talk in text lines over the child's stdin/stdout (no pickle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from workers.transfer.blocks import KVDestination, PagedCacheDestination, gather_blocks
+from workers.transfer.channel import TransferConfig
+from workers.transfer.header import KVLayout
+from workers.transfer.receiver import KVReceiver
+from workers.transfer.sender import KVSender
+from workers.transfer.state import TransferState
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
+
+
+def target_ids(n: int, pattern: str) -> list[int]:
+    """One run of consecutive ids, or the same ids reversed (no two adjacent)."""
+    ids = list(range(n, 2 * n))
+    return ids[::-1] if pattern == "staged" else ids
+
+
+def layout(dtype: str) -> KVLayout:
+    return KVLayout(LAYERS, BLOCK, KV_HEADS, HEAD_DIM, DTYPES[dtype])
+
+
+def cache_for(lay: KVLayout, num_blocks: int) -> torch.Tensor:
+    return torch.zeros(lay.num_layers, 2, num_blocks * BLOCK, KV_HEADS, HEAD_DIM,
+                       dtype=lay.dtype)
+
+
+# --- the child: decode worker stand-in -------------------------------------------------
+
+class _Discard:
+    """Diagnostic destination: drops the payload (isolates wire + protocol cost)."""
+
+    direct = False
+
+    def write(self, plane_start: int, kv: torch.Tensor) -> None:
+        pass
+
+    def region(self, plane: int, i0: int, i1: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def child(args: argparse.Namespace) -> None:
+    cfg = TransferConfig(chunk_bytes=args.chunk_bytes, recv_window=args.window)
+    rx = KVReceiver("bench-decode", cfg)
+    raw = socket.socket()
+    raw.bind(("127.0.0.1", 0))
+    raw.listen(1)
+    print(f"ready {rx.address} {raw.getsockname()[1]}", flush=True)
+    conn, _ = raw.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    caches: dict[str, torch.Tensor] = {}
+    buf = bytearray()
+    for line in sys.stdin:
+        op, *rest = line.split()
+        if op == "raw":
+            nbytes = int(rest[0])
+            if len(buf) < nbytes:
+                buf = bytearray(nbytes)
+            view, got = memoryview(buf), 0
+            while got < nbytes:
+                got += conn.recv_into(view[got:nbytes])
+            print("done", flush=True)
+        elif op == "expect":
+            request_id, dtype, n, pattern = rest[0], rest[1], int(rest[2]), rest[3]
+            lay = layout(dtype)
+            cache = caches.setdefault(dtype, cache_for(lay, 2 * n))
+            ids = target_ids(n, pattern)
+            dest: KVDestination = PagedCacheDestination(cache, ids, BLOCK)
+            if args.dest == "discard":
+                dest = _Discard()
+            h = rx.expect(request_id, lay, ids, dest)
+            print("ready", flush=True)
+            r = h.wait(120)
+            print(f"done {r.state.value}", flush=True)
+        elif op == "exit":
+            break
+    conn.close()
+    raw.close()
+    rx.close()
+
+
+# --- the parent: prefill worker stand-in -------------------------------------------------
+
+class Child:
+    def __init__(self, args: argparse.Namespace):
+        cmd = [sys.executable, "-m", "workers.transfer.bench", "--child",
+               "--chunk-bytes", str(args.chunk_bytes), "--window", str(args.window),
+               "--dest", args.dest]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+        words = self.read().split()
+        self.address, self.raw_port = words[1], int(words[2])
+
+    def say(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def read(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("bench child exited")
+        return line.strip()
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    child_proc = Child(args)
+    raw = socket.create_connection(("127.0.0.1", child_proc.raw_port))
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sender = KVSender("bench-prefill", TransferConfig(chunk_bytes=args.chunk_bytes,
+                                                       recv_window=args.window))
+    n = args.tokens // BLOCK
+    load_before = os.getloadavg()
+    print(f"workload: {args.tokens}-token KV, SmolLM2-135M shape ({LAYERS} layers, "
+          f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}, block {BLOCK}), {n} blocks; "
+          f"{args.iters} timed iterations after {args.warmup} warm-up, modes interleaved; "
+          f"chunk_bytes={args.chunk_bytes} window={args.window} dest={args.dest}")
+    print(f"machine: {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads), python {platform.python_version()}, "
+          f"loadavg {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
+    print(f"{'dtype':<9} {'mode':<8} {'bytes':>11} {'median s':>9} {'best s':>8} "
+          f"{'GB/s med':>9} {'GB/s best':>9} {'vs raw':>7}")
+    counter = 0
+    for dtype in args.dtypes.split(","):
+        lay = layout(dtype)
+        src_cache = cache_for(lay, n)
+        src_cache.normal_()
+        src_ids = list(range(n))
+        kv = gather_blocks(src_cache, src_ids, BLOCK)
+        nbytes = kv.numel() * kv.element_size()
+        payload = memoryview(kv.view(torch.uint8).numpy()).cast("B")
+        times: dict[str, list[float]] = {"raw": [], "direct": [], "staged": [], "gather": []}
+        for it in range(args.warmup + args.iters):
+            for mode in times:
+                counter += 1
+                if mode == "raw":
+                    t0 = time.perf_counter()
+                    child_proc.say(f"raw {nbytes}")
+                    raw.sendall(payload)
+                    reply = child_proc.read()
+                else:
+                    rid = f"bench-{counter}"
+                    pattern = "staged" if mode == "staged" else "direct"
+                    dst_ids = target_ids(n, pattern)
+                    child_proc.say(f"expect {rid} {dtype} {n} {pattern}")
+                    assert child_proc.read() == "ready"
+                    t0 = time.perf_counter()
+                    if mode != "gather":
+                        h = sender.send(child_proc.address, rid, dst_ids, kv, timeout_s=60)
+                    else:
+                        h = sender.send_blocks(child_proc.address, rid, src_cache, src_ids,
+                                               dst_ids, BLOCK, timeout_s=60)
+                    reply = child_proc.read()
+                    if h.wait(60).state is not TransferState.DONE or reply != "done done":
+                        raise RuntimeError(f"{mode} transfer failed: {h.result()} / {reply}")
+                elapsed = time.perf_counter() - t0
+                if it >= args.warmup:
+                    times[mode].append(elapsed)
+        raw_med = statistics.median(times["raw"])
+        for mode, ts in times.items():
+            med, best = statistics.median(ts), min(ts)
+            print(f"{dtype:<9} {mode:<8} {nbytes:>11} {med:>9.4f} {best:>8.4f} "
+                  f"{nbytes / med / 1e9:>9.2f} {nbytes / best / 1e9:>9.2f} "
+                  f"{raw_med / med:>6.0%}")
+    load_after = os.getloadavg()
+    print(f"loadavg after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; "
+          "'vs raw' = raw median time / mode median time (target >= 80%)")
+    sender.close()  # while the child's store is up, so the pairs end cleanly
+    child_proc.say("exit")
+    child_proc.proc.wait(30)
+    raw.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--chunk-bytes", type=int, default=TransferConfig.chunk_bytes)
+    p.add_argument("--window", type=int, default=TransferConfig.recv_window)
+    p.add_argument("--dest", choices=("paged", "discard"), default="paged",
+                   help="decode-side destination; 'discard' skips the scatter (diagnostic)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        child(args)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The KV transfer channel between a prefill worker and a decode worker.
+
+Lifecycle of one transfer (prefill P sends blocks of request R to decode D)::
+
+    D: KVReceiver(...)               hosts the rendezvous store on its serving interface
+    D: h = receiver.expect(R, layout, block_ids, destination)        h: PENDING
+    P: s = sender.send(D.address, R, block_ids, kv)                  s: PENDING
+         first send to D only: join (a new pair id, its own 2-rank process group:
+         rank 0 = P, rank 1 = D; gloo on CPU pinned to the host, NCCL on CUDA)
+    P: offer = header + block ids, pushed on D's inbox queue in the store
+    D: the inbox thread pops it, matches R's reservation (an offer that comes first
+       waits for it, at most offer_timeout_s); a receive thread checks layout, dtype,
+       count, block ids and size BEFORE posting any receive, and refuses on any
+       mismatch (P: FAILED, D: FAILED, destination untouched)
+    D: accept (compare_set on the transfer's decision key, then a note on the pair's
+       reply queue) and post the first receives                       h: RECEIVING
+    P: woken by the note, reads the accept                           s: SENDING
+    P: payload messages over the pair's process group, one gloo tag per message
+    D: each message lands in a channel buffer and is scattered into the destination
+       (staged), or lands in the destination itself when the target blocks form long
+       runs (direct: one message per layer, K/V and run; no second copy)
+                                                                     h, s: DONE
+    Any timeout or broken connection: FAILED / TIMED_OUT with the reason, the pair is
+    closed, and the next send to D opens a new one.
+
+Why the header does not ride on gloo: a gloo receive that times out closes the whole
+pair, and a message larger than the posted buffer aborts the process. So the control
+path (offers, decisions) uses the store, whose waits time out harmlessly and whose
+compare_set gives the accept-versus-sender-timeout race a single winner; gloo only ever
+carries payload whose size both ends have already agreed on.
+
+The channel writes into reserved blocks; it never allocates or frees them. A terminal
+state is the caller's cue to free (FAILED, TIMED_OUT) or commit (DONE) them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from workers.transfer.rendezvous import check_host
+
+
+class ChannelError(RuntimeError):
+    """A pair could not be opened or broke; the message says which pair and why."""
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """One endpoint's settings; the same defaults serve both ends.
+
+    ``host`` is the interface the endpoint serves on (the store and the gloo devices
+    bind it; never all interfaces). Timeouts bound every blocking call:
+    ``connect_timeout_s`` opening a pair, ``offer_timeout_s`` a sender waiting for an
+    accept (default, per send) and a receiver keeping an offer nobody reserved for,
+    ``data_timeout_s`` each payload message, ``expect_timeout_s`` a reservation waiting
+    for its offer (default, per expect). ``chunk_bytes`` sizes staged messages (sender);
+    a receiver takes the direct framing when its messages average ``direct_min_bytes``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "cpu"
+    connect_timeout_s: float = 10.0
+    offer_timeout_s: float = 10.0
+    data_timeout_s: float = 30.0
+    expect_timeout_s: float = 60.0
+    chunk_bytes: int = 8 << 20
+    direct_min_bytes: int = 256 << 10
+    recv_window: int = 4
+    staging_pool_bytes: int = 256 << 20
+    max_inflight_per_pair: int = 4
+    max_payload_bytes: int = 16 << 30
+    housekeeping_interval_s: float = 0.05
+    idle_wait_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        check_host(self.host)
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"TransferConfig.port {self.port} outside [0, 65536)")
+        for name in ("connect_timeout_s", "offer_timeout_s", "data_timeout_s",
+                     "expect_timeout_s", "housekeeping_interval_s", "idle_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransferConfig.{name} must be > 0")
+        if self.staging_pool_bytes < 0:
+            raise ValueError("TransferConfig.staging_pool_bytes must be >= 0")
+        for name in ("chunk_bytes", "direct_min_bytes", "recv_window",
+                     "max_inflight_per_pair", "max_payload_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TransferConfig.{name} must be >= 1")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"TransferConfig.device must be 'cpu' or 'cuda[:N]', "
+                             f"got {self.device!r}")
+
+    @property
+    def backend(self) -> str:
+        """NCCL when this endpoint's KV lives on CUDA and NCCL is built in, else gloo."""
+        if self.device.startswith("cuda") and dist.is_nccl_available():
+            return "nccl"
+        return "gloo"
+
+    @property
+    def wire_device(self) -> str:
+        """Where payload buffers live: on the GPU for NCCL, in host memory for gloo."""
+        return self.device if self.backend == "nccl" else "cpu"
+
+    @property
+    def pair_concurrency(self) -> int:
+        """NCCL ignores tags and matches point-to-point calls in order, so a NCCL pair
+        carries one payload at a time; gloo's tags let several interleave."""
+        return 1 if self.backend == "nccl" else self.max_inflight_per_pair

@@ -1,0 +1,118 @@
+"""Landing an accepted payload on the decode side: the two framings' receive loops.
+
+Both run on the receive thread of one transfer, after the accept, and either return
+with every byte in the destination or raise (the caller then fails the transfer and
+closes the pair). Neither blocks longer than ``data_timeout_s`` per message.
+
+- direct: every message is received straight into its destination region. Such writes
+  cannot be called back, so the handle was sealed before the accept; on an error every
+  posted receive is resolved before raising, so nothing lands after the transfer ended.
+- staged: messages land in a ring of channel-owned buffers and are written into the
+  destination one by one under the handle, so a cancel stops the writes at once while
+  the rest of the payload is drained (the pair stays in step).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+import torch.distributed as dist
+
+from workers.transfer.blocks import KVDestination
+from workers.transfer.header import Message, TransferHeader, direct_plan_fits, message_plan, tag_for
+from workers.transfer.rendezvous import td
+from workers.transfer.state import TransferHandle
+
+
+class BufferPool:
+    """Staging buffers kept between staged receives: a fresh buffer costs a page fault
+    per 4 KiB on first touch, about as much as the copy it stages. Thread-safe; keeps at
+    most ``limit`` bytes, the least recently returned dropped first."""
+
+    def __init__(self, device: str, limit: int):
+        self.device, self.limit = device, limit
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            for i, b in enumerate(self._free):
+                if b.numel() == nbytes:
+                    return self._free.pop(i)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.insert(0, buf)
+            while sum(b.numel() for b in self._free) > self.limit:
+                self._free.pop()
+
+
+def use_direct(header: TransferHeader, block_ids: list[int], destination: KVDestination,
+               wire_device: str, min_bytes: int) -> bool:
+    """Receive in place when the destination allows it, lives where the wire lands, and
+    the runs of target ids make messages of ``min_bytes`` on average. Side-effect free."""
+    if not getattr(destination, "direct", False) or not direct_plan_fits(
+            header, block_ids, min_bytes):
+        return False
+    first = message_plan(header, block_ids, True)[0]
+    probe = destination.region(first.p0, first.i0, first.i1)
+    return probe.device == torch.device(wire_device)
+
+
+def receive_direct(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Message],
+                   destination: KVDestination, timeout_s: float, wire_device: str) -> None:
+    """All messages posted at once into their regions (no buffers of ours needed)."""
+    works = {i: pg.recv([destination.region(m.p0, m.i0, m.i1)], 0, tag_for(header.seq, i))
+             for i, m in enumerate(plan)}
+    try:
+        for i in range(len(plan)):
+            works.pop(i).wait(td(timeout_s))
+        _sync(wire_device)
+    except BaseException:
+        for w in works.values():  # the pair is closed by now: these fail at once
+            try:
+                w.wait(td(1.0))
+            except Exception:  # noqa: BLE001, S110 - resolved is all we need
+                pass
+        raise
+
+
+def receive_staged(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Message],
+                   destination: KVDestination, handle: TransferHandle, timeout_s: float,
+                   window: int, pool: BufferPool) -> None:
+    """Messages through a ring of ``window`` pooled buffers, each written on arrival."""
+    lay = header.layout
+    window = min(window, len(plan))
+    shape = (header.chunk_planes, header.num_blocks, lay.block_size, lay.kv_heads,
+             lay.head_dim)
+    raw = [pool.take(math.prod(shape) * lay.element_size) for _ in range(window)]
+    ring = [b.view(lay.dtype).view(shape) for b in raw]
+    works = {}
+
+    def post(i: int) -> None:
+        m = plan[i]
+        works[i] = pg.recv([ring[i % window][: m.p1 - m.p0]], 0, tag_for(header.seq, i))
+
+    for i in range(window):
+        post(i)
+    for i, m in enumerate(plan):
+        works.pop(i).wait(td(timeout_s))
+        with handle.writing() as may_write:
+            if may_write:
+                destination.write(m.p0, ring[i % window][: m.p1 - m.p0])
+        if i + window < len(plan):
+            post(i + window)
+    _sync(pool.device)
+    # Only now: after an error a posted receive may still hold a buffer, so those
+    # buffers are dropped with the failed transfer, never reused.
+    for b in raw:
+        pool.give(b)
+
+
+def _sync(device: str) -> None:
+    """NCCL receives complete on a stream; DONE must mean the bytes are there."""
+    if device.startswith("cuda"):  # pragma: no cover - NCCL path, untested here
+        torch.cuda.current_stream(torch.device(device)).synchronize()

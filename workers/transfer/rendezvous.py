@@ -1,0 +1,131 @@
+"""Stores and process groups for transfer pairs: binding, connecting, timed waits.
+
+The decode worker hosts one ``TCPStore`` for all its pairs. Everything here binds the
+configured interface only: the store's listening socket is bound by us and handed over
+as ``master_listen_fd`` (``TCPStore(host_name=...)`` alone listens on every interface),
+and each gloo process group gets a device created for that host.
+
+Store keys (under :data:`ROOT`; pair keys through :func:`pair_store`)::
+
+    pair_seq                counter; a sender's ``add`` names its new pair
+    inbox                   the receiver's one queue: joins ``J v1 <id> <backend> <name>``,
+                            offers (header + block ids), ``B<id>`` (sender closed a pair)
+    join/<id>               "A" or "R:<reason>": the receiver's answer to a join
+    pair/<id>/pg/...        the pair's process group rendezvous (2 ranks)
+    pair/<id>/ready         set once the receiver has registered the pair
+    pair/<id>/decision/<s>  "A" | "AD" | "R:<reason>" | "C": who decided transfer s, set
+                            once by compare_set, so an accept racing a sender's timeout
+                            has a single winner
+    pair/<id>/replies       queue of "<s>": decision s was set by the receiver
+    pair/<id>/closed        set when the receiver closed the pair, with the reason
+
+A ``TCPStore`` client serialises its calls on one socket, so a blocking wait holds up
+every other call on that client: each blocking loop (the receiver's inbox, a sender
+pair's replies) owns a client, and everything else makes only quick calls on a shared
+one. Connections are kept few on purpose: opening one can stall for seconds on some
+hosts (seen: 1 in ~10 torch TCPStore connects taking 5 s inside a gVisor sandbox).
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch.distributed as dist
+
+ROOT = "pdserve/kvx/v1"
+JOIN_PREFIX = b"J"
+BYE_PREFIX = b"B"
+STOP = b"STOP"
+ACCEPT = b"A"  # staged framing
+ACCEPT_DIRECT = b"AD"  # direct framing (see header.message_plan)
+CANCEL = b"C"
+REFUSE_PREFIX = b"R:"
+
+_ALL_INTERFACES = {"", "0.0.0.0", "::", "*"}
+
+
+def td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+def check_host(host: str) -> None:
+    if host in _ALL_INTERFACES:
+        raise ValueError(f"refusing to bind the transfer path to all interfaces ({host!r}); "
+                         "give the address of the interface this worker serves on")
+
+
+def listen_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A store server bound to ``host`` only (port 0: an ephemeral port)."""
+    check_host(host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # a restarted decode worker can take its port back while old connections linger
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        bound_port = sock.getsockname()[1]
+        store = dist.TCPStore(host, bound_port, None, True, td(timeout_s),
+                              wait_for_workers=False, master_listen_fd=sock.fileno(),
+                              use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns and closes the fd now
+    return store
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of a remote store; raises within ``timeout_s`` if nobody answers."""
+    return dist.TCPStore(host, port, None, False, td(timeout_s), wait_for_workers=False)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"transfer address must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def new_process_group(backend: str, store: dist.Store, rank: int, host: str,
+                      timeout_s: float) -> dist.ProcessGroup:
+    """The 2-rank group of one pair; blocks until the peer constructs its half or
+    ``timeout_s`` passes. No global default group is involved."""
+    if backend == "gloo":
+        gloo = dist.ProcessGroupGloo
+        opts = gloo._Options()
+        opts._timeout = td(timeout_s)
+        opts._devices = [gloo.create_device(hostname=host)]
+        return gloo(store, rank, 2, opts)
+    if backend == "nccl":  # pragma: no cover - needs two GPUs; untested on this machine
+        nccl = dist.ProcessGroupNCCL
+        opts = nccl.Options()
+        opts._timeout = td(timeout_s)
+        opts.is_high_priority_stream = False
+        return nccl(store, rank, 2, opts)
+    raise ValueError(f"unknown transfer backend {backend!r}; use 'gloo' or 'nccl'")
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """Whether a store or gloo error was a deadline, not a broken connection."""
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text
+
+
+def pair_store(root: dist.Store, pair_id: int) -> dist.PrefixStore:
+    """The keys of one pair. Always go through this: PrefixStore joins prefix and key
+    with "/", so hand-written nested keys drift."""
+    return dist.PrefixStore(f"pair/{pair_id}", root)
+
+
+def wait_key(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
+    """The value of ``key`` once set, or None after ``timeout_s``. Raises when the store
+    is unreachable (its host died). Blocks ``store``'s client meanwhile."""
+    try:
+        store.wait([key], td(timeout_s))
+    except dist.DistStoreError as e:
+        if is_timeout(e):
+            return None
+        raise
+    return store.get(key)

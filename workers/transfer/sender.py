@@ -1,0 +1,333 @@
+"""The prefill end: open pairs on first use, offer, and send accepted payloads.
+
+A send runs on its own daemon thread:
+
+1. find the pair to the decode address, or open it (join, 2-rank process group, wait
+   until the receiver registered it), each step bounded by ``connect_timeout_s``;
+2. take one of the pair's in-flight slots and post the offer to the receiver's inbox;
+3. wait for the decision, bounded by the send's timeout: the pair's reply thread wakes
+   it when the receiver decided; on expiry it cancels with compare_set, and whichever of
+   cancel and accept landed first holds;
+4. on accept, send the payload messages in the framing the receiver chose, each wait
+   bounded by ``data_timeout_s``.
+
+A transport error closes the pair; the next send to that address opens a fresh one (a
+new pair id, so nothing stale can match). A pair the receiver closed before anything was
+offered is replaced at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from workers.transfer.blocks import gather_blocks
+from workers.transfer.channel import ChannelError, TransferConfig
+from workers.transfer.header import (
+    KVLayout,
+    TransferHeader,
+    encode_offer,
+    message_plan,
+    request_id64,
+    tag_for,
+)
+from workers.transfer.rendezvous import (
+    ACCEPT,
+    ACCEPT_DIRECT,
+    BYE_PREFIX,
+    CANCEL,
+    JOIN_PREFIX,
+    REFUSE_PREFIX,
+    ROOT,
+    STOP,
+    connect_store,
+    is_timeout,
+    new_process_group,
+    pair_store,
+    parse_address,
+    td,
+    wait_key,
+)
+from workers.transfer.state import (
+    ChannelStats,
+    StateCounters,
+    TransferHandle,
+    TransferState,
+)
+
+log = logging.getLogger(__name__)
+
+
+class _SendPair:
+    """Rank 0 of one pair: its process group, its store calls, its reply thread."""
+
+    def __init__(self, address: str, pair_id: int, pg: dist.ProcessGroup, root: dist.Store,
+                 config: TransferConfig):
+        self.address, self.pair_id, self.pg, self.config = address, pair_id, pg, config
+        self.root = root  # quick calls only (one shared client)
+        self.store = pair_store(root, pair_id)
+        self.slots = threading.BoundedSemaphore(config.pair_concurrency)
+        self._lock = threading.Lock()
+        self._next_seq = 1
+        self._waiters: dict[int, threading.Event] = {}
+        self.broken: str | None = None
+        self._replies = threading.Thread(target=self._reply_loop, daemon=True,
+                                         name=f"kvx-replies-{pair_id}")
+        self._replies.start()
+
+    def next_seq(self) -> tuple[int, threading.Event]:
+        """A new transfer number and the event its decision will set."""
+        with self._lock:
+            seq, self._next_seq = self._next_seq, self._next_seq + 1
+            self._waiters[seq] = ev = threading.Event()
+            return seq, ev
+
+    def done(self, seq: int) -> None:
+        with self._lock:
+            self._waiters.pop(seq, None)
+
+    def close(self, reason: str) -> None:
+        """Mark broken, tell the receiver and stop the reply thread (best effort: the
+        receiver may be gone)."""
+        with self._lock:
+            if self.broken is not None:
+                return
+            self.broken = reason
+            waiters = list(self._waiters.values())
+        for ev in waiters:
+            ev.set()
+        try:
+            self.root.queue_push("inbox", BYE_PREFIX + str(self.pair_id).encode())
+            self.store.queue_push("replies", STOP)
+        except Exception:  # noqa: BLE001 - the peer's store may be dead; nothing to tell
+            pass
+
+    def _reply_loop(self) -> None:
+        try:
+            client = self.store.clone()
+            client.set_timeout(td(self.config.idle_wait_s))
+        except Exception as e:  # noqa: BLE001
+            self.close(f"cannot watch replies: {e}")
+            return
+        while self.broken is None:
+            try:
+                msg = client.queue_pop("replies", True)
+            except Exception as e:  # noqa: BLE001 - idle expiry: wait again; else broken
+                if is_timeout(e):
+                    continue
+                self.close(f"decode worker's store unreachable: {e}")
+                return
+            if msg == STOP:
+                return
+            with self._lock:
+                ev = self._waiters.get(int(msg))
+            if ev is not None:
+                ev.set()
+
+
+class KVSender:
+    """Sends KV to decode workers. One per prefill process; thread-safe.
+
+    ``send`` never blocks on the network: it returns a PENDING handle at once and a
+    daemon thread carries the transfer through its states.
+    """
+
+    def __init__(self, name: str, config: TransferConfig | None = None):
+        self.name = name
+        self.config = config or TransferConfig()
+        self._counters = StateCounters()
+        self._lock = threading.Lock()
+        self._pairs: dict[str, _SendPair] = {}
+        self._opening: dict[str, threading.Lock] = {}
+        self._closed = False
+
+    def send(self, address: str, request_id: str, block_ids: Sequence[int], kv: torch.Tensor,
+             timeout_s: float | None = None) -> TransferHandle:
+        """Send ``kv`` ``[layers, 2, n, block_size, kv_heads, head_dim]`` into blocks
+        ``block_ids`` reserved for ``request_id`` on the decode worker at ``address``.
+
+        Bounds: opening a new pair ``connect_timeout_s`` per step; then ``timeout_s``
+        (default ``offer_timeout_s``) for a free slot and the receiver's accept; then
+        ``data_timeout_s`` per payload message. Keep ``kv`` unchanged until the handle
+        is terminal. ``cancel`` works until the offer is posted. Raises ValueError for
+        a malformed payload, RuntimeError once closed.
+        """
+        if kv.dim() != 6 or kv.shape[1] != 2 or kv.shape[2] != len(block_ids):
+            raise ValueError(f"kv must be [layers, 2, {len(block_ids)}, block_size, kv_heads, "
+                             f"head_dim] for {len(block_ids)} block ids, got {tuple(kv.shape)}")
+        if not block_ids:
+            raise ValueError(f"nothing to send for {request_id!r}: no block ids")
+        layout = KVLayout(kv.shape[0], kv.shape[3], kv.shape[4], kv.shape[5], kv.dtype)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"KVSender {self.name!r} is closed")
+        handle = TransferHandle(request_id, self._counters)
+        timeout = self.config.offer_timeout_s if timeout_s is None else timeout_s
+        args = (handle, address, layout, list(block_ids), kv.contiguous(), timeout)
+        threading.Thread(target=self._run, args=args, daemon=True,
+                         name=f"kvx-send-{request_id}").start()
+        return handle
+
+    def send_blocks(self, address: str, request_id: str, cache: torch.Tensor,
+                    src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                    block_size: int, timeout_s: float | None = None) -> TransferHandle:
+        """Gather ``src_block_ids`` of a paged cache now (so the caller may reuse them as
+        soon as this returns) and send them into ``dst_block_ids``."""
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} "
+                             "target blocks")
+        kv = gather_blocks(cache, src_block_ids, block_size)
+        return self.send(address, request_id, dst_block_ids, kv, timeout_s)
+
+    def stats(self) -> ChannelStats:
+        with self._lock:
+            pairs = sum(p.broken is None for p in self._pairs.values())
+        return self._counters.snapshot(pairs)
+
+    def close(self) -> None:
+        """Close every pair (their receivers are told). In-flight payloads end by their
+        own timeouts; new sends raise."""
+        with self._lock:
+            self._closed = True
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for p in pairs:
+            p.close(f"prefill worker {self.name!r} closed its sender")
+
+    # --- the transfer thread ---------------------------------------------------------
+
+    def _run(self, handle: TransferHandle, address: str, layout: KVLayout,
+             block_ids: list[int], kv: torch.Tensor, timeout: float) -> None:
+        # Two attempts: a pair the decode worker closed before we offered anything is
+        # replaced by a fresh one at once (nothing was sent, so nothing can be doubled).
+        for _attempt in range(2):
+            try:
+                pair = self._pair_for(address)
+            except Exception as e:  # noqa: BLE001 - every failure ends the transfer
+                state = TransferState.TIMED_OUT if is_timeout(e) else TransferState.FAILED
+                handle.advance(state, f"cannot open a transfer pair from {self.name!r} to "
+                                      f"the decode worker at {address}: {e}")
+                return
+            deadline = time.monotonic() + timeout
+            if not pair.slots.acquire(timeout=timeout):
+                handle.advance(TransferState.TIMED_OUT,
+                               f"pair {pair.pair_id} to {address} stayed busy with "
+                               f"{self.config.pair_concurrency} transfers for {timeout}s")
+                return
+            try:
+                if self._offer_and_send(pair, handle, layout, block_ids, kv, deadline):
+                    return
+            except Exception as e:  # noqa: BLE001
+                state = TransferState.TIMED_OUT if is_timeout(e) else TransferState.FAILED
+                pair.close(f"transport error: {e}")
+                handle.advance(state, f"transfer to {address} (pair {pair.pair_id}) broke: {e}")
+                return
+            finally:
+                pair.slots.release()
+        handle.advance(TransferState.FAILED, f"the decode worker at {address} closed pair "
+                                             f"{pair.pair_id} twice before an offer went out")
+
+    def _offer_and_send(self, pair: _SendPair, handle: TransferHandle, layout: KVLayout,
+                        block_ids: list[int], kv: torch.Tensor, deadline: float) -> bool:
+        """Offer, wait for the decision, send. False when the pair turned out closed
+        before anything was offered (the caller retries on a new pair)."""
+        if pair.broken is None and pair.store.check(["closed"]):
+            pair.close("closed by the decode worker: "
+                       + pair.store.get("closed").decode(errors="replace"))
+        if pair.broken is not None:
+            return False
+        if not handle.seal():
+            return True  # cancelled before the offer went out
+        n = len(block_ids)
+        chunk_planes = max(1, min(layout.num_planes,
+                                  self.config.chunk_bytes // (n * layout.plane_block_bytes)))
+        seq, decided = pair.next_seq()
+        try:
+            header = TransferHeader(request_id64(handle.request_id), seq, pair.pair_id, n,
+                                    layout, layout.payload_bytes(n), chunk_planes)
+            key = f"decision/{seq}"
+            pair.root.queue_push("inbox", encode_offer(header, block_ids))
+            if decided.wait(max(deadline - time.monotonic(), 0.0)) and pair.broken is None:
+                answer = pair.store.get(key)
+            else:
+                answer = pair.store.compare_set(key, "", CANCEL)  # first decision holds
+            pair.store.delete_key(key)
+        finally:
+            pair.done(seq)
+        if answer == CANCEL:
+            handle.advance(TransferState.TIMED_OUT,
+                           f"decode worker at {pair.address} did not accept the offer for "
+                           f"{handle.request_id!r} in time (no reservation, or busy)")
+            return True
+        if answer.startswith(REFUSE_PREFIX):
+            handle.advance(TransferState.FAILED,
+                           f"decode worker at {pair.address} refused {handle.request_id!r}: "
+                           + answer.removeprefix(REFUSE_PREFIX).decode(errors="replace"))
+            return True
+        if answer not in (ACCEPT, ACCEPT_DIRECT):
+            raise ChannelError(f"unknown decision {answer[:16]!r} for transfer {seq}")
+        handle.advance(TransferState.SENDING)
+        wire = kv if self.config.backend == "nccl" else kv.cpu()
+        planes = wire.view(layout.num_planes, *wire.shape[2:])
+        plan = message_plan(header, block_ids, direct=answer == ACCEPT_DIRECT)
+        works = [pair.pg.send([planes[m.p0:m.p1, m.i0:m.i1]], 1, tag_for(seq, i))
+                 for i, m in enumerate(plan)]
+        for w in works:
+            w.wait(td(self.config.data_timeout_s))
+        self._counters.add_bytes(header.payload_bytes)
+        handle.advance(TransferState.DONE, nbytes=header.payload_bytes)
+        return True
+
+    # --- pairs ------------------------------------------------------------------------
+
+    def _pair_for(self, address: str) -> _SendPair:
+        with self._lock:
+            if self._closed:
+                raise ChannelError("sender closed")
+            pair = self._pairs.get(address)
+            if pair is not None and pair.broken is None:
+                return pair
+            opening = self._opening.setdefault(address, threading.Lock())
+        # a join is at most four steps of connect_timeout_s each
+        if not opening.acquire(timeout=4 * self.config.connect_timeout_s):
+            raise ChannelError("timed out waiting for another send to open the pair")
+        try:
+            with self._lock:
+                pair = self._pairs.get(address)
+                if pair is not None and pair.broken is None:
+                    return pair
+            pair = self._join(address)
+            with self._lock:
+                if self._closed:
+                    pair.close("sender closed while opening")
+                    raise ChannelError("sender closed")
+                self._pairs[address] = pair
+            return pair
+        finally:
+            opening.release()
+
+    def _join(self, address: str) -> _SendPair:
+        cfg = self.config
+        host, port = parse_address(address)
+        root = dist.PrefixStore(ROOT, connect_store(host, port, cfg.connect_timeout_s))
+        pair_id = root.add("pair_seq", 1)
+        root.queue_push("inbox", JOIN_PREFIX + f"v1 {pair_id} {cfg.backend} {self.name}".encode())
+        answer = wait_key(root, f"join/{pair_id}", cfg.connect_timeout_s)
+        if answer is None:
+            raise ChannelError(f"decode worker did not answer join {pair_id} within "
+                               f"{cfg.connect_timeout_s}s (timeout)")
+        if answer != ACCEPT:
+            raise ChannelError(f"join refused: {answer.removeprefix(REFUSE_PREFIX).decode()}")
+        # The client is ours alone until the pair exists, so the rendezvous may block it.
+        keys = pair_store(root, pair_id)
+        pg = new_process_group(cfg.backend, dist.PrefixStore("pg", keys), 0, cfg.host,
+                               cfg.connect_timeout_s)
+        if wait_key(keys, "ready", cfg.connect_timeout_s) is None:
+            raise ChannelError(f"decode worker did not register pair {pair_id} (timeout)")
+        log.info("transfer pair %d open: %s -> %s (%s)", pair_id, self.name, address,
+                 cfg.backend)
+        return _SendPair(address, pair_id, pg, root, cfg)
