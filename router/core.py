@@ -120,7 +120,7 @@ class Router:
                               f"model: {req.model!r} is not served here; this router serves "
                               f"{self.model_name!r}", "model")
         try:
-            params = sampling_from_proto(req.sampling)
+            sampling_from_proto(req.sampling)  # validation only: the worker rebuilds it
         except InvalidRequestError as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from e
         ids = self.tokenize(req)
@@ -138,7 +138,6 @@ class Router:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"prompt_token_ids: token id {bad} is outside the vocabulary "
                               f"[0, {vocab})", "prompt_token_ids")
-        del params  # validated; the worker rebuilds it from the same message
         return ids, req.sampling
 
     # -- the request path ----------------------------------------------------------------
