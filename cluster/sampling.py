@@ -18,14 +18,19 @@ class InvalidRequestError(ValueError):
         self.field = field_name
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures under this are greedy (as in vLLM), never a division that overflows."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request (OpenAI / vLLM semantics).
 
-    ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k. Filters apply in the
-    order temperature, top-k, top-p, min-p. ``seed`` makes a request's samples
-    independent of whatever else shares its batch. ``logprobs=n`` returns the sampled
-    token's log-probability and the ``n`` most likely ones (of the raw model distribution).
+    ``temperature == 0`` (or below :data:`GREEDY_BELOW`) is greedy. ``top_k <= 0``
+    disables top-k. Filters apply in the order temperature, top-k, top-p, min-p.
+    ``seed`` makes a request's samples independent of whatever else shares its batch.
+    ``logprobs=n`` returns the sampled token's log-probability and the ``n`` most likely
+    ones (of the raw model distribution).
     """
 
     max_tokens: int = 16
@@ -59,7 +64,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows to inf and softmax gives NaN.
+        return self.temperature < GREEDY_BELOW
 
 
 def _as_tuple(stop: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:

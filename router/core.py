@@ -156,17 +156,22 @@ class Router:
                               f"the router has {self._in_flight} requests in flight, its limit "
                               f"(max_in_flight={self.config.max_in_flight}); retry later")
         request_id = req.request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        # Workers see a router-unique id: clients may reuse theirs, and one request's
+        # cancellation must never reach another's.
+        worker_request_id = f"{request_id}#{next(self._ids)}"
         worker = self._pick()
         self._in_flight += 1
         worker.in_flight += 1
-        call = worker.stub.Generate(
-            worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_token_ids=ids,
-                                             sampling=sampling, cache_salt=req.cache_salt),
-            timeout=timeout,
-        )
+        call = None
         first = True
         first_token_at: float | None = None
         try:
+            call = worker.stub.Generate(
+                worker_pb2.WorkerGenerateRequest(
+                    request_id=worker_request_id, prompt_token_ids=ids, sampling=sampling,
+                    cache_salt=req.cache_salt),
+                timeout=timeout,
+            )
             async for msg in call:
                 out = api_pb2.GenerateResponse(request_id=request_id, token_ids=msg.token_ids,
                                                text=msg.text, logprobs=msg.logprobs)
@@ -186,7 +191,8 @@ class Router:
         except grpc.aio.AioRpcError as e:
             raise _from_worker(e, worker.address) from e
         finally:
-            call.cancel()  # no-op when finished; frees the worker's blocks otherwise
+            if call is not None:
+                call.cancel()  # no-op when finished; frees the worker's blocks otherwise
             self._in_flight -= 1
             worker.in_flight -= 1
 

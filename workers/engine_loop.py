@@ -44,7 +44,7 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    add: _Add  # the very request to stop: a later request may reuse its id
 
 
 _STOP = object()
@@ -74,8 +74,9 @@ class EngineLoop:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         out: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, prompt_token_ids, params, cache_salt,
-                                asyncio.get_running_loop(), out))
+        add = _Add(request_id, prompt_token_ids, params, cache_salt,
+                   asyncio.get_running_loop(), out)
+        self._commands.put(add)
         finished = False
         try:
             while True:
@@ -83,13 +84,13 @@ class EngineLoop:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                finished = item.finished  # before yielding: the consumer may stop here
                 yield item
-                if item.finished:
-                    finished = True
+                if finished:
                     return
         finally:
             if not finished:
-                self._commands.put(_Abort(request_id))
+                self._commands.put(_Abort(add))
 
     # -- engine thread -----------------------------------------------------------------
 
@@ -107,8 +108,7 @@ class EngineLoop:
                 cmd = None
             while cmd is not None:
                 if cmd is _STOP:
-                    for rid in list(self._streams):
-                        self.engine.abort_request(rid)
+                    self._fail_all(RuntimeError("the worker is shutting down"))
                     return
                 self._apply(cmd)
                 try:
@@ -119,7 +119,7 @@ class EngineLoop:
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # a bug, not bad input: fail every request loudly
-                    self._fail_all(e)
+                    self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
                     continue
                 for output in outputs:
                     stream = self._streams.get(output.request_id)
@@ -127,26 +127,35 @@ class EngineLoop:
                         continue
                     if output.finished:
                         del self._streams[output.request_id]
-                    stream.loop.call_soon_threadsafe(stream.out.put_nowait, output)
+                    self._deliver(stream, output)
             self._load = self._snapshot()
 
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Abort):
-            if self._streams.pop(cmd.request_id, None) is not None:
-                self.engine.abort_request(cmd.request_id)
+            rid = cmd.add.request_id
+            if self._streams.get(rid) is cmd.add:
+                del self._streams[rid]
+                self.engine.abort_request(rid)
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
                                     cmd.cache_salt)
         except Exception as e:  # InvalidRequestError and friends go back to the caller
-            cmd.loop.call_soon_threadsafe(cmd.out.put_nowait, e)
+            self._deliver(cmd, e)
             return
         self._streams[cmd.request_id] = cmd
+
+    def _deliver(self, stream: _Add, item: RequestOutput | Exception) -> None:
+        """Hand an item to the consumer's event loop; a closed loop aborts the request."""
+        try:
+            stream.loop.call_soon_threadsafe(stream.out.put_nowait, item)
+        except RuntimeError:  # the consumer's event loop is gone: nobody will read
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+                self.engine.abort_request(stream.request_id)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, stream in list(self._streams.items()):
             self.engine.abort_request(rid)
-            stream.loop.call_soon_threadsafe(
-                stream.out.put_nowait, RuntimeError(f"engine step failed: {error!r}")
-            )
+            self._deliver(stream, error)
         self._streams.clear()

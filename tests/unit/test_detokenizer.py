@@ -34,3 +34,12 @@ def test_stop_string_cuts_the_text_even_across_tokens(tok) -> None:
     deltas, d = stream(tok, " one two STOP three", stop=("STOP",),
                        include_stop_str_in_output=True)
     assert d.text == " one two STOP" and "".join(deltas) == d.text
+
+
+def test_flush_keeps_an_incomplete_final_character(tok) -> None:
+    ids = tok(" ok 🙂", add_special_tokens=False).input_ids
+    assert len(ids) > 2
+    for cut in range(1, len(ids) + 1):
+        d = IncrementalDetokenizer(tok, tok("Say:").input_ids)
+        text = "".join(d.add(t) for t in ids[:cut]) + d.flush()
+        assert text == d.text == tok.decode(ids[:cut])

@@ -66,3 +66,9 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
     assert [t for t, _ in lp.top] == [0, 1]
     assert math.isclose(lp.top[1][1], math.log(0.3), rel_tol=1e-5)
     assert Sampler().sample(LOGITS, ["r"], [SamplingParams()]).logprobs == [None]
+
+
+def test_tiny_positive_temperature_is_greedy_not_nan() -> None:
+    logits = torch.tensor([[1.0, 5.0, 3.0, 9.0, 2.0]])
+    for t in (1e-6, 1e-30, 1e-39):
+        assert Sampler().sample(logits, ["r"], [SamplingParams(temperature=t)]).token_ids == [3]

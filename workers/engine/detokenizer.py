@@ -79,5 +79,13 @@ class IncrementalDetokenizer:
         return out
 
     def flush(self) -> str:
-        """The request ended: release any held-back text."""
-        return self._emit(final=True)
+        """The request ended: release any held-back text, an incomplete final character
+        included (as U+FFFD), so the text always matches the token ids."""
+        out = ""
+        if self.stopped_by is None and self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset :])
+            self._read_offset = len(self._ids)
+            if len(full) > len(prefix):
+                out = self._append(full[len(prefix) :])
+        return out + self._emit(final=True)

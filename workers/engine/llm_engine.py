@@ -172,8 +172,11 @@ class LLMEngine:
             if lp is not None:
                 tracked.logprobs.append(lp)
             delta = tracked.detok.add(token)
-            if tracked.detok.stopped_by is not None and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP)
+            if tracked.detok.stopped_by is not None:
+                if seq.is_finished:  # the same token also hit a length limit or EOS
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(seq, FinishReason.STOP)
             if seq.is_finished:
                 delta += tracked.detok.flush()
                 del self._requests[seq_id]

@@ -125,10 +125,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        limit = self.config.max_num_batched_tokens
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
         for seq in decoding + prefilling:
+            # Recomputed each time: a preempted victim's chunk gives its tokens back.
+            budget = limit - out.num_batched_tokens
             if budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
@@ -136,9 +138,8 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if self._grow_or_preempt(seq, n, out):
                 out.chunks.append(ScheduledChunk.next_for(seq, n))
-                budget -= n
         if not out.preempted:
-            self._admit(budget, out)
+            self._admit(limit - out.num_batched_tokens, out)
         return out
 
     def _grow_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
