@@ -63,7 +63,15 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def _sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """``generate``'s flags as SamplingParams fields, for the offline and remote paths."""
+    return {"max_tokens": args.max_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
+            "stop": tuple(args.stop or ()), "ignore_eos": args.ignore_eos}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    from router.client import Completion
     from workers.engine.llm_engine import LLMEngine
     from workers.engine.params import EngineConfig, SamplingParams
     from workers.model_store import resolve_model
@@ -71,11 +79,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.offline:
         return _generate_remote(args)
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()),
-            ignore_eos=args.ignore_eos,
-        )
+        params = SamplingParams(**_sampling_kwargs(args))  # type: ignore[arg-type]
     except InvalidRequestError as e:
         print(f"pdserve generate: invalid request: {e}", file=sys.stderr)
         return EXIT_INVALID
@@ -100,22 +104,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if out.finished:
                 final = out
     end = time.monotonic()
-    if args.json:
-        print(json.dumps({
-            "text": final.text,
-            "token_ids": final.token_ids,
-            "prompt_token_ids": final.prompt_token_ids,
-            "finish_reason": final.finish_reason,
-            "usage": {
-                "prompt_tokens": len(final.prompt_token_ids),
-                "completion_tokens": len(final.token_ids),
-                "cached_tokens": final.num_cached_tokens,
-            },
-            "ttft_s": round((final.first_token_time or end) - start, 6),
-            "e2e_s": round(end - start, 6),
-        }))
-    else:
-        print()
+    result = Completion(
+        text=final.text, token_ids=final.token_ids, prompt_token_ids=final.prompt_token_ids,
+        finish_reason=final.finish_reason,
+        usage={"prompt_tokens": len(final.prompt_token_ids),
+               "completion_tokens": len(final.token_ids),
+               "cached_tokens": final.num_cached_tokens},
+        ttft_s=(final.first_token_time or end) - start, e2e_s=end - start)
+    print(json.dumps(result.to_json()) if args.json else "")
     return 0
 
 
@@ -125,13 +121,10 @@ def _generate_remote(args: argparse.Namespace) -> int:
     from router.client import Client, Completion
 
     prompt: object = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed,
-                "stop": tuple(args.stop or ()), "ignore_eos": args.ignore_eos}
     try:
         with Client(args.target) as client:
             out = Completion()
-            for msg in client.stream(prompt, **sampling):  # type: ignore[arg-type]
+            for msg in client.stream(prompt, **_sampling_kwargs(args)):  # type: ignore[arg-type]
                 out.add(msg)
                 if not args.json:
                     print(msg.text, end="", flush=True)

@@ -70,3 +70,23 @@ class SamplingParams:
 
 def _as_tuple(stop: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """The limits every prompt must meet, checked by the router and again by the engine.
+
+    Raises :class:`InvalidRequestError` naming the field and the limit.
+    """
+    if not token_ids:
+        raise InvalidRequestError("prompt", "must contain at least 1 token, got 0")
+    if len(token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt",
+            f"{len(token_ids)} tokens leave no room to generate: the limit is "
+            f"{max_model_len - 1} prompt tokens (max_model_len {max_model_len})",
+        )
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
+        )

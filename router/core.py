@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import grpc
 from transformers import AutoTokenizer
 
-from cluster.sampling import InvalidRequestError
+from cluster.sampling import InvalidRequestError, check_prompt
 from cluster.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -121,23 +121,10 @@ class Router:
                               f"{self.model_name!r}", "model")
         try:
             sampling_from_proto(req.sampling)  # validation only: the worker rebuilds it
+            ids = self.tokenize(req)
+            check_prompt(ids, self.max_model_len, len(self.tokenizer))
         except InvalidRequestError as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from e
-        ids = self.tokenize(req)
-        if not ids:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                              "prompt: must contain at least 1 token, got 0", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"prompt: {len(ids)} tokens leave no room to generate: the limit "
-                              f"is {self.max_model_len - 1} prompt tokens (max_model_len "
-                              f"{self.max_model_len})", "prompt")
-        vocab = len(self.tokenizer)
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"prompt_token_ids: token id {bad} is outside the vocabulary "
-                              f"[0, {vocab})", "prompt_token_ids")
         return ids, req.sampling
 
     # -- the request path ----------------------------------------------------------------

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig
 
+from cluster.sampling import check_prompt
+
 from .block_manager import KVEventListener
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner, model_context_len
@@ -118,20 +120,7 @@ class LLMEngine:
     def _validate(self, request_id: str, ids: list[int]) -> None:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
-        if not ids:
-            raise InvalidRequestError("prompt", "must contain at least 1 token, got 0")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt",
-                f"{len(ids)} tokens leave no room to generate: the limit is "
-                f"{self.max_model_len - 1} prompt tokens (max_model_len {self.max_model_len})",
-            )
-        vocab = self.runner.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab})"
-            )
+        check_prompt(ids, self.max_model_len, self.runner.vocab_size)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it was not running."""
