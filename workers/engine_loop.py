@@ -10,6 +10,18 @@ which frees the request's KV blocks before the next step. Errors from ``add_requ
 
 The engine is touched only by the engine thread; :meth:`load` reads counters that the
 thread publishes after every step, so it is safe from any thread.
+
+Disaggregated decode (:meth:`EngineLoop.reserve`): the first item of the stream is a
+:class:`Reservation`. Unless the uncached part of the prompt is under the local-prefill
+threshold (then the request simply runs here), the engine holds blocks for the prompt
+and ``kv_expect`` registers them with the KV receiver. Two events then meet on the
+engine thread, in either order: the transfer ending (``_TransferDone``) and the router's
+``commit`` (the first token, or None when the prefill failed). Both present: a landed
+transfer and a first token commit the request into the running batch; anything else
+recomputes it here. Blocks a transfer may still write into are never freed before the
+transfer is terminal, so an abort in the middle waits for it (each transfer step is
+bounded by the channel's timeouts, and a commit whose offer never came cancels the
+reservation after ``offer_timeout_s``).
 """
 
 from __future__ import annotations
@@ -17,11 +29,12 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.params import SamplingParams
+from .transfer import TransferHandle, TransferResult, TransferState
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,23 @@ class EngineLoad:
     waiting: int
     free_blocks: int
     total_blocks: int
+    reserved: int = 0  # decode: requests holding blocks for KV in transit (or waiting to)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Decode side's answer to a reserve: prefill here (``local``), or send the KV of
+    the prompt's blocks from ``skip_blocks`` on into ``block_ids`` at ``kv_address``."""
+
+    local: bool
+    cached_tokens: int
+    kv_address: str = ""
+    skip_blocks: int = 0
+    block_ids: tuple[int, ...] = ()
+
+
+KVExpect = Callable[[str, list[int]], TransferHandle]
+"""(request id, target block ids) -> the receiver's handle for that reservation."""
 
 
 @dataclass
@@ -40,6 +70,8 @@ class _Add:
     cache_salt: str | None
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    on_prefilled: Callable[[list[int]], None] | None = None
+    local_threshold: int | None = None  # set: a reserve (decode side of disaggregation)
 
 
 @dataclass
@@ -47,14 +79,44 @@ class _Abort:
     add: _Add  # the very request to stop: a later request may reuse its id
 
 
+@dataclass
+class _Commit:
+    add: _Add
+    first_token: int | None
+
+
+@dataclass
+class _TransferDone:
+    add: _Add
+    result: TransferResult
+
+
+@dataclass
+class _Remote:
+    """A reserved request between reserve and commit/recompute."""
+
+    add: _Add
+    handle: TransferHandle
+    result: TransferResult | None = None
+    committed: bool = False
+    first_token: int | None = None
+    aborted: bool = False
+    timers: list[threading.Timer] = field(default_factory=list)
+
+
 _STOP = object()
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, kv_expect: KVExpect | None = None,
+                 kv_address: str = "", commit_wait_s: float = 10.0) -> None:
         self.engine = engine
+        self._kv_expect, self._kv_address = kv_expect, kv_address
+        self._commit_wait_s = commit_wait_s
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Add] = {}
+        self._remote: dict[str, _Remote] = {}
+        self._pending: list[_Add] = []  # reserves waiting for free blocks, in order
         self._load = self._snapshot()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -72,20 +134,44 @@ class EngineLoop:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        on_prefilled: Callable[[list[int]], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        out: asyncio.Queue = asyncio.Queue()
+        """Run a request here; ``on_prefilled`` makes it prefill-only (see LLMEngine)."""
         add = _Add(request_id, prompt_token_ids, params, cache_salt,
-                   asyncio.get_running_loop(), out)
+                   asyncio.get_running_loop(), asyncio.Queue(), on_prefilled)
+        async for item in self._stream(add):
+            yield item  # type: ignore[misc]
+
+    def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+        local_threshold: int = 0,
+    ) -> tuple[Callable[[int | None], None], AsyncIterator[Reservation | RequestOutput]]:
+        """Decode side: returns ``commit`` and the stream, whose first item is the
+        :class:`Reservation`. Call ``commit(first_token)`` once the prefill worker
+        sampled it (None: prefill failed, compute everything here); not needed when
+        the reservation is local. Waits (in order) while the KV pool is full."""
+        if self._kv_expect is None:
+            raise RuntimeError("this worker has no KV receiver (role is not decode)")
+        add = _Add(request_id, prompt_token_ids, params, cache_salt,
+                   asyncio.get_running_loop(), asyncio.Queue(),
+                   local_threshold=max(local_threshold, 0))
+        return (lambda token: self._commands.put(_Commit(add, token))), self._stream(add)
+
+    async def _stream(self, add: _Add) -> AsyncIterator[Reservation | RequestOutput]:
         self._commands.put(add)
         finished = False
         try:
             while True:
-                item = await out.get()
+                item = await add.out.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished  # before yielding: the consumer may stop here
-                yield item
+                finished = isinstance(item, RequestOutput) and item.finished
+                yield item  # finished is set first: the consumer may stop here
                 if finished:
                     return
         finally:
@@ -97,11 +183,13 @@ class EngineLoop:
     def _snapshot(self) -> EngineLoad:
         sched = self.engine.scheduler
         return EngineLoad(len(sched.running), len(sched.waiting),
-                          sched.block_manager.num_free_blocks, sched.block_manager.num_blocks)
+                          sched.block_manager.num_free_blocks, sched.block_manager.num_blocks,
+                          len(self._remote) + len(self._pending))
 
     def _run(self) -> None:
+        sched = self.engine.scheduler
         while True:
-            busy = self.engine.has_unfinished_requests()
+            busy = bool(sched.running or sched.waiting)  # reserved ones wait for events
             try:
                 cmd = self._commands.get(block=not busy)
             except queue.Empty:
@@ -115,35 +203,128 @@ class EngineLoop:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None
-            if self.engine.has_unfinished_requests():
+            if sched.running or sched.waiting:
                 try:
                     outputs = self.engine.step()
                 except Exception as e:  # a bug, not bad input: fail every request loudly
                     self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
                     continue
                 for output in outputs:
-                    stream = self._streams.get(output.request_id)
-                    if stream is None:
-                        continue
-                    if output.finished:
-                        del self._streams[output.request_id]
-                    self._deliver(stream, output)
+                    self._emit(output)
+            while self._pending and self._try_reserve(self._pending[0]):
+                self._pending.pop(0)
             self._load = self._snapshot()
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _emit(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        self._deliver(stream, output)
+
+    def _apply(self, cmd: _Add | _Abort | _Commit | _TransferDone) -> None:
         if isinstance(cmd, _Abort):
-            rid = cmd.add.request_id
-            if self._streams.get(rid) is cmd.add:
-                del self._streams[rid]
-                self.engine.abort_request(rid)
+            self._abort(cmd.add)
+        elif isinstance(cmd, _Commit):
+            rec = self._remote.get(cmd.add.request_id)
+            if rec is not None and rec.add is cmd.add and not rec.committed:
+                rec.committed, rec.first_token = True, cmd.first_token
+                if cmd.first_token is None:
+                    rec.handle.cancel("the prefill failed; computing here instead")
+                elif rec.result is None:
+                    self._cancel_later(rec, "the KV offer did not come after the commit")
+                self._settle(rec)
+        elif isinstance(cmd, _TransferDone):
+            rec = self._remote.get(cmd.add.request_id)
+            if rec is not None and rec.add is cmd.add:
+                rec.result = cmd.result
+                self._settle(rec)
+        elif cmd.local_threshold is not None:
+            if self._pending or not self._try_reserve(cmd):
+                self._pending.append(cmd)
+        else:
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
+                                        cmd.cache_salt, cmd.on_prefilled)
+            except Exception as e:  # InvalidRequestError and friends go back to the caller
+                self._deliver(cmd, e)
+                return
+            self._streams[cmd.request_id] = cmd
+
+    def _abort(self, add: _Add) -> None:
+        rid = add.request_id
+        if add in self._pending:
+            self._pending.remove(add)
             return
+        if self._streams.get(rid) is not add:
+            return
+        del self._streams[rid]
+        rec = self._remote.get(rid)
+        if rec is None:
+            self.engine.abort_request(rid)
+            return
+        rec.aborted = True  # freed once the transfer can no longer write
+        rec.handle.cancel("the request was cancelled")
+        self._settle(rec)
+
+    def _try_reserve(self, add: _Add) -> bool:
+        """Reserve ``add`` now; False when there is no room yet (it stays pending)."""
+        rid = add.request_id
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                    cmd.cache_salt)
-        except Exception as e:  # InvalidRequestError and friends go back to the caller
-            self._deliver(cmd, e)
+            seq = self.engine.reserve_request(rid, add.prompt_token_ids, add.params,
+                                              add.cache_salt)
+        except Exception as e:  # noqa: BLE001 - invalid input goes back to the caller
+            self._deliver(add, e)
+            return True
+        if seq is None:
+            return False
+        self._streams[rid] = add
+        cached = seq.num_computed_tokens
+        if seq.num_tokens - cached < (add.local_threshold or 0):
+            self.engine.recompute_request(rid, None)  # conditional disaggregation
+            self._deliver(add, Reservation(True, cached))
+            return True
+        skip = cached // self.engine.config.block_size
+        ids = seq.block_table[skip:]
+        assert self._kv_expect is not None
+        try:
+            handle = self._kv_expect(rid, ids)
+        except Exception:  # noqa: BLE001 - receiver closed: compute here
+            self.engine.recompute_request(rid, None)
+            self._deliver(add, Reservation(True, cached))
+            return True
+        self._remote[rid] = _Remote(add, handle)
+        handle.add_done_callback(lambda r: self._commands.put(_TransferDone(add, r)))
+        self._deliver(add, Reservation(False, cached, self._kv_address, skip, tuple(ids)))
+        return True
+
+    def _cancel_later(self, rec: _Remote, reason: str) -> None:
+        """A committed reservation whose offer never arrives is given up (the prefill
+        worker died after sampling): PENDING is cancellable, a receive in flight is
+        bounded by the channel's data timeout."""
+        timer = threading.Timer(self._commit_wait_s, rec.handle.cancel, args=(reason,))
+        timer.daemon = True
+        timer.start()
+        rec.timers.append(timer)
+
+    def _settle(self, rec: _Remote) -> None:
+        """Act once the transfer is terminal and the router decided (or aborted)."""
+        if rec.result is None or not (rec.committed or rec.aborted):
             return
-        self._streams[cmd.request_id] = cmd
+        rid = rec.add.request_id
+        del self._remote[rid]
+        for timer in rec.timers:
+            timer.cancel()
+        if rec.aborted:
+            self.engine.abort_request(rid)
+            return
+        if rec.result.state is TransferState.DONE and rec.first_token is not None:
+            final = self.engine.commit_request(rid, rec.first_token)
+        else:
+            final = self.engine.recompute_request(rid, rec.first_token)
+        if final is not None:
+            self._emit(final)
 
     def _deliver(self, stream: _Add, item: RequestOutput | Exception) -> None:
         """Hand an item to the consumer's event loop; a closed loop aborts the request."""
@@ -156,6 +337,15 @@ class EngineLoop:
 
     def _fail_all(self, error: Exception) -> None:
         for rid, stream in list(self._streams.items()):
-            self.engine.abort_request(rid)
+            rec = self._remote.get(rid)
+            if rec is None:
+                self.engine.abort_request(rid)
+            else:  # blocks under a live transfer are freed when it ends
+                rec.aborted = True
+                rec.handle.cancel("the worker is failing every request")
+                self._settle(rec)
             self._deliver(stream, error)
+        for add in self._pending:
+            self._deliver(add, error)
         self._streams.clear()
+        self._pending.clear()

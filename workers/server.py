@@ -1,18 +1,26 @@
 """``pdserve worker``: one engine served over the internal gRPC API.
 
 Lifecycle: load the model and allocate the KV cache (the slow part), start the engine
-thread, bind 127.0.0.1:PORT, mark gRPC health SERVING, serve until SIGINT/SIGTERM, then
-mark NOT_SERVING, stop accepting, abort what is left (freeing its blocks) and exit.
-A ``Generate`` call is a server stream; when the caller cancels or its deadline passes,
-gRPC cancels the handler and the engine loop aborts the request at once.
+thread (and the KV channel end of the role: a sender on ``prefill``, a receiver hosting
+its rendezvous on ``decode``), bind 127.0.0.1:PORT, mark gRPC health SERVING, serve
+until SIGINT/SIGTERM, then mark NOT_SERVING, stop accepting, abort what is left
+(freeing its blocks), close the channel and exit.
+
+Calls: ``Generate`` (any role) runs a request here, a server stream; ``Prefill``
+(prefill role) computes a prompt, returns its first token and sends the KV to the
+decode worker's reservation; ``Decode`` (decode role) is the bidirectional stream of
+a disaggregated request (worker.proto tells the message order). When a caller cancels
+or its deadline passes, gRPC cancels the handler and the engine loop aborts the request,
+freeing its blocks (reserved blocks once no transfer can write into them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,25 +31,46 @@ from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.params import EngineConfig
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, Reservation
+from .transfer import (
+    ChannelStats,
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    PagedCacheDestination,
+    TransferConfig,
+)
 
-ROLES = ("mixed",)  # prefill and decode arrive with disaggregation
+log = logging.getLogger(__name__)
+
+ROLES = ("mixed", "prefill", "decode")
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
+    """``local_prefill_threshold`` (decode role): a request whose uncached prompt part is
+    shorter is prefilled here instead of on a prefill worker (conditional
+    disaggregation); 0 sends every prompt to a prefill worker."""
+
     engine: EngineConfig
     model_name: str
     role: str = "mixed"
     host: str = "127.0.0.1"
     port: int = 50061
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    local_prefill_threshold: int = 32
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.local_prefill_threshold < 0:
+            raise ValueError("local_prefill_threshold must be >= 0, got "
+                             f"{self.local_prefill_threshold}")
 
 
 def to_proto(out: RequestOutput, first_index: int) -> worker_pb2.WorkerGenerateResponse:
+    """An engine output as a stream message. A prefill worker's ``remote`` end carries
+    usage but no finish reason: the request goes on elsewhere."""
     msg = worker_pb2.WorkerGenerateResponse(token_ids=out.new_token_ids, text=out.delta_text)
     if out.logprobs is not None:
         for lp in out.logprobs[first_index:]:
@@ -49,7 +78,8 @@ def to_proto(out: RequestOutput, first_index: int) -> worker_pb2.WorkerGenerateR
                 token_id=lp.token_id, logprob=lp.logprob,
                 top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
     if out.finished:
-        msg.finish_reason = FINISH_REASONS[out.finish_reason or "abort"]
+        if out.finish_reason != "remote":
+            msg.finish_reason = FINISH_REASONS[out.finish_reason or "abort"]
         msg.usage.CopyFrom(common_pb2.Usage(
             prompt_tokens=len(out.prompt_token_ids), completion_tokens=len(out.token_ids),
             cached_tokens=out.num_cached_tokens))
@@ -58,10 +88,100 @@ def to_proto(out: RequestOutput, first_index: int) -> worker_pb2.WorkerGenerateR
     return msg
 
 
+def stats_to_proto(stats: ChannelStats | None) -> common_pb2.TransferStats:
+    if stats is None:
+        return common_pb2.TransferStats()
+    return common_pb2.TransferStats(entered=stats.entered, in_flight=stats.in_flight,
+                                    bytes_moved=stats.bytes_moved,
+                                    pairs_open=stats.pairs_open, busy_s=stats.busy_s)
+
+
+def reservation_to_proto(r: Reservation) -> worker_pb2.Reservation:
+    msg = worker_pb2.Reservation(local=r.local, cached_tokens=r.cached_tokens)
+    if not r.local:
+        msg.target.CopyFrom(worker_pb2.KVTarget(address=r.kv_address, skip_blocks=r.skip_blocks,
+                                                block_ids=r.block_ids))
+    return msg
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, loop: EngineLoop, config: WorkerConfig) -> None:
+    def __init__(self, loop: EngineLoop, config: WorkerConfig,
+                 sender: KVSender | None = None, receiver: KVReceiver | None = None) -> None:
         self._loop = loop
         self._config = config
+        self._sender, self._receiver = sender, receiver
+
+    async def Prefill(self, request, context):  # noqa: N802
+        if self._sender is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this worker's role is {self._config.role}, not prefill")
+        req, target = request.request, request.target
+        try:
+            params = sampling_from_proto(req.sampling)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        sender, engine = self._sender, self._loop.engine
+        skip, dst = target.skip_blocks, list(target.block_ids)
+
+        def send_kv(block_table: list[int]) -> None:  # engine thread, KV complete and held
+            src = block_table[skip:]
+            if len(src) != len(dst):  # the decode side recomputes after its commit wait
+                log.error("request %s: %d blocks to send, the reservation holds %d",
+                          req.request_id, len(src), len(dst))
+                return
+            sender.send_blocks(target.address, req.request_id, engine.runner.kv_cache, src,
+                               dst, engine.config.block_size)
+
+        last = None
+        try:
+            async for out in self._loop.generate(req.request_id, list(req.prompt_token_ids),
+                                                 params, req.cache_salt or None, send_kv):
+                last = out
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        assert last is not None and last.finished
+        return worker_pb2.PrefillResponse(first=to_proto(last, 0))
+
+    async def Decode(self, request_iterator, context):  # noqa: N802
+        if self._receiver is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"this worker's role is {self._config.role}, not decode")
+        requests = request_iterator.__aiter__()
+        first = await anext(requests, None)
+        if first is None or first.WhichOneof("kind") != "start":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "Decode: the first message must be `start`")
+        req = first.start
+        try:
+            params = sampling_from_proto(req.sampling)
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        commit, stream = self._loop.reserve(req.request_id, list(req.prompt_token_ids), params,
+                                            req.cache_salt or None,
+                                            self._config.local_prefill_threshold)
+
+        async def read_commit() -> None:
+            msg = await anext(requests, None)  # the caller hung up without one: compute here
+            ok = msg is not None and msg.WhichOneof("kind") == "commit"
+            commit(msg.commit.first_token if ok and msg.commit.HasField("first_token")
+                   else None)
+
+        reader: asyncio.Task | None = None
+        sent_logprobs = 0
+        try:
+            async for item in stream:
+                if isinstance(item, Reservation):
+                    if not item.local:
+                        reader = asyncio.create_task(read_commit())
+                    yield worker_pb2.DecodeResponse(reservation=reservation_to_proto(item))
+                    continue
+                yield worker_pb2.DecodeResponse(output=to_proto(item, sent_logprobs))
+                sent_logprobs = len(item.logprobs or ())
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            if reader is not None:
+                reader.cancel()
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         try:
@@ -86,14 +206,40 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             role=self._config.role, model=self._config.model_name,
             running_requests=load.running, waiting_requests=load.waiting,
             free_blocks=load.free_blocks, total_blocks=load.total_blocks,
-            max_model_len=engine.max_model_len)
+            max_model_len=engine.max_model_len, reserved_requests=load.reserved,
+            transfers=self.transfer_stats(), block_size=engine.config.block_size)
+
+    def transfer_stats(self) -> common_pb2.TransferStats:
+        end = self._sender or self._receiver
+        return stats_to_proto(end.stats() if end is not None else None)
+
+
+def channel_ends(config: WorkerConfig, engine: LLMEngine
+                 ) -> tuple[EngineLoop, KVSender | None, KVReceiver | None]:
+    """The engine loop with the role's end of the KV channel wired in."""
+    name = f"{config.role}@{config.host}:{config.port}"
+    cache, block_size = engine.runner.kv_cache, engine.config.block_size
+    if config.role == "prefill":
+        return EngineLoop(engine), KVSender(name, config.transfer), None
+    if config.role != "decode":
+        return EngineLoop(engine), None, None
+    receiver = KVReceiver(name, config.transfer)
+    layout = KVLayout.of_cache(cache, block_size)
+
+    def expect(request_id: str, block_ids: list[int]):  # noqa: ANN202 - TransferHandle
+        return receiver.expect(request_id, layout, block_ids,
+                               PagedCacheDestination(cache, block_ids, block_size))
+
+    loop = EngineLoop(engine, expect, receiver.address, config.transfer.offer_timeout_s)
+    return loop, None, receiver
 
 
 async def serve(config: WorkerConfig, ready: asyncio.Event | None = None) -> None:
     engine = LLMEngine(config.engine)
-    loop = EngineLoop(engine)
+    loop, sender, receiver = channel_ends(config, engine)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(WorkerServicer(loop, config), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(loop, config, sender, receiver), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.host}:{config.port}"
@@ -113,3 +259,7 @@ async def serve(config: WorkerConfig, ready: asyncio.Event | None = None) -> Non
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2)
     loop.close()
+    if sender is not None:
+        sender.close()
+    if receiver is not None:
+        receiver.close()

@@ -5,13 +5,21 @@ scheduler for a batch, runs it through the model runner, feeds the sampled token
 detokenizes them incrementally and reports one :class:`RequestOutput` per request that
 produced a token (and one last one when it finishes). ``abort_request`` frees a
 request's blocks at once. Not thread-safe: one thread drives an engine; servers wrap it.
+
+Disaggregation uses two more doors. A prefill worker adds a request with
+``on_prefilled``: right after the forward pass that computed the whole prompt, the
+callback gets the block table (the KV is in the cache and the blocks are still held,
+so it can copy them out), and the request ends with reason ``remote`` and its first
+token. A decode worker calls ``reserve_request`` (blocks for the whole prompt, the
+cached prefix reused), lets the transfer fill them, then ``commit_request`` with the
+first token, or ``recompute_request`` when the KV will not come.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +62,7 @@ class _Tracked:
     arrival_time: float
     first_token_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    on_prefilled: Callable[[list[int]], None] | None = None
 
 
 def model_identity(model_path: Path, dtype: str) -> str:
@@ -107,15 +116,73 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        on_prefilled: Callable[[list[int]], None] | None = None,
     ) -> None:
-        """Validate and queue; raises :class:`InvalidRequestError` and changes nothing."""
+        """Validate and queue; raises :class:`InvalidRequestError` and changes nothing.
+
+        With ``on_prefilled`` the request is prefill-only (see the module docstring);
+        the callback is skipped when the first token ends the request by itself."""
         ids = self.tokenize(prompt)
         self._validate(request_id, ids)
         seq = self.scheduler.add(request_id, ids, params, cache_salt)
-        detok = IncrementalDetokenizer(
-            self.tokenizer, ids, params.stop, params.include_stop_str_in_output
-        )
-        self._requests[request_id] = _Tracked(seq, detok, time.monotonic())
+        self._track(seq, on_prefilled)
+
+    def _track(self, seq: Sequence, on_prefilled: Callable[[list[int]], None] | None = None
+               ) -> None:
+        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop,
+                                       seq.params.include_stop_str_in_output)
+        self._requests[seq.seq_id] = _Tracked(seq, detok, time.monotonic(),
+                                              on_prefilled=on_prefilled)
+
+    def reserve_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Sequence | None:
+        """Decode side: validate, then hold blocks for the whole prompt (the cached
+        prefix reused: ``seq.num_computed_tokens`` tokens need no transfer, the rest
+        lands in ``seq.block_table``). None when there is no room now (retry after a
+        step); raises :class:`InvalidRequestError` like ``add_request``."""
+        ids = self.tokenize(prompt)
+        self._validate(request_id, ids)
+        seq = self.scheduler.reserve(request_id, ids, params, cache_salt)
+        if seq is not None:
+            self._track(seq)
+        return seq
+
+    def commit_request(self, request_id: str, first_token: int) -> RequestOutput | None:
+        """The reserved request's KV has landed: join the running batch with the first
+        token the prefill worker sampled (its text was already streamed from there).
+        Returns the final output when that token ends the request."""
+        tracked = self._requests[request_id]
+        reason = self.scheduler.commit(tracked.seq, first_token, self.eos_token_ids)
+        return self._after_first_token(tracked, first_token, reason)
+
+    def recompute_request(self, request_id: str, first_token: int | None) -> RequestOutput | None:
+        """The reserved request's KV will not come: compute its prompt here, after the
+        first token when the prefill worker sampled one (greedy output is unchanged)."""
+        tracked = self._requests[request_id]
+        reason = self.scheduler.recompute(tracked.seq, first_token, self.eos_token_ids)
+        if first_token is None:
+            return None
+        return self._after_first_token(tracked, first_token, reason)
+
+    def _after_first_token(self, tracked: _Tracked, token: int, reason: FinishReason | None
+                           ) -> RequestOutput | None:
+        """Bring the detokenizer to the prefill worker's state (its delta was sent from
+        there); end the request if the token ended it."""
+        now = time.monotonic()
+        tracked.first_token_time = now
+        tracked.detok.add(token)
+        seq = tracked.seq
+        if tracked.detok.stopped_by is not None and reason is None:
+            self.scheduler.finish(seq, FinishReason.STOP)
+        if not seq.is_finished:
+            return None
+        del self._requests[seq.seq_id]
+        return self._output(tracked, [], tracked.detok.flush(), now)
 
     def _validate(self, request_id: str, ids: list[int]) -> None:
         if request_id in self._requests:
@@ -148,6 +215,7 @@ class LLMEngine:
         if self.step_shapes is not None:
             self.step_shapes.append((out.num_batched_tokens, len(result.seq_ids)))
         sampled = dict(zip(result.seq_ids, result.sample.token_ids, strict=True))
+        self._export_prefilled(sampled)
         self.scheduler.update(out, sampled, self.eos_token_ids)
         now = time.monotonic()
         outputs = []
@@ -166,12 +234,28 @@ class LLMEngine:
                     seq.finish_reason = FinishReason.STOP
                 else:
                     self.scheduler.finish(seq, FinishReason.STOP)
-            if seq.is_finished:
+            if tracked.on_prefilled is not None and not seq.is_finished:
+                # Decoding goes on elsewhere, with this detokenizer state: no flush.
+                self.scheduler.finish(seq, FinishReason.REMOTE)
+            elif seq.is_finished:
                 delta += tracked.detok.flush()
+            if seq.is_finished:
                 del self._requests[seq_id]
                 self.runner.sampler.release(seq_id)
             outputs.append(self._output(tracked, [token], delta, now))
         return outputs
+
+    def _export_prefilled(self, sampled: dict[str, int]) -> None:
+        """Hand prefill-only requests' blocks out while their KV is complete and held."""
+        for seq_id, token in sampled.items():
+            tracked = self._requests[seq_id]
+            if tracked.on_prefilled is None:
+                continue
+            seq = tracked.seq
+            if (seq.num_output_tokens + 1 < seq.params.max_tokens
+                    and seq.num_tokens + 1 < self.max_model_len
+                    and self.scheduler.stop_reason(seq, token, self.eos_token_ids) is None):
+                tracked.on_prefilled(list(seq.block_table))
 
     def _output(
         self, t: _Tracked, new_ids: list[int], delta: str, now: float

@@ -17,6 +17,12 @@ Each :meth:`Scheduler.schedule` call builds one step:
 finishes sequences that hit EOS, a stop token, ``max_tokens`` or the context limit.
 Every path out of RUNNING goes through :meth:`Scheduler.finish` or a preemption, both
 of which free the sequence's blocks.
+
+Disaggregated decode adds a side door: :meth:`Scheduler.reserve` holds blocks for a
+whole prompt (its cached prefix included) outside both queues, while a prefill worker
+computes it; :meth:`Scheduler.commit` then makes it RUNNING with its first token, and
+:meth:`Scheduler.recompute` sends it to the waiting queue (transfer failed). A reserved
+sequence is never scheduled or preempted; :meth:`Scheduler.finish` frees it like any other.
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class Scheduler:
         )
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
+        self.reserved: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
 
@@ -83,6 +90,13 @@ class Scheduler:
         cache_salt: str | None = None,
     ) -> Sequence:
         """Queue a validated request. Raises ``KeyError`` on a duplicate id."""
+        seq = self._new(seq_id, prompt_token_ids, params, cache_salt)
+        self._seqs[seq_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def _new(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
+             cache_salt: str | None) -> Sequence:
         if seq_id in self._seqs:
             raise KeyError(f"request id {seq_id!r} is already in use")
         cfg = self.config
@@ -91,9 +105,74 @@ class Scheduler:
             cache_salt,
         )
         self._arrivals += 1
-        self._seqs[seq_id] = seq
-        self.waiting.append(seq)
         return seq
+
+    def reserve(
+        self,
+        seq_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Sequence | None:
+        """Hold blocks for the whole prompt of a request whose KV comes from elsewhere.
+
+        The cached prefix is taken first (``seq.num_computed_tokens`` says how many
+        tokens need not be sent; always less than the prompt). None, and no change, when
+        the pool cannot hold the rest now or ``max_num_seqs`` are already admitted: the
+        caller retries after a step frees blocks. Raises ``KeyError`` on a duplicate id.
+        """
+        cfg, bm = self.config, self.block_manager
+        if len(self.running) + len(self.reserved) >= cfg.max_num_seqs:
+            return None
+        seq = self._new(seq_id, prompt_token_ids, params, cache_salt)
+        match = bm.match_prefix(seq)
+        need = -(-seq.num_tokens // cfg.block_size) - len(match.block_ids)
+        reserve = cfg.watermark_blocks if self.running or self.reserved else 0
+        if need > bm.num_free_blocks - match.num_free_reused - reserve:
+            return None
+        bm.take_prefix(seq, match)
+        seq.num_cached_tokens = match.num_tokens
+        ok = bm.allocate(seq, seq.num_tokens)
+        assert ok, "reserve checked the free blocks"
+        seq.status = SequenceStatus.RESERVED
+        self._seqs[seq_id] = seq
+        self.reserved[seq_id] = seq
+        return seq
+
+    def commit(self, seq: Sequence, first_token: int, eos_token_ids: frozenset[int]
+               ) -> FinishReason | None:
+        """The KV of ``seq``'s whole prompt has landed in its blocks: cache them, add the
+        first token (sampled by the prefill worker) and run. Returns the finish reason
+        when that token already ends the request (then it is finished and freed)."""
+        assert seq.status is SequenceStatus.RESERVED, f"{seq} is not reserved"
+        del self.reserved[seq.seq_id]
+        seq.num_computed_tokens = seq.num_tokens
+        self.block_manager.cache_computed_blocks(seq)
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+        return self._append(seq, first_token, eos_token_ids)
+
+    def recompute(self, seq: Sequence, first_token: int | None,
+                  eos_token_ids: frozenset[int]) -> FinishReason | None:
+        """The KV will not come (transfer failed, prefill worker died): free the blocks
+        (their content is garbage, none was cached) and queue ``seq`` to be computed
+        here, with its first token when the prefill worker already sampled it."""
+        assert seq.status is SequenceStatus.RESERVED, f"{seq} is not reserved"
+        del self.reserved[seq.seq_id]
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+        if first_token is None:
+            return None
+        return self._append(seq, first_token, eos_token_ids)
+
+    def _append(self, seq: Sequence, token: int, eos: frozenset[int]) -> FinishReason | None:
+        seq.append_token(token)
+        reason = self.stop_reason(seq, token, eos)
+        if reason is not None:
+            self.finish(seq, reason)
+        return reason
 
     def get(self, seq_id: str) -> Sequence | None:
         return self._seqs.get(seq_id)
@@ -104,6 +183,8 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+        elif seq.status is SequenceStatus.RESERVED:
+            del self.reserved[seq.seq_id]
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -202,15 +283,11 @@ class Scheduler:
             self.block_manager.cache_computed_blocks(seq)
             if not chunk.samples:
                 continue
-            token = sampled[seq.seq_id]
-            seq.append_token(token)
-            reason = self._stop_reason(seq, token, eos_token_ids)
-            if reason is not None:
-                self.finish(seq, reason)
+            if self._append(seq, sampled[seq.seq_id], eos_token_ids) is not None:
                 finished.append(seq)
         return finished
 
-    def _stop_reason(
+    def stop_reason(
         self, seq: Sequence, token: int, eos: frozenset[int]
     ) -> FinishReason | None:
         p = seq.params

@@ -2,9 +2,14 @@
 
 Lifecycle: ``WAITING`` (queued, or preempted and waiting to be recomputed) ->
 ``RUNNING`` (holds KV blocks; each step computes a chunk of its prompt or one new
-token) -> ``FINISHED`` (blocks freed). ``num_computed_tokens`` counts tokens whose KV
-is in the cache; the request needs a forward pass until it equals ``num_tokens``, and
-a step whose chunk reaches the end samples the next token.
+token) -> ``FINISHED`` (blocks freed). A decode worker in a disaggregated cluster adds
+``RESERVED``: blocks for the whole prompt are held while a prefill worker computes it
+and sends the KV; the request then joins ``RUNNING`` with its first token (commit), or
+goes to ``WAITING`` to be recomputed here when the transfer failed.
+
+``num_computed_tokens`` counts tokens whose KV is in the cache; the request needs a
+forward pass until it equals ``num_tokens``, and a step whose chunk reaches the end
+samples the next token.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from .params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    RESERVED = "reserved"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -27,6 +33,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"  # cancelled by the caller
+    REMOTE = "remote"  # prefill worker: first token sampled, decoding goes on elsewhere
 
 
 class Sequence:

@@ -57,6 +57,10 @@ class TransferConfig:
     ``data_timeout_s`` each payload message, ``expect_timeout_s`` a reservation waiting
     for its offer (default, per expect). ``chunk_bytes`` sizes staged messages (sender);
     a receiver takes the direct framing when its messages average ``direct_min_bytes``.
+
+    ``fault_drop_midway`` is fault injection for tests: a sender stops every transfer
+    whose request id contains it after half its payload and closes the pair, as a link
+    that dies mid-transfer would. Empty (the default) disables it.
     """
 
     host: str = "127.0.0.1"
@@ -74,6 +78,7 @@ class TransferConfig:
     max_payload_bytes: int = 16 << 30
     housekeeping_interval_s: float = 0.05
     idle_wait_s: float = 600.0
+    fault_drop_midway: str = ""
 
     def __post_init__(self) -> None:
         check_host(self.host)

@@ -177,12 +177,18 @@ class KVSender:
                     src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
                     block_size: int, timeout_s: float | None = None) -> TransferHandle:
         """Gather ``src_block_ids`` of a paged cache now (so the caller may reuse them as
-        soon as this returns) and send them into ``dst_block_ids``."""
+        soon as this returns) and send them into ``dst_block_ids``. The endpoint's
+        ``busy_s`` counts from here (KV ready) to the transfer's end."""
         if len(src_block_ids) != len(dst_block_ids):
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} "
                              "target blocks")
+        started = time.monotonic()
         kv = gather_blocks(cache, src_block_ids, block_size)
-        return self.send(address, request_id, dst_block_ids, kv, timeout_s)
+        gathered = time.monotonic() - started
+        handle = self.send(address, request_id, dst_block_ids, kv, timeout_s)
+        handle.add_done_callback(
+            lambda r: self._counters.add_busy(r.seconds + gathered) if r.ok else None)
+        return handle
 
     def stats(self) -> ChannelStats:
         with self._lock:
@@ -274,10 +280,17 @@ class KVSender:
         wire = kv if self.config.backend == "nccl" else kv.cpu()
         planes = wire.view(layout.num_planes, *wire.shape[2:])
         plan = message_plan(header, block_ids, direct=answer == ACCEPT_DIRECT)
+        drop = bool(self.config.fault_drop_midway) and (
+            self.config.fault_drop_midway in handle.request_id)
+        if drop:  # fault injection: the link goes away after half the payload
+            plan = plan[: len(plan) // 2]
         works = [pair.pg.send([planes[m.p0:m.p1, m.i0:m.i1]], 1, tag_for(seq, i))
                  for i, m in enumerate(plan)]
         for w in works:
             w.wait(td(self.config.data_timeout_s))
+        if drop:
+            raise ChannelError(f"fault injection: transfer of {handle.request_id!r} dropped "
+                               f"after {len(plan)} payload messages")
         self._counters.add_bytes(header.payload_bytes)
         handle.advance(TransferState.DONE, nbytes=header.payload_bytes)
         return True

@@ -60,6 +60,8 @@ class ChannelStats:
     current: dict[str, int]
     bytes_moved: int
     pairs_open: int
+    busy_s: float = 0.0
+    """Sum over done transfers of KV ready -> landed (the sender measures it)."""
 
     @property
     def in_flight(self) -> int:
@@ -74,6 +76,7 @@ class StateCounters:
         self._entered = dict.fromkeys(TransferState, 0)
         self._current = dict.fromkeys(TransferState, 0)
         self._bytes = 0
+        self._busy = 0.0
 
     def record(self, old: TransferState | None, new: TransferState) -> None:
         with self._lock:
@@ -86,11 +89,15 @@ class StateCounters:
         with self._lock:
             self._bytes += n
 
+    def add_busy(self, seconds: float) -> None:
+        with self._lock:
+            self._busy += seconds
+
     def snapshot(self, pairs_open: int) -> ChannelStats:
         with self._lock:
             return ChannelStats({s.value: n for s, n in self._entered.items()},
                                 {s.value: n for s, n in self._current.items()},
-                                self._bytes, pairs_open)
+                                self._bytes, pairs_open, self._busy)
 
 
 @dataclass(frozen=True)

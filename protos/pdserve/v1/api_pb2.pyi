@@ -104,7 +104,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "serving", "running_requests", "waiting_requests", "free_blocks", "total_blocks")
+    __slots__ = ("address", "role", "serving", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "reserved_requests", "transfers")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,8 @@ class WorkerStatus(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: str
     serving: bool
@@ -119,7 +121,9 @@ class WorkerStatus(_message.Message):
     waiting_requests: int
     free_blocks: int
     total_blocks: int
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., serving: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    reserved_requests: int
+    transfers: _common_pb2.TransferStats
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., serving: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("model", "workers", "requests_in_flight", "max_requests_in_flight")

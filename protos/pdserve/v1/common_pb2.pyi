@@ -81,3 +81,24 @@ class TokenLogprob(_message.Message):
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TransferStats(_message.Message):
+    __slots__ = ("entered", "in_flight", "bytes_moved", "pairs_open", "busy_s")
+    class EnteredEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    ENTERED_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_MOVED_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    entered: _containers.ScalarMap[str, int]
+    in_flight: int
+    bytes_moved: int
+    pairs_open: int
+    busy_s: float
+    def __init__(self, entered: _Optional[_Mapping[str, int]] = ..., in_flight: _Optional[int] = ..., bytes_moved: _Optional[int] = ..., pairs_open: _Optional[int] = ..., busy_s: _Optional[float] = ...) -> None: ...

@@ -35,12 +35,68 @@ class WorkerGenerateResponse(_message.Message):
     queue_s: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., queue_s: _Optional[float] = ...) -> None: ...
 
+class KVTarget(_message.Message):
+    __slots__ = ("address", "skip_blocks", "block_ids")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    skip_blocks: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, address: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request", "target")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    request: WorkerGenerateRequest
+    target: KVTarget
+    def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first",)
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    first: WorkerGenerateResponse
+    def __init__(self, first: _Optional[_Union[WorkerGenerateResponse, _Mapping]] = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("local", "cached_tokens", "target")
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    local: bool
+    cached_tokens: int
+    target: KVTarget
+    def __init__(self, local: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
+
+class DecodeCommit(_message.Message):
+    __slots__ = ("first_token",)
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    def __init__(self, first_token: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("start", "commit")
+    START_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    start: WorkerGenerateRequest
+    commit: DecodeCommit
+    def __init__(self, start: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., commit: _Optional[_Union[DecodeCommit, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("reservation", "output")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    reservation: Reservation
+    output: WorkerGenerateResponse
+    def __init__(self, reservation: _Optional[_Union[Reservation, _Mapping]] = ..., output: _Optional[_Union[WorkerGenerateResponse, _Mapping]] = ...) -> None: ...
+
 class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "model", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "max_model_len")
+    __slots__ = ("role", "model", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "max_model_len", "reserved_requests", "transfers", "block_size")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +104,9 @@ class WorkerLoad(_message.Message):
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     running_requests: int
@@ -55,4 +114,7 @@ class WorkerLoad(_message.Message):
     free_blocks: int
     total_blocks: int
     max_model_len: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    reserved_requests: int
+    transfers: _common_pb2.TransferStats
+    block_size: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., block_size: _Optional[int] = ...) -> None: ...

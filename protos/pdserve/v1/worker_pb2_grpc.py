@@ -39,6 +39,16 @@ class WorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
                 _registered_method=True)
+        self.Prefill = channel.unary_unary(
+                '/pdserve.v1.Worker/Prefill',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+        self.Decode = channel.stream_stream(
+                '/pdserve.v1.Worker/Decode',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/pdserve.v1.Worker/GetLoad',
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
@@ -50,6 +60,18 @@ class WorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,6 +90,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerGenerateRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerGenerateResponse.SerializeToString,
+            ),
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Decode': grpc.stream_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
@@ -102,6 +134,60 @@ class Worker:
             '/pdserve.v1.Worker/Generate',
             protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerGenerateRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/Prefill',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.v1.Worker/Decode',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

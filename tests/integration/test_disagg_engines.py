@@ -1,0 +1,134 @@
+"""Two engines, one KV channel: prefill engine -> real gloo transfer -> decode engine.
+
+In one process (the channel's threads are real; its cross-process behaviour has its own
+tests), so these check the engine hooks exactly: reserve, prefill-only export, commit,
+recompute after a failed transfer, prefix hits on either side, and no leaked block.
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_no_leaks, hf_greedy
+from tiny_models import ARCHS
+
+from workers.engine.llm_engine import LLMEngine, RequestOutput
+from workers.engine.params import EngineConfig, SamplingParams
+from workers.transfer import (
+    KVLayout,
+    KVReceiver,
+    KVSender,
+    PagedCacheDestination,
+    TransferConfig,
+    TransferState,
+)
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+CFG = TransferConfig(connect_timeout_s=20.0, offer_timeout_s=10.0, data_timeout_s=10.0)
+
+
+def engine(path, **kw) -> LLMEngine:  # noqa: ANN001
+    return LLMEngine(EngineConfig(model=str(path), num_blocks=96, block_size=4,
+                                  max_num_batched_tokens=23, **kw))
+
+
+@pytest.fixture(scope="module")
+def channel():
+    receiver = KVReceiver("decode-test", CFG)
+    sender = KVSender("prefill-test", CFG)
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
+def run_until_done(eng: LLMEngine, rid: str) -> RequestOutput:
+    while True:
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                return out
+
+
+def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],  # noqa: ANN001
+                  params: SamplingParams = GREEDY, drop: bool = False
+                  ) -> tuple[RequestOutput, RequestOutput, TransferState]:
+    sender, receiver = channel
+    seq = d.reserve_request(rid, ids, params)
+    assert seq is not None
+    bs = d.config.block_size
+    skip = seq.num_computed_tokens // bs
+    dst = seq.block_table[skip:]
+    handle = receiver.expect(rid, KVLayout.of_cache(d.runner.kv_cache, bs), dst,
+                             PagedCacheDestination(d.runner.kv_cache, dst, bs))
+    sent = []
+
+    def export(table: list[int]) -> None:
+        if drop:  # the KV never leaves: the reservation must not be decoded
+            handle.cancel("test drops the transfer")
+            return
+        sent.append(sender.send_blocks(receiver.address, rid, p.runner.kv_cache, table[skip:],
+                                       dst, bs))
+
+    p.add_request(rid, ids, params, on_prefilled=export)
+    first = run_until_done(p, rid)
+    assert first.finish_reason == "remote" and len(first.token_ids) == 1
+    result = handle.wait(30)
+    if result.ok:
+        d.commit_request(rid, first.token_ids[0])
+    else:
+        d.recompute_request(rid, first.token_ids[0])
+    for s in sent:
+        assert s.wait(30).ok
+    return first, run_until_done(d, rid), result.state
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefill_transfer_decode_equals_hf(arch: str, tiny_checkpoints, channel) -> None:
+    path = tiny_checkpoints[arch]
+    p, d = engine(path), engine(path)
+    tok = p.tokenizer
+    texts = ["Hi", "The quick brown fox jumps over the lazy dog because", "A " * 30 + "story"]
+    prompts = [tok(t).input_ids for t in texts] + [[5]]
+    outs = [disaggregated(p, d, channel, f"{arch}-{i}", ids) for i, ids in enumerate(prompts)]
+    assert [o.token_ids for _, o, _ in outs] == hf_greedy(path, prompts, 12)
+    assert all(state is TransferState.DONE for *_, state in outs)
+    # Text streamed as the prefill's first delta plus the decode's deltas is the whole text.
+    assert all(o.finish_reason == "length" for _, o, _ in outs)
+    assert_no_leaks(p)
+    assert_no_leaks(d)
+
+
+def test_prefix_hits_on_either_side_and_failed_transfer_recomputes(tiny_checkpoints,
+                                                                    channel) -> None:
+    path = tiny_checkpoints["qwen3"]
+    p, d = engine(path), engine(path)
+    shared = p.tokenizer("A long shared system prompt that many requests start with.").input_ids
+    a, b, c = shared + [11, 12, 13], shared + [21, 22], shared + [31, 32, 33, 34]
+    _, out_a, _ = disaggregated(p, d, channel, "a", a)  # both cold
+    seq = d.reserve_request("probe", b, GREEDY)  # the decode side now holds the prefix
+    assert seq is not None and seq.num_computed_tokens == (len(shared) // 4) * 4
+    d.abort_request("probe")
+    first_b, out_b, _ = disaggregated(p, d, channel, "b", b)  # hits on both sides
+    assert first_b.num_cached_tokens == (len(shared) // 4) * 4
+    p2 = engine(path)  # a fresh prefill worker: hit on the decode side only
+    _, out_c, _ = disaggregated(p2, d, channel, "c", c)
+    _, out_x, state = disaggregated(p, d, channel, "x", shared + [41], drop=True)
+    assert state is TransferState.FAILED
+    assert [out_a.token_ids, out_b.token_ids, out_c.token_ids, out_x.token_ids] == hf_greedy(
+        path, [a, b, c, shared + [41]], 12)
+    for e in (p, p2, d):
+        assert_no_leaks(e)
+    assert receiver_idle(channel)
+
+
+def receiver_idle(channel) -> bool:  # noqa: ANN001
+    return channel[1].live_transfers() == 0
+
+
+def test_first_token_that_ends_the_request_sends_nothing(tiny_checkpoints, channel) -> None:
+    path = tiny_checkpoints["llama"]
+    p = engine(path)
+    called = []
+    p.add_request("one", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0),
+                  on_prefilled=called.append)
+    out = run_until_done(p, "one")
+    assert out.finish_reason == "length" and not called
+    assert_no_leaks(p)
