@@ -1,10 +1,13 @@
 """The ``pdserve`` command line: the composition root.
 
-The environment is read here and only here (``PDSERVE_CACHE_DIR``), into typed configs
-handed down to the engine. Subcommands:
+The environment is read here and only here (``PDSERVE_CACHE_DIR``; and
+``PDSERVE_FAULT_DROP_TRANSFER``, fault injection for tests: a prefill worker drops every
+KV transfer of a request whose id contains it, halfway), into typed configs handed
+down. Subcommands:
 
-* ``pdserve up [--mixed K]`` starts a local cluster (K mixed workers and a router, as
-  processes on 127.0.0.1) on the default model and serves until Ctrl-C;
+* ``pdserve up [--mixed K | --prefill N --decode M]`` starts a local cluster (the
+  workers and a router, as processes on 127.0.0.1) on the default model and serves
+  until Ctrl-C: K colocated workers, or N prefill and M decode workers (disaggregated);
 * ``pdserve worker`` / ``pdserve router`` run one component as a plain process;
 * ``pdserve generate [--target HOST:PORT | --offline] PROMPT`` streams the text
   (``--json`` prints the object DESIGN.md's command-line section defines);
@@ -158,11 +161,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"router {args.target}: model {status.model}, {status.requests_in_flight}/"
           f"{status.max_requests_in_flight} requests in flight")
-    print(f"{'worker':24}{'role':8}{'serving':>8}{'running':>9}{'waiting':>9}{'free KV':>14}")
+    print(f"{'worker':24}{'role':8}{'serving':>8}{'running':>9}{'waiting':>9}{'reserved':>9}"
+          f"{'free KV':>14}  transfers done/failed/timed out, in flight, MB")
     for w in status.workers:
+        t = w.transfers
+        moved = (f"{t.entered.get('done', 0)}/{t.entered.get('failed', 0)}/"
+                 f"{t.entered.get('timed_out', 0)}, {t.in_flight}, {t.bytes_moved / 1e6:.1f}"
+                 if w.role in ("prefill", "decode") else "-")
         print(f"{w.address:24}{w.role:8}{'yes' if w.serving else 'NO':>8}"
-              f"{w.running_requests:>9}{w.waiting_requests:>9}"
-              f"{f'{w.free_blocks}/{w.total_blocks}':>14}")
+              f"{w.running_requests:>9}{w.waiting_requests:>9}{w.reserved_requests:>9}"
+              f"{f'{w.free_blocks}/{w.total_blocks}':>14}  {moved}")
     return 0
 
 
@@ -172,11 +180,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from workers.engine.params import EngineConfig
     from workers.model_store import resolve_model
     from workers.server import WorkerConfig, serve
+    from workers.transfer import TransferConfig
 
     path = resolve_model(args.model, _cache_dir(args))
+    transfer = TransferConfig(host=args.host, data_timeout_s=args.transfer_timeout_s,
+                              fault_drop_midway=os.environ.get("PDSERVE_FAULT_DROP_TRANSFER", ""))
     config = WorkerConfig(
         engine=EngineConfig(model=str(path), **_engine_options(args)),  # type: ignore[arg-type]
-        model_name=path.name, role=args.role, host=args.host, port=args.port)
+        model_name=path.name, role=args.role, host=args.host, port=args.port,
+        transfer=transfer, local_prefill_threshold=args.local_prefill_threshold)
     asyncio.run(serve(config))
     return 0
 
@@ -203,7 +215,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     path = resolve_model(args.model, _cache_dir(args))  # convert once, before any child
     config = LocalClusterConfig(
-        model=str(path), mixed=args.mixed, host=args.host, port=args.port,
+        model=str(path), mixed=args.mixed, prefill=args.prefill, decode=args.decode,
+        local_prefill_threshold=args.local_prefill_threshold, host=args.host, port=args.port,
         http_port=args.http_port, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
         max_in_flight=args.max_in_flight, threads_per_worker=args.threads)
     with LocalCluster(config) as cluster:
@@ -244,7 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     u = sub.add_parser("up", help="start a local cluster and serve until Ctrl-C")
-    u.add_argument("--mixed", type=int, default=1, help="number of mixed workers")
+    u.add_argument("--mixed", type=int, default=None,
+                   help="colocated (mixed) workers (default: 1 unless --prefill/--decode)")
+    u.add_argument("--prefill", type=int, default=0, help="number of prefill workers")
+    u.add_argument("--decode", type=int, default=0, help="number of decode workers")
+    u.add_argument("--local-prefill-threshold", type=int, default=32,
+                   help="decode workers prefill prompts whose uncached part is shorter "
+                        "(tokens; 0: always remote)")
     u.add_argument("--model", default=None)
     u.add_argument("--cache-dir", default=None)
     u.add_argument("--host", default="127.0.0.1")
@@ -258,9 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(func=cmd_up)
 
     w = sub.add_parser("worker", help="one engine worker as a plain process")
-    w.add_argument("--role", choices=("mixed",), default="mixed")
-    w.add_argument("--host", default="127.0.0.1")
+    w.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
+    w.add_argument("--host", default="127.0.0.1",
+                   help="interface for gRPC and, on decode workers, the KV receiver")
     w.add_argument("--port", type=int, default=50061)
+    w.add_argument("--local-prefill-threshold", type=int, default=32,
+                   help="decode role: prefill here when the uncached prompt is shorter")
+    w.add_argument("--transfer-timeout-s", type=float, default=30.0,
+                   help="bound on each KV transfer message (prefill and decode roles)")
     _add_engine_flags(w)
     w.set_defaults(func=cmd_worker)
 

@@ -1,10 +1,11 @@
 """A whole cluster on this machine, as plain processes: what ``pdserve up`` runs.
 
-Lifecycle: pick free loopback ports -> start K mixed workers (each with its share of the
-cores: ``OMP_NUM_THREADS`` and ``--threads`` set per process, so they do not thrash) ->
-start the router pointed at them -> :meth:`LocalCluster.wait_ready` until the router
-answers ``GetStatus`` -> serve until Ctrl-C or until any process dies -> stop everyone
-(SIGTERM, then SIGKILL after a grace period). Used by the CLI and by the end-to-end tests.
+Lifecycle: pick free loopback ports -> start the workers: K mixed ones, or N prefill and
+M decode ones (each with its share of the cores: ``OMP_NUM_THREADS`` and ``--threads``
+set per process, so they do not thrash) -> start the router pointed at them ->
+:meth:`LocalCluster.wait_ready` until the router answers ``GetStatus`` -> serve until
+Ctrl-C or until any process dies -> stop everyone (SIGTERM, then SIGKILL after a grace
+period). Used by the CLI and by the end-to-end tests.
 """
 
 from __future__ import annotations
@@ -39,7 +40,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 @dataclass(frozen=True)
 class LocalClusterConfig:
     model: str
-    mixed: int = 1
+    mixed: int | None = None
+    """Colocated workers; None: 1, or 0 when prefill and decode workers are asked for."""
+    prefill: int = 0
+    decode: int = 0
+    local_prefill_threshold: int = 32
+    transfer_timeout_s: float = 30.0
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int = 8000
@@ -48,21 +54,40 @@ class LocalClusterConfig:
     max_in_flight: int = 256
     threads_per_worker: int | None = None
     block_size: int = 16
+    max_model_len: int | None = None
     log_dir: str | None = None
     """Where each process writes ``<name>.log``; None: they share this terminal."""
 
     def __post_init__(self) -> None:
-        if self.mixed < 1:
-            raise ValueError(f"--mixed must be >= 1, got {self.mixed}")
+        if self.prefill < 0 or self.decode < 0 or (self.mixed or 0) < 0:
+            raise ValueError("worker counts must be >= 0")
+        if (self.prefill == 0) != (self.decode == 0):
+            raise ValueError(f"--prefill {self.prefill} --decode {self.decode}: a "
+                             "disaggregated cluster needs at least one of each")
+        if self.num_mixed + self.prefill == 0:
+            raise ValueError("no workers: give --mixed K or --prefill N --decode M")
+
+    @property
+    def num_mixed(self) -> int:
+        if self.mixed is not None:
+            return self.mixed
+        return 0 if self.prefill else 1
+
+    def roles(self) -> list[tuple[str, str]]:
+        """(process name, role) of every worker, in start order."""
+        return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)]
+                + [(f"decode-{i}", "decode") for i in range(self.decode)]
+                + [(f"worker-{i}", "mixed") for i in range(self.num_mixed)])
 
 
 class LocalCluster:
     def __init__(self, config: LocalClusterConfig) -> None:
         self.config = config
+        self.workers = config.roles()
         cores = os.cpu_count() or 1
-        self.threads = config.threads_per_worker or max(1, cores // config.mixed)
+        self.threads = config.threads_per_worker or max(1, cores // len(self.workers))
         self.worker_addresses = [f"{config.host}:{free_port(config.host)}"
-                                 for _ in range(config.mixed)]
+                                 for _ in self.workers]
         self.target = f"{config.host}:{config.port}"
         self.http_url = (f"http://{config.host}:{config.http_port}"
                          if config.http_port else None)
@@ -94,12 +119,16 @@ class LocalCluster:
 
     def start(self) -> None:
         c = self.config
-        for i, address in enumerate(self.worker_addresses):
+        for (name, role), address in zip(self.workers, self.worker_addresses, strict=True):
             port = address.rsplit(":", 1)[1]
-            args = ["worker", "--role", "mixed", "--model", c.model, "--host", c.host,
+            args = ["worker", "--role", role, "--model", c.model, "--host", c.host,
                     "--port", port, "--dtype", c.dtype, "--kv-cache-gb", str(c.kv_cache_gb),
-                    "--block-size", str(c.block_size), "--threads", str(self.threads)]
-            self._spawn(f"worker-{i}", args, self.threads)
+                    "--block-size", str(c.block_size), "--threads", str(self.threads),
+                    "--local-prefill-threshold", str(c.local_prefill_threshold),
+                    "--transfer-timeout-s", str(c.transfer_timeout_s)]
+            if c.max_model_len:
+                args += ["--max-model-len", str(c.max_model_len)]
+            self._spawn(name, args, self.threads)
         router = ["router", "--model", c.model, "--host", c.host, "--port", str(c.port),
                   "--http-port", str(c.http_port), "--max-in-flight", str(c.max_in_flight)]
         for address in self.worker_addresses:
@@ -131,8 +160,12 @@ class LocalCluster:
                 time.sleep(0.5)
 
     def usage(self) -> str:
-        lines = [f"pdserve is serving {os.path.basename(self.config.model)} with "
-                 f"{self.config.mixed} mixed worker(s) ({self.threads} threads each).",
+        c = self.config
+        pools = (f"{c.prefill} prefill + {c.decode} decode worker(s)" if c.prefill else "")
+        if c.num_mixed:
+            pools += (" and " if pools else "") + f"{c.num_mixed} mixed worker(s)"
+        lines = [f"pdserve is serving {os.path.basename(c.model)} with {pools} "
+                 f"({self.threads} threads each).",
                  f"  gRPC:  pdserve generate --target {self.target} \"Hello\"",
                  f"         pdserve status --target {self.target}"]
         if self.http_url:

@@ -3,17 +3,27 @@
 Lifecycle of a request: validate (prompt present, sampling values, length against the
 model's context) and tokenize (chat template for messages) -> admit (at most
 ``max_in_flight`` at once; beyond it RESOURCE_EXHAUSTED at once, never a queue that
-hangs) -> pick the least-loaded worker (fewest requests this router has in flight there)
--> stream the worker's tokens back, adding prompt ids first and usage/timings last.
-When the consumer stops early (client cancelled or disconnected, deadline passed) the
-worker call is cancelled, and the worker aborts the request and frees its KV blocks.
-Workers that fail to answer are reported as UNAVAILABLE; the router never guesses.
+hangs) -> route -> stream the tokens back, adding prompt ids first and usage/timings
+last. When the consumer stops early (client cancelled or disconnected, deadline passed)
+every worker call is cancelled, and the workers abort the request and free its blocks.
+
+Routing. With prefill and decode workers (roles come from each worker's ``GetLoad``)
+a request is disaggregated (worker.proto gives the message order): open ``Decode`` on
+the least-loaded decode worker and get its reservation (a decode worker that does not
+answer is skipped for ``down_s`` and the next one tried); unless the reservation is
+local, call ``Prefill`` on the least-loaded prefill worker, relay its first token at
+once (TTFT never waits for the KV transfer), ``commit`` it to the decode worker and
+relay the rest. A prefill that fails (worker died, transport error) is recomputed on
+the decode worker: the request still completes. A decode worker that dies mid-request
+fails that request with UNAVAILABLE (its tokens were already streamed). Without both
+pools, requests go to the least-loaded mixed worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +38,8 @@ from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
 from .errors import RouterError
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -36,6 +48,8 @@ class RouterConfig:
     model_name: str
     max_in_flight: int = 256
     connect_timeout_s: float = 120.0
+    down_s: float = 5.0
+    """How long a worker that failed a call is passed over (unless all are)."""
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -49,7 +63,35 @@ class _Worker:
     address: str
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
+    role: str = "mixed"
     in_flight: int = 0
+    down_until: float = 0.0
+
+
+class _Relay:
+    """Worker stream messages -> public responses: prompt ids first, timings last."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], received: float) -> None:
+        self.request_id, self.prompt_ids, self.received = request_id, prompt_ids, received
+        self.first = True
+        self.first_token_at: float | None = None
+
+    def convert(self, msg: worker_pb2.WorkerGenerateResponse) -> api_pb2.GenerateResponse:
+        out = api_pb2.GenerateResponse(request_id=self.request_id, token_ids=msg.token_ids,
+                                       text=msg.text, logprobs=msg.logprobs)
+        if self.first:
+            out.prompt_token_ids.extend(self.prompt_ids)
+            self.first = False
+        if self.first_token_at is None and msg.token_ids:
+            self.first_token_at = time.monotonic()
+        if msg.finish_reason:
+            now = time.monotonic()
+            out.finish_reason = msg.finish_reason
+            out.usage.CopyFrom(msg.usage)
+            out.timings.CopyFrom(common_pb2.Timings(
+                ttft_s=(self.first_token_at or now) - self.received, e2e_s=now - self.received,
+                queue_s=msg.queue_s))
+        return out
 
 
 class Router:
@@ -61,6 +103,13 @@ class Router:
         self._workers: list[_Worker] = []
         self._in_flight = 0
         self._ids = itertools.count()
+
+    def pool(self, role: str) -> list[_Worker]:
+        return [w for w in self._workers if w.role == role]
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.pool("prefill")) and bool(self.pool("decode"))
 
     @property
     def in_flight(self) -> int:
@@ -84,7 +133,13 @@ class Router:
                                            f"{self.config.connect_timeout_s:.0f}s: "
                                            f"{e.details()}") from e
                     await asyncio.sleep(0.5)
+        for w, load in zip(self._workers, loads, strict=True):
+            w.role = load.role or "mixed"
         self.max_model_len = min(load.max_model_len for load in loads)
+        if not self.disaggregated and not self.pool("mixed"):
+            roles = sorted({w.role for w in self._workers})
+            raise RuntimeError(f"workers with roles {roles} cannot serve alone: give the router "
+                               "prefill and decode workers, or mixed ones")
 
     async def close(self) -> None:
         for w in self._workers:
@@ -129,8 +184,15 @@ class Router:
 
     # -- the request path ----------------------------------------------------------------
 
-    def _pick(self) -> _Worker:
-        return min(self._workers, key=lambda w: w.in_flight)
+    def _by_load(self, role: str) -> list[_Worker]:
+        """Least-loaded first; workers that failed lately go last."""
+        now = time.monotonic()
+        return sorted(self.pool(role), key=lambda w: (w.down_until > now, w.in_flight))
+
+    def _failed(self, worker: _Worker, e: grpc.aio.AioRpcError) -> None:
+        worker.down_until = time.monotonic() + self.config.down_s
+        log.warning("worker %s (%s) failed: %s: %s", worker.address, worker.role,
+                    e.code().name, e.details())
 
     async def generate(
         self, req: api_pb2.GenerateRequest, timeout: float | None = None
@@ -145,42 +207,123 @@ class Router:
         request_id = req.request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
         # Workers see a router-unique id: clients may reuse theirs, and one request's
         # cancellation must never reach another's.
-        worker_request_id = f"{request_id}#{next(self._ids)}"
-        worker = self._pick()
+        wreq = worker_pb2.WorkerGenerateRequest(
+            request_id=f"{request_id}#{next(self._ids)}", prompt_token_ids=ids,
+            sampling=sampling, cache_salt=req.cache_salt)
+        relay = _Relay(request_id, ids, received)
+        source = (self._disaggregated(wreq, timeout) if self.disaggregated
+                  else self._mixed(wreq, timeout))
         self._in_flight += 1
+        try:
+            async for msg in source:
+                yield relay.convert(msg)
+        finally:
+            await source.aclose()
+            self._in_flight -= 1
+
+    async def _mixed(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None
+                     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        worker = self._by_load("mixed")[0]
         worker.in_flight += 1
         call = None
-        first = True
-        first_token_at: float | None = None
         try:
-            call = worker.stub.Generate(
-                worker_pb2.WorkerGenerateRequest(
-                    request_id=worker_request_id, prompt_token_ids=ids, sampling=sampling,
-                    cache_salt=req.cache_salt),
-                timeout=timeout,
-            )
+            call = worker.stub.Generate(wreq, timeout=timeout)
             async for msg in call:
-                out = api_pb2.GenerateResponse(request_id=request_id, token_ids=msg.token_ids,
-                                               text=msg.text, logprobs=msg.logprobs)
-                if first:
-                    out.prompt_token_ids.extend(ids)
-                    first = False
-                if first_token_at is None and msg.token_ids:
-                    first_token_at = time.monotonic()
-                if msg.finish_reason:
-                    now = time.monotonic()
-                    out.finish_reason = msg.finish_reason
-                    out.usage.CopyFrom(msg.usage)
-                    out.timings.CopyFrom(common_pb2.Timings(
-                        ttft_s=(first_token_at or now) - received, e2e_s=now - received,
-                        queue_s=msg.queue_s))
-                yield out
+                yield msg
         except grpc.aio.AioRpcError as e:
             raise _from_worker(e, worker.address) from e
         finally:
             if call is not None:
                 call.cancel()  # no-op when finished; frees the worker's blocks otherwise
-            self._in_flight -= 1
+            worker.in_flight -= 1
+
+    async def _disaggregated(self, wreq: worker_pb2.WorkerGenerateRequest,
+                             timeout: float | None
+                             ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        decode, call, reservation = await self._reserve(wreq, deadline)
+        try:
+            prefilled = None
+            if not reservation.local:
+                prefilled = await self._prefill(wreq, reservation.target, deadline)
+                if prefilled is None:  # compute the whole prompt on the decode worker
+                    await call.write(worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
+                else:
+                    first = prefilled.first
+                    if first.finish_reason:  # ended at the first token; cancel frees the rest
+                        yield first
+                        return
+                    yield worker_pb2.WorkerGenerateResponse(
+                        token_ids=first.token_ids, text=first.text, logprobs=first.logprobs)
+                    await call.write(worker_pb2.DecodeRequest(
+                        commit=worker_pb2.DecodeCommit(first_token=first.token_ids[0])))
+                await call.done_writing()
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"decode worker {decode.address} ended the stream early")
+                out = msg.output
+                if out.finish_reason and prefilled is not None:
+                    # The prompt was computed (or reused) on the prefill worker.
+                    out.usage.cached_tokens = prefilled.first.usage.cached_tokens
+                    out.queue_s = prefilled.first.queue_s
+                yield out
+                if out.finish_reason:
+                    return
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in _CALLER_CODES:
+                self._failed(decode, e)
+            raise _from_worker(e, decode.address) from e
+        finally:
+            call.cancel()  # no-op when finished; frees the reservation otherwise
+            decode.in_flight -= 1
+
+    async def _reserve(self, wreq: worker_pb2.WorkerGenerateRequest, deadline: float | None
+                       ) -> tuple[_Worker, grpc.aio.StreamStreamCall, worker_pb2.Reservation]:
+        """Open Decode on the least-loaded decode worker that answers."""
+        errors = []
+        for worker in self._by_load("decode"):
+            worker.in_flight += 1
+            call = worker.stub.Decode(timeout=_left(deadline))
+            try:
+                await call.write(worker_pb2.DecodeRequest(start=wreq))
+                msg = await call.read()
+                if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "reservation":
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"decode worker {worker.address} sent no reservation")
+                return worker, call, msg.reservation
+            except grpc.aio.AioRpcError as e:
+                call.cancel()
+                worker.in_flight -= 1
+                if e.code() in _CALLER_CODES:
+                    raise _from_worker(e, worker.address) from e
+                self._failed(worker, e)
+                errors.append(f"{worker.address}: {e.code().name}")
+            except BaseException:
+                call.cancel()
+                worker.in_flight -= 1
+                raise
+        raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                          f"no decode worker could take the request ({'; '.join(errors)}); "
+                          "retry later")
+
+    async def _prefill(self, wreq: worker_pb2.WorkerGenerateRequest,
+                       target: worker_pb2.KVTarget, deadline: float | None
+                       ) -> worker_pb2.PrefillResponse | None:
+        """The first token from the least-loaded prefill worker; None when it failed
+        (the caller recomputes on the decode worker). Bad input raises."""
+        worker = self._by_load("prefill")[0]
+        worker.in_flight += 1
+        try:
+            return await worker.stub.Prefill(
+                worker_pb2.PrefillRequest(request=wreq, target=target), timeout=_left(deadline))
+        except grpc.aio.AioRpcError as e:
+            if e.code() in _CALLER_CODES:
+                raise _from_worker(e, worker.address) from e
+            self._failed(worker, e)
+            return None
+        finally:
             worker.in_flight -= 1
 
     async def status(self) -> api_pb2.GetStatusResponse:
@@ -193,16 +336,30 @@ class Router:
                     address=w.address, role=load.role, serving=True,
                     running_requests=load.running_requests,
                     waiting_requests=load.waiting_requests, free_blocks=load.free_blocks,
-                    total_blocks=load.total_blocks))
+                    total_blocks=load.total_blocks, reserved_requests=load.reserved_requests,
+                    transfers=load.transfers))
             except grpc.aio.AioRpcError:
                 resp.workers.append(api_pb2.WorkerStatus(address=w.address, serving=False))
         return resp
 
 
+_CALLER_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
+                 grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""Worker answers about the request or its caller, not about the worker's health."""
+
+
+def _left(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    return left
+
+
 def _from_worker(e: grpc.aio.AioRpcError, address: str) -> RouterError:
     code = e.code()
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
-                grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+    if code in _CALLER_CODES:
         return RouterError(code, e.details() or code.name)
     return RouterError(grpc.StatusCode.UNAVAILABLE,
                        f"worker {address} failed: {code.name}: {e.details()}; retry the request")

@@ -22,14 +22,16 @@ def start(model: Path, log_dir: Path, **kw: object) -> LocalCluster:
     return cluster
 
 
-def assert_cluster_idle(cluster: LocalCluster, timeout: float = 10.0) -> None:
-    """No request running or waiting, every KV block free, on every worker."""
+def assert_cluster_idle(cluster: LocalCluster, timeout: float = 15.0) -> None:
+    """No request running, waiting or reserved, every KV block free and no transfer in
+    flight, on every worker still serving (a test may have killed some)."""
     deadline = time.monotonic() + timeout
     with Client(cluster.target) as client:
         while True:
             status = client.status()
-            busy = [w for w in status.workers if w.running_requests or w.waiting_requests
-                    or w.free_blocks != w.total_blocks]
+            busy = [w for w in status.workers if w.serving and (
+                w.running_requests or w.waiting_requests or w.reserved_requests
+                or w.free_blocks != w.total_blocks or w.transfers.in_flight)]
             if not busy and status.requests_in_flight == 0:
                 return
             assert time.monotonic() < deadline, f"KV blocks or requests leaked: {status}"
