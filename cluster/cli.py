@@ -174,6 +174,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _log_to_stderr(name: str) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -182,6 +189,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from workers.server import WorkerConfig, serve
     from workers.transfer import TransferConfig
 
+    _log_to_stderr(f"{args.role}@{args.port}")
     path = resolve_model(args.model, _cache_dir(args))
     transfer = TransferConfig(host=args.host, data_timeout_s=args.transfer_timeout_s,
                               fault_drop_midway=os.environ.get("PDSERVE_FAULT_DROP_TRANSFER", ""))
@@ -200,6 +208,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from router.server import ServerConfig, serve
     from workers.model_store import resolve_model
 
+    _log_to_stderr(f"router@{args.port}")
     path = resolve_model(args.model, _cache_dir(args))
     config = ServerConfig(
         router=RouterConfig(workers=tuple(args.worker), model_path=str(path),

@@ -247,7 +247,7 @@ class Router:
             if not reservation.local:
                 prefilled = await self._prefill(wreq, reservation.target, deadline)
                 if prefilled is None:  # compute the whole prompt on the decode worker
-                    await call.write(worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
+                    await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
                 else:
                     first = prefilled.first
                     if first.finish_reason:  # ended at the first token; cancel frees the rest
@@ -255,9 +255,9 @@ class Router:
                         return
                     yield worker_pb2.WorkerGenerateResponse(
                         token_ids=first.token_ids, text=first.text, logprobs=first.logprobs)
-                    await call.write(worker_pb2.DecodeRequest(
+                    await _write(call, worker_pb2.DecodeRequest(
                         commit=worker_pb2.DecodeCommit(first_token=first.token_ids[0])))
-                await call.done_writing()
+                await _write(call, None)
             while True:
                 msg = await call.read()
                 if msg is grpc.aio.EOF:
@@ -346,6 +346,16 @@ class Router:
 _CALLER_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
                  grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 """Worker answers about the request or its caller, not about the worker's health."""
+
+
+async def _write(call: grpc.aio.StreamStreamCall, msg: worker_pb2.DecodeRequest | None) -> None:
+    """Write (None: done writing); a call the worker already ended raises its status."""
+    try:
+        await (call.done_writing() if msg is None else call.write(msg))
+    except asyncio.InvalidStateError:
+        await call.wait_for_connection()  # raises AioRpcError with the call's status
+        raise grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(),
+                                   grpc.aio.Metadata(), await call.details()) from None
 
 
 def _left(deadline: float | None) -> float | None:

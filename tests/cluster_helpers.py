@@ -10,8 +10,9 @@ from router.client import Client
 
 
 def start(model: Path, log_dir: Path, **kw: object) -> LocalCluster:
+    kw.setdefault("kv_cache_gb", 0.05)
     cfg = LocalClusterConfig(model=str(model), port=free_port(), http_port=free_port(),
-                             kv_cache_gb=0.05, log_dir=str(log_dir), **kw)  # type: ignore[arg-type]
+                             log_dir=str(log_dir), **kw)  # type: ignore[arg-type]
     cluster = LocalCluster(cfg)
     cluster.start()
     try:

@@ -144,6 +144,7 @@ class KVSender:
         self._lock = threading.Lock()
         self._pairs: dict[str, _SendPair] = {}
         self._opening: dict[str, threading.Lock] = {}
+        self._unreachable: dict[str, tuple[float, str]] = {}  # address -> (until, why)
         self._closed = False
 
     def send(self, address: str, request_id: str, block_ids: Sequence[int], kv: torch.Tensor,
@@ -297,6 +298,13 @@ class KVSender:
 
     # --- pairs ------------------------------------------------------------------------
 
+    def _check_reachable(self, address: str) -> None:
+        """A failed join marks the address for ``connect_timeout_s``: sends queued behind
+        it fail at once instead of each waiting out its own connect timeout."""
+        until, why = self._unreachable.get(address, (0.0, ""))
+        if time.monotonic() < until:
+            raise ChannelError(f"the decode worker at {address} was unreachable just now: {why}")
+
     def _pair_for(self, address: str) -> _SendPair:
         with self._lock:
             if self._closed:
@@ -304,6 +312,7 @@ class KVSender:
             pair = self._pairs.get(address)
             if pair is not None and pair.broken is None:
                 return pair
+            self._check_reachable(address)
             opening = self._opening.setdefault(address, threading.Lock())
         # a join is at most four steps of connect_timeout_s each
         if not opening.acquire(timeout=4 * self.config.connect_timeout_s):
@@ -313,7 +322,14 @@ class KVSender:
                 pair = self._pairs.get(address)
                 if pair is not None and pair.broken is None:
                     return pair
-            pair = self._join(address)
+                self._check_reachable(address)
+            try:
+                pair = self._join(address)
+            except Exception as e:
+                with self._lock:
+                    self._unreachable[address] = (
+                        time.monotonic() + self.config.connect_timeout_s, str(e)[:200])
+                raise
             with self._lock:
                 if self._closed:
                     pair.close("sender closed while opening")

@@ -5,13 +5,15 @@ Every transfer, on either end, moves through::
     PENDING ──▶ SENDING (sender: the receiver accepted the offer, payload on the wire)
        │    └─▶ RECEIVING (receiver: offer matched and accepted, payload landing)
        │              │
-       └──────────────┴──▶ DONE | FAILED(reason) | TIMED_OUT(reason)
+       └──────────────┴──▶ DONE | FAILED(reason) | TIMED_OUT(reason) | CANCELLED(reason)
 
 PENDING is left by acceptance, refusal, cancellation or its deadline; SENDING and
 RECEIVING by the last payload message or by a transport error or timeout (each payload
-wait is bounded). The three terminal states are left by the caller releasing the handle
-and freeing the blocks it holds: DONE means the blocks are valid, FAILED and TIMED_OUT
-mean they are not (retry on another pair or recompute, never decode from them).
+wait is bounded), RECEIVING also by cancellation while staged. The four terminal states
+are left by the caller releasing the handle and freeing the blocks it holds: DONE means
+the blocks are valid, the others mean they are not (retry on another pair or recompute,
+never decode from them). CANCELLED is the owner's own decision (the request went away),
+kept apart so that FAILED and TIMED_OUT count only real faults in metrics.
 
 The first terminal transition wins; later attempts (a timeout racing a completion) are
 no-ops that report False. Like SGLang's ``KVPoll``, :meth:`TransferHandle.poll` never
@@ -35,16 +37,19 @@ class TransferState(enum.Enum):
     DONE = "done"
     FAILED = "failed"
     TIMED_OUT = "timed_out"
+    CANCELLED = "cancelled"
 
     @property
     def terminal(self) -> bool:
         return self in _TERMINAL
 
 
-_TERMINAL = frozenset({TransferState.DONE, TransferState.FAILED, TransferState.TIMED_OUT})
+_TERMINAL = frozenset({TransferState.DONE, TransferState.FAILED, TransferState.TIMED_OUT,
+                       TransferState.CANCELLED})
 _ALLOWED: dict[TransferState, frozenset[TransferState]] = {
     TransferState.PENDING: frozenset({TransferState.SENDING, TransferState.RECEIVING,
-                                      TransferState.FAILED, TransferState.TIMED_OUT}),
+                                      TransferState.FAILED, TransferState.TIMED_OUT,
+                                      TransferState.CANCELLED}),
     TransferState.SENDING: frozenset(_TERMINAL),
     TransferState.RECEIVING: frozenset(_TERMINAL),
 }
@@ -170,12 +175,12 @@ class TransferHandle:
             return self.result()
 
     def cancel(self, reason: str = "cancelled by caller") -> bool:
-        """Move to FAILED if the current state allows it. Once this returns True the
+        """Move to CANCELLED if the current state allows it. Once this returns True the
         channel never writes into this transfer's destination again."""
         with self._cond:
             if self._state not in self._cancellable:
                 return False
-            return self.advance(TransferState.FAILED, reason)
+            return self.advance(TransferState.CANCELLED, reason)
 
     def add_done_callback(self, fn: Callable[[TransferResult], None]) -> None:
         """Call ``fn(result)`` once terminal, from the thread that ended the transfer (or

@@ -1,0 +1,230 @@
+"""Disaggregated serving end to end: router -> decode reserve -> prefill -> KV over gloo
+between real worker processes -> decode -> client, on real gRPC over loopback.
+
+Greedy output must equal Hugging Face ``generate``; every test ends with the leak check
+(no request running, waiting or reserved, every block free, no transfer in flight, on
+every worker still alive). Fault tests kill real processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+from cluster_helpers import assert_cluster_idle, start
+from conftest import hf_greedy
+from tiny_models import ARCHS
+from transformers import AutoTokenizer
+
+from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.client import AsyncClient, Client
+
+GREEDY = {"max_tokens": 8, "temperature": 0.0}
+CONTEXT = 384  # the SmolLM2 cluster's max_model_len: prompts go up to it
+TEXT = ("The history of the city begins with a small settlement on the river bank, where "
+        "traders met every spring to exchange salt, wool and iron tools. Over the centuries "
+        "the market grew into a town with stone walls, a cathedral and a university. ")
+
+
+def prompt_of(tok, n: int) -> list[int]:  # noqa: ANN001
+    ids = tok(TEXT * (1 + n // 40)).input_ids
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def worker_load(address: str) -> worker_pb2.WorkerLoad:
+    with grpc.insecure_channel(address) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+
+
+async def run_all(target: str, prompts: list[list[int]], **kw: object) -> list[object]:
+    async with AsyncClient(target) as client:
+        return await asyncio.gather(*(client.generate(p, **kw) for p in prompts),
+                                    return_exceptions=True)
+
+
+def served_equals_hf(path, served, prompts, max_tokens: int) -> None:  # noqa: ANN001
+    """Each completion equals HF's greedy tokens (HF stops at EOS; ours too, or at the
+    context limit, so compare the served length)."""
+    ref = hf_greedy(path, prompts, max_tokens, stop_at_eos=True)
+    for s, r, p in zip(served, ref, prompts, strict=True):
+        assert s.token_ids == r[: len(s.token_ids)], f"prompt of {len(p)} tokens"
+        assert len(s.token_ids) == len(r) or len(p) + len(s.token_ids) == CONTEXT
+
+
+@pytest.fixture(scope="module")
+def smol_disagg(smollm2_path, tmp_path_factory):
+    """2 prefill + 2 decode workers on SmolLM2; every prompt goes remote (threshold 0)."""
+    c = start(smollm2_path, tmp_path_factory.mktemp("disagg-logs"), prefill=2, decode=2,
+              local_prefill_threshold=0, max_model_len=CONTEXT, kv_cache_gb=0.1)
+    yield c
+    c.stop()
+
+
+def test_32_concurrent_requests_from_1_token_to_the_context_limit_equal_hf(
+        smol_disagg, smollm2_path) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    lengths = [1, 2, 3, 15, 16, 17, 31, 32, 33, 47, 64, 65, 80, 100, 127, 128, 129, 150,
+               175, 200, 222, 255, 256, 257, 280, 300, 320, 340, 360, 375, 380, CONTEXT - 1]
+    assert len(lengths) == 32
+    prompts = [prompt_of(tok, n) for n in lengths]
+    served = asyncio.run(run_all(smol_disagg.target, prompts, **GREEDY))
+    errors = [s for s in served if isinstance(s, BaseException)]
+    assert not errors, errors[:3]
+    served_equals_hf(smollm2_path, served, prompts, GREEDY["max_tokens"])
+    with Client(smol_disagg.target) as client:
+        status = client.status()
+    prefill = [w for w in status.workers if w.role == "prefill"]
+    decode = [w for w in status.workers if w.role == "decode"]
+    assert sum(w.transfers.entered["done"] for w in prefill) >= 31  # 1 token: maybe ends
+    assert all(w.transfers.entered["failed"] == 0 for w in prefill + decode)
+    assert all(w.transfers.entered["done"] > 0 for w in decode)  # both decode workers used
+    assert_cluster_idle(smol_disagg)
+
+
+def test_shared_prefix_is_reused_and_streamed_text_is_whole(smol_disagg, smollm2_path) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    shared = tok(" ".join(reversed(TEXT.split())) * 6).input_ids[:200]  # unseen so far
+    prompts = [shared + tok(f" Question {i}: what happened next?").input_ids for i in range(3)]
+    with Client(smol_disagg.target) as client:
+        served = [client.generate(p, **GREEDY) for p in prompts]  # one at a time
+        pieces = [m.text for m in client.stream(prompts[0], **GREEDY)]
+    served_equals_hf(smollm2_path, served, prompts, GREEDY["max_tokens"])
+    assert served[0].usage["cached_tokens"] == 0
+    assert all(s.usage["cached_tokens"] >= 192 for s in served[1:])
+    assert "".join(pieces) == served[0].text
+    assert_cluster_idle(smol_disagg)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_architectures_through_prefill_and_decode_equal_hf(arch, tiny_checkpoints,
+                                                                 tmp_path) -> None:
+    path = tiny_checkpoints[arch]
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok(t).input_ids for t in ("Hi", "The quick brown fox jumps over the lazy dog",
+                                          "def main():\n    return 42\n", "A " * 40)]
+    c = start(path, tmp_path, prefill=1, decode=1, local_prefill_threshold=0, block_size=4)
+    try:
+        served = asyncio.run(run_all(c.target, prompts, max_tokens=12, temperature=0.0,
+                                     ignore_eos=True))
+        assert [s.token_ids for s in served] == hf_greedy(path, prompts, 12)
+        assert_cluster_idle(c)
+    finally:
+        c.stop()
+
+
+def test_short_uncached_prompts_are_prefilled_on_the_decode_worker(tiny_checkpoints,
+                                                                   tmp_path) -> None:
+    path = tiny_checkpoints["llama"]
+    c = start(path, tmp_path, prefill=1, decode=1, local_prefill_threshold=16)
+    try:
+        with Client(c.target) as client:
+            short = client.generate([5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
+            long = client.generate(list(range(5, 45)), max_tokens=4, temperature=0.0,
+                                   ignore_eos=True)
+            status = client.status()
+        assert [short.token_ids, long.token_ids] == hf_greedy(
+            path, [[5, 6, 7], list(range(5, 45))], 4)
+        [decode] = [w for w in status.workers if w.role == "decode"]
+        assert decode.transfers.entered["done"] == 1  # only the long prompt moved KV
+        assert_cluster_idle(c)
+    finally:
+        c.stop()
+
+
+# --- faults ---------------------------------------------------------------------------
+
+def _kill_when(cluster, name: str, watch: str, busy) -> None:  # noqa: ANN001
+    """SIGKILL worker ``name`` as soon as ``busy(load of worker watch)`` holds."""
+    names = [n for n, _ in cluster.workers]
+    watched = cluster.worker_addresses[names.index(watch)]
+    proc = cluster.procs[names.index(name)]
+    deadline = time.monotonic() + 60
+    while not busy(worker_load(watched)):
+        assert time.monotonic() < deadline, f"{watch} never got busy"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def _fault_cluster(smollm2_path, tmp_path, **kw):  # noqa: ANN001, ANN202
+    return start(smollm2_path, tmp_path, local_prefill_threshold=0, max_model_len=CONTEXT,
+                 kv_cache_gb=0.1, transfer_timeout_s=3.0, **kw)
+
+
+def test_decode_killed_during_transfers_fails_only_its_requests(smollm2_path, tmp_path) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = [prompt_of(tok, 300 + i) for i in range(12)]
+    c = _fault_cluster(smollm2_path, tmp_path, prefill=1, decode=2)
+    try:
+        async def scenario() -> list[object]:
+            task = asyncio.ensure_future(run_all(c.target, prompts, max_tokens=24,
+                                                 temperature=0.0))
+            await asyncio.to_thread(_kill_when, c, "decode-0", "decode-0",
+                                    lambda load: load.reserved_requests > 0)
+            return await task
+
+        served = asyncio.run(scenario())
+        failed = [s for s in served if isinstance(s, BaseException)]
+        ok = [(s, p) for s, p in zip(served, prompts, strict=True)
+              if not isinstance(s, BaseException)]
+        assert failed, "the kill hit no request"
+        for e in failed:
+            assert isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAVAILABLE
+            assert "decode" in e.details() or "worker" in e.details()
+        assert ok, "every request failed: the survivor served none"
+        served_equals_hf(smollm2_path, [s for s, _ in ok], [p for _, p in ok], 24)
+        # The cluster keeps serving on what is left.
+        with Client(c.target) as client:
+            again = client.generate(prompts[0], max_tokens=24, temperature=0.0)
+        served_equals_hf(smollm2_path, [again], prompts[:1], 24)
+        assert_cluster_idle(c, timeout=30)
+    finally:
+        c.stop()
+
+
+def test_prefill_killed_during_prefill_is_recomputed_on_decode(smollm2_path, tmp_path) -> None:
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = [prompt_of(tok, 320 + i) for i in range(8)]
+    c = _fault_cluster(smollm2_path, tmp_path, prefill=2, decode=1)
+    try:
+        async def scenario() -> list[object]:
+            task = asyncio.ensure_future(run_all(c.target, prompts, **GREEDY))
+            # Every request holds a reservation while it is being prefilled.
+            await asyncio.to_thread(_kill_when, c, "prefill-0", "decode-0",
+                                    lambda load: load.reserved_requests >= 6)
+            return await task
+
+        served = asyncio.run(scenario())
+        errors = [s for s in served if isinstance(s, BaseException)]
+        assert not errors, errors[:3]
+        served_equals_hf(smollm2_path, served, prompts, GREEDY["max_tokens"])
+        assert_cluster_idle(c, timeout=30)
+    finally:
+        c.stop()
+
+
+def test_transfer_dropped_midway_is_recomputed_and_counted(smollm2_path, tmp_path,
+                                                           monkeypatch) -> None:
+    monkeypatch.setenv("PDSERVE_FAULT_DROP_TRANSFER", "drop-me")
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = [prompt_of(tok, 250), prompt_of(tok, 260)]
+    c = _fault_cluster(smollm2_path, tmp_path, prefill=1, decode=1)
+    try:
+        with Client(c.target) as client:
+            dropped = client.generate(prompts[0], request_id="drop-me", **GREEDY)
+            fine = client.generate(prompts[1], request_id="fine", **GREEDY)
+            status = client.status()
+        served_equals_hf(smollm2_path, [dropped, fine], prompts, GREEDY["max_tokens"])
+        [prefill] = [w for w in status.workers if w.role == "prefill"]
+        [decode] = [w for w in status.workers if w.role == "decode"]
+        assert prefill.transfers.entered["failed"] == 1
+        assert prefill.transfers.entered["done"] == 1
+        lost = decode.transfers.entered["failed"] + decode.transfers.entered["timed_out"]
+        assert lost == 1 and decode.transfers.entered["done"] == 1
+        assert_cluster_idle(c, timeout=30)
+    finally:
+        c.stop()
