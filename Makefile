@@ -31,6 +31,7 @@ test: install
 bench: install
 	$(VENV)/bin/pdserve bench-engine
 	$(VENV)/bin/pdserve bench-router
+	$(VENV)/bin/pdserve bench-disagg
 
 lint: install
 	$(VENV)/bin/ruff check .

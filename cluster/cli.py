@@ -14,6 +14,8 @@ down. Subcommands:
 * ``pdserve status [--target HOST:PORT]`` shows the workers; exit 0 once the router serves;
 * ``pdserve bench-engine`` compares the engine with Hugging Face ``generate`` and the
   GEMM floor (see ``workers/bench_engine.py``);
+* ``pdserve bench-disagg`` measures the KV transfer on the serving path against a raw
+  TCP copy, and disaggregated TTFT against colocated (see ``cluster/bench_disagg.py``);
 * ``pdserve convert-model`` converts the default model once, ahead of time.
 """
 
@@ -251,6 +253,16 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     ))
 
 
+def cmd_bench_disagg(args: argparse.Namespace) -> int:
+    from cluster.bench_disagg import DisaggBenchOptions, run
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, _cache_dir(args))
+    run(DisaggBenchOptions(model=str(path), tokens=args.tokens, ttft_tokens=args.ttft_tokens,
+                           iters=args.iters, out=args.out))
+    return 0
+
+
 def cmd_bench_router(args: argparse.Namespace) -> int:
     from cluster.bench_router import RouterBenchOptions, run
     from workers.model_store import resolve_model
@@ -348,6 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
     b.add_argument("--quick", action="store_true", help="a small run to check the harness")
     b.set_defaults(func=cmd_bench_engine)
+
+    bd = sub.add_parser("bench-disagg", help="KV transfer rate vs raw TCP, and disaggregated "
+                                             "TTFT vs colocated, on real local clusters")
+    bd.add_argument("--model", default=None)
+    bd.add_argument("--cache-dir", default=None)
+    bd.add_argument("--tokens", type=int, default=2048, help="prompt length for the transfer")
+    bd.add_argument("--ttft-tokens", type=int, default=1024, help="prompt length for TTFT")
+    bd.add_argument("--iters", type=int, default=5)
+    bd.add_argument("--out", default="bench-results/disagg.json")
+    bd.set_defaults(func=cmd_bench_disagg)
 
     br = sub.add_parser("bench-router", help="latency the router adds over a direct worker call")
     br.add_argument("--model", default=None)

@@ -59,6 +59,10 @@ class WorkerConfig:
     port: int = 50061
     transfer: TransferConfig = field(default_factory=TransferConfig)
     local_prefill_threshold: int = 32
+    reservation_timeout_s: float = 600.0
+    """Decode role: how long reserved blocks wait for their KV offer. Long on purpose:
+    prefill queues can be deep, and the router's stream bounds a reservation anyway
+    (a cancelled or broken Decode call frees it at once)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -228,7 +232,8 @@ def channel_ends(config: WorkerConfig, engine: LLMEngine
 
     def expect(request_id: str, block_ids: list[int]):  # noqa: ANN202 - TransferHandle
         return receiver.expect(request_id, layout, block_ids,
-                               PagedCacheDestination(cache, block_ids, block_size))
+                               PagedCacheDestination(cache, block_ids, block_size),
+                               timeout_s=config.reservation_timeout_s)
 
     loop = EngineLoop(engine, expect, receiver.address, config.transfer.offer_timeout_s)
     return loop, None, receiver
