@@ -73,7 +73,7 @@ class _RawLink:
     def __init__(self) -> None:
         from workers.transfer.bench import Child
 
-        self.child = Child(argparse.Namespace(chunk_bytes=8 << 20, window=4, dest="cache"))
+        self.child = Child(argparse.Namespace(chunk_bytes=8 << 20, window=4, dest="paged"))
         self.sock = socket.create_connection(("127.0.0.1", self.child.raw_port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 

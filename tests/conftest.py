@@ -59,6 +59,7 @@ def assert_no_leaks(engine) -> None:  # noqa: ANN001 - LLMEngine, imported lazil
     bm = sched.block_manager
     assert not engine.has_unfinished_requests()
     assert sched.num_unfinished == 0 and not sched.running and not sched.waiting
+    assert not sched.reserved and not sched.held
     assert bm.num_free_blocks == bm.num_blocks, (
         f"{bm.num_blocks - bm.num_free_blocks} KV blocks leaked"
     )

@@ -32,7 +32,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from .engine.llm_engine import LLMEngine, RequestOutput
+from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput
 from .engine.params import SamplingParams
 from .transfer import TransferHandle, TransferResult, TransferState
 
@@ -43,7 +43,9 @@ class EngineLoad:
     waiting: int
     free_blocks: int
     total_blocks: int
-    reserved: int = 0  # decode: requests holding blocks for KV in transit (or waiting to)
+    reserved: int = 0
+    """Requests holding blocks for KV in transit: decode, reserved (or waiting for room)
+    until the KV lands; prefill, held until their KV has been sent."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class _Add:
     cache_salt: str | None
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
-    on_prefilled: Callable[[list[int]], None] | None = None
+    on_prefilled: OnPrefilled | None = None
     local_threshold: int | None = None  # set: a reserve (decode side of disaggregation)
 
 
@@ -83,6 +85,11 @@ class _Abort:
 class _Commit:
     add: _Add
     first_token: int | None
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], None]
 
 
 @dataclass
@@ -124,6 +131,10 @@ class EngineLoop:
     def load(self) -> EngineLoad:
         return self._load
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread between steps (from any thread)."""
+        self._commands.put(_Call(fn))
+
     def close(self) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout=10)
@@ -134,7 +145,7 @@ class EngineLoop:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
-        on_prefilled: Callable[[list[int]], None] | None = None,
+        on_prefilled: OnPrefilled | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Run a request here; ``on_prefilled`` makes it prefill-only (see LLMEngine)."""
         add = _Add(request_id, prompt_token_ids, params, cache_salt,
@@ -184,7 +195,7 @@ class EngineLoop:
         sched = self.engine.scheduler
         return EngineLoad(len(sched.running), len(sched.waiting),
                           sched.block_manager.num_free_blocks, sched.block_manager.num_blocks,
-                          len(self._remote) + len(self._pending))
+                          len(self._remote) + len(self._pending) + len(sched.held))
 
     def _run(self) -> None:
         sched = self.engine.scheduler
@@ -223,8 +234,10 @@ class EngineLoop:
             del self._streams[output.request_id]
         self._deliver(stream, output)
 
-    def _apply(self, cmd: _Add | _Abort | _Commit | _TransferDone) -> None:
-        if isinstance(cmd, _Abort):
+    def _apply(self, cmd: _Add | _Abort | _Commit | _TransferDone | _Call) -> None:
+        if isinstance(cmd, _Call):
+            cmd.fn()
+        elif isinstance(cmd, _Abort):
             self._abort(cmd.add)
         elif isinstance(cmd, _Commit):
             rec = self._remote.get(cmd.add.request_id)

@@ -124,17 +124,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             params = sampling_from_proto(req.sampling)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        sender, engine = self._sender, self._loop.engine
+        sender, loop, engine = self._sender, self._loop, self._loop.engine
         skip, dst = target.skip_blocks, list(target.block_ids)
 
-        def send_kv(block_table: list[int]) -> None:  # engine thread, KV complete and held
+        def send_kv(block_table: list[int], release) -> None:  # noqa: ANN001 - engine thread
             src = block_table[skip:]
             if len(src) != len(dst):  # the decode side recomputes after its commit wait
                 log.error("request %s: %d blocks to send, the reservation holds %d",
                           req.request_id, len(src), len(dst))
+                release()
                 return
-            sender.send_blocks(target.address, req.request_id, engine.runner.kv_cache, src,
-                               dst, engine.config.block_size)
+            try:  # read in place from the held blocks; released once the send ended
+                handle = sender.send_paged(target.address, req.request_id,
+                                           engine.runner.kv_cache, src, dst,
+                                           engine.config.block_size)
+            except Exception:  # noqa: BLE001 - sender closed: the decode side recomputes
+                log.exception("request %s: cannot send its KV", req.request_id)
+                release()
+                return
+            handle.add_done_callback(lambda _r: loop.call_soon(release))
 
         last = None
         try:

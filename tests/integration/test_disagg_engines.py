@@ -59,13 +59,15 @@ def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],
     handle = receiver.expect(rid, KVLayout.of_cache(d.runner.kv_cache, bs), dst,
                              PagedCacheDestination(d.runner.kv_cache, dst, bs))
     sent = []
+    releases = []
 
-    def export(table: list[int]) -> None:
+    def export(table: list[int], release) -> None:  # noqa: ANN001
+        releases.append(release)
         if drop:  # the KV never leaves: the reservation must not be decoded
             handle.cancel("test drops the transfer")
             return
-        sent.append(sender.send_blocks(receiver.address, rid, p.runner.kv_cache, table[skip:],
-                                       dst, bs))
+        sent.append(sender.send_paged(receiver.address, rid, p.runner.kv_cache, table[skip:],
+                                      dst, bs))
 
     p.add_request(rid, ids, params, on_prefilled=export)
     first = run_until_done(p, rid)
@@ -77,6 +79,10 @@ def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],
         d.recompute_request(rid, first.token_ids[0])
     for s in sent:
         assert s.wait(30).ok
+    assert p.scheduler.held or drop  # the prefill side holds the blocks until released
+    for release in releases:
+        release()
+        release()  # idempotent
     return first, run_until_done(d, rid), result.state
 
 
@@ -128,7 +134,7 @@ def test_first_token_that_ends_the_request_sends_nothing(tiny_checkpoints, chann
     p = engine(path)
     called = []
     p.add_request("one", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0),
-                  on_prefilled=called.append)
+                  on_prefilled=lambda table, release: called.append(table))
     out = run_until_done(p, "one")
     assert out.finish_reason == "length" and not called
     assert_no_leaks(p)

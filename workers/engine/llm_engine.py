@@ -8,11 +8,12 @@ request's blocks at once. Not thread-safe: one thread drives an engine; servers 
 
 Disaggregation uses two more doors. A prefill worker adds a request with
 ``on_prefilled``: right after the forward pass that computed the whole prompt, the
-callback gets the block table (the KV is in the cache and the blocks are still held,
-so it can copy them out), and the request ends with reason ``remote`` and its first
-token. A decode worker calls ``reserve_request`` (blocks for the whole prompt, the
-cached prefix reused), lets the transfer fill them, then ``commit_request`` with the
-first token, or ``recompute_request`` when the KV will not come.
+callback gets the block table and a ``release`` function; the request ends with reason
+``remote`` and its first token, but its blocks stay held (read-only) until ``release()``
+is called on the engine thread, so a transfer can read them in place. A decode worker
+calls ``reserve_request`` (blocks for the whole prompt, the cached prefix reused), lets
+the transfer fill them, then ``commit_request`` with the first token, or
+``recompute_request`` when the KV will not come.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import hashlib
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig
@@ -55,6 +57,10 @@ class RequestOutput:
     finish_time: float | None = None
 
 
+OnPrefilled = Callable[[list[int], Callable[[], None]], None]
+"""(block table, release) -> None; ``release`` must be called on the engine thread."""
+
+
 @dataclass
 class _Tracked:
     seq: Sequence
@@ -62,7 +68,7 @@ class _Tracked:
     arrival_time: float
     first_token_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    on_prefilled: Callable[[list[int]], None] | None = None
+    on_prefilled: OnPrefilled | None = None
 
 
 def model_identity(model_path: Path, dtype: str) -> str:
@@ -116,7 +122,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
-        on_prefilled: Callable[[list[int]], None] | None = None,
+        on_prefilled: OnPrefilled | None = None,
     ) -> None:
         """Validate and queue; raises :class:`InvalidRequestError` and changes nothing.
 
@@ -127,8 +133,7 @@ class LLMEngine:
         seq = self.scheduler.add(request_id, ids, params, cache_salt)
         self._track(seq, on_prefilled)
 
-    def _track(self, seq: Sequence, on_prefilled: Callable[[list[int]], None] | None = None
-               ) -> None:
+    def _track(self, seq: Sequence, on_prefilled: OnPrefilled | None = None) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop,
                                        seq.params.include_stop_str_in_output)
         self._requests[seq.seq_id] = _Tracked(seq, detok, time.monotonic(),
@@ -255,7 +260,8 @@ class LLMEngine:
             if (seq.num_output_tokens + 1 < seq.params.max_tokens
                     and seq.num_tokens + 1 < self.max_model_len
                     and self.scheduler.stop_reason(seq, token, self.eos_token_ids) is None):
-                tracked.on_prefilled(list(seq.block_table))
+                self.scheduler.hold(seq)
+                tracked.on_prefilled(list(seq.block_table), partial(self.scheduler.release, seq))
 
     def _output(
         self, t: _Tracked, new_ids: list[int], delta: str, now: float

@@ -23,6 +23,8 @@ whole prompt (its cached prefix included) outside both queues, while a prefill w
 computes it; :meth:`Scheduler.commit` then makes it RUNNING with its first token, and
 :meth:`Scheduler.recompute` sends it to the waiting queue (transfer failed). A reserved
 sequence is never scheduled or preempted; :meth:`Scheduler.finish` frees it like any other.
+A prefill worker's export uses :meth:`Scheduler.hold`: the sequence's blocks outlive its
+finish (in ``held``) until :meth:`Scheduler.release`, while a transfer reads them.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.reserved: dict[str, Sequence] = {}  # waiting for KV from a prefill worker
+        self.held: dict[str, Sequence] = {}  # finished, blocks still read by a transfer
+        self._holding: set[str] = set()
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = 0
 
@@ -187,9 +191,27 @@ class Scheduler:
             del self.reserved[seq.seq_id]
         else:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if seq.seq_id in self._holding:
+            self._holding.discard(seq.seq_id)
+            self.held[seq.seq_id] = seq
+        else:
+            self.block_manager.free(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         del self._seqs[seq.seq_id]
+
+    def hold(self, seq: Sequence) -> None:
+        """Keep ``seq``'s blocks past its finish until :meth:`release` (read-only: they
+        stay shareable through the prefix cache meanwhile)."""
+        assert self._seqs.get(seq.seq_id) is seq, f"{seq} is not live"
+        self._holding.add(seq.seq_id)
+
+    def release(self, seq: Sequence) -> None:
+        """End a :meth:`hold`; frees the blocks if ``seq`` already finished. Idempotent."""
+        if self.held.get(seq.seq_id) is seq:
+            del self.held[seq.seq_id]
+            self.block_manager.free(seq)
+        elif self._seqs.get(seq.seq_id) is seq:
+            self._holding.discard(seq.seq_id)
 
     def abort(self, seq_id: str) -> bool:
         seq = self._seqs.get(seq_id)

@@ -124,3 +124,34 @@ class TensorDestination:
 
     def region(self, plane: int, i0: int, i1: int) -> torch.Tensor:
         return self._planes[plane, i0:i1]
+
+
+class TensorSource:
+    """Payload messages sliced out of one contiguous ``[layers, 2, n, bs, heads, dim]``."""
+
+    def __init__(self, kv: torch.Tensor):
+        kv = kv.contiguous()
+        self._planes = kv.view(kv.shape[0] * 2, *kv.shape[2:])
+
+    def message(self, p0: int, p1: int, i0: int, i1: int) -> torch.Tensor:
+        return self._planes[p0:p1, i0:i1]
+
+
+class PagedSource:
+    """Payload messages read straight out of a paged cache at ``block_ids``: a message of
+    one plane over a run of consecutive source blocks is a view (no copy); any other is
+    gathered on demand, one message at a time. The blocks must stay unchanged (held)
+    until the transfer is terminal."""
+
+    def __init__(self, cache: torch.Tensor, block_ids: Sequence[int], block_size: int):
+        view = _block_view(cache, block_size)
+        layers, _, num_blocks, *block = view.shape
+        self._ids_t = _ids(block_ids, num_blocks, cache.device)
+        self._ids = list(block_ids)
+        self._flat = view.view(layers * 2, num_blocks, *block)
+
+    def message(self, p0: int, p1: int, i0: int, i1: int) -> torch.Tensor:
+        first = self._ids[i0]
+        if p1 - p0 == 1 and self._ids[i0:i1] == list(range(first, first + i1 - i0)):
+            return self._flat[p0, first:first + i1 - i0]
+        return self._flat[p0:p1].index_select(1, self._ids_t[i0:i1])

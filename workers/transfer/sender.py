@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from workers.transfer.blocks import gather_blocks
+from workers.transfer.blocks import PagedSource, TensorSource, gather_blocks
 from workers.transfer.channel import ChannelError, TransferConfig
 from workers.transfer.header import (
     KVLayout,
@@ -164,12 +164,34 @@ class KVSender:
         if not block_ids:
             raise ValueError(f"nothing to send for {request_id!r}: no block ids")
         layout = KVLayout(kv.shape[0], kv.shape[3], kv.shape[4], kv.shape[5], kv.dtype)
+        return self._start(address, request_id, layout, block_ids, TensorSource(kv), timeout_s)
+
+    def send_paged(self, address: str, request_id: str, cache: torch.Tensor,
+                   src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                   block_size: int, timeout_s: float | None = None) -> TransferHandle:
+        """Send ``src_block_ids`` of a paged cache into ``dst_block_ids`` without copying
+        them first: payload messages are read from the cache (views where the source
+        blocks form runs). The caller keeps the source blocks unchanged until the handle
+        is terminal (a done callback is the place to release them)."""
+        if len(src_block_ids) != len(dst_block_ids) or not src_block_ids:
+            raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} "
+                             "target blocks")
+        layout = KVLayout.of_cache(cache, block_size)
+        source = PagedSource(cache, src_block_ids, block_size)
+        handle = self._start(address, request_id, layout, dst_block_ids, source, timeout_s)
+        handle.add_done_callback(
+            lambda r: self._counters.add_busy(r.seconds) if r.ok else None)
+        return handle
+
+    def _start(self, address: str, request_id: str, layout: KVLayout,
+               block_ids: Sequence[int], source: TensorSource | PagedSource,
+               timeout_s: float | None) -> TransferHandle:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"KVSender {self.name!r} is closed")
         handle = TransferHandle(request_id, self._counters)
         timeout = self.config.offer_timeout_s if timeout_s is None else timeout_s
-        args = (handle, address, layout, list(block_ids), kv.contiguous(), timeout)
+        args = (handle, address, layout, list(block_ids), source, timeout)
         threading.Thread(target=self._run, args=args, daemon=True,
                          name=f"kvx-send-{request_id}").start()
         return handle
@@ -208,7 +230,8 @@ class KVSender:
     # --- the transfer thread ---------------------------------------------------------
 
     def _run(self, handle: TransferHandle, address: str, layout: KVLayout,
-             block_ids: list[int], kv: torch.Tensor, timeout: float) -> None:
+             block_ids: list[int], source: TensorSource | PagedSource, timeout: float
+             ) -> None:
         # Two attempts: a pair the decode worker closed before we offered anything is
         # replaced by a fresh one at once (nothing was sent, so nothing can be doubled).
         for _attempt in range(2):
@@ -226,7 +249,7 @@ class KVSender:
                                f"{self.config.pair_concurrency} transfers for {timeout}s")
                 return
             try:
-                if self._offer_and_send(pair, handle, layout, block_ids, kv, deadline):
+                if self._offer_and_send(pair, handle, layout, block_ids, source, deadline):
                     return
             except Exception as e:  # noqa: BLE001
                 state = TransferState.TIMED_OUT if is_timeout(e) else TransferState.FAILED
@@ -239,7 +262,8 @@ class KVSender:
                                              f"{pair.pair_id} twice before an offer went out")
 
     def _offer_and_send(self, pair: _SendPair, handle: TransferHandle, layout: KVLayout,
-                        block_ids: list[int], kv: torch.Tensor, deadline: float) -> bool:
+                        block_ids: list[int], source: TensorSource | PagedSource,
+                        deadline: float) -> bool:
         """Offer, wait for the decision, send. False when the pair turned out closed
         before anything was offered (the caller retries on a new pair)."""
         if pair.broken is None and pair.store.check(["closed"]):
@@ -278,14 +302,14 @@ class KVSender:
         if answer not in (ACCEPT, ACCEPT_DIRECT):
             raise ChannelError(f"unknown decision {answer[:16]!r} for transfer {seq}")
         handle.advance(TransferState.SENDING)
-        wire = kv if self.config.backend == "nccl" else kv.cpu()
-        planes = wire.view(layout.num_planes, *wire.shape[2:])
+        on_wire = (lambda t: t) if self.config.backend == "nccl" else (lambda t: t.cpu())
         plan = message_plan(header, block_ids, direct=answer == ACCEPT_DIRECT)
         drop = bool(self.config.fault_drop_midway) and (
             self.config.fault_drop_midway in handle.request_id)
         if drop:  # fault injection: the link goes away after half the payload
             plan = plan[: len(plan) // 2]
-        works = [pair.pg.send([planes[m.p0:m.p1, m.i0:m.i1]], 1, tag_for(seq, i))
+        works = [pair.pg.send([on_wire(source.message(m.p0, m.p1, m.i0, m.i1))], 1,
+                              tag_for(seq, i))
                  for i, m in enumerate(plan)]
         for w in works:
             w.wait(td(self.config.data_timeout_s))
