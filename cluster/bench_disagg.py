@@ -148,6 +148,8 @@ def run(opts: DisaggBenchOptions) -> dict:
           f"{rate / raw:>8.0%}  >= 80%")
     print(f"{'TTFT ms (median), disagg 1P+1D vs 2 mixed':<44}{td * 1e3:>12.1f}{tm * 1e3:>12.1f}"
           f"{td / tm:>8.2f}  <= 1.10")
+    print(f"transfer GB/s per request: min {min(rates) / 1e9:.2f}, max {max(rates) / 1e9:.2f}; "
+          f"raw TCP min {min(raw_rates) / 1e9:.2f}, max {max(raw_rates) / 1e9:.2f}")
     print(f"transfers failed or timed out: {failed}; loadavg after {load1[0]:.2f} "
           f"{load1[1]:.2f} {load1[2]:.2f}")
     result = {

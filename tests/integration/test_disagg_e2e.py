@@ -133,6 +133,8 @@ def test_short_uncached_prompts_are_prefilled_on_the_decode_worker(tiny_checkpoi
         assert_cluster_idle(c)
     finally:
         c.stop()
+    # SIGTERM is a clean shutdown: channel threads and process groups end before exit.
+    assert [p.returncode for p in c.procs] == [0] * len(c.procs), c.names
 
 
 # --- faults ---------------------------------------------------------------------------

@@ -107,6 +107,15 @@ class _SendPair:
         except Exception:  # noqa: BLE001 - the peer's store may be dead; nothing to tell
             pass
 
+    def join_and_shutdown(self, timeout_s: float) -> None:
+        """After :meth:`close`: wait for the reply thread, then shut the process group
+        down, so no native thread is left running when the process exits."""
+        self._replies.join(timeout_s)
+        try:
+            self.pg.shutdown()
+        except Exception as e:  # noqa: BLE001 - best effort at exit
+            log.debug("pair %d: process group shutdown: %s", self.pair_id, e)
+
     def _reply_loop(self) -> None:
         try:
             client = self.store.clone()
@@ -226,6 +235,8 @@ class KVSender:
             pairs, self._pairs = list(self._pairs.values()), {}
         for p in pairs:
             p.close(f"prefill worker {self.name!r} closed its sender")
+        for p in pairs:  # let the reply threads leave their store waits, then end gloo's
+            p.join_and_shutdown(timeout_s=2.0)
 
     # --- the transfer thread ---------------------------------------------------------
 
