@@ -169,3 +169,17 @@ def test_double_free_is_caught() -> None:
     s.block_table = table
     with pytest.raises(AssertionError):
         bm.free(s)
+
+
+def test_reused_blocks_come_back_in_ascending_runs() -> None:
+    """Freed back to front, a prompt's blocks sit reversed in the LRU queue; allocation
+    still hands them out ascending, so a KV transfer sees one run, not n single blocks."""
+    bm = BlockManager(8, BS)
+    a = seq(list(range(8 * BS)), "a")
+    run_prefill(bm, a)
+    bm.free(a)
+    b = seq([1000 + t for t in range(6 * BS)], "b")  # evicts the 6 least recently used
+    assert bm.allocate(b, b.num_tokens)
+    assert b.block_table == sorted(b.block_table) == list(range(2, 8))
+    bm.free(b)
+    assert_all_free(bm)

@@ -121,8 +121,9 @@ class BlockManager:
         if need > len(self._free):
             return False
         evicted: list[int] = []
-        for _ in range(need):
-            block_id, _ = self._free.popitem(last=False)
+        # The LRU picks which blocks; ascending ids keep them in runs (blocks freed back
+        # to front come out reversed), so a KV transfer moves each run as one message.
+        for block_id in sorted(self._free.popitem(last=False)[0] for _ in range(need)):
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
