@@ -221,19 +221,32 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from cluster.local import LocalCluster, LocalClusterConfig
+    import dataclasses
+
+    from cluster.local import LocalCluster
     from workers.model_store import resolve_model
 
+    try:  # bad pool sizes are reported before any model conversion
+        config = _local_config(args)
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return EXIT_INVALID
     path = resolve_model(args.model, _cache_dir(args))  # convert once, before any child
-    config = LocalClusterConfig(
-        model=str(path), mixed=args.mixed, prefill=args.prefill, decode=args.decode,
-        local_prefill_threshold=args.local_prefill_threshold, host=args.host, port=args.port,
-        http_port=args.http_port, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
-        max_in_flight=args.max_in_flight, threads_per_worker=args.threads)
+    config = dataclasses.replace(config, model=str(path))
     with LocalCluster(config) as cluster:
         cluster.wait_ready()
         print(cluster.usage(), flush=True)
         return cluster.wait()
+
+
+def _local_config(args: argparse.Namespace):  # noqa: ANN202 - LocalClusterConfig
+    from cluster.local import LocalClusterConfig
+
+    return LocalClusterConfig(
+        model=args.model or "", mixed=args.mixed, prefill=args.prefill, decode=args.decode,
+        local_prefill_threshold=args.local_prefill_threshold, host=args.host, port=args.port,
+        http_port=args.http_port, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
+        max_in_flight=args.max_in_flight, threads_per_worker=args.threads)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

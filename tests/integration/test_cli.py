@@ -62,3 +62,9 @@ def test_status_and_generate_against_a_running_cluster(cluster) -> None:
     assert out["prompt_token_ids"] and 0 < out["ttft_s"] <= out["e2e_s"]
     r = pdserve("generate", "--target", cluster.target, "--top-p", "0", "hi")
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+@pytest.mark.parametrize("pools", [["--prefill", "1"], ["--decode", "2"], ["--mixed", "0"]])
+def test_up_rejects_pools_that_cannot_serve(pools: list[str]) -> None:
+    r = pdserve("up", *pools)
+    assert r.returncode == 2 and r.stderr.startswith("pdserve up: ") and "Traceback" not in r.stderr
