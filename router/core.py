@@ -103,6 +103,7 @@ class Router:
         self._workers: list[_Worker] = []
         self._in_flight = 0
         self._ids = itertools.count()
+        self._nonce = uuid.uuid4().hex[:8]  # router replicas and restarts never collide
 
     def pool(self, role: str) -> list[_Worker]:
         return [w for w in self._workers if w.role == role]
@@ -205,10 +206,10 @@ class Router:
                               f"the router has {self._in_flight} requests in flight, its limit "
                               f"(max_in_flight={self.config.max_in_flight}); retry later")
         request_id = req.request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        # Workers see a router-unique id: clients may reuse theirs, and one request's
-        # cancellation must never reach another's.
+        # Workers see a unique id (this router's nonce and a counter): clients may reuse
+        # theirs, and one request's cancellation must never reach another's.
         wreq = worker_pb2.WorkerGenerateRequest(
-            request_id=f"{request_id}#{next(self._ids)}", prompt_token_ids=ids,
+            request_id=f"{request_id}#{self._nonce}-{next(self._ids)}", prompt_token_ids=ids,
             sampling=sampling, cache_salt=req.cache_salt)
         relay = _Relay(request_id, ids, received)
         source = (self._disaggregated(wreq, timeout) if self.disaggregated
@@ -253,10 +254,11 @@ class Router:
                     if first.finish_reason:  # ended at the first token; cancel frees the rest
                         yield first
                         return
-                    yield worker_pb2.WorkerGenerateResponse(
-                        token_ids=first.token_ids, text=first.text, logprobs=first.logprobs)
+                    # Commit first: a slow consumer must not hold the decode worker back.
                     await _write(call, worker_pb2.DecodeRequest(
                         commit=worker_pb2.DecodeCommit(first_token=first.token_ids[0])))
+                    yield worker_pb2.WorkerGenerateResponse(
+                        token_ids=first.token_ids, text=first.text, logprobs=first.logprobs)
                 await _write(call, None)
             while True:
                 msg = await call.read()
@@ -284,8 +286,9 @@ class Router:
         """Open Decode on the least-loaded decode worker that answers."""
         errors = []
         for worker in self._by_load("decode"):
+            timeout = _left(deadline)
             worker.in_flight += 1
-            call = worker.stub.Decode(timeout=_left(deadline))
+            call = worker.stub.Decode(timeout=timeout)
             try:
                 await call.write(worker_pb2.DecodeRequest(start=wreq))
                 msg = await call.read()
@@ -314,10 +317,11 @@ class Router:
         """The first token from the least-loaded prefill worker; None when it failed
         (the caller recomputes on the decode worker). Bad input raises."""
         worker = self._by_load("prefill")[0]
+        timeout = _left(deadline)
         worker.in_flight += 1
         try:
             return await worker.stub.Prefill(
-                worker_pb2.PrefillRequest(request=wreq, target=target), timeout=_left(deadline))
+                worker_pb2.PrefillRequest(request=wreq, target=target), timeout=timeout)
         except grpc.aio.AioRpcError as e:
             if e.code() in _CALLER_CODES:
                 raise _from_worker(e, worker.address) from e

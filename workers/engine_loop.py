@@ -27,6 +27,7 @@ reservation after ``offer_timeout_s``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -35,6 +36,8 @@ from dataclasses import dataclass, field
 from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput
 from .engine.params import SamplingParams
 from .transfer import TransferHandle, TransferResult, TransferState
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -199,17 +202,23 @@ class EngineLoop:
 
     def _run(self) -> None:
         sched = self.engine.scheduler
+        cmd = None
         while True:
-            busy = bool(sched.running or sched.waiting)  # reserved ones wait for events
-            try:
-                cmd = self._commands.get(block=not busy)
-            except queue.Empty:
-                cmd = None
+            if cmd is None:
+                busy = bool(sched.running or sched.waiting)  # reserved ones wait for events
+                try:
+                    cmd = self._commands.get(block=not busy)
+                except queue.Empty:
+                    cmd = None
             while cmd is not None:
                 if cmd is _STOP:
                     self._fail_all(RuntimeError("the worker is shutting down"))
                     return
-                self._apply(cmd)
+                try:
+                    self._apply(cmd)
+                except Exception as e:  # a bug: fail loudly, keep the thread alive
+                    log.exception("engine loop command %s failed", type(cmd).__name__)
+                    self._fail_all(RuntimeError(f"engine command failed: {e!r}"))
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
@@ -222,9 +231,24 @@ class EngineLoop:
                     continue
                 for output in outputs:
                     self._emit(output)
-            while self._pending and self._try_reserve(self._pending[0]):
-                self._pending.pop(0)
+            self._reserve_pending()
             self._load = self._snapshot()
+            if (sched.running or sched.waiting) and self.engine.last_step_empty:
+                # Waiting for blocks that only a command can free (a release, an abort,
+                # a landed transfer): sleep until one comes, never spin.
+                try:
+                    cmd = self._commands.get(timeout=0.5)
+                except queue.Empty:
+                    cmd = None
+
+    def _reserve_pending(self) -> None:
+        """Reserves that waited for room, in arrival order, while they fit."""
+        while self._pending:
+            add = self._pending[0]
+            if not self._try_reserve(add):
+                return
+            if self._pending and self._pending[0] is add:  # a failed delivery removed it
+                self._pending.pop(0)
 
     def _emit(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
@@ -246,7 +270,7 @@ class EngineLoop:
                 if cmd.first_token is None:
                     rec.handle.cancel("the prefill failed; computing here instead")
                 elif rec.result is None:
-                    self._cancel_later(rec, "the KV offer did not come after the commit")
+                    self._cancel_later(rec, "no KV offer came within the commit wait")
                 self._settle(rec)
         elif isinstance(cmd, _TransferDone):
             rec = self._remote.get(cmd.add.request_id)
@@ -314,9 +338,9 @@ class EngineLoop:
 
     def _cancel_later(self, rec: _Remote, reason: str) -> None:
         """A committed reservation whose offer never arrives is given up (the prefill
-        worker died after sampling): PENDING is cancellable, a receive in flight is
-        bounded by the channel's data timeout."""
-        timer = threading.Timer(self._commit_wait_s, rec.handle.cancel, args=(reason,))
+        worker died after sampling). Only while PENDING: a receive in flight is bounded
+        by the channel's data timeout and must not be cut off for being long."""
+        timer = threading.Timer(self._commit_wait_s, rec.handle.cancel_pending, args=(reason,))
         timer.daemon = True
         timer.start()
         rec.timers.append(timer)
@@ -329,6 +353,11 @@ class EngineLoop:
         del self._remote[rid]
         for timer in rec.timers:
             timer.cancel()
+        if not rec.handle.quiesced:  # failed with receives still posted: not these blocks
+            sched = self.engine.scheduler
+            held = sched.quarantine(sched.reserved[rid])
+            rec.handle.add_quiesced_callback(
+                lambda: self.call_soon(lambda: sched.release(held)))
         if rec.aborted:
             self.engine.abort_request(rid)
             return
@@ -344,9 +373,7 @@ class EngineLoop:
         try:
             stream.loop.call_soon_threadsafe(stream.out.put_nowait, item)
         except RuntimeError:  # the consumer's event loop is gone: nobody will read
-            if self._streams.get(stream.request_id) is stream:
-                del self._streams[stream.request_id]
-                self.engine.abort_request(stream.request_id)
+            self._abort(stream)
 
     def _fail_all(self, error: Exception) -> None:
         for rid, stream in list(self._streams.items()):
@@ -358,7 +385,7 @@ class EngineLoop:
                 rec.handle.cancel("the worker is failing every request")
                 self._settle(rec)
             self._deliver(stream, error)
-        for add in self._pending:
+        for add in list(self._pending):
             self._deliver(add, error)
         self._streams.clear()
         self._pending.clear()

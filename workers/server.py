@@ -142,7 +142,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 log.exception("request %s: cannot send its KV", req.request_id)
                 release()
                 return
-            handle.add_done_callback(lambda _r: loop.call_soon(release))
+            handle.add_quiesced_callback(lambda: loop.call_soon(release))
 
         last = None
         try:

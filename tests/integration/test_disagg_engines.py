@@ -138,3 +138,16 @@ def test_first_token_that_ends_the_request_sends_nothing(tiny_checkpoints, chann
     out = run_until_done(p, "one")
     assert out.finish_reason == "length" and not called
     assert_no_leaks(p)
+
+
+def test_seeded_sampling_continues_the_same_random_stream(tiny_checkpoints, channel) -> None:
+    path = tiny_checkpoints["mistral"]
+    p, d, local = engine(path), engine(path), engine(path)
+    params = SamplingParams(max_tokens=10, temperature=0.9, seed=1234, ignore_eos=True)
+    ids = local.tokenizer("Once upon a time in a small town").input_ids
+    local.add_request("s", ids, params)
+    want = run_until_done(local, "s").token_ids
+    _, got, _ = disaggregated(p, d, channel, "s", ids, params)
+    assert got.token_ids == want
+    for e in (p, d, local):
+        assert_no_leaks(e)

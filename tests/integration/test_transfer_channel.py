@@ -332,6 +332,25 @@ def test_state_machine_has_one_terminal_winner_and_counts() -> None:
     assert rx.advance(TransferState.DONE) and counters.snapshot(0).current["done"] == 1
 
 
+def test_memory_is_returned_only_once_lingering_messages_resolve() -> None:
+    counters = StateCounters()
+    h = TransferHandle("q", counters)
+    returned: list[str] = []
+    h.add_quiesced_callback(lambda: returned.append("early"))
+    assert h.advance(TransferState.SENDING)
+    settle = h.linger()  # a posted message gloo cannot take back
+    assert h.advance(TransferState.FAILED, "transport error")
+    assert h.state.terminal and not h.quiesced and not returned
+    settle()
+    settle()  # idempotent
+    assert h.quiesced and returned == ["early"]
+    h.add_quiesced_callback(lambda: returned.append("late"))  # already quiesced: now
+    assert returned == ["early", "late"]
+    pending = TransferHandle("p", counters)
+    assert pending.advance(TransferState.SENDING) and not pending.cancel_pending()
+    assert TransferHandle("c", counters).cancel_pending("gone")
+
+
 def test_gather_scatter_roundtrip_through_block_ids() -> None:
     lay = KVLayout(3, 4, 2, 8, torch.float32)
     cache = new_cache(lay, 10)

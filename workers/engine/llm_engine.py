@@ -105,6 +105,8 @@ class LLMEngine:
             kv_listeners,
         )
         self._requests: dict[str, _Tracked] = {}
+        self.last_step_empty = False
+        """Whether the last ``step`` found nothing it could run (no free blocks yet)."""
         self.step_shapes: list[tuple[int, int]] | None = None
         """When a list (set it to ``[]``), each step appends (tokens run, rows sampled):
         benchmarks replay these shapes to time the GEMM floor."""
@@ -182,15 +184,17 @@ class LLMEngine:
         tracked.first_token_time = now
         tracked.detok.add(token)
         seq = tracked.seq
+        self.runner.sampler.skip(seq.seq_id, seq.params, self.runner.vocab_size)
         if tracked.detok.stopped_by is not None and reason is None:
             self.scheduler.finish(seq, FinishReason.STOP)
         if not seq.is_finished:
             return None
         del self._requests[seq.seq_id]
+        self.runner.sampler.release(seq.seq_id)
         return self._output(tracked, [], tracked.detok.flush(), now)
 
     def _validate(self, request_id: str, ids: list[int]) -> None:
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self.scheduler.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         check_prompt(ids, self.max_model_len, self.runner.vocab_size)
 
@@ -214,6 +218,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.last_step_empty = out.is_empty
         if out.is_empty:
             return []
         result = self.runner.execute(out.chunks)

@@ -40,6 +40,12 @@ class Sampler:
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
 
+    def skip(self, seq_id: str, p: SamplingParams, vocab_size: int) -> None:
+        """Advance a seeded request's generator past one draw made elsewhere (the first
+        token, sampled on a prefill worker), so its later tokens match a local run."""
+        if p.seed is not None and not p.greedy:
+            torch.empty(vocab_size).exponential_(generator=self._generator(seq_id, p))
+
     def sample(
         self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams]
     ) -> SampleResult:

@@ -205,6 +205,19 @@ class Scheduler:
         assert self._seqs.get(seq.seq_id) is seq, f"{seq} is not live"
         self._holding.add(seq.seq_id)
 
+    def quarantine(self, seq: Sequence) -> Sequence:
+        """Take ``seq``'s blocks away from it (it holds none after) into ``held``, under
+        a new key, until :meth:`release` of the returned placeholder: for blocks a
+        failed transfer may still write into. ``seq`` itself can then be recomputed or
+        finished; the pool gets the blocks back only on release."""
+        placeholder = Sequence(f"{seq.seq_id}/quarantined#{self._arrivals}", [], seq.params,
+                               self._arrivals, self.config.block_size, self.config.model_id)
+        self._arrivals += 1
+        placeholder.block_table, seq.block_table = seq.block_table, []
+        placeholder.status = SequenceStatus.FINISHED
+        self.held[placeholder.seq_id] = placeholder
+        return placeholder
+
     def release(self, seq: Sequence) -> None:
         """End a :meth:`hold`; frees the blocks if ``seq`` already finished. Idempotent."""
         if self.held.get(seq.seq_id) is seq:

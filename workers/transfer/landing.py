@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from workers.transfer.blocks import KVDestination
 from workers.transfer.header import Message, TransferHeader, direct_plan_fits, message_plan, tag_for
-from workers.transfer.rendezvous import td
+from workers.transfer.rendezvous import settle_when_resolved, td
 from workers.transfer.state import TransferHandle
 
 
@@ -63,20 +63,19 @@ def use_direct(header: TransferHeader, block_ids: list[int], destination: KVDest
 
 
 def receive_direct(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Message],
-                   destination: KVDestination, timeout_s: float, wire_device: str) -> None:
-    """All messages posted at once into their regions (no buffers of ours needed)."""
-    works = {i: pg.recv([destination.region(m.p0, m.i0, m.i1)], 0, tag_for(header.seq, i))
-             for i, m in enumerate(plan)}
+                   destination: KVDestination, handle: TransferHandle, timeout_s: float,
+                   wire_device: str) -> None:
+    """All messages posted at once into their regions (no buffers of ours needed). On a
+    failure the receives still posted may yet write the destination: the handle does
+    not quiesce until they resolve."""
+    works = [pg.recv([destination.region(m.p0, m.i0, m.i1)], 0, tag_for(header.seq, i))
+             for i, m in enumerate(plan)]
     try:
-        for i in range(len(plan)):
-            works.pop(i).wait(td(timeout_s))
+        for w in works:
+            w.wait(td(timeout_s))
         _sync(wire_device)
     except BaseException:
-        for w in works.values():  # the pair is closed by now: these fail at once
-            try:
-                w.wait(td(1.0))
-            except Exception:  # noqa: BLE001, S110 - resolved is all we need
-                pass
+        settle_when_resolved(handle, works, "direct receive")
         raise
 
 

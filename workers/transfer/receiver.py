@@ -393,8 +393,8 @@ class KVReceiver:
                 return
             plan = message_plan(header, offer.block_ids, direct)
             if direct:
-                receive_direct(pair.pg, header, plan, res.destination, cfg.data_timeout_s,
-                               cfg.wire_device)
+                receive_direct(pair.pg, header, plan, res.destination, handle,
+                               cfg.data_timeout_s, cfg.wire_device)
             else:
                 receive_staged(pair.pg, header, plan, res.destination, handle,
                                cfg.data_timeout_s, cfg.recv_window, self._buffers)

@@ -29,9 +29,16 @@ hosts (seen: 1 in ~10 torch TCPStore connects taking 5 s inside a gVisor sandbox
 from __future__ import annotations
 
 import datetime
+import logging
 import socket
+import threading
+from collections.abc import Iterable
 
 import torch.distributed as dist
+
+from workers.transfer.state import TransferHandle
+
+log = logging.getLogger(__name__)
 
 ROOT = "pdserve/kvx/v1"
 JOIN_PREFIX = b"J"
@@ -129,3 +136,26 @@ def wait_key(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
             return None
         raise
     return store.get(key)
+
+
+def settle_when_resolved(handle: TransferHandle, works: Iterable[dist.Work], what: str) -> None:
+    """Call before ending a failed transfer: gloo cannot take back a posted send or
+    receive, so the handle does not quiesce (its memory is not reused) until every
+    posted message has resolved, watched on a daemon thread."""
+    pending = [w for w in works if not w.is_completed()]
+    if not pending:
+        return
+    settle = handle.linger()
+    log.warning("%s of %r: %d payload messages still posted after the failure; their "
+                "memory stays held until they resolve", what, handle.request_id, len(pending))
+
+    def watch() -> None:
+        for w in pending:
+            while not w.is_completed():
+                try:
+                    w.wait(td(60.0))
+                except Exception:  # noqa: BLE001, S110 - resolved (failed) or not yet
+                    pass
+        settle()
+
+    threading.Thread(target=watch, daemon=True, name=f"kvx-linger-{handle.request_id}").start()

@@ -50,6 +50,7 @@ from workers.transfer.rendezvous import (
     new_process_group,
     pair_store,
     parse_address,
+    settle_when_resolved,
     td,
     wait_key,
 )
@@ -322,8 +323,12 @@ class KVSender:
         works = [pair.pg.send([on_wire(source.message(m.p0, m.p1, m.i0, m.i1))], 1,
                               tag_for(seq, i))
                  for i, m in enumerate(plan)]
-        for w in works:
-            w.wait(td(self.config.data_timeout_s))
+        try:
+            for w in works:
+                w.wait(td(self.config.data_timeout_s))
+        except BaseException:
+            settle_when_resolved(handle, works, "send")  # the source may still be read
+            raise
         if drop:
             raise ChannelError(f"fault injection: transfer of {handle.request_id!r} dropped "
                                f"after {len(plan)} payload messages")

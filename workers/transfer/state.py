@@ -127,6 +127,12 @@ class TransferHandle:
     PENDING on both ends and while RECEIVING on the receiver (the rest of the payload is
     drained into channel-owned buffers, never into the destination); a sender's payload,
     once accepted, runs to its end under the per-message timeout.
+
+    *Quiesced* is later than terminal when a transfer failed with payload messages still
+    posted: gloo cannot take back a posted send or receive, so such a message may still
+    read the source blocks or write the destination until it resolves (arrives, or its
+    connection dies). Memory under a transfer goes back to its pool on
+    ``add_quiesced_callback``, never on terminal alone.
     """
 
     def __init__(self, request_id: str, counters: StateCounters,
@@ -141,6 +147,8 @@ class TransferHandle:
         self._started = time.monotonic()
         self._seconds = 0.0
         self._callbacks: list[Callable[[TransferResult], None]] = []
+        self._lingering = 0
+        self._quiesce_callbacks: list[Callable[[], None]] = []
         counters.record(None, TransferState.PENDING)
 
     @property
@@ -181,6 +189,13 @@ class TransferHandle:
             if self._state not in self._cancellable:
                 return False
             return self.advance(TransferState.CANCELLED, reason)
+
+    def cancel_pending(self, reason: str = "cancelled by caller") -> bool:
+        """Like ``cancel``, but only while nothing has been accepted yet (PENDING)."""
+        with self._cond:
+            if self._state is not TransferState.PENDING:
+                return False
+            return self.cancel(reason)
 
     def add_done_callback(self, fn: Callable[[TransferResult], None]) -> None:
         """Call ``fn(result)`` once terminal, from the thread that ended the transfer (or
@@ -223,7 +238,47 @@ class TransferHandle:
         result = self.result()
         for fn in callbacks:
             fn(result)
+        self._maybe_quiesce()
         return True
+
+    @property
+    def quiesced(self) -> bool:
+        """Terminal, and no posted payload message can touch the memory any more."""
+        with self._cond:
+            return self._state.terminal and self._lingering == 0
+
+    def add_quiesced_callback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once quiesced (now, if it is), from the thread that got there."""
+        with self._cond:
+            if not (self._state.terminal and self._lingering == 0):
+                self._quiesce_callbacks.append(fn)
+                return
+        fn()
+
+    def linger(self) -> Callable[[], None]:
+        """Used by the channel before ending a transfer whose posted messages have not
+        resolved: returns ``settle``, to call once they all have."""
+        with self._cond:
+            self._lingering += 1
+        done = threading.Event()
+
+        def settle() -> None:
+            if done.is_set():
+                return
+            done.set()
+            with self._cond:
+                self._lingering -= 1
+            self._maybe_quiesce()
+
+        return settle
+
+    def _maybe_quiesce(self) -> None:
+        with self._cond:
+            if not (self._state.terminal and self._lingering == 0):
+                return
+            callbacks, self._quiesce_callbacks = self._quiesce_callbacks, []
+        for fn in callbacks:
+            fn()
 
     @contextmanager
     def writing(self) -> Iterator[bool]:
