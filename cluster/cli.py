@@ -53,6 +53,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="torch threads for this process (default: all cores)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda[:N]: where weights, KV cache and the forward run "
+                        "(KV transfer uses NCCL between CUDA workers)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -65,6 +68,7 @@ def _engine_options(args: argparse.Namespace) -> dict[str, object]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "num_threads": args.threads,
+        "device": args.device,
     }
 
 
@@ -193,7 +197,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     _log_to_stderr(f"{args.role}@{args.port}")
     path = resolve_model(args.model, _cache_dir(args))
-    transfer = TransferConfig(host=args.host, data_timeout_s=args.transfer_timeout_s,
+    transfer = TransferConfig(host=args.host, device=args.device,
+                              data_timeout_s=args.transfer_timeout_s,
                               fault_drop_midway=os.environ.get("PDSERVE_FAULT_DROP_TRANSFER", ""))
     config = WorkerConfig(
         engine=EngineConfig(model=str(path), **_engine_options(args)),  # type: ignore[arg-type]

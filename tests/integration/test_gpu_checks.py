@@ -3,16 +3,20 @@
     .venv/bin/python -m pytest -q tests/integration/test_gpu_checks.py
 
 A machine with one GPU cannot run NCCL between two ranks (NCCL wants a GPU per rank),
-so these check what one GPU can: KV held in CUDA tensors goes through the channel
-(gloo wire, staged into the CUDA cache on the receiving end) bit-exact into the right
-blocks, and gather/scatter work on CUDA caches.
+so these check what one GPU can: the engine on CUDA gives Hugging Face's greedy tokens;
+KV held in CUDA tensors goes through the channel (gloo wire, staged into the CUDA cache
+on the receiving end) bit-exact into the right blocks; a prefill engine and a decode
+engine on CUDA, joined by the channel, give the same greedy tokens.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import assert_no_leaks, hf_greedy
 
+from workers.engine.llm_engine import LLMEngine
+from workers.engine.params import EngineConfig, SamplingParams
 from workers.transfer import (
     KVLayout,
     KVReceiver,
@@ -57,6 +61,65 @@ def test_cuda_kv_through_the_channel_lands_bit_exact() -> None:
         assert torch.equal(gather_blocks(dst, dst_ids, BLOCK), gather_blocks(src, src_ids, BLOCK))
         untouched = [b for b in range(BLOCKS) if b not in dst_ids]
         assert gather_blocks(dst, untouched, BLOCK).abs().sum().item() == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def cuda_engine(path) -> LLMEngine:  # noqa: ANN001
+    return LLMEngine(EngineConfig(model=str(path), num_blocks=64, block_size=4,
+                                  max_num_batched_tokens=23, device="cuda"))
+
+
+def finish(eng: LLMEngine, rid: str):  # noqa: ANN201
+    while True:
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                return out
+
+
+def test_cuda_engine_greedy_equals_hf(tiny_checkpoints) -> None:
+    path = tiny_checkpoints["qwen2"]
+    eng = cuda_engine(path)
+    prompts = [eng.tokenizer(t).input_ids for t in ("Hello", "The quick brown fox " * 5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        eng.add_request(f"r{i}", ids, params)
+    outs = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                outs[out.request_id] = out.token_ids
+    assert [outs["r0"], outs["r1"]] == hf_greedy(path, prompts, 12)
+    assert_no_leaks(eng)
+
+
+def test_cuda_prefill_and_decode_engines_through_the_channel(tiny_checkpoints) -> None:
+    path = tiny_checkpoints["llama"]
+    p, d = cuda_engine(path), cuda_engine(path)
+    ids = p.tokenizer("A " * 30 + "story").input_ids
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    cfg = TransferConfig(connect_timeout_s=20.0)
+    receiver, sender = KVReceiver("gpu-d", cfg), KVSender("gpu-p", cfg)
+    try:
+        seq = d.reserve_request("x", ids, params)
+        dst = seq.block_table
+        h = receiver.expect("x", KVLayout.of_cache(d.runner.kv_cache, 4), dst,
+                            PagedCacheDestination(d.runner.kv_cache, dst, 4))
+        sends = []
+        p.add_request("x", ids, params, on_prefilled=lambda table, release: sends.append(
+            (sender.send_paged(receiver.address, "x", p.runner.kv_cache, table, dst, 4),
+             release)))
+        first = finish(p, "x")
+        assert h.wait(60).ok
+        for s, release in sends:
+            assert s.wait(60).ok
+            release()
+        d.commit_request("x", first.token_ids[0])
+        out = finish(d, "x")
+        assert [out.token_ids] == hf_greedy(path, [ids], 12)
+        assert_no_leaks(p)
+        assert_no_leaks(d)
     finally:
         sender.close()
         receiver.close()

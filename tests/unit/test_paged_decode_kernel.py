@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.engine import kernels
+from workers.engine.attention import build_attention_batch
 
 BLOCK = 16
 
@@ -148,3 +149,15 @@ def test_rejects_bad_inputs(op) -> None:
         op(q.bfloat16(), k, v, table, lens, 1.0)
     with pytest.raises(RuntimeError, match="multiple"):
         op(q[:, :3], k, v, table, lens, 1.0)
+
+
+def test_attention_batch_moves_every_tensor_to_the_device() -> None:
+    """What a CUDA engine does each step (checked here with the CPU as the target)."""
+    batch, _ = build_attention_batch([[3, 4], [5]], [6, 2], [([7, 8, 9], 4, 5)], 4)
+    moved = batch.to(torch.device("cpu"))
+    assert moved.num_decode == batch.num_decode and len(moved.prefills) == 1
+    for a, b in [(moved.slot_mapping, batch.slot_mapping), (moved.decode_table,
+                 batch.decode_table), (moved.decode_lens, batch.decode_lens),
+                 (moved.decode_mask, batch.decode_mask), (moved.prefills[0].blocks,
+                 batch.prefills[0].blocks), (moved.prefills[0].mask, batch.prefills[0].mask)]:
+        assert torch.equal(a, b)

@@ -19,7 +19,7 @@ builds one :class:`AttentionBatch`, shared by every layer:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,17 @@ class AttentionBatch:
     decode_lens: torch.Tensor | None  # [num_decode] context lengths, new token included
     decode_mask: torch.Tensor | None  # [num_decode, 1, 1, max_blocks * block_size]
     prefills: tuple[PrefillSpan, ...]
+
+    def to(self, device: torch.device) -> AttentionBatch:
+        """The same metadata on ``device`` (built on the CPU, used where the cache is)."""
+
+        def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        spans = tuple(replace(p, blocks=mv(p.blocks), mask=mv(p.mask)) for p in self.prefills)
+        return replace(self, slot_mapping=mv(self.slot_mapping), decode_table=mv(self.decode_table),
+                       decode_lens=mv(self.decode_lens), decode_mask=mv(self.decode_mask),
+                       prefills=spans)
 
 
 def build_attention_batch(

@@ -72,9 +72,11 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         keep_freed_memory()
         self.dtype = TORCH_DTYPES[config.dtype]
+        self.device = torch.device(config.device)
         hf = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype)
-        hf.eval()
-        native = config.use_native_kernels and kernels.load(config.kernel_cache_dir) is not None
+        hf.eval().to(self.device)
+        native = (self.device.type == "cpu" and config.use_native_kernels
+                  and kernels.load(config.kernel_cache_dir) is not None)
         self.model = DecoderModel(
             hf, max_model_len,
             decode_op=kernels.paged_decode_attention if native else None,
@@ -98,7 +100,7 @@ class ModelRunner:
         # uninitialised NaNs would leak through 0 * NaN.
         self.kv_cache = torch.zeros(
             s.num_layers, 2, self.num_blocks * config.block_size, s.num_kv_heads, s.head_dim,
-            dtype=self.dtype,
+            dtype=self.dtype, device=self.device,
         )
         self.sampler = Sampler()
 
@@ -121,10 +123,15 @@ class ModelRunner:
             [(c.seq.block_table, c.start, c.num_tokens) for c in prefill],
             self.block_size,
         )
+        dev = self.device
+        if dev.type != "cpu":
+            batch, positions = batch.to(dev), positions.to(dev)
         logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long), positions, batch, self.kv_cache,
-            torch.tensor(sample_rows, dtype=torch.long), self.block_size,
+            torch.tensor(ids, dtype=torch.long, device=dev), positions, batch, self.kv_cache,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev), self.block_size,
         )
+        if dev.type != "cpu":
+            logits = logits.cpu()  # the sampler and its per-request generators live here
         seq_ids = [c.seq.seq_id for c in sampling]
         sample = self.sampler.sample(logits, seq_ids, [c.seq.params for c in sampling])
         return StepResult(seq_ids, sample)

@@ -6,6 +6,7 @@ router validates them too; they are re-exported here as part of the engine's API
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from cluster.sampling import InvalidRequestError, SamplingParams
@@ -68,8 +69,13 @@ class EngineConfig:
     """Fused native decode attention and elementwise ops, compiled on first use; falls
     back to torch ops (with a logged warning) where no C++ compiler is found."""
     kernel_cache_dir: str | None = None  # None: ~/.cache/pdserve/kernels
+    device: str = "cpu"
+    """Where weights, the KV cache and the forward live: ``cpu`` or ``cuda[:N]``. The
+    native kernels are CPU-only (CUDA runs the torch ops); sampling stays on the CPU."""
 
     def __post_init__(self) -> None:
+        if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_memory_gb <= 0 and self.num_blocks is None:

@@ -141,8 +141,9 @@ class DecoderModel:
         self.layers = [self._layer_weights(layer) for layer in inner.layers]
         # RoPE tables for every position, computed by the model's own rotary module.
         with torch.no_grad():
-            pos = torch.arange(max_positions).unsqueeze(0)
-            probe = torch.empty(1, dtype=self.dtype)
+            device = self.embed.device
+            pos = torch.arange(max_positions, device=device).unsqueeze(0)
+            probe = torch.empty(1, dtype=self.dtype, device=device)
             cos, sin = inner.rotary_emb(probe, pos)
         self.cos = cos[0].unsqueeze(1).contiguous()  # [positions, 1, head_dim]
         self.sin = sin[0].unsqueeze(1).contiguous()
