@@ -229,6 +229,9 @@ class EngineLoop:
                 except Exception as e:  # a bug, not bad input: fail every request loudly
                     self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
                     continue
+                # Published before the outputs: a consumer never sees a load older than
+                # the step that produced what it holds.
+                self._load = self._snapshot()
                 for output in outputs:
                     self._emit(output)
             self._reserve_pending()
