@@ -203,7 +203,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     config = WorkerConfig(
         engine=EngineConfig(model=str(path), **_engine_options(args)),  # type: ignore[arg-type]
         model_name=path.name, role=args.role, host=args.host, port=args.port,
-        transfer=transfer, local_prefill_threshold=args.local_prefill_threshold)
+        transfer=transfer, local_prefill_threshold=args.local_prefill_threshold,
+        redis_url=args.redis_url)
     asyncio.run(serve(config))
     return 0
 
@@ -324,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode role: prefill here when the uncached prompt is shorter")
     w.add_argument("--transfer-timeout-s", type=float, default=30.0,
                    help="bound on each KV transfer message (prefill and decode roles)")
+    w.add_argument("--redis-url", default=None,
+                   help="register here and publish KV block events to the prefix index "
+                        "(redis://HOST:PORT/DB)")
     _add_engine_flags(w)
     w.set_defaults(func=cmd_worker)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.registry import WorkerInfo
 from cluster.sampling import InvalidRequestError
 from cluster.wire import FINISH_REASONS, sampling_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -32,6 +33,7 @@ from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.params import EngineConfig
 from .engine_loop import EngineLoop, Reservation
+from .presence import Presence
 from .transfer import (
     ChannelStats,
     KVLayout,
@@ -59,6 +61,10 @@ class WorkerConfig:
     port: int = 50061
     transfer: TransferConfig = field(default_factory=TransferConfig)
     local_prefill_threshold: int = 32
+    redis_url: str | None = None
+    """Register in the worker registry and publish KV block events to the prefix index
+    there (see :mod:`workers.presence`); None: neither."""
+    registry_ttl_s: float = 3.0
     reservation_timeout_s: float = 600.0
     """Decode role: how long reserved blocks wait for their KV offer. Long on purpose:
     prefill queues can be deep, and the router's stream bounds a reservation anyway
@@ -248,14 +254,17 @@ def channel_ends(config: WorkerConfig, engine: LLMEngine
 
 
 async def serve(config: WorkerConfig, ready: asyncio.Event | None = None) -> None:
-    engine = LLMEngine(config.engine)
+    address = f"{config.host}:{config.port}"
+    presence = None
+    if config.redis_url:
+        presence = Presence(config.redis_url, config.model_name, address, config.registry_ttl_s)
+    engine = LLMEngine(config.engine, [presence.publisher] if presence else ())
     loop, sender, receiver = channel_ends(config, engine)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     worker_pb2_grpc.add_WorkerServicer_to_server(
         WorkerServicer(loop, config, sender, receiver), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{config.host}:{config.port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"worker could not bind {address}: is the port in use?")
     await server.start()
@@ -268,7 +277,20 @@ async def serve(config: WorkerConfig, ready: asyncio.Event | None = None) -> Non
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     if ready is not None:
         ready.set()
+    heartbeat = None
+    if presence is not None:
+        bm = engine.scheduler.block_manager
+        info = WorkerInfo(address, config.role, address, bm.num_blocks, bm.block_size)
+
+        def load() -> dict:
+            now = loop.load()
+            return {"running": now.running, "waiting": now.waiting,
+                    "reserved": now.reserved, "free_blocks": now.free_blocks}
+
+        heartbeat = asyncio.create_task(presence.run(info, load, stop))
     await stop.wait()
+    if heartbeat is not None:
+        await heartbeat
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2)
     loop.close()
@@ -276,3 +298,5 @@ async def serve(config: WorkerConfig, ready: asyncio.Event | None = None) -> Non
         sender.close()
     if receiver is not None:
         receiver.close()
+    if presence is not None:
+        presence.close()
