@@ -219,8 +219,9 @@ def cmd_router(args: argparse.Namespace) -> int:
     _log_to_stderr(f"router@{args.port}")
     path = resolve_model(args.model, _cache_dir(args))
     config = ServerConfig(
-        router=RouterConfig(workers=tuple(args.worker), model_path=str(path),
-                            model_name=path.name, max_in_flight=args.max_in_flight),
+        router=RouterConfig(workers=tuple(args.worker or ()), model_path=str(path),
+                            model_name=path.name, max_in_flight=args.max_in_flight,
+                            redis_url=args.redis_url, policy=args.policy),
         host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port)
     asyncio.run(serve(config))
     return 0
@@ -251,6 +252,7 @@ def _local_config(args: argparse.Namespace):  # noqa: ANN202 - LocalClusterConfi
     return LocalClusterConfig(
         model=args.model or "", mixed=args.mixed, prefill=args.prefill, decode=args.decode,
         local_prefill_threshold=args.local_prefill_threshold, host=args.host, port=args.port,
+        redis_url=args.redis_url, redis=not args.no_redis, policy=args.policy,
         http_port=args.http_port, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
         max_in_flight=args.max_in_flight, threads_per_worker=args.threads)
 
@@ -301,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="colocated (mixed) workers (default: 1 unless --prefill/--decode)")
     u.add_argument("--prefill", type=int, default=0, help="number of prefill workers")
     u.add_argument("--decode", type=int, default=0, help="number of decode workers")
+    u.add_argument("--redis-url", default=None,
+                   help="an existing Redis for the prefix index (default: start a "
+                        "redis-server from PATH on a free loopback port)")
+    u.add_argument("--no-redis", action="store_true",
+                   help="no prefix index: route by load only")
+    u.add_argument("--policy", choices=("cache_aware", "least_loaded", "round_robin"),
+                   default="cache_aware")
     u.add_argument("--local-prefill-threshold", type=int, default=32,
                    help="decode workers prefill prompts whose uncached part is shorter "
                         "(tokens; 0: always remote)")
@@ -332,7 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.set_defaults(func=cmd_worker)
 
     r = sub.add_parser("router", help="the router as a plain process")
-    r.add_argument("--worker", action="append", required=True, help="HOST:PORT (repeatable)")
+    r.add_argument("--worker", action="append",
+                   help="HOST:PORT (repeatable); with --redis-url workers are also found in "
+                        "the registry")
+    r.add_argument("--redis-url", default=None,
+                   help="the prefix index and worker registry (redis://HOST:PORT/DB)")
+    r.add_argument("--policy", choices=("cache_aware", "least_loaded", "round_robin"),
+                   default="cache_aware", help="how prefill (or mixed) workers are chosen")
     r.add_argument("--model", default=None, help="checkpoint whose tokenizer to use")
     r.add_argument("--cache-dir", default=None)
     r.add_argument("--host", default="127.0.0.1")

@@ -11,6 +11,7 @@ period). Used by the CLI and by the end-to-end tests.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,6 +56,12 @@ class LocalClusterConfig:
     threads_per_worker: int | None = None
     block_size: int = 16
     max_model_len: int | None = None
+    redis_url: str | None = None
+    """An existing Redis for the prefix index and registry; None: start one (``redis``)."""
+    redis: bool = True
+    """Start a ``redis-server`` from PATH on a free loopback port (persistence off) when
+    no ``redis_url`` is given; without one on PATH the cluster routes by load only."""
+    policy: str = "cache_aware"
     log_dir: str | None = None
     """Where each process writes ``<name>.log``; None: they share this terminal."""
 
@@ -93,6 +100,7 @@ class LocalCluster:
                          if config.http_port else None)
         self.procs: list[subprocess.Popen] = []
         self.names: list[str] = []
+        self.redis_url: str | None = None
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -117,8 +125,27 @@ class LocalCluster:
         self.names.append(name)
         return proc
 
+    def _start_redis(self) -> str | None:
+        c = self.config
+        if c.redis_url or not c.redis:
+            return c.redis_url
+        binary = shutil.which("redis-server")
+        if binary is None:
+            print("pdserve up: no redis-server on PATH (Debian: apt-get install redis-server):"
+                  " routing by load only, no shared prefix index", file=sys.stderr)
+            return None
+        port = free_port(c.host)
+        proc = subprocess.Popen([binary, "--port", str(port), "--bind", c.host, "--save", "",
+                                 "--appendonly", "no"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self.procs.append(proc)
+        self.names.append("redis")
+        return f"redis://{c.host}:{port}/0"
+
     def start(self) -> None:
         c = self.config
+        self.redis_url = self._start_redis()
         for (name, role), address in zip(self.workers, self.worker_addresses, strict=True):
             port = address.rsplit(":", 1)[1]
             args = ["worker", "--role", role, "--model", c.model, "--host", c.host,
@@ -128,11 +155,16 @@ class LocalCluster:
                     "--transfer-timeout-s", str(c.transfer_timeout_s)]
             if c.max_model_len:
                 args += ["--max-model-len", str(c.max_model_len)]
+            if self.redis_url:
+                args += ["--redis-url", self.redis_url]
             self._spawn(name, args, self.threads)
         router = ["router", "--model", c.model, "--host", c.host, "--port", str(c.port),
                   "--http-port", str(c.http_port), "--max-in-flight", str(c.max_in_flight)]
         for address in self.worker_addresses:
             router += ["--worker", address]
+        router += ["--policy", c.policy]
+        if self.redis_url:
+            router += ["--redis-url", self.redis_url]
         self._spawn("router", router, 1)
 
     def wait_ready(self, timeout: float = 600.0) -> None:

@@ -26,17 +26,23 @@ import itertools
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+import redis
 from transformers import AutoTokenizer
 
+from cluster.hashing import block_hashes
+from cluster.prefix_index import PrefixIndex
+from cluster.registry import WorkerRegistry
 from cluster.sampling import InvalidRequestError, check_prompt
 from cluster.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
 from .errors import RouterError
+from .policies import Candidate, Decision, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +56,17 @@ class RouterConfig:
     connect_timeout_s: float = 120.0
     down_s: float = 5.0
     """How long a worker that failed a call is passed over (unless all are)."""
+    redis_url: str | None = None
+    """The shared prefix index and worker registry; workers found there join the pools
+    (beside any given in ``workers``) and leave when their heartbeat expires."""
+    policy: str = "cache_aware"
+    """How prefill (or mixed) workers are chosen: see :mod:`router.policies`."""
+    discovery_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.workers:
-            raise ValueError("the router needs at least one worker address")
+        if not self.workers and not self.redis_url:
+            raise ValueError("the router needs worker addresses or a registry (redis_url)")
+        make_policy(self.policy)  # validates the name
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
 
@@ -65,7 +78,12 @@ class _Worker:
     stub: worker_pb2_grpc.WorkerStub
     role: str = "mixed"
     in_flight: int = 0
+    queued_tokens: int = 0  # prompt tokens sent here whose first token has not come
     down_until: float = 0.0
+    block_size: int = 16
+    model_id: str = ""
+    static: bool = True  # given on the command line; False: found in the registry
+    gone: bool = False  # left the registry: no new requests
 
 
 class _Relay:
@@ -104,9 +122,17 @@ class Router:
         self._in_flight = 0
         self._ids = itertools.count()
         self._nonce = uuid.uuid4().hex[:8]  # router replicas and restarts never collide
+        self.policy = make_policy(config.policy)
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, reason) -> count
+        self._redis: redis.Redis | None = None
+        self._index: PrefixIndex | None = None
+        self._registry: WorkerRegistry | None = None
+        self._redis_down = False
+        self._redis_retry_at = 0.0
+        self._discovery: asyncio.Task | None = None
 
     def pool(self, role: str) -> list[_Worker]:
-        return [w for w in self._workers if w.role == role]
+        return [w for w in self._workers if w.role == role and not w.gone]
 
     @property
     def disaggregated(self) -> bool:
@@ -117,34 +143,91 @@ class Router:
         return self._in_flight
 
     async def start(self) -> None:
-        """Connect to every worker and wait until each answers (loading takes a while)."""
-        for address in self.config.workers:
-            channel = grpc.aio.insecure_channel(address)
-            self._workers.append(_Worker(address, channel, worker_pb2_grpc.WorkerStub(channel)))
+        """Connect to every worker given and found in the registry, and wait until each
+        answers (loading takes a while) and the pools can serve."""
+        if self.config.redis_url:
+            self._redis = redis.Redis.from_url(self.config.redis_url, socket_timeout=2,
+                                               socket_connect_timeout=2)
+            self._index = PrefixIndex(self._redis, self.model_name)
+            self._registry = WorkerRegistry(self._redis, self.model_name)
         deadline = time.monotonic() + self.config.connect_timeout_s
-        loads = []
+        for address in self.config.workers:
+            self._workers.append(await self._connect(address, True, deadline))
+        while True:
+            await self._discover(deadline)
+            if self.disaggregated or self.pool("mixed"):
+                break
+            if self._registry is None or time.monotonic() > deadline:
+                roles = sorted({w.role for w in self._workers})
+                raise RuntimeError(f"workers with roles {roles} cannot serve alone: give the "
+                                   "router prefill and decode workers, or mixed ones")
+            await asyncio.sleep(0.5)
+        if self._registry is not None:
+            self._discovery = asyncio.create_task(self._discover_forever())
+
+    async def _connect(self, address: str, static: bool, deadline: float) -> _Worker:
+        channel = grpc.aio.insecure_channel(address)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        while True:
+            try:
+                load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+                break
+            except grpc.aio.AioRpcError as e:
+                if time.monotonic() > deadline:
+                    await channel.close()
+                    raise RuntimeError(f"worker {address} did not answer within "
+                                       f"{self.config.connect_timeout_s:.0f}s: "
+                                       f"{e.details()}") from e
+                await asyncio.sleep(0.5)
+        limit = load.max_model_len
+        self.max_model_len = min(self.max_model_len, limit) if self.max_model_len else limit
+        return _Worker(address, channel, stub, role=load.role or "mixed",
+                       block_size=load.block_size or 16, model_id=load.model_id, static=static)
+
+    async def _discover(self, deadline: float | None = None) -> None:
+        """Join workers new in the registry; retire those whose heartbeat expired."""
+        if self._registry is None:
+            return
+        try:
+            live = {w.info.address for w in await asyncio.to_thread(self._registry.live)}
+        except redis.RedisError as e:
+            self._note_redis(e)
+            return
+        self._note_redis(None)
+        known = {w.address: w for w in self._workers}
+        for address in sorted(live - known.keys()):
+            try:
+                self._workers.append(await self._connect(
+                    address, False, deadline or time.monotonic() + 10))
+                log.info("worker %s joined from the registry", address)
+            except RuntimeError as e:
+                log.warning("registry lists %s but it does not answer: %s", address, e)
         for w in self._workers:
-            while True:
-                try:
-                    loads.append(await w.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5))
-                    break
-                except grpc.aio.AioRpcError as e:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"worker {w.address} did not answer within "
-                                           f"{self.config.connect_timeout_s:.0f}s: "
-                                           f"{e.details()}") from e
-                    await asyncio.sleep(0.5)
-        for w, load in zip(self._workers, loads, strict=True):
-            w.role = load.role or "mixed"
-        self.max_model_len = min(load.max_model_len for load in loads)
-        if not self.disaggregated and not self.pool("mixed"):
-            roles = sorted({w.role for w in self._workers})
-            raise RuntimeError(f"workers with roles {roles} cannot serve alone: give the router "
-                               "prefill and decode workers, or mixed ones")
+            if not w.static and w.gone == (w.address in live):
+                w.gone = w.address not in live
+                log.info("worker %s %s the registry", w.address,
+                         "left" if w.gone else "rejoined")
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            await self._discover()
+
+    def _note_redis(self, error: Exception | None) -> None:
+        if error is not None and not self._redis_down:
+            log.warning("prefix index / registry unreachable (%s): routing by load until it "
+                        "is back", error)
+        elif error is None and self._redis_down:
+            log.info("prefix index / registry reachable again")
+        self._redis_down = error is not None
 
     async def close(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
         for w in self._workers:
             await w.channel.close()
+        if self._redis is not None:
+            self._redis.close()
 
     # -- validation ----------------------------------------------------------------------
 
@@ -190,6 +273,35 @@ class Router:
         now = time.monotonic()
         return sorted(self.pool(role), key=lambda w: (w.down_until > now, w.in_flight))
 
+    async def _choose(self, role: str, wreq: worker_pb2.WorkerGenerateRequest
+                      ) -> tuple[_Worker, Decision]:
+        """The policy's pick among the pool's workers, with their cached prefix of this
+        prompt from the shared index (one round trip; none when Redis is down)."""
+        pool = self.pool(role)
+        if not pool:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                              f"no {role} worker is serving right now; retry later")
+        now = time.monotonic()
+        cached: dict[str, int] = {}
+        if self._index is not None and self.policy.name == "cache_aware" and not (
+                self._redis_down and now < self._redis_retry_at):
+            w0 = pool[0]
+            hashes = block_hashes(list(wreq.prompt_token_ids), w0.block_size, w0.model_id,
+                                  wreq.cache_salt or None)
+            try:
+                cached = await asyncio.to_thread(self._index.lookup, hashes)
+                self._note_redis(None)
+            except redis.RedisError as e:
+                self._note_redis(e)
+                self._redis_retry_at = now + 1.0
+        cands = [Candidate(w.address, w.in_flight, w.queued_tokens,
+                           cached.get(w.address, 0) * w.block_size, w.down_until <= now)
+                 for w in pool]
+        decision = self.policy.choose(cands, len(wreq.prompt_token_ids))
+        self.decisions[(decision.policy, decision.reason)] += 1
+        worker = next(w for w in pool if w.address == decision.address)
+        return worker, decision
+
     def _failed(self, worker: _Worker, e: grpc.aio.AioRpcError) -> None:
         worker.down_until = time.monotonic() + self.config.down_s
         log.warning("worker %s (%s) failed: %s: %s", worker.address, worker.role,
@@ -224,12 +336,17 @@ class Router:
 
     async def _mixed(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None
                      ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-        worker = self._by_load("mixed")[0]
+        worker, decision = await self._choose("mixed", wreq)
+        queued = decision.estimated_tokens - worker.queued_tokens
         worker.in_flight += 1
+        worker.queued_tokens += queued
         call = None
         try:
             call = worker.stub.Generate(wreq, timeout=timeout)
             async for msg in call:
+                if queued and msg.token_ids:
+                    worker.queued_tokens -= queued  # prefilled
+                    queued = 0
                 yield msg
         except grpc.aio.AioRpcError as e:
             raise _from_worker(e, worker.address) from e
@@ -237,6 +354,7 @@ class Router:
             if call is not None:
                 call.cancel()  # no-op when finished; frees the worker's blocks otherwise
             worker.in_flight -= 1
+            worker.queued_tokens -= queued
 
     async def _disaggregated(self, wreq: worker_pb2.WorkerGenerateRequest,
                              timeout: float | None
@@ -316,9 +434,11 @@ class Router:
                        ) -> worker_pb2.PrefillResponse | None:
         """The first token from the least-loaded prefill worker; None when it failed
         (the caller recomputes on the decode worker). Bad input raises."""
-        worker = self._by_load("prefill")[0]
+        worker, decision = await self._choose("prefill", wreq)
         timeout = _left(deadline)
+        queued = decision.estimated_tokens - worker.queued_tokens
         worker.in_flight += 1
+        worker.queued_tokens += queued
         try:
             return await worker.stub.Prefill(
                 worker_pb2.PrefillRequest(request=wreq, target=target), timeout=timeout)
@@ -329,6 +449,7 @@ class Router:
             return None
         finally:
             worker.in_flight -= 1
+            worker.queued_tokens -= queued
 
     async def status(self) -> api_pb2.GetStatusResponse:
         resp = api_pb2.GetStatusResponse(model=self.model_name, requests_in_flight=self._in_flight,

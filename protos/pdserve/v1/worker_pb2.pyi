@@ -96,7 +96,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "model", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "max_model_len", "reserved_requests", "transfers", "block_size")
+    __slots__ = ("role", "model", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "max_model_len", "reserved_requests", "transfers", "block_size", "model_id")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,7 @@ class WorkerLoad(_message.Message):
     RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     running_requests: int
@@ -117,4 +118,5 @@ class WorkerLoad(_message.Message):
     reserved_requests: int
     transfers: _common_pb2.TransferStats
     block_size: int
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    model_id: str
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,100 @@
+"""Routing policies: which worker of a pool computes a prompt. Pure logic, no I/O.
+
+Every policy sees the same :class:`Candidate` list (workers that can take the request,
+healthy ones first) and returns a :class:`Decision` that names the worker and the parts
+of its score, for the response's usage and the metrics:
+
+- ``round_robin``: in turn, ignoring load and cache;
+- ``least_loaded``: fewest requests this router has in flight there;
+- ``cache_aware``: least *estimated prefill work*: the prompt tokens the worker would
+  compute (those past its cached prefix, from the shared index) plus the prefill tokens
+  already queued there by this router. A long cached prefix wins unless the holder is
+  backed up. A load-imbalance guard (as SGLang's router has) falls back to least-loaded
+  when in-flight counts drift apart by more than ``balance_abs`` requests *and* a
+  factor ``balance_rel``, so one hot prefix cannot pile everything on one worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    address: str
+    in_flight: int = 0
+    queued_tokens: int = 0  # uncached prompt tokens this router sent there, not yet done
+    cached_tokens: int = 0  # of this prompt, from the prefix index
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class Decision:
+    address: str
+    policy: str
+    reason: str  # "cache", "load", "balance", "turn", "unhealthy"
+    cached_tokens: int
+    estimated_tokens: int  # prefill work estimated for the chosen worker
+
+
+class RoundRobin:
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, candidates: list[Candidate], prompt_tokens: int) -> Decision:
+        pool = _healthy(candidates)
+        c = pool[next(self._turn) % len(pool)]
+        return _decision(self.name, "turn", c, prompt_tokens)
+
+
+class LeastLoaded:
+    name = "least_loaded"
+
+    def choose(self, candidates: list[Candidate], prompt_tokens: int) -> Decision:
+        c = min(_healthy(candidates), key=lambda c: (c.in_flight, c.queued_tokens))
+        return _decision(self.name, "load", c, prompt_tokens)
+
+
+class CacheAware:
+    name = "cache_aware"
+
+    def __init__(self, balance_abs: int = 8, balance_rel: float = 2.0) -> None:
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+
+    def choose(self, candidates: list[Candidate], prompt_tokens: int) -> Decision:
+        pool = _healthy(candidates)
+        loads = [c.in_flight for c in pool]
+        lo, hi = min(loads), max(loads)
+        if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
+            c = min(pool, key=lambda c: (c.in_flight, c.queued_tokens))
+            return _decision(self.name, "balance", c, prompt_tokens)
+        c = min(pool, key=lambda c: (_work(c, prompt_tokens), c.in_flight))
+        return _decision(self.name, "cache" if c.cached_tokens else "load", c, prompt_tokens)
+
+
+POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}
+
+
+def make_policy(name: str) -> RoundRobin | LeastLoaded | CacheAware:
+    if name not in POLICIES:
+        raise ValueError(f"routing policy must be one of {sorted(POLICIES)}, got {name!r}")
+    return POLICIES[name]()
+
+
+def _work(c: Candidate, prompt_tokens: int) -> int:
+    return c.queued_tokens + max(prompt_tokens - c.cached_tokens, 0)
+
+
+def _healthy(candidates: list[Candidate]) -> list[Candidate]:
+    if not candidates:
+        raise ValueError("no candidate worker")
+    return [c for c in candidates if c.healthy] or candidates
+
+
+def _decision(policy: str, reason: str, c: Candidate, prompt_tokens: int) -> Decision:
+    if not c.healthy:
+        reason = "unhealthy"
+    return Decision(c.address, policy, reason, c.cached_tokens, _work(c, prompt_tokens))

@@ -1,0 +1,104 @@
+"""Cache-aware routing end to end: real Redis (started by the cluster like `pdserve up`),
+real workers publishing their blocks, a router reading the shared index."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+
+import pytest
+import redis
+from cluster_helpers import assert_cluster_idle, start
+
+from cluster.hashing import block_hashes
+from cluster.prefix_index import PrefixIndex
+from protos.pdserve.v1 import worker_pb2
+from router.client import AsyncClient, Client
+
+pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
+                                reason="redis-server is not installed (make test installs it)")
+
+GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+SHARED = list(range(100, 160))  # 15 blocks of 4
+
+
+def misses(cluster, n: int) -> list[int]:  # noqa: ANN001
+    """cached_tokens of n sequential requests sharing SHARED, after a first one."""
+    with Client(cluster.target) as client:
+        client.generate(SHARED + [7], **GREEDY)
+        time.sleep(0.3)  # the holder's publisher writes its blocks
+        return [client.generate(SHARED + [8, i], **GREEDY).usage["cached_tokens"]
+                for i in range(n)]
+
+
+@pytest.mark.parametrize(("policy", "expect_all_hits"), [("cache_aware", True),
+                                                          ("round_robin", False)])
+def test_shared_prefix_lands_on_the_worker_that_holds_it(policy, expect_all_hits,
+                                                         tiny_checkpoints, tmp_path) -> None:
+    c = start(tiny_checkpoints["llama"], tmp_path, mixed=2, block_size=4, policy=policy)
+    try:
+        cached = misses(c, 6)
+        if expect_all_hits:
+            assert all(t >= len(SHARED) - 4 for t in cached), cached
+        else:
+            assert cached[0] == 0  # the other worker had never seen the prefix
+        assert_cluster_idle(c)
+    finally:
+        c.stop()
+
+
+def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_path) -> None:
+    c = start(tiny_checkpoints["llama"], tmp_path, prefill=2, decode=1, block_size=4,
+              local_prefill_threshold=0)
+    try:
+        assert c.redis_url is not None
+        redis_proc = c.procs[c.names.index("redis")]
+        port = int(c.redis_url.rsplit(":", 1)[1].split("/")[0])
+
+        async def load() -> list[object]:
+            async with AsyncClient(c.target) as client:
+                return await asyncio.gather(*(client.generate(SHARED + [i], **GREEDY)
+                                              for i in range(12)), return_exceptions=True)
+
+        async def scenario() -> list[object]:
+            task = asyncio.ensure_future(load())
+            await asyncio.sleep(0.2)
+            redis_proc.kill()  # mid-load
+            return await task
+
+        served = asyncio.run(scenario())
+        assert not [s for s in served if isinstance(s, BaseException)], served
+        with Client(c.target) as client:  # still serving with Redis down
+            client.generate(SHARED + [99], **GREEDY)
+        # Redis comes back empty on the same port: workers re-register and republish.
+        back = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind",
+                                 "127.0.0.1", "--save", "", "--appendonly", "no"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            client_r = redis.Redis.from_url(c.redis_url)
+            index = PrefixIndex(client_r, "llama")
+            hashes = block_hashes(SHARED, 4, _model_id(c), None)
+            deadline = time.monotonic() + 20
+            while not index.lookup(hashes):
+                assert time.monotonic() < deadline, "the index did not refill"
+                time.sleep(0.2)
+            assert max(index.lookup(hashes).values()) == len(hashes)
+            client_r.close()
+            assert_cluster_idle(c)
+        finally:
+            back.terminate()
+            back.wait(10)
+    finally:
+        c.stop()
+
+
+def _model_id(cluster) -> str:  # noqa: ANN001
+    import grpc
+
+    from protos.pdserve.v1 import worker_pb2_grpc
+
+    with grpc.insecure_channel(cluster.worker_addresses[0]) as ch:
+        return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
+                                                      timeout=5).model_id
