@@ -12,9 +12,10 @@ the 64-bit values of :mod:`cluster.hashing`, written as 16 lowercase hex digits:
 
 Workers publish their engine's ``stored``/``evicted`` events in order, a batch per
 MULTI/EXEC transaction, so a reader never sees half a batch. :meth:`PrefixIndex.lookup`
-takes a prompt's block hashes and answers in one round trip (a pipeline of SMEMBERS),
-per worker, how many *leading* blocks it holds: a worker that lacks block i is not
-credited for any block after it, exactly what its prefix cache could reuse.
+takes a prompt's block hashes and answers in one round trip (a server-side script walks
+the block sets and returns only the counts), per worker, how many *leading* blocks it
+holds: a worker that lacks block i is not credited for any block after it, exactly what
+its prefix cache could reuse.
 
 Bottom layer: imports nothing of ours; the caller owns the Redis client.
 """
@@ -24,6 +25,31 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 import redis
+
+_LOOKUP = """
+local alive = nil
+local counts = {}
+for i, key in ipairs(KEYS) do
+  local members = redis.call('SMEMBERS', key)
+  local now = {}
+  local any = false
+  for _, w in ipairs(members) do
+    if alive == nil or alive[w] then
+      now[w] = true
+      counts[w] = i
+      any = true
+    end
+  end
+  if not any then break end
+  alive = now
+end
+local out = {}
+for w, n in pairs(counts) do
+  out[#out + 1] = w
+  out[#out + 1] = n
+end
+return out
+"""
 
 _PURGE = """
 local hashes = redis.call('SMEMBERS', KEYS[1])
@@ -47,6 +73,7 @@ class PrefixIndex:
         self.client = client
         self.prefix = f"pdserve:{model}:"
         self._purge = client.register_script(_PURGE)
+        self._lookup = client.register_script(_LOOKUP)
 
     def _blk(self, h: int) -> str:
         return f"{self.prefix}blk:{hash_key(h)}"
@@ -93,18 +120,8 @@ class PrefixIndex:
         Workers that hold none of the first block are absent."""
         if not block_hashes:
             return {}
-        pipe = self.client.pipeline(transaction=False)
-        for h in block_hashes:
-            pipe.smembers(self._blk(h))
-        counts: dict[str, int] = {}
-        alive: set[bytes] | None = None
-        for i, members in enumerate(pipe.execute()):
-            alive = set(members) if alive is None else alive & members
-            if not alive:
-                break
-            for w in alive:
-                counts[w.decode()] = i + 1
-        return counts
+        flat = self._lookup(keys=[self._blk(h) for h in block_hashes])
+        return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     def blocks_of(self, worker: str) -> set[int]:
         """Every hash ``worker`` holds (tests and resync checks)."""

@@ -33,6 +33,8 @@ class Completion:
     usage: dict[str, int] = field(default_factory=dict)
     ttft_s: float = 0.0
     e2e_s: float = 0.0
+    routing: dict[str, Any] = field(default_factory=dict)
+    """How the router placed it: policy, reason, worker, indexed_cached_tokens, ..."""
 
     def add(self, msg: api_pb2.GenerateResponse) -> None:
         self.request_id = msg.request_id or self.request_id
@@ -46,6 +48,11 @@ class Completion:
                           "completion_tokens": u.completion_tokens,
                           "cached_tokens": u.cached_tokens}
             self.ttft_s, self.e2e_s = msg.timings.ttft_s, msg.timings.e2e_s
+            r = msg.routing
+            self.routing = {"policy": r.policy, "reason": r.reason, "worker": r.worker,
+                            "indexed_cached_tokens": r.indexed_cached_tokens,
+                            "estimated_prefill_tokens": r.estimated_prefill_tokens,
+                            "decode_worker": r.decode_worker}
 
     def to_json(self) -> dict[str, Any]:
         """The object DESIGN.md's command-line section defines for ``--json``."""

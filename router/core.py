@@ -82,6 +82,7 @@ class _Worker:
     down_until: float = 0.0
     block_size: int = 16
     model_id: str = ""
+    free_blocks: int = 0  # last reported (registry heartbeat); breaks in-flight ties
     static: bool = True  # given on the command line; False: found in the registry
     gone: bool = False  # left the registry: no new requests
 
@@ -189,12 +190,16 @@ class Router:
         if self._registry is None:
             return
         try:
-            live = {w.info.address for w in await asyncio.to_thread(self._registry.live)}
+            entries = await asyncio.to_thread(self._registry.live)
         except redis.RedisError as e:
             self._note_redis(e)
             return
         self._note_redis(None)
+        live = {w.info.address for w in entries}
         known = {w.address: w for w in self._workers}
+        for entry in entries:
+            if entry.info.address in known:
+                known[entry.info.address].free_blocks = int(entry.load.get("free_blocks", 0))
         for address in sorted(live - known.keys()):
             try:
                 self._workers.append(await self._connect(
@@ -271,7 +276,8 @@ class Router:
     def _by_load(self, role: str) -> list[_Worker]:
         """Least-loaded first; workers that failed lately go last."""
         now = time.monotonic()
-        return sorted(self.pool(role), key=lambda w: (w.down_until > now, w.in_flight))
+        return sorted(self.pool(role),
+                      key=lambda w: (w.down_until > now, w.in_flight, -w.free_blocks))
 
     async def _choose(self, role: str, wreq: worker_pb2.WorkerGenerateRequest
                       ) -> tuple[_Worker, Decision]:
@@ -324,19 +330,25 @@ class Router:
             request_id=f"{request_id}#{self._nonce}-{next(self._ids)}", prompt_token_ids=ids,
             sampling=sampling, cache_salt=req.cache_salt)
         relay = _Relay(request_id, ids, received)
-        source = (self._disaggregated(wreq, timeout) if self.disaggregated
-                  else self._mixed(wreq, timeout))
+        routing = api_pb2.Routing()
+        source = (self._disaggregated(wreq, timeout, routing) if self.disaggregated
+                  else self._mixed(wreq, timeout, routing))
         self._in_flight += 1
         try:
             async for msg in source:
-                yield relay.convert(msg)
+                out = relay.convert(msg)
+                if msg.finish_reason:
+                    out.routing.CopyFrom(routing)
+                yield out
         finally:
             await source.aclose()
             self._in_flight -= 1
 
-    async def _mixed(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None
+    async def _mixed(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None,
+                     routing: api_pb2.Routing
                      ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         worker, decision = await self._choose("mixed", wreq)
+        _record(routing, decision)
         queued = decision.estimated_tokens - worker.queued_tokens
         worker.in_flight += 1
         worker.queued_tokens += queued
@@ -357,14 +369,18 @@ class Router:
             worker.queued_tokens -= queued
 
     async def _disaggregated(self, wreq: worker_pb2.WorkerGenerateRequest,
-                             timeout: float | None
+                             timeout: float | None, routing: api_pb2.Routing
                              ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         deadline = None if timeout is None else time.monotonic() + timeout
         decode, call, reservation = await self._reserve(wreq, deadline)
+        routing.decode_worker = decode.address
         try:
             prefilled = None
-            if not reservation.local:
-                prefilled = await self._prefill(wreq, reservation.target, deadline)
+            if reservation.local:
+                routing.MergeFrom(api_pb2.Routing(policy=self.policy.name, reason="local",
+                                                  worker=decode.address))
+            else:
+                prefilled = await self._prefill(wreq, reservation.target, deadline, routing)
                 if prefilled is None:  # compute the whole prompt on the decode worker
                     await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
                 else:
@@ -430,11 +446,12 @@ class Router:
                           "retry later")
 
     async def _prefill(self, wreq: worker_pb2.WorkerGenerateRequest,
-                       target: worker_pb2.KVTarget, deadline: float | None
-                       ) -> worker_pb2.PrefillResponse | None:
-        """The first token from the least-loaded prefill worker; None when it failed
+                       target: worker_pb2.KVTarget, deadline: float | None,
+                       routing: api_pb2.Routing) -> worker_pb2.PrefillResponse | None:
+        """The first token from the prefill worker the policy picks; None when it failed
         (the caller recomputes on the decode worker). Bad input raises."""
         worker, decision = await self._choose("prefill", wreq)
+        _record(routing, decision)
         timeout = _left(deadline)
         queued = decision.estimated_tokens - worker.queued_tokens
         worker.in_flight += 1
@@ -481,6 +498,12 @@ async def _write(call: grpc.aio.StreamStreamCall, msg: worker_pb2.DecodeRequest 
         await call.wait_for_connection()  # raises AioRpcError with the call's status
         raise grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(),
                                    grpc.aio.Metadata(), await call.details()) from None
+
+
+def _record(routing: api_pb2.Routing, d: Decision) -> None:
+    routing.MergeFrom(api_pb2.Routing(policy=d.policy, reason=d.reason, worker=d.address,
+                                      indexed_cached_tokens=d.cached_tokens,
+                                      estimated_prefill_tokens=d.estimated_tokens))
 
 
 def _left(deadline: float | None) -> float | None:

@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
+import sys
 import time
 
+import grpc
 import pytest
 import redis
 from cluster_helpers import assert_cluster_idle, start
 
 from cluster.hashing import block_hashes
+from cluster.local import free_port
 from cluster.prefix_index import PrefixIndex
 from protos.pdserve.v1 import worker_pb2
 from router.client import AsyncClient, Client
@@ -24,13 +27,12 @@ GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 SHARED = list(range(100, 160))  # 15 blocks of 4
 
 
-def misses(cluster, n: int) -> list[int]:  # noqa: ANN001
-    """cached_tokens of n sequential requests sharing SHARED, after a first one."""
+def misses(cluster, n: int) -> list[object]:  # noqa: ANN001
+    """n sequential completions sharing SHARED, after a first one."""
     with Client(cluster.target) as client:
         client.generate(SHARED + [7], **GREEDY)
         time.sleep(0.3)  # the holder's publisher writes its blocks
-        return [client.generate(SHARED + [8, i], **GREEDY).usage["cached_tokens"]
-                for i in range(n)]
+        return [client.generate(SHARED + [8, i], **GREEDY) for i in range(n)]
 
 
 @pytest.mark.parametrize(("policy", "expect_all_hits"), [("cache_aware", True),
@@ -39,9 +41,14 @@ def test_shared_prefix_lands_on_the_worker_that_holds_it(policy, expect_all_hits
                                                          tiny_checkpoints, tmp_path) -> None:
     c = start(tiny_checkpoints["llama"], tmp_path, mixed=2, block_size=4, policy=policy)
     try:
-        cached = misses(c, 6)
+        served = misses(c, 6)
+        cached = [s.usage["cached_tokens"] for s in served]
+        assert all(s.routing["policy"] == policy for s in served)
         if expect_all_hits:
             assert all(t >= len(SHARED) - 4 for t in cached), cached
+            assert all(s.routing["reason"] == "cache" and s.routing["indexed_cached_tokens"]
+                       >= len(SHARED) - 4 for s in served), [s.routing for s in served]
+            assert len({s.routing["worker"] for s in served}) == 1
         else:
             assert cached[0] == 0  # the other worker had never seen the prefix
         assert_cluster_idle(c)
@@ -81,7 +88,7 @@ def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_
             index = PrefixIndex(client_r, "llama")
             hashes = block_hashes(SHARED, 4, _model_id(c), None)
             deadline = time.monotonic() + 20
-            while not index.lookup(hashes):
+            while not _lookup(index, hashes):
                 assert time.monotonic() < deadline, "the index did not refill"
                 time.sleep(0.2)
             assert max(index.lookup(hashes).values()) == len(hashes)
@@ -94,6 +101,13 @@ def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_
         c.stop()
 
 
+def _lookup(index: PrefixIndex, hashes: list[int]) -> dict[str, int]:
+    try:
+        return index.lookup(hashes)
+    except redis.ConnectionError:  # the restarted server is not listening yet
+        return {}
+
+
 def _model_id(cluster) -> str:  # noqa: ANN001
     import grpc
 
@@ -102,3 +116,39 @@ def _model_id(cluster) -> str:  # noqa: ANN001
     with grpc.insecure_channel(cluster.worker_addresses[0]) as ch:
         return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
                                                       timeout=5).model_id
+
+
+def test_two_router_processes_make_the_same_choice(tiny_checkpoints, tmp_path) -> None:
+    """A second router, started with only the registry (no --worker), discovers the
+    workers and, reading the same index, sends a prefix to the same worker."""
+    c = start(tiny_checkpoints["llama"], tmp_path, mixed=2, block_size=4)
+    port = free_port()
+    log = open(tmp_path / "router2.log", "wb")  # noqa: SIM115
+    second = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "router", "--model",
+         str(tiny_checkpoints["llama"]), "--port", str(port), "--http-port", "0",
+         "--redis-url", c.redis_url], stdout=log, stderr=log)
+    try:
+        with Client(c.target) as one:
+            one.generate(SHARED + [7], **GREEDY)
+        time.sleep(0.3)
+        deadline = time.monotonic() + 60
+        with Client(f"127.0.0.1:{port}") as two:
+            while True:
+                try:
+                    if len(two.status(timeout=2).workers) == 2:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline, "the second router found no workers"
+                time.sleep(0.2)
+            b = two.generate(SHARED + [9], **GREEDY)
+        with Client(c.target) as one:
+            a = one.generate(SHARED + [10], **GREEDY)
+        assert a.routing["worker"] == b.routing["worker"] and b.routing["reason"] == "cache"
+        assert_cluster_idle(c)
+    finally:
+        second.terminate()
+        second.wait(10)
+        log.close()
+        c.stop()

@@ -46,7 +46,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "logprobs", "prompt_token_ids")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "timings", "logprobs", "prompt_token_ids", "routing")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class GenerateResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -63,7 +64,24 @@ class GenerateResponse(_message.Message):
     timings: _common_pb2.Timings
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    routing: Routing
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ...) -> None: ...
+
+class Routing(_message.Message):
+    __slots__ = ("policy", "reason", "worker", "indexed_cached_tokens", "estimated_prefill_tokens", "decode_worker")
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    INDEXED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    policy: str
+    reason: str
+    worker: str
+    indexed_cached_tokens: int
+    estimated_prefill_tokens: int
+    decode_worker: str
+    def __init__(self, policy: _Optional[str] = ..., reason: _Optional[str] = ..., worker: _Optional[str] = ..., indexed_cached_tokens: _Optional[int] = ..., estimated_prefill_tokens: _Optional[int] = ..., decode_worker: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
