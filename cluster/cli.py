@@ -16,6 +16,8 @@ down. Subcommands:
   GEMM floor (see ``workers/bench_engine.py``);
 * ``pdserve bench-disagg`` measures the KV transfer on the serving path against a raw
   TCP copy, and disaggregated TTFT against colocated (see ``cluster/bench_disagg.py``);
+* ``pdserve bench-routing`` compares cache-aware with round-robin routing on a
+  shared-prefix workload and times the routing decision (see ``cluster/bench_routing.py``);
 * ``pdserve convert-model`` converts the default model once, ahead of time.
 """
 
@@ -284,6 +286,17 @@ def cmd_bench_disagg(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_routing(args: argparse.Namespace) -> int:
+    from cluster.bench_routing import RoutingBenchOptions, run
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, _cache_dir(args))
+    run(RoutingBenchOptions(model=str(path), system_prompts=args.system_prompts,
+                            questions=args.questions, concurrency=args.concurrency,
+                            out=args.out))
+    return 0
+
+
 def cmd_bench_router(args: argparse.Namespace) -> int:
     from cluster.bench_router import RouterBenchOptions, run
     from workers.model_store import resolve_model
@@ -407,6 +420,16 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--iters", type=int, default=5)
     bd.add_argument("--out", default="bench-results/disagg.json")
     bd.set_defaults(func=cmd_bench_disagg)
+
+    bq = sub.add_parser("bench-routing", help="cache-aware vs round-robin on a shared-prefix "
+                                              "workload, and the routing overhead")
+    bq.add_argument("--model", default=None)
+    bq.add_argument("--cache-dir", default=None)
+    bq.add_argument("--system-prompts", type=int, default=8)
+    bq.add_argument("--questions", type=int, default=4, help="per system prompt")
+    bq.add_argument("--concurrency", type=int, default=2)
+    bq.add_argument("--out", default="bench-results/routing.json")
+    bq.set_defaults(func=cmd_bench_routing)
 
     br = sub.add_parser("bench-router", help="latency the router adds over a direct worker call")
     br.add_argument("--model", default=None)

@@ -27,21 +27,20 @@ from collections.abc import Iterable, Sequence
 import redis
 
 _LOOKUP = """
-local alive = nil
+local alive = redis.call('SMEMBERS', KEYS[1])
 local counts = {}
-for i, key in ipairs(KEYS) do
-  local members = redis.call('SMEMBERS', key)
-  local now = {}
-  local any = false
-  for _, w in ipairs(members) do
-    if alive == nil or alive[w] then
-      now[w] = true
+for _, w in ipairs(alive) do counts[w] = 1 end
+for i = 2, #KEYS do
+  if #alive == 0 then break end
+  local held = redis.call('SMISMEMBER', KEYS[i], unpack(alive))
+  local still = {}
+  for j, w in ipairs(alive) do
+    if held[j] == 1 then
+      still[#still + 1] = w
       counts[w] = i
-      any = true
     end
   end
-  if not any then break end
-  alive = now
+  alive = still
 end
 local out = {}
 for w, n in pairs(counts) do

@@ -42,7 +42,7 @@ from cluster.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
 from .errors import RouterError
-from .policies import Candidate, Decision, make_policy
+from .policies import Candidate, Decision, RoutedPrefixes, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,7 @@ class Router:
         self._registry: WorkerRegistry | None = None
         self._redis_down = False
         self._redis_retry_at = 0.0
+        self._routed = RoutedPrefixes()
         self._discovery: asyncio.Task | None = None
 
     def pool(self, role: str) -> list[_Worker]:
@@ -289,22 +290,28 @@ class Router:
                               f"no {role} worker is serving right now; retry later")
         now = time.monotonic()
         cached: dict[str, int] = {}
-        if self._index is not None and self.policy.name == "cache_aware" and not (
-                self._redis_down and now < self._redis_retry_at):
+        hashes: list[int] = []
+        if self.policy.name == "cache_aware":
             w0 = pool[0]
             hashes = block_hashes(list(wreq.prompt_token_ids), w0.block_size, w0.model_id,
                                   wreq.cache_salt or None)
-            try:
-                cached = await asyncio.to_thread(self._index.lookup, hashes)
-                self._note_redis(None)
-            except redis.RedisError as e:
-                self._note_redis(e)
-                self._redis_retry_at = now + 1.0
+            cached = self._routed.lookup(hashes, now)  # routed here, maybe not yet published
+            if self._index is not None and not (self._redis_down and now < self._redis_retry_at):
+                try:
+                    published = await asyncio.to_thread(self._index.lookup, hashes)
+                    self._note_redis(None)
+                    for w, n in published.items():
+                        cached[w] = max(cached.get(w, 0), n)
+                except redis.RedisError as e:
+                    self._note_redis(e)
+                    self._redis_retry_at = now + 1.0
         cands = [Candidate(w.address, w.in_flight, w.queued_tokens,
                            cached.get(w.address, 0) * w.block_size, w.down_until <= now)
                  for w in pool]
         decision = self.policy.choose(cands, len(wreq.prompt_token_ids))
         self.decisions[(decision.policy, decision.reason)] += 1
+        if hashes:
+            self._routed.add(hashes, decision.address, now)
         worker = next(w for w in pool if w.address == decision.address)
         return worker, decision
 

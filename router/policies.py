@@ -6,12 +6,20 @@ of its score, for the response's usage and the metrics:
 
 - ``round_robin``: in turn, ignoring load and cache;
 - ``least_loaded``: fewest requests this router has in flight there;
-- ``cache_aware``: least *estimated prefill work*: the prompt tokens the worker would
-  compute (those past its cached prefix, from the shared index) plus the prefill tokens
-  already queued there by this router. A long cached prefix wins unless the holder is
-  backed up. A load-imbalance guard (as SGLang's router has) falls back to least-loaded
-  when in-flight counts drift apart by more than ``balance_abs`` requests *and* a
-  factor ``balance_rel``, so one hot prefix cannot pile everything on one worker.
+- ``cache_aware`` (the rule of SGLang's cache-aware router): the worker holding the
+  longest cached prefix of the prompt (from the shared index) gets it when that prefix
+  is at least ``cache_threshold`` of the prompt; otherwise the least *estimated prefill
+  work* wins: the tokens the worker would compute (past its cached prefix) plus those
+  already queued there by this router. A load-imbalance guard falls back to
+  least-loaded when in-flight counts drift apart by more than ``balance_abs`` requests
+  *and* a factor ``balance_rel``, so one hot prefix cannot pile everything on one worker.
+  Recomputing a long prefix elsewhere to dodge a queue wastes the pool's capacity, so
+  only the guard, not a single request's wait, moves a prefix off its holder.
+
+The shared index only learns a prefix once a worker has computed it; requests for the
+same prefix arriving meanwhile would all miss. :class:`RoutedPrefixes` remembers, for
+``ttl_s``, which worker this router just sent each prefix to (as SGLang's approximate
+router does), and the router credits the larger of the two.
 """
 
 from __future__ import annotations
@@ -61,7 +69,9 @@ class LeastLoaded:
 class CacheAware:
     name = "cache_aware"
 
-    def __init__(self, balance_abs: int = 8, balance_rel: float = 2.0) -> None:
+    def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 8,
+                 balance_rel: float = 2.0) -> None:
+        self.cache_threshold = cache_threshold
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int) -> Decision:
@@ -71,8 +81,49 @@ class CacheAware:
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             c = min(pool, key=lambda c: (c.in_flight, c.queued_tokens))
             return _decision(self.name, "balance", c, prompt_tokens)
+        holder = max(pool, key=lambda c: (c.cached_tokens, -c.in_flight))
+        if holder.cached_tokens and holder.cached_tokens >= self.cache_threshold * prompt_tokens:
+            return _decision(self.name, "cache", holder, prompt_tokens)
         c = min(pool, key=lambda c: (_work(c, prompt_tokens), c.in_flight))
         return _decision(self.name, "cache" if c.cached_tokens else "load", c, prompt_tokens)
+
+
+class RoutedPrefixes:
+    """Block hash -> workers this router sent it to, each until an expiry time."""
+
+    def __init__(self, ttl_s: float = 30.0, max_blocks: int = 200_000) -> None:
+        self.ttl_s, self.max_blocks = ttl_s, max_blocks
+        self._blocks: dict[int, dict[str, float]] = {}
+
+    def add(self, block_hashes: list[int], worker: str, now: float) -> None:
+        until = now + self.ttl_s
+        for h in block_hashes:
+            self._blocks.setdefault(h, {})[worker] = until
+        if len(self._blocks) > self.max_blocks:
+            self.prune(now)
+
+    def prune(self, now: float) -> None:
+        for h in list(self._blocks):
+            live = {w: t for w, t in self._blocks[h].items() if t > now}
+            if live:
+                self._blocks[h] = live
+            else:
+                del self._blocks[h]
+        while len(self._blocks) > self.max_blocks:  # still too many: oldest entries go
+            del self._blocks[next(iter(self._blocks))]
+
+    def lookup(self, block_hashes: list[int], now: float) -> dict[str, int]:
+        """Per worker, its leading blocks of ``block_hashes`` (unexpired entries)."""
+        counts: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(block_hashes):
+            here = {w for w, t in self._blocks.get(h, {}).items() if t > now}
+            alive = here if alive is None else alive & here
+            if not alive:
+                break
+            for w in alive:
+                counts[w] = i + 1
+        return counts
 
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}

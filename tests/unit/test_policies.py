@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from router.policies import CacheAware, Candidate, LeastLoaded, RoundRobin, make_policy
+from router.policies import (
+    CacheAware,
+    Candidate,
+    LeastLoaded,
+    RoundRobin,
+    RoutedPrefixes,
+    make_policy,
+)
 
 
 def test_round_robin_takes_turns_and_skips_unhealthy() -> None:
@@ -24,10 +31,13 @@ def test_cache_aware_prefers_the_holder_of_a_long_prefix() -> None:
     assert (d.address, d.reason, d.cached_tokens, d.estimated_tokens) == ("b", "cache", 960, 164)
 
 
-def test_cache_aware_leaves_a_backed_up_holder() -> None:
-    # b holds 960 tokens but has 2000 queued: computing all 1024 on a is less work.
+def test_cache_aware_stays_with_a_busy_holder_but_not_for_a_short_prefix() -> None:
+    # b holds 960 of 1024 tokens and has 2000 queued: still b (recomputing wastes work).
     d = CacheAware().choose([Candidate("a", 1, 0, 0), Candidate("b", 2, 2000, 960)], 1024)
-    assert (d.address, d.reason) == ("a", "load")
+    assert (d.address, d.reason) == ("b", "cache")
+    # b holds only 256 (< half): the least estimated work wins, a computing it all.
+    d = CacheAware().choose([Candidate("a", 1, 0, 0), Candidate("b", 2, 2000, 256)], 1024)
+    assert (d.address, d.reason, d.estimated_tokens) == ("a", "load", 1024)
 
 
 def test_cache_aware_balance_guard() -> None:
@@ -48,3 +58,14 @@ def test_all_unhealthy_still_decides_and_says_so() -> None:
 def test_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match="round_robin"):
         make_policy("random")
+
+
+def test_routed_prefixes_remember_leading_blocks_until_they_expire() -> None:
+    r = RoutedPrefixes(ttl_s=10, max_blocks=5)
+    r.add([1, 2, 3], "a", now=0)
+    r.add([1, 9], "b", now=5)
+    assert r.lookup([1, 2, 3, 4], now=6) == {"a": 3, "b": 1}
+    assert r.lookup([1, 9], now=6) == {"a": 1, "b": 2}
+    assert r.lookup([1, 9], now=12) == {"b": 2}  # a's entries expired
+    r.add([20, 21, 22], "c", now=13)  # over max_blocks: expired entries are dropped
+    assert r.lookup([1, 2], now=13) == {"b": 1} and len(r._blocks) <= 5
