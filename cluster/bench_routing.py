@@ -27,9 +27,7 @@ import json
 import os
 import platform
 import random
-import shutil
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +40,7 @@ from router.client import AsyncClient
 from router.policies import CacheAware, Candidate
 
 from .local import LocalCluster, LocalClusterConfig, free_port
+from .redis_server import RedisServer
 
 
 @dataclass(frozen=True)
@@ -100,24 +99,9 @@ def run_policy(o: RoutingBenchOptions, policy: str, prompts: list[list[int]]) ->
 
 
 def routing_overhead(o: RoutingBenchOptions) -> dict:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    server = RedisServer().wait_ready()
     try:
-        client = redis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        client = redis.Redis.from_url(server.url)
         rng = random.Random(1)
         prompt = [rng.randrange(1000, 40000) for _ in range(o.overhead_tokens)]
         hashes = block_hashes(prompt, 16, "bench-model", None)
@@ -137,8 +121,7 @@ def routing_overhead(o: RoutingBenchOptions) -> dict:
         client.close()
         return out
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
 
 
 def _time_decision(index: PrefixIndex, prompt: list[int], workers: list[str]) -> dict:

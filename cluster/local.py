@@ -11,7 +11,6 @@ period). Used by the CLI and by the end-to-end tests.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +18,8 @@ import sys
 import time
 from dataclasses import dataclass
 from types import TracebackType
+
+from .redis_server import RedisServer
 
 
 def _die_with_parent() -> None:
@@ -129,19 +130,16 @@ class LocalCluster:
         c = self.config
         if c.redis_url or not c.redis:
             return c.redis_url
-        binary = shutil.which("redis-server")
-        if binary is None:
-            print("pdserve up: no redis-server on PATH (Debian: apt-get install redis-server):"
-                  " routing by load only, no shared prefix index", file=sys.stderr)
+        try:
+            server = RedisServer(c.host, preexec_fn=_die_with_parent
+                                 if sys.platform == "linux" else None)
+        except FileNotFoundError as e:
+            print(f"pdserve up: {e}; routing by load only, no shared prefix index",
+                  file=sys.stderr)
             return None
-        port = free_port(c.host)
-        proc = subprocess.Popen([binary, "--port", str(port), "--bind", c.host, "--save", "",
-                                 "--appendonly", "no"], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        self.procs.append(proc)
+        self.procs.append(server.proc)
         self.names.append("redis")
-        return f"redis://{c.host}:{port}/0"
+        return server.url
 
     def start(self) -> None:
         c = self.config

@@ -4,7 +4,6 @@ real workers publishing their blocks, a router reading the shared index."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import subprocess
 import sys
 import time
@@ -17,11 +16,12 @@ from cluster_helpers import assert_cluster_idle, start
 from cluster.hashing import block_hashes
 from cluster.local import free_port
 from cluster.prefix_index import PrefixIndex
+from cluster.redis_server import RedisServer, find_redis_server
 from protos.pdserve.v1 import worker_pb2
 from router.client import AsyncClient, Client
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                reason="redis-server is not installed (make test installs it)")
+pytestmark = pytest.mark.skipif(find_redis_server() is None,
+                                reason="no redis-server (make test installs one)")
 
 GREEDY = {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
 SHARED = list(range(100, 160))  # 15 blocks of 4
@@ -80,9 +80,7 @@ def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_
         with Client(c.target) as client:  # still serving with Redis down
             client.generate(SHARED + [99], **GREEDY)
         # Redis comes back empty on the same port: workers re-register and republish.
-        back = subprocess.Popen([shutil.which("redis-server"), "--port", str(port), "--bind",
-                                 "127.0.0.1", "--save", "", "--appendonly", "no"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        back = RedisServer(port=port)
         try:
             client_r = redis.Redis.from_url(c.redis_url)
             index = PrefixIndex(client_r, "llama")
@@ -95,8 +93,7 @@ def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_
             client_r.close()
             assert_cluster_idle(c)
         finally:
-            back.terminate()
-            back.wait(10)
+            back.stop()
     finally:
         c.stop()
 

