@@ -169,6 +169,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     print(f"router {args.target}: model {status.model}, {status.requests_in_flight}/"
           f"{status.max_requests_in_flight} requests in flight")
+    decisions = ", ".join(f"{k} {v}" for k, v in sorted(status.routing_decisions.items()))
+    print(f"prefix index: {'up' if status.prefix_index_up else 'not in use or down'}; "
+          f"routing decisions: {decisions or 'none yet'}")
     print(f"{'worker':24}{'role':8}{'serving':>8}{'running':>9}{'waiting':>9}{'reserved':>9}"
           f"{'free KV':>14}  transfers done/failed/timed out, in flight, MB")
     for w in status.workers:

@@ -476,8 +476,11 @@ class Router:
             worker.queued_tokens -= queued
 
     async def status(self) -> api_pb2.GetStatusResponse:
-        resp = api_pb2.GetStatusResponse(model=self.model_name, requests_in_flight=self._in_flight,
-                                         max_requests_in_flight=self.config.max_in_flight)
+        resp = api_pb2.GetStatusResponse(
+            model=self.model_name, requests_in_flight=self._in_flight,
+            max_requests_in_flight=self.config.max_in_flight,
+            routing_decisions={f"{p}/{r}": n for (p, r), n in self.decisions.items()},
+            prefix_index_up=self._index is not None and not self._redis_down)
         for w in self._workers:
             try:
                 load = await w.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2)

@@ -49,6 +49,9 @@ def test_shared_prefix_lands_on_the_worker_that_holds_it(policy, expect_all_hits
             assert all(s.routing["reason"] == "cache" and s.routing["indexed_cached_tokens"]
                        >= len(SHARED) - 4 for s in served), [s.routing for s in served]
             assert len({s.routing["worker"] for s in served}) == 1
+            with Client(c.target) as client:
+                status = client.status()
+            assert status.prefix_index_up and status.routing_decisions["cache_aware/cache"] >= 6
         else:
             assert cached[0] == 0  # the other worker had never seen the prefix
         assert_cluster_idle(c)

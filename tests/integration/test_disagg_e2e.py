@@ -143,7 +143,7 @@ def _kill_when(cluster, name: str, watch: str, busy) -> None:  # noqa: ANN001
     """SIGKILL worker ``name`` as soon as ``busy(load of worker watch)`` holds."""
     names = [n for n, _ in cluster.workers]
     watched = cluster.worker_addresses[names.index(watch)]
-    proc = cluster.procs[names.index(name)]
+    proc = cluster.procs[cluster.names.index(name)]  # procs also hold redis and the router
     deadline = time.monotonic() + 60
     while not busy(worker_load(watched)):
         assert time.monotonic() < deadline, f"{watch} never got busy"

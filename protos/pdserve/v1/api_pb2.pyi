@@ -144,13 +144,24 @@ class WorkerStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., serving: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("model", "workers", "requests_in_flight", "max_requests_in_flight")
+    __slots__ = ("model", "workers", "requests_in_flight", "max_requests_in_flight", "routing_decisions", "prefix_index_up")
+    class RoutingDecisionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_INDEX_UP_FIELD_NUMBER: _ClassVar[int]
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     requests_in_flight: int
     max_requests_in_flight: int
-    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., requests_in_flight: _Optional[int] = ..., max_requests_in_flight: _Optional[int] = ...) -> None: ...
+    routing_decisions: _containers.ScalarMap[str, int]
+    prefix_index_up: bool
+    def __init__(self, model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., requests_in_flight: _Optional[int] = ..., max_requests_in_flight: _Optional[int] = ..., routing_decisions: _Optional[_Mapping[str, int]] = ..., prefix_index_up: _Optional[bool] = ...) -> None: ...
