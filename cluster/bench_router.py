@@ -32,7 +32,8 @@ class RouterBenchOptions:
     out: str | None = None
 
 
-def _pct(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 1]) of ``values``."""
     s = sorted(values)
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
@@ -76,7 +77,8 @@ def run(opts: RouterBenchOptions) -> dict:
                           f"{opts.max_tokens} tokens out, greedy", "model": opts.model}
     for metric in ("ttft", "e2e"):
         for q in (0.5, 0.9, 0.99):
-            r, d = _pct(results["router"][metric], q), _pct(results["direct"][metric], q)
+            r = percentile(results["router"][metric], q)
+            d = percentile(results["direct"][metric], q)
             report[f"{metric}_p{int(q * 100)}_ms"] = {
                 "router": r * 1e3, "direct": d * 1e3, "overhead": (r - d) * 1e3}
         report[f"{metric}_mean_overhead_ms"] = 1e3 * (

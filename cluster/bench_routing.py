@@ -39,6 +39,7 @@ from cluster.prefix_index import PrefixIndex
 from router.client import AsyncClient
 from router.policies import CacheAware, Candidate
 
+from .bench_router import percentile
 from .local import LocalCluster, LocalClusterConfig, free_port
 from .redis_server import RedisServer
 
@@ -54,11 +55,6 @@ class RoutingBenchOptions:
     workers: int = 64
     overhead_tokens: int = 2048
     out: str | None = None
-
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def workload(o: RoutingBenchOptions) -> list[list[int]]:
@@ -93,7 +89,8 @@ def run_policy(o: RoutingBenchOptions, policy: str, prompts: list[list[int]]) ->
     ttft = [s.ttft_s for s in served]
     cached = sum(s.usage["cached_tokens"] for s in served)
     total = sum(len(p) for p in prompts)
-    return {"policy": policy, "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
+    return {"policy": policy, "ttft_p50_s": percentile(ttft, 0.5),
+            "ttft_p99_s": percentile(ttft, 0.99),
             "hit_rate": cached / total, "requests_per_s": len(prompts) / wall,
             "reasons": sorted({s.routing["reason"] for s in served})}
 
@@ -135,7 +132,7 @@ def _time_decision(index: PrefixIndex, prompt: list[int], workers: list[str]) ->
                       len(prompt))
         times.append(time.perf_counter() - t0)
     times = times[20:]
-    return {"p50_ms": _pct(times, 0.5) * 1e3, "p99_ms": _pct(times, 0.99) * 1e3,
+    return {"p50_ms": percentile(times, 0.5) * 1e3, "p99_ms": percentile(times, 0.99) * 1e3,
             "mean_ms": statistics.mean(times) * 1e3}
 
 
