@@ -16,6 +16,7 @@ down. Subcommands:
   GEMM floor (see ``workers/bench_engine.py``);
 * ``pdserve bench-disagg`` measures the KV transfer on the serving path against a raw
   TCP copy, and disaggregated TTFT against colocated (see ``cluster/bench_disagg.py``);
+* ``pdserve bench --target HOST:PORT`` load-tests a running router (``loadtest/``);
 * ``pdserve bench-routing`` compares cache-aware with round-robin routing on a
   shared-prefix workload and times the routing decision (see ``cluster/bench_routing.py``);
 * ``pdserve convert-model`` converts the default model once, ahead of time.
@@ -289,6 +290,50 @@ def cmd_bench_disagg(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import math
+
+    from loadtest.metrics import SLO
+    from loadtest.runner import RunOptions, run
+    from loadtest.workloads import (
+        arrival_times,
+        random_workload,
+        shared_prefix_workload,
+        trace_workload,
+    )
+
+    n = args.num_requests
+    if args.workload == "trace":
+        if not args.trace:
+            print("pdserve bench: --workload trace needs --trace FILE.jsonl", file=sys.stderr)
+            return EXIT_INVALID
+        requests = trace_workload(args.trace, args.seed, args.max_token_id)
+    elif args.workload == "shared-prefix":
+        requests = shared_prefix_workload(n, args.groups, args.prefix_len, args.input_len,
+                                          args.output_len, args.seed, args.max_token_id)
+    else:
+        requests = random_workload(n, args.input_len, args.output_len, args.range_ratio,
+                                   args.seed, args.max_token_id)
+    try:
+        times = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
+    except ValueError as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    if all(r.at is not None for r in requests):  # a trace keeps its own schedule
+        times = [float(r.at) for r in requests]  # type: ignore[arg-type]
+    slo = (SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+           if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None else None)
+    print(f"pdserve bench: {len(requests)} requests ({args.workload}), rate "
+          f"{'inf' if math.isinf(args.request_rate) else args.request_rate} req/s, "
+          f"burstiness {args.burstiness}, max concurrency {args.max_concurrency or 'none'}, "
+          f"target {args.target}", file=sys.stderr)
+    run(RunOptions(args.target, tuple(requests), tuple(times), args.max_concurrency, slo,
+                   progress=not args.no_progress), args.out,
+        {"workload": args.workload, "request_rate": args.request_rate,
+         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
+    return 0
+
+
 def cmd_bench_routing(args: argparse.Namespace) -> int:
     from cluster.bench_routing import RoutingBenchOptions, run
     from workers.model_store import resolve_model
@@ -423,6 +468,32 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--iters", type=int, default=5)
     bd.add_argument("--out", default="bench-results/disagg.json")
     bd.set_defaults(func=cmd_bench_disagg)
+
+    b = sub.add_parser("bench", help="load-test a running router: TTFT, TPOT, ITL, "
+                                     "throughput, goodput (vllm bench serve's fields)")
+    b.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
+    b.add_argument("--num-requests", type=int, default=100)
+    b.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, open loop (default inf: all at once)")
+    b.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrivals: 1 Poisson, <1 burstier")
+    b.add_argument("--max-concurrency", type=int, default=None)
+    b.add_argument("--workload", choices=("random", "shared-prefix", "trace"), default="random")
+    b.add_argument("--input-len", type=int, default=256)
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--range-ratio", type=float, default=0.0)
+    b.add_argument("--prefix-len", type=int, default=512, help="shared-prefix workload")
+    b.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
+    b.add_argument("--trace", default=None, help="JSONL: timestamp, input_length, "
+                                                 "output_length, prefix_group")
+    b.add_argument("--slo-ttft-ms", type=float, default=None)
+    b.add_argument("--slo-tpot-ms", type=float, default=None)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-token-id", type=int, default=30000,
+                   help="random prompt ids stay below this (keep it under the vocabulary)")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--out", default=None, help="write the JSON here")
+    b.set_defaults(func=cmd_bench)
 
     bq = sub.add_parser("bench-routing", help="cache-aware vs round-robin on a shared-prefix "
                                               "workload, and the routing overhead")

@@ -68,3 +68,17 @@ def test_status_and_generate_against_a_running_cluster(cluster) -> None:
 def test_up_rejects_pools_that_cannot_serve(pools: list[str]) -> None:
     r = pdserve("up", *pools)
     assert r.returncode == 2 and r.stderr.startswith("pdserve up: ") and "Traceback" not in r.stderr
+
+
+def test_bench_against_a_running_cluster(cluster, tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    r = pdserve("bench", "--target", cluster.target, "--num-requests", "8", "--input-len", "24",
+                "--output-len", "6", "--request-rate", "50", "--slo-ttft-ms", "60000",
+                "--slo-tpot-ms", "60000", "--max-token-id", "300", "--no-progress",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "Successful requests:" in r.stdout and "TTFT" in r.stdout
+    m = json.loads(out.read_text())
+    assert m["completed"] == 8 and m["failed"] == 0 and m["total_output_tokens"] == 48
+    assert m["total_input_tokens"] == 8 * 24 and m["request_goodput"] > 0
+    assert 0 < m["median_ttft_ms"] <= m["median_e2el_ms"] and m["mean_itl_ms"] > 0

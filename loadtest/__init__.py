@@ -1,0 +1,1 @@
+"""The load-testing harness: workloads, arrivals, metrics, the ``pdserve bench`` driver."""
