@@ -294,7 +294,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import math
 
     from loadtest.metrics import SLO
-    from loadtest.runner import RunOptions, run
+    from loadtest.runner import RunOptions, run, sweep
     from loadtest.workloads import (
         arrival_times,
         random_workload,
@@ -327,10 +327,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{'inf' if math.isinf(args.request_rate) else args.request_rate} req/s, "
           f"burstiness {args.burstiness}, max concurrency {args.max_concurrency or 'none'}, "
           f"target {args.target}", file=sys.stderr)
-    run(RunOptions(args.target, tuple(requests), tuple(times), args.max_concurrency, slo,
-                   progress=not args.no_progress), args.out,
-        {"workload": args.workload, "request_rate": args.request_rate,
-         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
+    opts = RunOptions(args.target, tuple(requests), tuple(times), args.max_concurrency, slo,
+                      progress=not args.no_progress)
+    if args.sweep_rates:
+        try:
+            rates = [float(r) for r in args.sweep_rates.split(",")]
+        except ValueError:
+            print(f"pdserve bench: --sweep-rates wants numbers like 1,2,4, got "
+                  f"{args.sweep_rates!r}", file=sys.stderr)
+            return EXIT_INVALID
+        sweep(opts, rates, lambda r: arrival_times(len(requests), r, args.burstiness,
+                                                   args.seed), args.out or "bench-results/sweep")
+        return 0
+    run(opts, args.out, {"workload": args.workload, "request_rate": args.request_rate,
+                         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
     return 0
 
 
@@ -492,7 +502,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-token-id", type=int, default=30000,
                    help="random prompt ids stay below this (keep it under the vocabulary)")
     b.add_argument("--no-progress", action="store_true")
-    b.add_argument("--out", default=None, help="write the JSON here")
+    b.add_argument("--out", default=None,
+                   help="write the JSON here (with --sweep-rates: the files' prefix)")
+    b.add_argument("--sweep-rates", default=None,
+                   help="comma-separated request rates: one run each, then the goodput curve")
     b.set_defaults(func=cmd_bench)
 
     bq = sub.add_parser("bench-routing", help="cache-aware vs round-robin on a shared-prefix "

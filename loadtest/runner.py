@@ -5,7 +5,8 @@ streamed request over the router's gRPC API (bounded by ``max_concurrency`` when
 with an infinite rate that makes a closed loop) -> record the arrival time of every
 token message, the token counts and the cached tokens from the final usage -> print a
 progress line while running and a table at the end -> ``--out`` writes the JSON with
-``vllm bench serve``'s field names (see :mod:`loadtest.metrics`).
+``vllm bench serve``'s field names (see :mod:`loadtest.metrics`). :func:`sweep` repeats
+the run over request rates from low to saturation and tabulates the goodput curve.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from router.client import AsyncClient
@@ -119,3 +121,25 @@ def run(opts: RunOptions, out: str | None = None, extra: dict | None = None) -> 
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps({**(extra or {}), **metrics}, indent=2))
     return metrics
+
+
+def sweep(opts: RunOptions, rates: list[float], times_for: Callable[[float], list[float]],
+          out_prefix: str) -> list[dict]:
+    """One run per rate (low to high), each written to ``{out_prefix}-rate{r}.json``, then
+    the goodput curve as a table and ``{out_prefix}-sweep.json``."""
+    points = []
+    for rate in sorted(rates):
+        print(f"\n== request rate {rate:g} req/s ==", flush=True)
+        point = replace(opts, send_times=tuple(times_for(rate)))
+        m = run(point, f"{out_prefix}-rate{rate:g}.json", {"request_rate": rate})
+        points.append({"request_rate": rate, **m})
+    print(f"\n{'rate':>8}{'req/s':>9}{'goodput':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+          f"{'TPOT p99':>10}{'ITL p99':>9}{'failed':>8}")
+    for p in points:
+        print(f"{p['request_rate']:>8g}{p['request_throughput']:>9.2f}"
+              f"{p.get('request_goodput', float('nan')):>9.2f}{p['median_ttft_ms']:>10.0f}"
+              f"{p['p99_ttft_ms']:>10.0f}{p['p99_tpot_ms']:>10.1f}{p['p99_itl_ms']:>9.1f}"
+              f"{p['failed']:>8}")
+    Path(f"{out_prefix}-sweep.json").parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out_prefix}-sweep.json").write_text(json.dumps(points, indent=2))
+    return points

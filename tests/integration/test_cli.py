@@ -82,3 +82,17 @@ def test_bench_against_a_running_cluster(cluster, tmp_path) -> None:
     assert m["completed"] == 8 and m["failed"] == 0 and m["total_output_tokens"] == 48
     assert m["total_input_tokens"] == 8 * 24 and m["request_goodput"] > 0
     assert 0 < m["median_ttft_ms"] <= m["median_e2el_ms"] and m["mean_itl_ms"] > 0
+
+
+def test_bench_sweep_writes_a_point_per_rate_and_the_curve(cluster, tmp_path) -> None:
+    prefix = tmp_path / "sweep"
+    r = pdserve("bench", "--target", cluster.target, "--num-requests", "4", "--input-len", "16",
+                "--output-len", "3", "--sweep-rates", "20,5", "--slo-ttft-ms", "60000",
+                "--max-token-id", "300", "--no-progress", "--out", str(prefix))
+    assert r.returncode == 0, r.stderr
+    curve = json.loads((tmp_path / "sweep-sweep.json").read_text())
+    assert [p["request_rate"] for p in curve] == [5.0, 20.0]  # low to high
+    assert all(p["completed"] == 4 and p["request_goodput"] > 0 for p in curve)
+    assert (tmp_path / "sweep-rate5.json").exists() and (tmp_path / "sweep-rate20.json").exists()
+    r = pdserve("bench", "--target", cluster.target, "--sweep-rates", "fast")
+    assert r.returncode == 2 and "--sweep-rates" in r.stderr
