@@ -55,7 +55,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 @contextmanager
 def _cluster(opts: DisaggBenchOptions, **kw: object) -> Iterator[LocalCluster]:
-    cfg = LocalClusterConfig(model=opts.model, port=free_port(), http_port=0,
+    cfg = LocalClusterConfig(model=opts.model, port=free_port(), http_port=0, metrics_port=None,
                              kv_cache_gb=0.5, threads_per_worker=1, **kw)  # type: ignore[arg-type]
     with LocalCluster(cfg) as cluster:
         cluster.wait_ready()

@@ -49,7 +49,8 @@ def _timed(stream) -> tuple[float, float]:  # noqa: ANN001 - any iterator of mes
 
 
 def run(opts: RouterBenchOptions) -> dict:
-    cfg = LocalClusterConfig(model=opts.model, port=free_port(), http_port=0, kv_cache_gb=0.25)
+    cfg = LocalClusterConfig(model=opts.model, port=free_port(), http_port=0, metrics_port=None,
+                             kv_cache_gb=0.25)
     results: dict[str, dict[str, list[float]]] = {
         "router": {"ttft": [], "e2e": []}, "direct": {"ttft": [], "e2e": []}}
     with LocalCluster(cfg) as cluster:

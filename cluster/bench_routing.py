@@ -80,7 +80,7 @@ async def _drive(target: str, prompts: list[list[int]], concurrency: int) -> lis
 def run_policy(o: RoutingBenchOptions, policy: str, prompts: list[list[int]]) -> dict:
     cfg = LocalClusterConfig(model=o.model, prefill=2, decode=1, port=free_port(),
                              http_port=0, kv_cache_gb=1.0, threads_per_worker=1,
-                             policy=policy, local_prefill_threshold=0)
+                             policy=policy, local_prefill_threshold=0, metrics_port=None)
     with LocalCluster(cfg) as cluster:
         cluster.wait_ready()
         start = time.perf_counter()

@@ -183,6 +183,31 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{w.address:24}{w.role:8}{'yes' if w.serving else 'NO':>8}"
               f"{w.running_requests:>9}{w.waiting_requests:>9}{w.reserved_requests:>9}"
               f"{f'{w.free_blocks}/{w.total_blocks}':>14}  {moved}")
+    return _ray_status(args.ray_address) if args.ray else 0
+
+
+def _ray_status(address: str) -> int:
+    import ray
+
+    from cluster.ray_cluster import connect, controller
+
+    try:
+        connect(address)
+        rows = ray.get(controller().describe.remote(), timeout=30)  # type: ignore[attr-defined]
+        nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+    except (RuntimeError, ConnectionError) as e:
+        print(f"pdserve status: {e}", file=sys.stderr)
+        return 1
+    pools = {}
+    for r in rows:
+        pools[r["role"]] = pools.get(r["role"], 0) + 1
+    print(f"\nRay: {len(nodes)} node(s) alive; pools: "
+          + ", ".join(f"{n} {role}" for role, n in pools.items()))
+    print(f"{'actor':22}{'role':9}{'state':12}{'address':24}{'node':16}{'pid':>8}{'restarts':>10}")
+    for r in rows:
+        restarts = "?" if r["restarts"] is None else r["restarts"]
+        print(f"{r['name']:22}{r['role']:9}{r['state']:12}{r['address']:24}{r['node_ip']:16}"
+              f"{r['pid']:>8}{restarts:>10}")
     return 0
 
 
@@ -193,74 +218,184 @@ def _log_to_stderr(name: str) -> None:
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
 
 
-def cmd_worker(args: argparse.Namespace) -> int:
-    import asyncio
-
+def worker_config(args: argparse.Namespace):  # noqa: ANN201 - WorkerConfig
     from workers.engine.params import EngineConfig
     from workers.model_store import resolve_model
-    from workers.server import WorkerConfig, serve
+    from workers.server import WorkerConfig
     from workers.transfer import TransferConfig
 
-    _log_to_stderr(f"{args.role}@{args.port}")
     path = resolve_model(args.model, _cache_dir(args))
     transfer = TransferConfig(host=args.host, device=args.device,
                               data_timeout_s=args.transfer_timeout_s,
                               fault_drop_midway=os.environ.get("PDSERVE_FAULT_DROP_TRANSFER", ""))
-    config = WorkerConfig(
+    return WorkerConfig(
         engine=EngineConfig(model=str(path), **_engine_options(args)),  # type: ignore[arg-type]
         model_name=path.name, role=args.role, host=args.host, port=args.port,
         transfer=transfer, local_prefill_threshold=args.local_prefill_threshold,
-        redis_url=args.redis_url)
-    asyncio.run(serve(config))
+        redis_url=args.redis_url, metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout_s)
+
+
+def router_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
+    from router.core import RouterConfig
+    from router.server import ServerConfig
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, _cache_dir(args))
+    return ServerConfig(
+        router=RouterConfig(workers=tuple(args.worker or ()), model_path=str(path),
+                            model_name=path.name, max_in_flight=args.max_in_flight,
+                            redis_url=args.redis_url, policy=args.policy),
+        host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port,
+        metrics_port=args.metrics_port)
+
+
+def component_config(argv: list[str]) -> tuple[str, object]:
+    """A ``pdserve worker`` or ``pdserve router`` command line as (kind, config): how
+    a Ray actor runs the component exactly as the plain process would."""
+    args = build_parser().parse_args(argv)
+    if args.command == "worker":
+        return "worker", worker_config(args)
+    if args.command == "router":
+        return "router", router_config(args)
+    raise ValueError(f"not a component command line: {argv}")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from workers.server import serve
+
+    _log_to_stderr(f"{args.role}@{args.port}")
+    asyncio.run(serve(worker_config(args)))
     return 0
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     import asyncio
 
-    from router.core import RouterConfig
-    from router.server import ServerConfig, serve
-    from workers.model_store import resolve_model
+    from router.server import serve
 
     _log_to_stderr(f"router@{args.port}")
-    path = resolve_model(args.model, _cache_dir(args))
-    config = ServerConfig(
-        router=RouterConfig(workers=tuple(args.worker or ()), model_path=str(path),
-                            model_name=path.name, max_in_flight=args.max_in_flight,
-                            redis_url=args.redis_url, policy=args.policy),
-        host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port)
-    asyncio.run(serve(config))
+    asyncio.run(serve(router_config(args)))
     return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from cluster.local import LocalCluster
     from workers.model_store import resolve_model
 
-    try:  # bad pool sizes are reported before any model conversion
-        config = _local_config(args)
+    try:  # bad pool sizes and files are reported before any model conversion
+        config = deployment_config(args)
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return EXIT_INVALID
-    path = resolve_model(args.model, _cache_dir(args))  # convert once, before any child
+    path = resolve_model(config.model or None, _cache_dir(args))  # convert once, up front
     config = dataclasses.replace(config, model=str(path))
-    with LocalCluster(config) as cluster:
-        cluster.wait_ready()
-        print(cluster.usage(), flush=True)
-        return cluster.wait()
+    if config.launcher == "process":
+        from cluster.local import LocalCluster
+
+        with LocalCluster(config) as cluster:
+            cluster.wait_ready()
+            print(cluster.usage(), flush=True)
+            return cluster.wait()
+    return _up_on_ray(config)
 
 
-def _local_config(args: argparse.Namespace):  # noqa: ANN202 - LocalClusterConfig
-    from cluster.local import LocalClusterConfig
+def _up_on_ray(config) -> int:  # noqa: ANN001 - DeploymentConfig
+    import signal
 
-    return LocalClusterConfig(
-        model=args.model or "", mixed=args.mixed, prefill=args.prefill, decode=args.decode,
-        local_prefill_threshold=args.local_prefill_threshold, host=args.host, port=args.port,
-        redis_url=args.redis_url, redis=not args.no_redis, policy=args.policy,
-        http_port=args.http_port, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb,
-        max_in_flight=args.max_in_flight, threads_per_worker=args.threads)
+    from cluster.local import banner, start_redis
+    from cluster.ray_cluster import RayDeployment
+
+    if config.ray_address and not config.redis_url:
+        print("pdserve up: with --ray-address give --redis-url too (a Redis every node can "
+              "reach); starting one on 127.0.0.1 serves workers on this node only",
+              file=sys.stderr)
+    redis = start_redis(config)
+    deployment = RayDeployment(config, redis.url if redis else config.redis_url)
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        print(f"pdserve up: placing {config.pool_sizes()} on Ray ...", file=sys.stderr,
+              flush=True)
+        deployment.start()
+        host, _ = deployment.router["address"].rsplit(":", 1)
+        http = deployment.router.get("http_port")
+        metrics = deployment.router.get("metrics_port")
+        extra = [f"  Ray:     {deployment.ray.get('address')}"
+                 + (f", dashboard http://{deployment.ray['dashboard_url']}"
+                    if deployment.ray.get("dashboard_url") else ""),
+                 "           pdserve status --ray       pdserve scale --prefill N --decode M",
+                 f"Started in {deployment.started_s:.1f}s."]
+        print(banner(config, deployment.threads, deployment.router["address"],
+                     f"http://{host}:{http}" if http else None,
+                     f"http://{host}:{metrics}/metrics" if metrics else None, tuple(extra)),
+              flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        deployment.stop()
+        if redis is not None:
+            redis.stop()
+
+
+def deployment_config(args: argparse.Namespace):  # noqa: ANN201 - DeploymentConfig
+    """The deployment file's settings (``--config``), overridden by the flags given."""
+    from cluster.deployment import DeploymentConfig, load_yaml
+
+    settings: dict[str, object] = load_yaml(args.config) if args.config else {}
+    given = {k: v for k, v in vars(args).items() if k in _UP_FIELDS}
+    if given.pop("no_redis", False):
+        given["redis"] = False
+    if given.pop("no_dashboard", False):
+        given["dashboard"] = False
+    if "threads" in given:
+        given["threads_per_worker"] = given.pop("threads")
+    if "model" in given:
+        given["model"] = given["model"] or ""
+    return DeploymentConfig(**{**settings, **given})  # type: ignore[arg-type]
+
+
+_UP_FIELDS = ("mixed", "prefill", "decode", "redis_url", "no_redis", "policy",
+              "local_prefill_threshold", "model", "host", "port", "http_port", "metrics_port",
+              "dtype", "kv_cache_gb", "max_in_flight", "threads", "launcher", "ray_address",
+              "no_dashboard", "cpus_per_worker", "gpus_per_worker", "prefill_strategy",
+              "decode_strategy", "mixed_strategy", "drain_timeout_s", "log_dir")
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.ray_cluster import connect, controller
+
+    sizes = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode),
+                               ("mixed", args.mixed)) if v is not None}
+    if not sizes or any(v < 0 for v in sizes.values()):
+        print("pdserve scale: give --prefill N, --decode M and/or --mixed K (>= 0)",
+              file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        connect(args.ray_address)
+        ctl = controller()
+        before = ray.get(ctl.sizes.remote())  # type: ignore[attr-defined]
+        print(f"pdserve scale: {before} -> {({**before, **sizes})} (removed workers drain "
+              "first) ...", file=sys.stderr, flush=True)
+        after = ray.get(ctl.scale.remote(sizes))  # type: ignore[attr-defined]
+    except (RuntimeError, ConnectionError, ValueError) as e:
+        print(f"pdserve scale: {e}", file=sys.stderr)
+        return 1
+    except ray.exceptions.RayTaskError as e:
+        print(f"pdserve scale: {e.cause if hasattr(e, 'cause') else e}", file=sys.stderr)
+        return EXIT_INVALID
+    print(json.dumps(after))
+    return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -369,32 +504,62 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    u = sub.add_parser("up", help="start a local cluster and serve until Ctrl-C")
-    u.add_argument("--mixed", type=int, default=None,
+    u = sub.add_parser("up", help="start the whole cluster (on Ray by default) and serve "
+                       "until Ctrl-C", argument_default=argparse.SUPPRESS,
+                       description="Flags override the deployment file (--config); unset "
+                       "ones take DeploymentConfig's defaults (cluster/deployment.py).")
+    u.add_argument("--config", default=None,
+                   help="deployment YAML (keys: DeploymentConfig's fields; see "
+                        "deploy/pdserve.yaml)")
+    u.add_argument("--mixed", type=int,
                    help="colocated (mixed) workers (default: 1 unless --prefill/--decode)")
-    u.add_argument("--prefill", type=int, default=0, help="number of prefill workers")
-    u.add_argument("--decode", type=int, default=0, help="number of decode workers")
-    u.add_argument("--redis-url", default=None,
+    u.add_argument("--prefill", type=int, help="number of prefill workers")
+    u.add_argument("--decode", type=int, help="number of decode workers")
+    u.add_argument("--launcher", choices=("ray", "process"),
+                   help="ray (default): actors on Ray; process: plain processes here")
+    u.add_argument("--ray-address", help="an existing Ray cluster (default: start a local one "
+                                         "on 127.0.0.1)")
+    u.add_argument("--no-dashboard", action="store_true",
+                   help="local Ray without its dashboard (~1 GB less memory)")
+    u.add_argument("--cpus-per-worker", type=float, help="Ray: CPUs per worker bundle")
+    u.add_argument("--gpus-per-worker", type=float, help="Ray: GPUs per worker bundle")
+    for role in ("prefill", "decode", "mixed"):
+        u.add_argument(f"--{role}-strategy", choices=("PACK", "SPREAD", "STRICT_PACK",
+                                                      "STRICT_SPREAD"),
+                       help=f"Ray: placement-group strategy of the {role} pool")
+    u.add_argument("--redis-url",
                    help="an existing Redis for the prefix index (default: start a "
                         "redis-server from PATH on a free loopback port)")
     u.add_argument("--no-redis", action="store_true",
                    help="no prefix index: route by load only")
-    u.add_argument("--policy", choices=("cache_aware", "least_loaded", "round_robin"),
-                   default="cache_aware")
-    u.add_argument("--local-prefill-threshold", type=int, default=32,
+    u.add_argument("--policy", choices=("cache_aware", "least_loaded", "round_robin"))
+    u.add_argument("--local-prefill-threshold", type=int,
                    help="decode workers prefill prompts whose uncached part is shorter "
                         "(tokens; 0: always remote)")
-    u.add_argument("--model", default=None)
+    u.add_argument("--model")
     u.add_argument("--cache-dir", default=None)
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=50051, help="router gRPC port")
-    u.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: off)")
-    u.add_argument("--dtype", choices=DTYPES, default="float32")
-    u.add_argument("--kv-cache-gb", type=float, default=1.0, help="per worker")
-    u.add_argument("--max-in-flight", type=int, default=256)
-    u.add_argument("--threads", type=int, default=None,
+    u.add_argument("--host")
+    u.add_argument("--port", type=int, help="router gRPC port (default 50051)")
+    u.add_argument("--http-port", type=int, help="OpenAI HTTP port (default 8000; 0: off)")
+    u.add_argument("--metrics-port", type=int, help="router /metrics port (default 9400)")
+    u.add_argument("--dtype", choices=DTYPES)
+    u.add_argument("--kv-cache-gb", type=float, help="per worker")
+    u.add_argument("--max-in-flight", type=int)
+    u.add_argument("--threads", type=int,
                    help="torch threads per worker (default: cores / workers)")
+    u.add_argument("--drain-timeout-s", type=float,
+                   help="scaling down: how long a removed worker may finish its requests")
+    u.add_argument("--log-dir", help="process launcher: a log file per process here")
     u.set_defaults(func=cmd_up)
+
+    sc = sub.add_parser("scale", help="resize the pools of a cluster `pdserve up` runs on Ray, "
+                        "while it serves (removed workers drain first)")
+    sc.add_argument("--prefill", type=int, default=None)
+    sc.add_argument("--decode", type=int, default=None)
+    sc.add_argument("--mixed", type=int, default=None)
+    sc.add_argument("--ray-address", default="auto",
+                    help="the Ray cluster (default: the local one `pdserve up` started)")
+    sc.set_defaults(func=cmd_scale)
 
     w = sub.add_parser("worker", help="one engine worker as a plain process")
     w.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
@@ -408,6 +573,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--redis-url", default=None,
                    help="register here and publish KV block events to the prefix index "
                         "(redis://HOST:PORT/DB)")
+    w.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics here (0: any free port; default: off)")
+    w.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM: leave the registry and finish requests for at most this")
     _add_engine_flags(w)
     w.set_defaults(func=cmd_worker)
 
@@ -425,12 +594,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: off)")
     r.add_argument("--max-in-flight", type=int, default=256)
+    r.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics here (0: any free port; default: off)")
     r.set_defaults(func=cmd_router)
 
     st = sub.add_parser("status", help="workers and load; exit 0 once the router serves")
     st.add_argument("--target", default="127.0.0.1:50051")
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--json", action="store_true")
+    st.add_argument("--ray", action="store_true",
+                    help="also list the pools' actors, their nodes and restarts (Ray)")
+    st.add_argument("--ray-address", default="auto")
     st.set_defaults(func=cmd_status)
 
     g = sub.add_parser("generate", help="generate text for one prompt")

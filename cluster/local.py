@@ -1,25 +1,30 @@
 """A whole cluster on this machine, as plain processes: what ``pdserve up`` runs.
 
-Lifecycle: pick free loopback ports -> start the workers: K mixed ones, or N prefill and
-M decode ones (each with its share of the cores: ``OMP_NUM_THREADS`` and ``--threads``
-set per process, so they do not thrash) -> start the router pointed at them ->
-:meth:`LocalCluster.wait_ready` until the router answers ``GetStatus`` -> serve until
-Ctrl-C or until any process dies -> stop everyone (SIGTERM, then SIGKILL after a grace
-period). Used by the CLI and by the end-to-end tests.
+Lifecycle: pick free loopback ports -> start Redis (unless one is given) -> start the
+workers: K mixed ones, or N prefill and M decode ones (each with its share of the cores:
+``OMP_NUM_THREADS`` and ``--threads`` set per process, so they do not thrash; each with
+its ``/metrics`` port) -> start the router pointed at them -> :meth:`LocalCluster.
+wait_ready` until the router answers ``GetStatus`` -> serve until Ctrl-C or until any
+process dies -> stop everyone (SIGINT, or SIGTERM to drain; SIGKILL after a grace
+period). ``pdserve up --launcher process`` and the end-to-end tests use it; the Ray
+launcher (``cluster.ray_cluster``) runs the same command lines as actors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from types import TracebackType
 
+from .deployment import DeploymentConfig
 from .redis_server import RedisServer
+
+LocalClusterConfig = DeploymentConfig  # what this launcher reads (its ``launcher`` is moot)
 
 
 def _die_with_parent() -> None:
@@ -39,63 +44,52 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-@dataclass(frozen=True)
-class LocalClusterConfig:
-    model: str
-    mixed: int | None = None
-    """Colocated workers; None: 1, or 0 when prefill and decode workers are asked for."""
-    prefill: int = 0
-    decode: int = 0
-    local_prefill_threshold: int = 32
-    transfer_timeout_s: float = 30.0
-    host: str = "127.0.0.1"
-    port: int = 50051
-    http_port: int = 8000
-    dtype: str = "float32"
-    kv_cache_gb: float = 1.0
-    max_in_flight: int = 256
-    threads_per_worker: int | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
-    redis_url: str | None = None
-    """An existing Redis for the prefix index and registry; None: start one (``redis``)."""
-    redis: bool = True
-    """Start a ``redis-server`` from PATH on a free loopback port (persistence off) when
-    no ``redis_url`` is given; without one on PATH the cluster routes by load only."""
-    policy: str = "cache_aware"
-    log_dir: str | None = None
-    """Where each process writes ``<name>.log``; None: they share this terminal."""
+def start_redis(c: DeploymentConfig) -> RedisServer | None:
+    """A fresh ``redis-server`` on a free loopback port, unless the deployment gives a
+    URL or turns Redis off; None (and a note) when no binary can be found."""
+    if c.redis_url or not c.redis:
+        return None
+    try:
+        return RedisServer(c.host, preexec_fn=_die_with_parent
+                           if sys.platform == "linux" else None)
+    except FileNotFoundError as e:
+        print(f"pdserve up: {e}; routing by load only, no shared prefix index",
+              file=sys.stderr)
+        return None
 
-    def __post_init__(self) -> None:
-        if self.prefill < 0 or self.decode < 0 or (self.mixed or 0) < 0:
-            raise ValueError("worker counts must be >= 0")
-        if (self.prefill == 0) != (self.decode == 0):
-            raise ValueError(f"--prefill {self.prefill} --decode {self.decode}: a "
-                             "disaggregated cluster needs at least one of each")
-        if self.num_mixed + self.prefill == 0:
-            raise ValueError("no workers: give --mixed K or --prefill N --decode M")
 
-    @property
-    def num_mixed(self) -> int:
-        if self.mixed is not None:
-            return self.mixed
-        return 0 if self.prefill else 1
-
-    def roles(self) -> list[tuple[str, str]]:
-        """(process name, role) of every worker, in start order."""
-        return ([(f"prefill-{i}", "prefill") for i in range(self.prefill)]
-                + [(f"decode-{i}", "decode") for i in range(self.decode)]
-                + [(f"worker-{i}", "mixed") for i in range(self.num_mixed)])
+def banner(c: DeploymentConfig, threads: int, target: str, http_url: str | None,
+           metrics_url: str | None, extra: tuple[str, ...] = ()) -> str:
+    """What ``pdserve up`` prints once the cluster serves: how to reach it."""
+    pools = ", ".join(f"{n} {role}" for role, n in c.pool_sizes().items() if n)
+    lines = [f"pdserve is serving {os.path.basename(c.model)} with {pools} worker(s) "
+             f"({threads} threads each).",
+             f"  gRPC:    pdserve generate --target {target} \"Hello\"",
+             f"           pdserve status --target {target}"]
+    if http_url:
+        lines.append(
+            f"  HTTP:    curl {http_url}/v1/chat/completions -H 'Content-Type: "
+            "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": "
+            "\"Hello\"}], \"max_tokens\": 32}'")
+    if metrics_url:
+        lines.append(f"  metrics: curl {metrics_url}")
+    lines += [*extra, "Press Ctrl-C to stop."]
+    return "\n".join(lines)
 
 
 class LocalCluster:
     def __init__(self, config: LocalClusterConfig) -> None:
+        if config.metrics_port == 0:  # any free one, known before the router starts
+            config = dataclasses.replace(config, metrics_port=free_port(config.host))
         self.config = config
         self.workers = config.roles()
-        cores = os.cpu_count() or 1
-        self.threads = config.threads_per_worker or max(1, cores // len(self.workers))
+        self.threads = config.threads(os.cpu_count() or 1)
         self.worker_addresses = [f"{config.host}:{free_port(config.host)}"
                                  for _ in self.workers]
+        self.metrics_urls = {name: f"http://{config.host}:{free_port(config.host)}/metrics"
+                             for name, _ in self.workers}
+        if config.metrics_port is not None:
+            self.metrics_urls["router"] = f"http://{config.host}:{config.metrics_port}/metrics"
         self.target = f"{config.host}:{config.port}"
         self.http_url = (f"http://{config.host}:{config.http_port}"
                          if config.http_port else None)
@@ -126,44 +120,19 @@ class LocalCluster:
         self.names.append(name)
         return proc
 
-    def _start_redis(self) -> str | None:
-        c = self.config
-        if c.redis_url or not c.redis:
-            return c.redis_url
-        try:
-            server = RedisServer(c.host, preexec_fn=_die_with_parent
-                                 if sys.platform == "linux" else None)
-        except FileNotFoundError as e:
-            print(f"pdserve up: {e}; routing by load only, no shared prefix index",
-                  file=sys.stderr)
-            return None
-        self.procs.append(server.proc)
-        self.names.append("redis")
-        return server.url
-
     def start(self) -> None:
         c = self.config
-        self.redis_url = self._start_redis()
+        redis = start_redis(self.config)
+        if redis is not None:
+            self.procs.append(redis.proc)
+            self.names.append("redis")
+        self.redis_url = redis.url if redis is not None else self.config.redis_url
         for (name, role), address in zip(self.workers, self.worker_addresses, strict=True):
-            port = address.rsplit(":", 1)[1]
-            args = ["worker", "--role", role, "--model", c.model, "--host", c.host,
-                    "--port", port, "--dtype", c.dtype, "--kv-cache-gb", str(c.kv_cache_gb),
-                    "--block-size", str(c.block_size), "--threads", str(self.threads),
-                    "--local-prefill-threshold", str(c.local_prefill_threshold),
-                    "--transfer-timeout-s", str(c.transfer_timeout_s)]
-            if c.max_model_len:
-                args += ["--max-model-len", str(c.max_model_len)]
-            if self.redis_url:
-                args += ["--redis-url", self.redis_url]
-            self._spawn(name, args, self.threads)
-        router = ["router", "--model", c.model, "--host", c.host, "--port", str(c.port),
-                  "--http-port", str(c.http_port), "--max-in-flight", str(c.max_in_flight)]
-        for address in self.worker_addresses:
-            router += ["--worker", address]
-        router += ["--policy", c.policy]
-        if self.redis_url:
-            router += ["--redis-url", self.redis_url]
-        self._spawn("router", router, 1)
+            host, port = address.rsplit(":", 1)
+            metrics_port = int(self.metrics_urls[name].rsplit(":", 1)[1].split("/")[0])
+            self._spawn(name, c.worker_args(role, host, int(port), self.redis_url,
+                                            self.threads, metrics_port), self.threads)
+        self._spawn("router", c.router_args(self.worker_addresses, self.redis_url), 1)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         from router.client import Client
@@ -190,21 +159,8 @@ class LocalCluster:
                 time.sleep(0.5)
 
     def usage(self) -> str:
-        c = self.config
-        pools = (f"{c.prefill} prefill + {c.decode} decode worker(s)" if c.prefill else "")
-        if c.num_mixed:
-            pools += (" and " if pools else "") + f"{c.num_mixed} mixed worker(s)"
-        lines = [f"pdserve is serving {os.path.basename(c.model)} with {pools} "
-                 f"({self.threads} threads each).",
-                 f"  gRPC:  pdserve generate --target {self.target} \"Hello\"",
-                 f"         pdserve status --target {self.target}"]
-        if self.http_url:
-            lines.append(
-                f"  HTTP:  curl {self.http_url}/v1/chat/completions -H 'Content-Type: "
-                "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": "
-                "\"Hello\"}], \"max_tokens\": 32}'")
-        lines.append("Press Ctrl-C to stop.")
-        return "\n".join(lines)
+        return banner(self.config, self.threads, self.target, self.http_url,
+                      self.metrics_urls.get("router"))
 
     def wait(self) -> int:
         """Serve until Ctrl-C or SIGTERM (exit 0) or until a process dies (exit 1)."""
@@ -224,10 +180,12 @@ class LocalCluster:
         except KeyboardInterrupt:
             return 0
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float = 10.0, drain: bool = False) -> None:
+        """SIGINT everyone (workers abort what is left at once); ``drain``: SIGTERM
+        (workers leave the registry and finish their requests first)."""
         for p in self.procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGTERM if drain else signal.SIGINT)
         deadline = time.monotonic() + grace
         for p in self.procs:
             try:

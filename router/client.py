@@ -52,7 +52,7 @@ class Completion:
             self.routing = {"policy": r.policy, "reason": r.reason, "worker": r.worker,
                             "indexed_cached_tokens": r.indexed_cached_tokens,
                             "estimated_prefill_tokens": r.estimated_prefill_tokens,
-                            "decode_worker": r.decode_worker}
+                            "decode_worker": r.decode_worker, "migrations": r.migrations}
 
     def to_json(self) -> dict[str, Any]:
         """The object DESIGN.md's command-line section defines for ``--json``."""

@@ -14,9 +14,20 @@ answer is skipped for ``down_s`` and the next one tried); unless the reservation
 local, call ``Prefill`` on the least-loaded prefill worker, relay its first token at
 once (TTFT never waits for the KV transfer), ``commit`` it to the decode worker and
 relay the rest. A prefill that fails (worker died, transport error) is recomputed on
-the decode worker: the request still completes. A decode worker that dies mid-request
-fails that request with UNAVAILABLE (its tokens were already streamed). Without both
-pools, requests go to the least-loaded mixed worker.
+the decode worker: the request still completes. Without both pools, requests go to the
+least-loaded mixed worker.
+
+Migration (Dynamo's name for it). When the worker generating a request fails mid-stream
+(it died, its transport broke), the request moves to another worker with the prompt
+plus the tokens already streamed as its new prompt and ``max_tokens`` reduced by them,
+at most ``migration_limit`` times; the client sees one uninterrupted stream. Greedy
+output is unchanged by a move. Seeded sampling restarts its random stream at the move,
+and text a stop-string check was still holding back on the failed worker is lost (the
+token ids are not). Past the limit the request fails with UNAVAILABLE.
+
+Metrics (``cluster.metrics``, names after vLLM's and Dynamo's frontend): requests by
+final status, in flight, TTFT, inter-token latency, end-to-end latency, tokens, cached
+tokens, routing decisions by policy and reason, migrations.
 """
 
 from __future__ import annotations
@@ -35,13 +46,14 @@ import redis
 from transformers import AutoTokenizer
 
 from cluster.hashing import block_hashes
+from cluster.metrics import Metrics
 from cluster.prefix_index import PrefixIndex
 from cluster.registry import WorkerRegistry
 from cluster.sampling import InvalidRequestError, check_prompt
 from cluster.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
-from .errors import RouterError
+from .errors import RouterError, WorkerFailed
 from .policies import Candidate, Decision, RoutedPrefixes, make_policy
 
 log = logging.getLogger(__name__)
@@ -62,6 +74,8 @@ class RouterConfig:
     policy: str = "cache_aware"
     """How prefill (or mixed) workers are chosen: see :mod:`router.policies`."""
     discovery_interval_s: float = 1.0
+    migration_limit: int = 3
+    """How many times a request may move to another worker after its worker failed."""
 
     def __post_init__(self) -> None:
         if not self.workers and not self.redis_url:
@@ -114,8 +128,9 @@ class _Relay:
 
 
 class Router:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics or Metrics({"model": config.model_name})
         self.model_name = config.model_name
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.max_model_len = 0
@@ -164,8 +179,13 @@ class Router:
                 raise RuntimeError(f"workers with roles {roles} cannot serve alone: give the "
                                    "router prefill and decode workers, or mixed ones")
             await asyncio.sleep(0.5)
+        self._count_workers()
         if self._registry is not None:
             self._discovery = asyncio.create_task(self._discover_forever())
+
+    def _count_workers(self) -> None:
+        for role in ("prefill", "decode", "mixed"):
+            self.metrics.set("workers", len(self.pool(role)), role=role)
 
     async def _connect(self, address: str, static: bool, deadline: float) -> _Worker:
         channel = grpc.aio.insecure_channel(address)
@@ -213,6 +233,7 @@ class Router:
                 w.gone = w.address not in live
                 log.info("worker %s %s the registry", w.address,
                          "left" if w.gone else "rejoined")
+        self._count_workers()
 
     async def _discover_forever(self) -> None:
         while True:
@@ -309,11 +330,15 @@ class Router:
                            cached.get(w.address, 0) * w.block_size, w.down_until <= now)
                  for w in pool]
         decision = self.policy.choose(cands, len(wreq.prompt_token_ids))
-        self.decisions[(decision.policy, decision.reason)] += 1
+        self._decided(decision.policy, decision.reason)
         if hashes:
             self._routed.add(hashes, decision.address, now)
         worker = next(w for w in pool if w.address == decision.address)
         return worker, decision
+
+    def _decided(self, policy: str, reason: str) -> None:
+        self.decisions[(policy, reason)] += 1
+        self.metrics.inc("routing_decisions_total", policy=policy, reason=reason)
 
     def _failed(self, worker: _Worker, e: grpc.aio.AioRpcError) -> None:
         worker.down_until = time.monotonic() + self.config.down_s
@@ -323,33 +348,102 @@ class Router:
     async def generate(
         self, req: api_pb2.GenerateRequest, timeout: float | None = None
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
-        """Validated, admitted, routed, relayed. See the module docstring."""
+        """Validated, admitted, routed, relayed, migrated. See the module docstring."""
         received = time.monotonic()
-        ids, sampling = self.validate(req)
-        if self._in_flight >= self.config.max_in_flight:
-            raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"the router has {self._in_flight} requests in flight, its limit "
-                              f"(max_in_flight={self.config.max_in_flight}); retry later")
-        request_id = req.request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        # Workers see a unique id (this router's nonce and a counter): clients may reuse
-        # theirs, and one request's cancellation must never reach another's.
-        wreq = worker_pb2.WorkerGenerateRequest(
-            request_id=f"{request_id}#{self._nonce}-{next(self._ids)}", prompt_token_ids=ids,
-            sampling=sampling, cache_salt=req.cache_salt)
-        relay = _Relay(request_id, ids, received)
-        routing = api_pb2.Routing()
-        source = (self._disaggregated(wreq, timeout, routing) if self.disaggregated
-                  else self._mixed(wreq, timeout, routing))
-        self._in_flight += 1
+        status = "OK"
         try:
-            async for msg in source:
-                out = relay.convert(msg)
-                if msg.finish_reason:
-                    out.routing.CopyFrom(routing)
-                yield out
+            ids, sampling = self.validate(req)
+            if self._in_flight >= self.config.max_in_flight:
+                raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                  f"the router has {self._in_flight} requests in flight, its "
+                                  f"limit (max_in_flight={self.config.max_in_flight}); retry "
+                                  "later")
+        except RouterError as e:
+            self.metrics.inc("requests_total", status=e.code.name)
+            raise
+        request_id = req.request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        relay = _Relay(request_id, ids, received)
+        generated: list[int] = []
+        migrations = 0
+        last_token_at = received
+        self._in_flight += 1
+        self.metrics.set("requests_in_flight", self._in_flight)
+        try:
+            while True:
+                wreq = self._worker_request(request_id, ids, generated, sampling, req.cache_salt)
+                routing = api_pb2.Routing()
+                source = (self._disaggregated(wreq, timeout, routing) if self.disaggregated
+                          else self._mixed(wreq, timeout, routing))
+                try:
+                    async for msg in source:
+                        if msg.token_ids:
+                            now = time.monotonic()
+                            if generated:
+                                gap = (now - last_token_at) / len(msg.token_ids)
+                                for _ in msg.token_ids:
+                                    self.metrics.observe("inter_token_latency_seconds", gap)
+                            else:
+                                self.metrics.observe("time_to_first_token_seconds",
+                                                     now - received)
+                            last_token_at = now
+                            generated.extend(msg.token_ids)
+                        out = relay.convert(msg)
+                        if msg.finish_reason:
+                            self._finish(out, routing, ids, generated, migrations, received)
+                        yield out
+                    return
+                except WorkerFailed as e:
+                    if migrations >= self.config.migration_limit:
+                        raise
+                    migrations += 1
+                    self.metrics.inc("request_migrations_total")
+                    log.warning("request %s moves to another worker after %d tokens (move %d "
+                                "of at most %d): %s", request_id, len(generated), migrations,
+                                self.config.migration_limit, e.message)
+                finally:
+                    await source.aclose()
+        except RouterError as e:
+            status = e.code.name
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            status = "CANCELLED"
+            raise
+        except Exception:
+            status = "INTERNAL"
+            raise
         finally:
-            await source.aclose()
             self._in_flight -= 1
+            self.metrics.set("requests_in_flight", self._in_flight)
+            self.metrics.inc("requests_total", status=status)
+
+    def _worker_request(self, request_id: str, ids: list[int], generated: list[int],
+                        sampling: common_pb2.SamplingParams, cache_salt: str
+                        ) -> worker_pb2.WorkerGenerateRequest:
+        """The request a worker sees: a unique id (this router's nonce and a counter;
+        clients may reuse theirs, and one request's cancellation must never reach
+        another's); after a migration, the tokens so far continue the prompt."""
+        if generated:
+            sampling = common_pb2.SamplingParams.FromString(sampling.SerializeToString())
+            if sampling.HasField("max_tokens"):
+                sampling.max_tokens -= len(generated)
+        return worker_pb2.WorkerGenerateRequest(
+            request_id=f"{request_id}#{self._nonce}-{next(self._ids)}",
+            prompt_token_ids=ids + generated, sampling=sampling, cache_salt=cache_salt)
+
+    def _finish(self, out: api_pb2.GenerateResponse, routing: api_pb2.Routing, ids: list[int],
+                generated: list[int], migrations: int, received: float) -> None:
+        """The last message: usage over the whole request (a migrated one's last worker
+        saw part of the output as prompt), routing, and the request's metrics."""
+        out.usage.prompt_tokens = len(ids)
+        out.usage.completion_tokens = len(generated)
+        out.usage.cached_tokens = min(out.usage.cached_tokens, len(ids))
+        routing.migrations = migrations
+        out.routing.CopyFrom(routing)
+        m = self.metrics
+        m.observe("e2e_request_latency_seconds", time.monotonic() - received)
+        m.inc("prompt_tokens_total", len(ids))
+        m.inc("generation_tokens_total", len(generated))
+        m.inc("cached_prompt_tokens_total", out.usage.cached_tokens)
 
     async def _mixed(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None,
                      routing: api_pb2.Routing
@@ -368,6 +462,8 @@ class Router:
                     queued = 0
                 yield msg
         except grpc.aio.AioRpcError as e:
+            if e.code() not in _CALLER_CODES:
+                self._failed(worker, e)
             raise _from_worker(e, worker.address) from e
         finally:
             if call is not None:
@@ -386,6 +482,7 @@ class Router:
             if reservation.local:
                 routing.MergeFrom(api_pb2.Routing(policy=self.policy.name, reason="local",
                                                   worker=decode.address))
+                self._decided(self.policy.name, "local")
             else:
                 prefilled = await self._prefill(wreq, reservation.target, deadline, routing)
                 if prefilled is None:  # compute the whole prompt on the decode worker
@@ -404,8 +501,8 @@ class Router:
             while True:
                 msg = await call.read()
                 if msg is grpc.aio.EOF:
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                      f"decode worker {decode.address} ended the stream early")
+                    decode.down_until = time.monotonic() + self.config.down_s
+                    raise WorkerFailed(f"decode worker {decode.address} ended the stream early")
                 out = msg.output
                 if out.finish_reason and prefilled is not None:
                     # The prompt was computed (or reused) on the prefill worker.
@@ -529,5 +626,5 @@ def _from_worker(e: grpc.aio.AioRpcError, address: str) -> RouterError:
     code = e.code()
     if code in _CALLER_CODES:
         return RouterError(code, e.details() or code.name)
-    return RouterError(grpc.StatusCode.UNAVAILABLE,
-                       f"worker {address} failed: {code.name}: {e.details()}; retry the request")
+    return WorkerFailed(f"worker {address} failed: {code.name}: {e.details()}; retry the "
+                        "request")

@@ -18,6 +18,14 @@ class RouterError(Exception):
         self.field = field
 
 
+class WorkerFailed(RouterError):
+    """A worker failed the request (died, transport error, ended its stream early): the
+    request itself was fine and may move to another worker."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+
+
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.NOT_FOUND: 404,

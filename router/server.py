@@ -1,8 +1,9 @@
 """``pdserve router``: the public gRPC API and the OpenAI HTTP front on one event loop.
 
 Lifecycle: load the tokenizer, connect to the workers and wait until they answer, bind
-gRPC (with health checking and reflection) and HTTP on 127.0.0.1, mark SERVING, serve
-until SIGINT/SIGTERM, then mark NOT_SERVING and drain for a couple of seconds.
+gRPC (with health checking and reflection), HTTP and Prometheus ``/metrics`` on
+127.0.0.1, mark SERVING, serve until SIGINT/SIGTERM (or until the launcher sets
+``stop``: a Ray actor), then mark NOT_SERVING and drain for a couple of seconds.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -17,6 +19,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from cluster.metrics import Metrics
 from protos.pdserve.v1 import api_pb2, api_pb2_grpc
 
 from .core import Router, RouterConfig
@@ -31,6 +34,19 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int | None = 8000
+    metrics_port: int | None = None
+    """Serve Prometheus ``/metrics`` here (0: any free port); None: no endpoint."""
+    ray_metrics: bool = False
+    """Mirror the metrics into ``ray.util.metrics`` (inside a Ray actor)."""
+
+
+@dataclass(frozen=True)
+class Serving:
+    """What a started router tells whoever launched it."""
+
+    address: str
+    http_port: int | None
+    metrics_port: int | None
 
 
 class PDServeServicer(api_pb2_grpc.PDServeServicer):
@@ -61,8 +77,10 @@ class PDServeServicer(api_pb2_grpc.PDServeServicer):
         return await self._router.status()
 
 
-async def serve(config: ServerConfig) -> None:
-    router = Router(config.router)
+async def serve(config: ServerConfig, on_ready: Callable[[Serving], None] | None = None,
+                stop: asyncio.Event | None = None) -> None:
+    metrics = Metrics({"model": config.router.model_name}, ray=config.ray_metrics)
+    router = Router(config.router, metrics)
     await router.start()
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)])
@@ -84,16 +102,24 @@ async def serve(config: ServerConfig) -> None:
         runner = web.AppRunner(create_app(router, max_body_bytes=MAX_MESSAGE_BYTES))
         await runner.setup()
         await web.TCPSite(runner, config.host, config.http_port).start()
+    metrics_port = (metrics.serve(config.metrics_port, config.host)
+                    if config.metrics_port is not None else None)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     http = f", HTTP on {config.host}:{config.http_port}" if runner else ""
     print(f"pdserve router serving {router.model_name} on {address}{http} "
-          f"({len(config.router.workers)} workers)", file=sys.stderr, flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+          f"({len(router.pool('prefill') + router.pool('decode') + router.pool('mixed'))} "
+          "workers" + (f"; metrics on :{metrics_port}" if metrics_port else "") + ")",
+          file=sys.stderr, flush=True)
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(Serving(address, config.http_port if runner else None, metrics_port))
     await stop.wait()
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=2)
     if runner is not None:
         await runner.cleanup()
     await router.close()
+    metrics.close()

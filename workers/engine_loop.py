@@ -51,6 +51,24 @@ class EngineLoad:
     until the KV lands; prefill, held until their KV has been sent."""
 
 
+@dataclass
+class EngineCounters:
+    """Totals since start, updated on the engine thread (read anywhere: plain ints)."""
+
+    generation_tokens: int = 0
+    prompt_tokens: int = 0  # of finished requests
+    cached_prompt_tokens: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+
+    def count(self, output: RequestOutput) -> None:
+        self.generation_tokens += len(output.new_token_ids)
+        if output.finished:
+            self.prompt_tokens += len(output.prompt_token_ids)
+            self.cached_prompt_tokens += output.num_cached_tokens
+            reason = output.finish_reason or "unknown"
+            self.finished[reason] = self.finished.get(reason, 0) + 1
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Decode side's answer to a reserve: prefill here (``local``), or send the KV of
@@ -128,6 +146,7 @@ class EngineLoop:
         self._remote: dict[str, _Remote] = {}
         self._pending: list[_Add] = []  # reserves waiting for free blocks, in order
         self._load = self._snapshot()
+        self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -254,6 +273,7 @@ class EngineLoop:
                 self._pending.pop(0)
 
     def _emit(self, output: RequestOutput) -> None:
+        self.counters.count(output)
         stream = self._streams.get(output.request_id)
         if stream is None:
             return

@@ -6,7 +6,8 @@ Lifecycle: ``Presence(url, ...)`` connects lazily and starts the block-event pub
 ``run`` registers the worker (new epoch, earlier entries purged) and refreshes its TTL
 every third of it with the live load. If Redis goes away the worker keeps serving; when
 it answers again the worker registers anew and the publisher rewrites its whole state.
-``close`` deregisters (best effort) so the entries go at once, not after the TTL.
+``leave`` (draining) and ``close`` deregister (best effort) so the entries go at once,
+not after the TTL.
 """
 
 from __future__ import annotations
@@ -55,10 +56,15 @@ class Presence:
             except TimeoutError:
                 pass
 
-    def close(self) -> None:
+    def leave(self) -> None:
+        """Stop publishing and deregister (draining: routers stop choosing us). Stop
+        ``run`` first, or its next heartbeat registers the worker again."""
         self.publisher.close()
         try:
             self.registry.deregister(self.worker_id)
         except redis.RedisError:
             pass  # the TTL removes us anyway
+
+    def close(self) -> None:
+        self.leave()
         self.client.close()

@@ -1,9 +1,13 @@
 """``pdserve worker``: one engine served over the internal gRPC API.
 
-Lifecycle: load the model and allocate the KV cache (the slow part), start the engine
-thread (and the KV channel end of the role: a sender on ``prefill``, a receiver hosting
-its rendezvous on ``decode``), bind 127.0.0.1:PORT, mark gRPC health SERVING, serve
-until SIGINT/SIGTERM, then mark NOT_SERVING, stop accepting, abort what is left
+Lifecycle: bind HOST:PORT (port 0: one the OS picks), load the model and allocate the
+KV cache (the slow part), start the engine thread (and the KV channel end of the role:
+a sender on ``prefill``, a receiver hosting its rendezvous on ``decode``), serve
+Prometheus ``/metrics`` (``--metrics-port``), mark gRPC health SERVING, register (with
+``--redis-url``), serve until stopped, then mark NOT_SERVING. SIGTERM (what Kubernetes
+and ``pdserve scale`` send) drains first: leave the registry, keep serving what was
+already routed here until nothing runs, waits or is in transfer (at most
+``drain_timeout_s``). SIGINT skips the drain. Then stop accepting, abort what is left
 (freeing its blocks), close the channel and exit.
 
 Calls: ``Generate`` (any role) runs a request here, a server stream; ``Prefill``
@@ -17,14 +21,18 @@ freeing its blocks (reserved blocks once no transfer can write into them).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cluster.metrics import Metrics
 from cluster.registry import WorkerInfo
 from cluster.sampling import InvalidRequestError
 from cluster.wire import FINISH_REASONS, sampling_from_proto
@@ -33,6 +41,7 @@ from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.params import EngineConfig
 from .engine_loop import EngineLoop, Reservation
+from .metrics import WorkerMetrics
 from .presence import Presence
 from .transfer import (
     ChannelStats,
@@ -65,6 +74,14 @@ class WorkerConfig:
     """Register in the worker registry and publish KV block events to the prefix index
     there (see :mod:`workers.presence`); None: neither."""
     registry_ttl_s: float = 3.0
+    metrics_port: int | None = None
+    """Serve Prometheus ``/metrics`` here (0: any free port); None: no endpoint."""
+    ray_metrics: bool = False
+    """Mirror the metrics into ``ray.util.metrics`` (inside a Ray actor)."""
+    drain_timeout_s: float = 30.0
+    drain_grace_s: float = 2.0
+    """Draining: how long requests routed before the registry said we left may still
+    arrive (at least the routers' discovery interval)."""
     reservation_timeout_s: float = 600.0
     """Decode role: how long reserved blocks wait for their KV offer. Long on purpose:
     prefill queues can be deep, and the router's stream bounds a reservation anyway
@@ -254,30 +271,57 @@ def channel_ends(config: WorkerConfig, engine: LLMEngine
     return loop, None, receiver
 
 
-async def serve(config: WorkerConfig, ready: asyncio.Event | None = None) -> None:
-    address = f"{config.host}:{config.port}"
+@dataclass(frozen=True)
+class Serving:
+    """What a started worker tells whoever launched it (a Ray actor, a test)."""
+
+    address: str
+    role: str
+    metrics_port: int | None
+    total_blocks: int
+
+
+async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None = None,
+                stop: asyncio.Event | None = None, drain: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (None: until SIGINT or SIGTERM). SIGTERM, or ``drain``
+    set before ``stop``, drains first (see :func:`_drain`); SIGINT stops at once,
+    aborting what is left."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"worker could not bind {config.host}:{config.port}: is the port in use?")
+    config = dataclasses.replace(config, port=port)  # port 0: the one the OS picked
+    address = f"{config.host}:{port}"
     presence = None
     if config.redis_url:
         presence = Presence(config.redis_url, config.model_name, address, config.registry_ttl_s)
     engine = LLMEngine(config.engine, [presence.publisher] if presence else ())
     loop, sender, receiver = channel_ends(config, engine)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    worker_pb2_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(loop, config, sender, receiver), server)
+    servicer = WorkerServicer(loop, config, sender, receiver)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(address) == 0:
-        raise OSError(f"worker could not bind {address}: is the port in use?")
+    metrics = Metrics({"model": config.model_name, "role": config.role, "worker": address},
+                      ray=config.ray_metrics)
+    sampler = WorkerMetrics(metrics, loop, lambda: (sender or receiver).stats()
+                            if (sender or receiver) else None)
+    metrics_port = (metrics.serve(config.metrics_port, config.host)
+                    if config.metrics_port is not None else None)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"pdserve worker ({config.role}) serving {config.model_name} on {address} "
-          f"({engine.scheduler.block_manager.num_blocks} KV blocks)", file=sys.stderr,
-          flush=True)
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    if ready is not None:
-        ready.set()
+          f"({engine.scheduler.block_manager.num_blocks} KV blocks"
+          + (f"; metrics on :{metrics_port}" if metrics_port else "") + ")",
+          file=sys.stderr, flush=True)
+    if stop is None:
+        stop, drain = asyncio.Event(), asyncio.Event()
+        aio = asyncio.get_running_loop()
+        aio.add_signal_handler(signal.SIGINT, stop.set)
+        aio.add_signal_handler(signal.SIGTERM, lambda: (drain.set(), stop.set()))
+    if on_ready is not None:
+        on_ready(Serving(address, config.role, metrics_port,
+                         engine.scheduler.block_manager.num_blocks))
+    beat_stop = asyncio.Event()
     heartbeat = None
     if presence is not None:
         bm = engine.scheduler.block_manager
@@ -288,12 +332,17 @@ async def serve(config: WorkerConfig, ready: asyncio.Event | None = None) -> Non
             return {"running": now.running, "waiting": now.waiting,
                     "reserved": now.reserved, "free_blocks": now.free_blocks}
 
-        heartbeat = asyncio.create_task(presence.run(info, load, stop))
+        heartbeat = asyncio.create_task(presence.run(info, load, beat_stop))
+    sampling = asyncio.create_task(sampler.run(beat_stop))
     await stop.wait()
+    beat_stop.set()
     if heartbeat is not None:
         await heartbeat
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    if drain is not None and drain.is_set():
+        await _drain(config, loop, servicer, presence)
     await server.stop(grace=2)
+    await sampling
     loop.close()
     if sender is not None:
         sender.close()
@@ -301,3 +350,24 @@ async def serve(config: WorkerConfig, ready: asyncio.Event | None = None) -> Non
         receiver.close()
     if presence is not None:
         presence.close()
+    metrics.close()
+
+
+async def _drain(config: WorkerConfig, loop: EngineLoop, servicer: WorkerServicer,
+                 presence: Presence | None) -> None:
+    """Leave the registry (routers stop choosing this worker within their discovery
+    interval), keep serving what arrives for ``drain_grace_s``, then wait until nothing
+    runs, waits, is reserved or is in transfer, at most ``drain_timeout_s``."""
+    if presence is not None:
+        await asyncio.to_thread(presence.leave)
+    started = time.monotonic()
+    deadline = started + config.drain_timeout_s
+    while time.monotonic() < deadline:
+        load, stats = loop.load(), servicer.transfer_stats()
+        idle = not (load.running or load.waiting or load.reserved or stats.in_flight)
+        if idle and time.monotonic() - started >= config.drain_grace_s:
+            log.info("drained in %.1fs", time.monotonic() - started)
+            return
+        await asyncio.sleep(0.1)
+    log.warning("drain timed out after %.0fs with requests left; aborting them",
+                config.drain_timeout_s)

@@ -68,20 +68,22 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., routing: _Optional[_Union[Routing, _Mapping]] = ...) -> None: ...
 
 class Routing(_message.Message):
-    __slots__ = ("policy", "reason", "worker", "indexed_cached_tokens", "estimated_prefill_tokens", "decode_worker")
+    __slots__ = ("policy", "reason", "worker", "indexed_cached_tokens", "estimated_prefill_tokens", "decode_worker", "migrations")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     INDEXED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ESTIMATED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     policy: str
     reason: str
     worker: str
     indexed_cached_tokens: int
     estimated_prefill_tokens: int
     decode_worker: str
-    def __init__(self, policy: _Optional[str] = ..., reason: _Optional[str] = ..., worker: _Optional[str] = ..., indexed_cached_tokens: _Optional[int] = ..., estimated_prefill_tokens: _Optional[int] = ..., decode_worker: _Optional[str] = ...) -> None: ...
+    migrations: int
+    def __init__(self, policy: _Optional[str] = ..., reason: _Optional[str] = ..., worker: _Optional[str] = ..., indexed_cached_tokens: _Optional[int] = ..., estimated_prefill_tokens: _Optional[int] = ..., decode_worker: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

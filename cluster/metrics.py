@@ -1,0 +1,178 @@
+"""Prometheus metrics: one catalog, recorded to ``prometheus_client`` and, under Ray,
+mirrored into ``ray.util.metrics`` so they also show on the Ray dashboard.
+
+Names follow vLLM's (``vllm:num_requests_running`` -> ``pdserve:num_requests_running``,
+``vllm:time_to_first_token_seconds`` -> ``pdserve:time_to_first_token_seconds``) and
+Dynamo's frontend ones (requests by status, in-flight, inter-token latency), so existing
+dashboards and alerts translate by prefix. Ray forbids ``:`` in names: there they are
+``pdserve_...`` (and Ray's exporter adds ``ray_``).
+
+Lifecycle: a component builds one :class:`Metrics` at start (``labels`` are constant
+per process: ``model``, ``role``, ``worker``), records through :meth:`Metrics.inc`,
+:meth:`Metrics.set` and :meth:`Metrics.observe` (cheap; any thread), and serves the
+text format with :meth:`Metrics.serve` on ``--metrics-port`` (127.0.0.1 by default).
+This module sits in the bottom layer: it imports nothing of ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+import prometheus_client as prom
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str  # without the prefix
+    kind: str  # counter | gauge | histogram
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+CATALOG: tuple[Spec, ...] = (
+    # router (the frontend): what clients see
+    Spec("requests_total", "counter", "Requests answered, by gRPC status code "
+         "(OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, ...)", ("status",)),
+    Spec("requests_in_flight", "gauge", "Requests admitted by the router and not finished"),
+    Spec("time_to_first_token_seconds", "histogram", "Request received -> first token sent",
+         buckets=_LATENCY_BUCKETS),
+    Spec("inter_token_latency_seconds", "histogram", "Gap between consecutive output tokens",
+         buckets=_ITL_BUCKETS),
+    Spec("e2e_request_latency_seconds", "histogram", "Request received -> last token sent",
+         buckets=_LATENCY_BUCKETS),
+    Spec("prompt_tokens_total", "counter", "Prompt tokens of finished requests"),
+    Spec("generation_tokens_total", "counter", "Output tokens of finished requests"),
+    Spec("cached_prompt_tokens_total", "counter",
+         "Prompt tokens whose KV came from a prefix cache (finished requests)"),
+    Spec("routing_decisions_total", "counter", "Worker choices, by policy and reason "
+         "(cache_hit, balance, least_work, local, ...)", ("policy", "reason")),
+    Spec("request_migrations_total", "counter",
+         "Requests moved to another worker after theirs failed mid-stream"),
+    Spec("workers", "gauge", "Workers the router routes to, by role", ("role",)),
+    # workers (the engines)
+    Spec("num_requests_running", "gauge", "Requests in the engine's running batch"),
+    Spec("num_requests_waiting", "gauge", "Requests queued for the engine"),
+    Spec("num_requests_reserved", "gauge",
+         "Decode role: requests holding blocks while their KV arrives"),
+    Spec("kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1)"),
+    Spec("kv_blocks_free", "gauge", "Free KV blocks"),
+    Spec("kv_blocks_total", "gauge", "KV blocks in the paged cache"),
+    Spec("prefix_cache_queries_total", "counter",
+         "Prompt tokens looked up in this worker's prefix cache"),
+    Spec("prefix_cache_hits_total", "counter",
+         "Prompt tokens found in this worker's prefix cache"),
+    Spec("engine_generation_tokens_total", "counter", "Tokens this engine generated"),
+    Spec("engine_requests_finished_total", "counter",
+         "Requests this engine finished, by reason (stop, length, abort, remote)",
+         ("finished_reason",)),
+    Spec("kv_transfer_bytes_total", "counter", "KV bytes moved between prefill and decode"),
+    Spec("kv_transfers_total", "counter",
+         "KV transfers that reached a terminal state, by state "
+         "(done, failed, timed_out, cancelled)", ("state",)),
+    Spec("kv_transfers_in_flight", "gauge", "KV transfers not yet in a terminal state"),
+    Spec("kv_transfer_busy_seconds_total", "counter",
+         "KV ready -> landed, summed over done transfers (bytes / this = transfer rate)"),
+)
+
+PREFIX = "pdserve:"
+RAY_PREFIX = "pdserve_"
+
+
+class Metrics:
+    """The catalog bound to constant per-process labels.
+
+    ``ray=True`` mirrors every record into ``ray.util.metrics`` (call it inside a Ray
+    actor; Ray then exports them through its per-node metrics agent)."""
+
+    def __init__(self, labels: dict[str, str] | None = None, ray: bool = False) -> None:
+        self.labels = dict(labels or {})
+        self.registry = prom.CollectorRegistry()
+        self._prom: dict[str, object] = {}
+        self._ray: dict[str, object] = {}
+        self._specs = {s.name: s for s in CATALOG}
+        const = tuple(self.labels)
+        for s in CATALOG:
+            keys = const + s.labels
+            if s.kind == "counter":
+                # prometheus_client appends _total itself
+                m = prom.Counter(PREFIX + s.name.removesuffix("_total"), s.doc, keys,
+                                 registry=self.registry)
+            elif s.kind == "gauge":
+                m = prom.Gauge(PREFIX + s.name, s.doc, keys, registry=self.registry)
+            else:
+                m = prom.Histogram(PREFIX + s.name, s.doc, keys, buckets=s.buckets,
+                                   registry=self.registry)
+            self._prom[s.name] = m
+        if ray:
+            self._ray = _ray_metrics(const)
+        self._server: WSGIServer | None = None
+
+    def _child(self, name: str, labels: dict[str, str]) -> object:
+        m = self._prom[name]
+        return m.labels(**self.labels, **labels) if (self.labels or labels) else m  # type: ignore[attr-defined]
+
+    def _mirror(self, name: str, method: str, value: float, labels: dict[str, str]) -> None:
+        m = self._ray.get(name)
+        if m is not None:
+            getattr(m, method)(value, tags={**self.labels, **labels})
+
+    def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
+        if value <= 0:
+            return
+        self._child(name, labels).inc(value)  # type: ignore[attr-defined]
+        self._mirror(name, "inc", value, labels)
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self._child(name, labels).set(value)  # type: ignore[attr-defined]
+        self._mirror(name, "set", value, labels)
+
+    def observe(self, name: str, value: float, **labels: str) -> None:
+        self._child(name, labels).observe(value)  # type: ignore[attr-defined]
+        self._mirror(name, "observe", value, labels)
+
+    def text(self) -> str:
+        """The Prometheus text exposition of everything recorded here."""
+        return prom.generate_latest(self.registry).decode()
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` on a daemon thread; returns the bound port (0: pick one)."""
+        server, thread = prom.start_http_server(port, host, registry=self.registry)
+        self._server = server
+        self._thread: threading.Thread = thread
+        bound = server.server_address[1]
+        log.info("metrics on http://%s:%d/metrics", host, bound)
+        return bound
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def _ray_metrics(const: tuple[str, ...]) -> dict[str, object]:
+    from ray.util import metrics as rm
+
+    out: dict[str, object] = {}
+    for s in CATALOG:
+        keys = const + s.labels
+        name = RAY_PREFIX + s.name
+        if s.kind == "counter":
+            out[s.name] = rm.Counter(name, s.doc, keys)
+        elif s.kind == "gauge":
+            out[s.name] = rm.Gauge(name, s.doc, keys)
+        else:
+            out[s.name] = rm.Histogram(name, s.doc, list(s.buckets), keys)
+    # Ray's metric objects name their record methods inc/set/observe like ours.
+    return out
