@@ -166,7 +166,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         from google.protobuf.json_format import MessageToDict
 
-        print(json.dumps(MessageToDict(status, always_print_fields_with_no_presence=True)))
+        out = MessageToDict(status, always_print_fields_with_no_presence=True)
+        if args.ray:
+            try:
+                out["ray"] = _ray_view(args.ray_address)
+            except (RuntimeError, ConnectionError) as e:
+                print(f"pdserve status: {e}", file=sys.stderr)
+                return 1
+        print(json.dumps(out))
         return 0
     print(f"router {args.target}: model {status.model}, {status.requests_in_flight}/"
           f"{status.max_requests_in_flight} requests in flight")
@@ -186,23 +193,37 @@ def cmd_status(args: argparse.Namespace) -> int:
     return _ray_status(args.ray_address) if args.ray else 0
 
 
-def _ray_status(address: str) -> int:
+def _ray_view(address: str) -> dict:
+    """The deployment's actors (``Controller.describe``) and the Ray nodes."""
     import ray
 
     from cluster.ray_cluster import connect, controller
 
+    connect(address)
     try:
-        connect(address)
         rows = ray.get(controller().describe.remote(), timeout=30)  # type: ignore[attr-defined]
-        nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        nodes = [{"node_id": n["NodeID"], "ip": n["NodeManagerAddress"],
+                  "metrics_export_port": n.get("MetricsExportPort"),
+                  "resources": n.get("Resources", {})} for n in ray.nodes() if n.get("Alive")]
+    finally:
+        ray.shutdown()
+    return {"actors": rows, "nodes": nodes}
+
+
+def _ray_status(address: str) -> int:
+    try:
+        view = _ray_view(address)
     except (RuntimeError, ConnectionError) as e:
         print(f"pdserve status: {e}", file=sys.stderr)
         return 1
-    pools = {}
+    rows = view["actors"]
+    pools: dict[str, int] = {}
     for r in rows:
         pools[r["role"]] = pools.get(r["role"], 0) + 1
-    print(f"\nRay: {len(nodes)} node(s) alive; pools: "
-          + ", ".join(f"{n} {role}" for role, n in pools.items()))
+    print(f"\nRay: {len(view['nodes'])} node(s) alive ("
+          + ", ".join(f"{n['ip']}: {n['resources'].get('CPU', 0):g} CPU, "
+                      f"{n['resources'].get('GPU', 0):g} GPU" for n in view["nodes"])
+          + "); pools: " + ", ".join(f"{n} {role}" for role, n in pools.items()))
     print(f"{'actor':22}{'role':9}{'state':12}{'address':24}{'node':16}{'pid':>8}{'restarts':>10}")
     for r in rows:
         restarts = "?" if r["restarts"] is None else r["restarts"]
@@ -319,11 +340,12 @@ def _up_on_ray(config) -> int:  # noqa: ANN001 - DeploymentConfig
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
     try:
         print(f"pdserve up: placing {config.pool_sizes()} on Ray ...", file=sys.stderr,
               flush=True)
         deployment.start()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
+            signal.signal(sig, interrupt)
         host, _ = deployment.router["address"].rsplit(":", 1)
         http = deployment.router.get("http_port")
         metrics = deployment.router.get("metrics_port")
@@ -367,7 +389,8 @@ _UP_FIELDS = ("mixed", "prefill", "decode", "redis_url", "no_redis", "policy",
               "local_prefill_threshold", "model", "host", "port", "http_port", "metrics_port",
               "dtype", "kv_cache_gb", "max_in_flight", "threads", "launcher", "ray_address",
               "no_dashboard", "cpus_per_worker", "gpus_per_worker", "prefill_strategy",
-              "decode_strategy", "mixed_strategy", "drain_timeout_s", "log_dir")
+              "decode_strategy", "mixed_strategy", "drain_timeout_s", "log_dir",
+              "max_model_len", "block_size", "transfer_timeout_s")
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -545,6 +568,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--dtype", choices=DTYPES)
     u.add_argument("--kv-cache-gb", type=float, help="per worker")
     u.add_argument("--max-in-flight", type=int)
+    u.add_argument("--max-model-len", type=int)
+    u.add_argument("--block-size", type=int)
+    u.add_argument("--transfer-timeout-s", type=float)
     u.add_argument("--threads", type=int,
                    help="torch threads per worker (default: cores / workers)")
     u.add_argument("--drain-timeout-s", type=float,

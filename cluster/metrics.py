@@ -128,10 +128,12 @@ class Metrics:
             getattr(m, method)(value, tags={**self.labels, **labels})
 
     def inc(self, name: str, value: float = 1.0, **labels: str) -> None:
-        if value <= 0:
+        """Add ``value`` (0 makes the series appear at 0, as Prometheus advises)."""
+        if value < 0:
             return
         self._child(name, labels).inc(value)  # type: ignore[attr-defined]
-        self._mirror(name, "inc", value, labels)
+        if value:
+            self._mirror(name, "inc", value, labels)
 
     def set(self, name: str, value: float, **labels: str) -> None:
         self._child(name, labels).set(value)  # type: ignore[attr-defined]

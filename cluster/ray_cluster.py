@@ -14,10 +14,11 @@ a port the OS picks, registers in Redis, and mirrors its metrics into
 registers with a new epoch and the router's discovery picks it up, while the router
 migrates the requests the dead one was generating.
 
-Scaling (``pdserve scale``): the controller adds a placement group for the new workers
-of a pool and starts them; removed workers (newest first) drain: they leave the
-registry, finish what was routed to them and exit, and their bundles are released once
-a group has no worker left. ``pdserve up`` stops everything on Ctrl-C.
+Scaling (``pdserve scale``): new workers of a pool take the bundles earlier scale-downs
+freed in the pool's groups, then a new placement group of the rest; removed workers
+(newest first) drain: they leave the registry, finish what was routed to them and exit;
+a group is removed once no worker holds any of its bundles. ``pdserve up`` stops
+everything on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -123,7 +124,15 @@ class _Member:
     role: str
     actor: object
     group: int  # index into Controller._groups
+    bundle: int
     info: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclass
+class _Group:
+    role: str
+    pg: object  # a PlacementGroup; None when workers ask for no resources
+    bundles: int
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -133,7 +142,7 @@ class Controller:
     def __init__(self, config: DeploymentConfig, redis_url: str | None, threads: int) -> None:
         self.config, self.redis_url, self.threads = config, redis_url, threads
         self._members: list[_Member] = []
-        self._groups: list[object] = []
+        self._groups: list[_Group | None] = []
         self._next = {role: 0 for role in ROLES}
         self._lock = threading.RLock()
         self._router: object = None
@@ -142,36 +151,48 @@ class Controller:
     # -- placement -------------------------------------------------------------------------
 
     def _bundle(self) -> dict[str, float]:
-        bundle = {"CPU": self.config.cpus_per_worker}
-        if self.config.gpus_per_worker:
-            bundle["GPU"] = self.config.gpus_per_worker
+        bundle = {"CPU": self.config.cpus_per_worker, "GPU": self.config.gpus_per_worker}
         return {k: v for k, v in bundle.items() if v}
 
+    def _free_bundles(self, role: str) -> list[tuple[int, int]]:
+        """(group, bundle) slots of ``role``'s groups that no worker holds (left by
+        scale-downs), reused before a new group is made."""
+        held = {(m.group, m.bundle) for m in self._members}
+        return [(g, b) for g, group in enumerate(self._groups)
+                if group is not None and group.role == role
+                for b in range(group.bundles) if (g, b) not in held]
+
     def _add(self, role: str, n: int) -> list[_Member]:
-        """A placement group of ``n`` bundles and a worker actor in each."""
+        """``n`` worker actors of ``role``: in free bundles of the pool's groups first,
+        then in a new placement group of the rest (one bundle each)."""
         c = self.config
-        bundle = self._bundle()
-        group = placement_group([bundle] * n, strategy=c.strategy(role),
-                                name=f"pdserve-{role}-{len(self._groups)}") if bundle else None
-        if group is not None and not _wait_group(group, 60.0):
-            remove_placement_group(group)
-            raise RuntimeError(f"the Ray cluster cannot place {n} {role} worker(s) of {bundle} "
-                               f"({c.strategy(role)}): add nodes or lower cpus_per_worker / "
-                               "gpus_per_worker")
-        self._groups.append(group)
+        slots = self._free_bundles(role)[:n]
+        if len(slots) < n:
+            bundle, extra = self._bundle(), n - len(slots)
+            pg = placement_group([bundle] * extra, strategy=c.strategy(role),
+                                 name=f"pdserve-{role}-{len(self._groups)}") if bundle else None
+            if pg is not None and not _wait_group(pg, 60.0):
+                remove_placement_group(pg)
+                raise RuntimeError(
+                    f"the Ray cluster cannot place {extra} more {role} worker(s) of {bundle} "
+                    f"({c.strategy(role)}): add nodes, or lower cpus_per_worker / "
+                    "gpus_per_worker (a local Ray has max(cores, workers at start) CPUs)")
+            self._groups.append(_Group(role, pg, extra))
+            slots += [(len(self._groups) - 1, b) for b in range(extra)]
         members = []
-        for i in range(n):
+        for g, b in slots:
             name = f"pdserve-{role}-{self._next[role]}"
             self._next[role] += 1
-            strategy = (PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-                        if group is not None else None)
+            pg = self._groups[g].pg  # type: ignore[union-attr]
+            strategy = (PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
+                        if pg is not None else None)
             actor = ComponentActor.options(
                 name=name, namespace=NAMESPACE, num_cpus=c.cpus_per_worker,
                 num_gpus=c.gpus_per_worker, scheduling_strategy=strategy,
                 runtime_env={"env_vars": _env(self.threads)},
             ).remote(c.worker_args(role, "{node_ip}", 0, self.redis_url, self.threads,
                                    metrics_port=0), self.threads)
-            members.append(_Member(name, role, actor, len(self._groups) - 1))
+            members.append(_Member(name, role, actor, g, b))
         return members
 
     def start(self, timeout_s: float = 600.0) -> dict:
@@ -227,10 +248,12 @@ class Controller:
             return self.sizes()
 
     def _release_groups(self) -> None:
+        """Remove the placement groups no worker holds a bundle of any more."""
         used = {m.group for m in self._members}
         for i, group in enumerate(self._groups):
             if group is not None and i not in used:
-                remove_placement_group(group)
+                if group.pg is not None:
+                    remove_placement_group(group.pg)
                 self._groups[i] = None
 
     def sizes(self) -> dict[str, int]:
