@@ -15,6 +15,7 @@ component the same way.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from dataclasses import dataclass
@@ -166,7 +167,7 @@ def load_yaml(path: str | Path) -> dict[str, object]:
     hints = typing.get_type_hints(DeploymentConfig)
     for key, value in data.items():
         if key not in fields:
-            close = [n for n in fields if n.split("_")[0] == str(key).split("_")[0]]
+            close = difflib.get_close_matches(str(key), fields, n=2)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
             raise DeploymentError(f"{path}: unknown key {key!r}{hint}; the keys are "
                                   "DeploymentConfig's fields (cluster/deployment.py)")

@@ -1,0 +1,77 @@
+"""The deployment file and the command lines every launcher derives from it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import build_parser, deployment_config
+from cluster.deployment import DeploymentConfig, DeploymentError, load_yaml
+
+EXAMPLE = Path(__file__).parents[2] / "deploy" / "pdserve.yaml"
+
+
+def test_the_example_file_loads_and_is_valid() -> None:
+    config = DeploymentConfig(**load_yaml(EXAMPLE))  # type: ignore[arg-type]
+    assert config.pool_sizes() == {"prefill": 1, "decode": 1, "mixed": 0}
+    assert config.launcher == "ray" and config.strategy("prefill") == "PACK"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("prefil: 2\n", "unknown key 'prefil' (did you mean prefill"),
+    ("prefill: two\n", "prefill: 'two' is not a <class 'int'>"),
+    ("kv_cache_gb: true\n", "kv_cache_gb: True is not"),
+    ("- 1\n- 2\n", "expected a mapping"),
+])
+def test_bad_files_are_refused_with_the_key(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "d.yaml"
+    path.write_text(text)
+    with pytest.raises(DeploymentError, match=re.escape(message)):
+        load_yaml(path)
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"prefill": 1}, "needs at least one of each"),
+    ({"mixed": 0}, "no workers"),
+    ({"prefill": 1, "decode": 1, "decode_strategy": "RANDOM"}, "decode_strategy"),
+    ({"launcher": "k8s"}, "launcher"),
+])
+def test_configs_that_cannot_run_are_refused(kw: dict, message: str) -> None:
+    with pytest.raises(DeploymentError, match=message):
+        DeploymentConfig(**kw)
+
+
+def test_flags_override_the_file_and_unset_flags_keep_it(tmp_path: Path) -> None:
+    path = tmp_path / "d.yaml"
+    path.write_text("prefill: 2\ndecode: 2\nkv_cache_gb: 0.5\npolicy: round_robin\n")
+    args = build_parser().parse_args(["up", "--config", str(path), "--decode", "3",
+                                      "--no-redis", "--threads", "1"])
+    config = deployment_config(args)
+    assert (config.prefill, config.decode, config.kv_cache_gb) == (2, 3, 0.5)
+    assert config.policy == "round_robin" and config.redis is False
+    assert config.threads_per_worker == 1 and config.launcher == "ray"  # a default
+
+
+def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
+    config = DeploymentConfig(prefill=1, decode=1, model="/m", max_model_len=512,
+                              gpus_per_worker=1, drain_timeout_s=12)
+    parser = build_parser()
+    w = parser.parse_args(config.worker_args("decode", "10.0.0.5", 0, "redis://r:6379/0", 4,
+                                             metrics_port=0))
+    assert (w.command, w.role, w.host, w.port, w.threads) == ("worker", "decode", "10.0.0.5",
+                                                              0, 4)
+    assert (w.redis_url, w.metrics_port, w.device, w.max_model_len, w.drain_timeout_s) == (
+        "redis://r:6379/0", 0, "cuda", 512, 12.0)
+    r = parser.parse_args(config.router_args(["a:1", "b:2"], None))
+    assert (r.command, r.worker, r.metrics_port, r.policy) == ("router", ["a:1", "b:2"], 9400,
+                                                               "cache_aware")
+
+
+def test_roles_and_threads() -> None:
+    config = DeploymentConfig(prefill=2, decode=1)
+    assert config.roles() == [("prefill-0", "prefill"), ("prefill-1", "prefill"),
+                              ("decode-0", "decode")]
+    assert config.threads(cores=2) == 1 and config.threads(cores=12) == 4
+    assert DeploymentConfig(threads_per_worker=3).threads(cores=64) == 3
