@@ -5,13 +5,19 @@ The environment is read here and only here (``PDSERVE_CACHE_DIR``; and
 KV transfer of a request whose id contains it, halfway), into typed configs handed
 down. Subcommands:
 
-* ``pdserve up [--mixed K | --prefill N --decode M]`` starts a local cluster (the
-  workers and a router, as processes on 127.0.0.1) on the default model and serves
-  until Ctrl-C: K colocated workers, or N prefill and M decode workers (disaggregated);
-* ``pdserve worker`` / ``pdserve router`` run one component as a plain process;
+* ``pdserve up [--config FILE] [--mixed K | --prefill N --decode M]`` starts the whole
+  cluster on the default model and serves until Ctrl-C: 1 prefill + 1 decode worker
+  unless told otherwise, Redis and the router, as actors on a fresh local Ray (or
+  ``--ray-address``; see ``cluster/ray_cluster.py``), or as plain processes here with
+  ``--launcher process`` (``cluster/local.py``);
+* ``pdserve scale --prefill N --decode M`` resizes the pools of a cluster on Ray while it
+  serves (removed workers drain first);
+* ``pdserve worker`` / ``pdserve router`` run one component as a plain process (the
+  command lines every launcher runs: ``cluster/deployment.py``);
 * ``pdserve generate [--target HOST:PORT | --offline] PROMPT`` streams the text
   (``--json`` prints the object DESIGN.md's command-line section defines);
-* ``pdserve status [--target HOST:PORT]`` shows the workers; exit 0 once the router serves;
+* ``pdserve status [--target HOST:PORT] [--ray]`` shows the workers (and with ``--ray``
+  the pools' actors, nodes and restarts); exit 0 once the router serves;
 * ``pdserve bench-engine`` compares the engine with Hugging Face ``generate`` and the
   GEMM floor (see ``workers/bench_engine.py``);
 * ``pdserve bench-disagg`` measures the KV transfer on the serving path against a raw
@@ -382,7 +388,10 @@ def deployment_config(args: argparse.Namespace):  # noqa: ANN201 - DeploymentCon
         given["threads_per_worker"] = given.pop("threads")
     if "model" in given:
         given["model"] = given["model"] or ""
-    return DeploymentConfig(**{**settings, **given})  # type: ignore[arg-type]
+    merged = {**settings, **given}
+    if not {"mixed", "prefill", "decode"} & merged.keys():
+        merged.update(prefill=1, decode=1)  # DESIGN.md's default: one of each
+    return DeploymentConfig(**merged)  # type: ignore[arg-type]
 
 
 _UP_FIELDS = ("mixed", "prefill", "decode", "redis_url", "no_redis", "policy",
@@ -535,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="deployment YAML (keys: DeploymentConfig's fields; see "
                         "deploy/pdserve.yaml)")
     u.add_argument("--mixed", type=int,
-                   help="colocated (mixed) workers (default: 1 unless --prefill/--decode)")
+                   help="colocated (mixed) workers (default: 1 prefill + 1 decode, no mixed)")
     u.add_argument("--prefill", type=int, help="number of prefill workers")
     u.add_argument("--decode", type=int, help="number of decode workers")
     u.add_argument("--launcher", choices=("ray", "process"),
@@ -599,6 +608,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--redis-url", default=None,
                    help="register here and publish KV block events to the prefix index "
                         "(redis://HOST:PORT/DB)")
+    w.add_argument("--config", default=None,
+                   help="deployment YAML: this worker's settings come from it (flags win)")
     w.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics here (0: any free port; default: off)")
     w.add_argument("--drain-timeout-s", type=float, default=30.0,
@@ -620,6 +631,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=50051)
     r.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: off)")
     r.add_argument("--max-in-flight", type=int, default=256)
+    r.add_argument("--config", default=None,
+                   help="deployment YAML: the router's settings come from it (flags win)")
     r.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics here (0: any free port; default: off)")
     r.set_defaults(func=cmd_router)
@@ -728,9 +741,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def expand_config(argv: list[str]) -> list[str]:
+    """``pdserve worker|router --config FILE [flags]``: the command line the deployment
+    file gives that component (what ``pdserve up`` would run), then the flags given,
+    which win (argparse keeps the last value). How a pod runs one component from the
+    same file a ``pdserve up`` reads."""
+    if not argv or argv[0] not in ("worker", "router"):
+        return argv
+    rest, path = [], None
+    it = iter(argv[1:])
+    for a in it:
+        if a == "--config":
+            path = next(it, None)
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if path is None:
+        return argv
+    from cluster.deployment import DeploymentConfig, load_yaml
+
+    config = DeploymentConfig(**load_yaml(path))  # type: ignore[arg-type]
+    if argv[0] == "router":
+        return config.router_args([], config.redis_url) + rest
+    role = argparse.ArgumentParser(add_help=False)
+    role.add_argument("--role", default="mixed")
+    known, _ = role.parse_known_args(rest)
+    return config.worker_args(known.role, config.host, 50061, config.redis_url,
+                              config.threads(os.cpu_count() or 1)) + rest
+
+
 def main(argv: list[str] | None = None) -> int:
     from workers.model_store import ModelStoreError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config(argv)
+    except ValueError as e:
+        print(f"pdserve: {e}", file=sys.stderr)
+        return EXIT_INVALID
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) == "bench-engine":
         args.workload = args.workload or ["a", "b"]

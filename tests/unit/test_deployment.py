@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import build_parser, deployment_config
+from cluster.cli import build_parser, deployment_config, expand_config
 from cluster.deployment import DeploymentConfig, DeploymentError, load_yaml
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "pdserve.yaml"
@@ -75,3 +75,26 @@ def test_roles_and_threads() -> None:
                               ("decode-0", "decode")]
     assert config.threads(cores=2) == 1 and config.threads(cores=12) == 4
     assert DeploymentConfig(threads_per_worker=3).threads(cores=64) == 3
+
+
+def test_bare_up_is_one_prefill_and_one_decode_worker() -> None:
+    parser = build_parser()
+    assert deployment_config(parser.parse_args(["up"])).pool_sizes() == {
+        "prefill": 1, "decode": 1, "mixed": 0}
+    assert deployment_config(parser.parse_args(["up", "--mixed", "2"])).pool_sizes() == {
+        "prefill": 0, "decode": 0, "mixed": 2}
+
+
+def test_a_component_reads_its_settings_from_the_deployment_file(tmp_path: Path) -> None:
+    path = tmp_path / "d.yaml"
+    path.write_text("prefill: 1\ndecode: 1\nkv_cache_gb: 0.5\nredis_url: redis://r:1/0\n"
+                    "threads_per_worker: 2\nmax_model_len: 256\npolicy: least_loaded\n")
+    parser = build_parser()
+    w = parser.parse_args(expand_config(["worker", "--config", str(path), "--role", "decode",
+                                         "--port", "7000", "--kv-cache-gb", "2"]))
+    assert (w.role, w.port, w.kv_cache_gb, w.redis_url, w.threads, w.max_model_len) == (
+        "decode", 7000, 2.0, "redis://r:1/0", 2, 256)
+    r = parser.parse_args(expand_config(["router", f"--config={path}", "--port", "1"]))
+    assert (r.policy, r.redis_url, r.port, r.worker) == ("least_loaded", "redis://r:1/0", 1,
+                                                         None)
+    assert expand_config(["status", "--config", "x"]) == ["status", "--config", "x"]
