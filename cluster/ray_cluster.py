@@ -328,7 +328,13 @@ def connect(address: str | None, host: str = "127.0.0.1", dashboard: bool = True
             num_cpus: int | None = None, num_gpus: int | None = None) -> dict:
     """Join the Ray cluster at ``address``, or start a fresh local one on ``host``."""
     if address:
-        ctx = ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        try:
+            ctx = ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        except ConnectionError as e:
+            raise ConnectionError(
+                f"{e}. Is a Ray cluster running there? One started by `ray start` uses "
+                "token authentication: run with RAY_AUTH_MODE=token (the token is read from "
+                "~/.ray/auth_token)") from e
     else:
         ctx = ray.init(_node_ip_address=host, include_dashboard=dashboard,
                        dashboard_host=host, num_cpus=num_cpus, num_gpus=num_gpus,
