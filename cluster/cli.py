@@ -461,14 +461,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     import math
 
     from loadtest.metrics import SLO
-    from loadtest.runner import RunOptions, run, sweep
+    from loadtest.runner import RunOptions, group_sessions, run, sweep
     from loadtest.workloads import (
         arrival_times,
+        mixed_workload,
+        multi_turn_workload,
         random_workload,
         shared_prefix_workload,
         trace_workload,
     )
 
+    if args.compare:
+        from loadtest.plots import compare
+
+        try:
+            png, table = compare(args.compare, args.out or "bench-results/compare.png")
+        except (OSError, ValueError, KeyError) as e:
+            print(f"pdserve bench --compare: {e}", file=sys.stderr)
+            return EXIT_INVALID
+        print(table)
+        print(f"wrote {png}", file=sys.stderr)
+        return 0
     n = args.num_requests
     if args.workload == "trace":
         if not args.trace:
@@ -478,11 +491,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.workload == "shared-prefix":
         requests = shared_prefix_workload(n, args.groups, args.prefix_len, args.input_len,
                                           args.output_len, args.seed, args.max_token_id)
+    elif args.workload == "mixed":
+        requests = mixed_workload(n, args.input_len, args.output_len, args.long_fraction,
+                                  args.long_input_len, args.long_output_len, args.range_ratio,
+                                  args.seed, args.max_token_id)
+    elif args.workload == "multi-turn":
+        requests = multi_turn_workload(n, args.turns, args.input_len, args.output_len,
+                                       args.seed, args.max_token_id)
     else:
         requests = random_workload(n, args.input_len, args.output_len, args.range_ratio,
                                    args.seed, args.max_token_id)
+    sessions = len(group_sessions(requests))
     try:
-        times = arrival_times(len(requests), args.request_rate, args.burstiness, args.seed)
+        times = arrival_times(sessions, args.request_rate, args.burstiness, args.seed)
     except ValueError as e:
         print(f"pdserve bench: {e}", file=sys.stderr)
         return EXIT_INVALID
@@ -495,7 +516,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"burstiness {args.burstiness}, max concurrency {args.max_concurrency or 'none'}, "
           f"target {args.target}", file=sys.stderr)
     opts = RunOptions(args.target, tuple(requests), tuple(times), args.max_concurrency, slo,
-                      progress=not args.no_progress)
+                      progress=not args.no_progress, think_time_s=args.think_time_s,
+                      model=args.model)
     if args.sweep_rates:
         try:
             rates = [float(r) for r in args.sweep_rates.split(",")]
@@ -503,8 +525,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"pdserve bench: --sweep-rates wants numbers like 1,2,4, got "
                   f"{args.sweep_rates!r}", file=sys.stderr)
             return EXIT_INVALID
-        sweep(opts, rates, lambda r: arrival_times(len(requests), r, args.burstiness,
-                                                   args.seed), args.out or "bench-results/sweep")
+        sweep(opts, rates, lambda r: arrival_times(sessions, r, args.burstiness, args.seed),
+              args.out or "bench-results/sweep")
         return 0
     run(opts, args.out, {"workload": args.workload, "request_rate": args.request_rate,
                          "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
@@ -694,17 +716,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="load-test a running router: TTFT, TPOT, ITL, "
                                      "throughput, goodput (vllm bench serve's fields)")
-    b.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
-    b.add_argument("--num-requests", type=int, default=100)
+    b.add_argument("--target", default="127.0.0.1:50051",
+                   help="router gRPC HOST:PORT, or http://HOST:PORT of any OpenAI-compatible "
+                        "server (pdserve's HTTP front, vLLM, ...)")
+    b.add_argument("--model", default=None,
+                   help="OpenAI target: the model name to send (default: its first model)")
+    b.add_argument("--num-requests", type=int, default=100,
+                   help="requests (multi-turn: conversations)")
     b.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests/s, open loop (default inf: all at once)")
     b.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of the arrivals: 1 Poisson, <1 burstier")
     b.add_argument("--max-concurrency", type=int, default=None)
-    b.add_argument("--workload", choices=("random", "shared-prefix", "trace"), default="random")
+    b.add_argument("--workload", choices=("random", "shared-prefix", "mixed", "multi-turn",
+                                          "trace"), default="random")
     b.add_argument("--input-len", type=int, default=256)
     b.add_argument("--output-len", type=int, default=64)
     b.add_argument("--range-ratio", type=float, default=0.0)
+    b.add_argument("--long-fraction", type=float, default=0.25, help="mixed: share of long "
+                                                                     "prompts")
+    b.add_argument("--long-input-len", type=int, default=1536, help="mixed workload")
+    b.add_argument("--long-output-len", type=int, default=16, help="mixed workload")
+    b.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    b.add_argument("--think-time-s", type=float, default=0.0,
+                   help="multi-turn: pause between a reply and the next turn")
+    b.add_argument("--compare", nargs="+", metavar="JSON", default=None,
+                   help="no load: plot earlier runs (or sweeps) side by side and tabulate "
+                        "them; the PNG goes to --out (default bench-results/compare.png)")
     b.add_argument("--prefix-len", type=int, default=512, help="shared-prefix workload")
     b.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
     b.add_argument("--trace", default=None, help="JSONL: timestamp, input_length, "

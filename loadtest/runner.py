@@ -1,12 +1,15 @@
 """``pdserve bench``: drive a router with a workload and report serving metrics.
 
 Lifecycle: build the workload and the send schedule -> at each send time start one
-streamed request over the router's gRPC API (bounded by ``max_concurrency`` when given;
-with an infinite rate that makes a closed loop) -> record the arrival time of every
-token message, the token counts and the cached tokens from the final usage -> print a
-progress line while running and a table at the end -> ``--out`` writes the JSON with
-``vllm bench serve``'s field names (see :mod:`loadtest.metrics`). :func:`sweep` repeats
-the run over request rates from low to saturation and tabulates the goodput curve.
+session (a lone request, or a conversation whose turns follow one another) over the
+router's gRPC API or an OpenAI-compatible HTTP server (bounded by ``max_concurrency``
+when given; with an infinite rate that makes a closed loop), sampling the server's
+queues meanwhile where it tells them -> record the arrival time of every token message,
+the token counts and the cached tokens from the final usage -> print a progress line
+while running and a table at the end -> ``--out`` writes the JSON with ``vllm bench
+serve``'s field names (see :mod:`loadtest.metrics`) plus per-request details, and PNG
+plots beside it (:mod:`loadtest.plots`). :func:`sweep` repeats the run over request
+rates from low to saturation, tabulates and plots the goodput curve.
 """
 
 from __future__ import annotations
@@ -16,11 +19,10 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from router.client import AsyncClient
-
+from .backends import Backend, GrpcBackend, OpenAIBackend
 from .metrics import SLO, RequestRecord, compute_metrics
 from .workloads import Request
 
@@ -28,12 +30,31 @@ from .workloads import Request
 @dataclass(frozen=True)
 class RunOptions:
     target: str
+    """gRPC ``HOST:PORT`` of a router, or an ``http(s)://`` base URL of any
+    OpenAI-compatible server (see :mod:`loadtest.backends`)."""
     requests: tuple[Request, ...]
     send_times: tuple[float, ...]
+    """One per session (a conversation's first turn, or a lone request), in order."""
     max_concurrency: int | None = None
     slo: SLO | None = None
     timeout_s: float = 600.0
     progress: bool = True
+    think_time_s: float = 0.0
+    """Multi-turn: pause between a reply and the conversation's next turn."""
+    model: str | None = None
+    """OpenAI backend: the model name to send (default: the server's first)."""
+    queue_interval_s: float = 0.5
+
+
+def _is_http(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+def backend_for(opts: RunOptions) -> Backend:
+    """Build inside the event loop that will use it (gRPC's aio channel binds to it)."""
+    if _is_http(opts.target):
+        return OpenAIBackend(opts.target, opts.model)
+    return GrpcBackend(opts.target)
 
 
 class _Progress:
@@ -55,40 +76,92 @@ class _Progress:
             sys.stderr.flush()
 
 
-async def _one(client: AsyncClient, req: Request, rec: RequestRecord, timeout: float) -> None:
-    try:
-        async for msg in client.stream(req.prompt, timeout=timeout, max_tokens=req.output_len,
-                                       temperature=0.0, ignore_eos=True):
-            if msg.token_ids:
-                rec.token_times.append(time.monotonic())
-                rec.output_tokens += len(msg.token_ids)
-            if msg.finish_reason:
-                rec.cached_tokens = msg.usage.cached_tokens
-                rec.prompt_tokens = msg.usage.prompt_tokens or rec.prompt_tokens
-    except Exception as e:  # noqa: BLE001 - every failure is counted, the run goes on
-        rec.error = f"{type(e).__name__}: {e}"
+@dataclass
+class Trace:
+    """Everything a run saw: per-request records and the server's queue over time."""
+
+    records: list[RequestRecord]
+    duration: float
+    start: float
+    queue: list[tuple[float, int, int, int]] = field(default_factory=list)
+    """(s from start, waiting, running, reserved), when the backend can tell."""
 
 
-async def drive(opts: RunOptions) -> tuple[list[RequestRecord], float]:
-    """Run the schedule; returns the records and the wall duration."""
+async def drive(opts: RunOptions) -> Trace:
+    """Run the schedule: each session starts at its send time; a conversation's turns
+    follow one another (after ``think_time_s``); at most ``max_concurrency`` requests
+    are in flight."""
+    sessions = group_sessions(opts.requests)
+    if len(sessions) != len(opts.send_times):
+        raise ValueError(f"{len(sessions)} sessions but {len(opts.send_times)} send times")
     limit = asyncio.Semaphore(opts.max_concurrency or len(opts.requests) or 1)
     progress = _Progress(len(opts.requests), opts.progress)
     records: list[RequestRecord] = []
-    async with AsyncClient(opts.target) as client:
+    async with backend_for(opts) as backend:
         start = time.monotonic()
+        trace = Trace(records, 0.0, start)
 
-        async def send(req: Request, at: float) -> None:
-            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+        async def one(req: Request) -> None:
             async with limit:
                 rec = RequestRecord(sent=time.monotonic(), prompt_tokens=len(req.prompt))
                 records.append(rec)
-                await _one(client, req, rec, opts.timeout_s)
+                try:
+                    await backend.send(req.prompt, req.output_len, rec, opts.timeout_s)
+                except Exception as e:  # noqa: BLE001 - every failure counts; the run goes on
+                    rec.error = f"{type(e).__name__}: {e}"
                 progress.tick(rec.ok)
 
-        await asyncio.gather(*(send(r, t) for r, t in zip(opts.requests, opts.send_times,
-                                                            strict=True)))
-        duration = time.monotonic() - start
-    return records, duration
+        async def session(turns: list[Request], at: float) -> None:
+            await asyncio.sleep(max(0.0, start + at - time.monotonic()))
+            for i, req in enumerate(turns):
+                if i and opts.think_time_s:
+                    await asyncio.sleep(opts.think_time_s)
+                await one(req)
+
+        async def sample_queue() -> None:
+            while True:
+                depth = await backend.queue_depth()
+                if depth is None and not trace.queue:
+                    return  # the API does not expose queues
+                if depth is not None:
+                    trace.queue.append((time.monotonic() - start, *depth))
+                await asyncio.sleep(opts.queue_interval_s)
+
+        sampler = asyncio.create_task(sample_queue())
+        await asyncio.gather(*(session(t, at) for t, at in zip(sessions, opts.send_times,
+                                                               strict=True)))
+        trace.duration = time.monotonic() - start
+        sampler.cancel()
+    return trace
+
+
+def group_sessions(requests: tuple[Request, ...] | list[Request]) -> list[list[Request]]:
+    """Requests by conversation (in first-seen order; turns in order); a request without
+    one is a session of its own."""
+    sessions: list[list[Request]] = []
+    by_id: dict[int, list[Request]] = {}
+    for r in requests:
+        if r.conversation is None:
+            sessions.append([r])
+        elif r.conversation in by_id:
+            by_id[r.conversation].append(r)
+        else:
+            by_id[r.conversation] = [r]
+            sessions.append(by_id[r.conversation])
+    return sessions
+
+
+def details(trace: Trace) -> dict:
+    """Per-request series for plots and later analysis (seconds; times from the start)."""
+    done = [r for r in trace.records if r.ok]
+    return {
+        "ttfts": [r.ttft for r in done], "tpots": [r.tpot for r in done],
+        "e2els": [r.e2el for r in done], "itls": [g for r in done for g in r.itls],
+        "sent": [r.sent - trace.start for r in done],
+        "token_times": [[t - trace.start for t in r.token_times] for r in done],
+        "output_tokens": [r.output_tokens for r in done],
+        "queue": [list(q) for q in trace.queue],
+    }
 
 
 def report(metrics: dict) -> str:
@@ -111,15 +184,24 @@ def report(metrics: dict) -> str:
 
 
 def run(opts: RunOptions, out: str | None = None, extra: dict | None = None) -> dict:
-    records, duration = asyncio.run(drive(opts))
-    metrics = compute_metrics(records, duration, opts.slo)
+    """One run: drive, print the table, write ``out`` (the metrics, ``extra`` settings
+    and the per-request ``details``) and, when ``out`` is given, its plots beside it."""
+    trace = asyncio.run(drive(opts))
+    metrics = compute_metrics(trace.records, trace.duration, opts.slo)
     print(report(metrics))
-    errors = sorted({r.error for r in records if r.error})
+    errors = sorted({r.error for r in trace.records if r.error})
     if errors:
         print(f"errors ({len(errors)} kinds): {errors[:3]}", file=sys.stderr)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps({**(extra or {}), **metrics}, indent=2))
+        result = {**(extra or {}), "backend": "openai" if _is_http(opts.target) else "grpc",
+                  **metrics,
+                  "details": details(trace)}
+        Path(out).write_text(json.dumps(result, indent=1))
+        from .plots import plot_run
+
+        png = plot_run(result, Path(out).with_suffix(".png"))
+        print(f"wrote {out} and {png}", file=sys.stderr)
     return metrics
 
 
@@ -142,4 +224,8 @@ def sweep(opts: RunOptions, rates: list[float], times_for: Callable[[float], lis
               f"{p['failed']:>8}")
     Path(f"{out_prefix}-sweep.json").parent.mkdir(parents=True, exist_ok=True)
     Path(f"{out_prefix}-sweep.json").write_text(json.dumps(points, indent=2))
+    from .plots import plot_sweeps
+
+    png = plot_sweeps({Path(out_prefix).name: points}, Path(f"{out_prefix}-sweep.png"))
+    print(f"wrote {out_prefix}-sweep.json and {png}", file=sys.stderr)
     return points

@@ -6,6 +6,10 @@ Workloads yield :class:`Request` (prompt token ids, output length):
   len * (1 + range_ratio)]`` (``vllm bench serve``'s random dataset), random token ids;
 - ``shared-prefix``: ``groups`` system prompts of ``prefix_len`` tokens, each request one
   of them plus a unique ``input_len``-token question;
+- ``mixed``: long prompts among short ones with longer outputs (prefill interfering
+  with ongoing decodes: the disaggregation case);
+- ``multi-turn``: conversations whose prompts grow turn by turn, each turn sent after
+  the previous reply;
 - ``trace``: a JSONL file, one request per line: ``timestamp`` (s, optional: replayed
   on its own schedule), ``input_length``, ``output_length``, ``prefix_group``
   (optional: requests of a group share a prompt prefix of half the shortest input).
@@ -32,6 +36,8 @@ class Request:
     prompt: list[int]
     output_len: int
     at: float | None = None  # seconds from the start (trace replay); None: arrivals decide
+    conversation: int | None = None
+    """Multi-turn: the turns of a conversation are sent one after another, in order."""
 
 
 def _ids(rng: random.Random, n: int, high: int = MAX_TOKEN_ID) -> list[int]:
@@ -57,6 +63,44 @@ def shared_prefix_workload(num: int, groups: int, prefix_len: int, input_len: in
     prefixes = [_ids(rng, prefix_len, max_token_id) for _ in range(groups)]
     return [Request(prefixes[rng.randrange(groups)] + _ids(rng, input_len, max_token_id),
                     output_len) for _ in range(num)]
+
+
+def mixed_workload(num: int, input_len: int, output_len: int, long_fraction: float,
+                   long_input_len: int, long_output_len: int, range_ratio: float = 0.0,
+                   seed: int = 0, max_token_id: int = MAX_TOKEN_ID) -> list[Request]:
+    """Long prompts among ongoing decodes (DistServe's interference case): a
+    ``long_fraction`` of requests have ``long_input_len``-token prompts and
+    ``long_output_len`` outputs, the rest ``input_len`` -> ``output_len``; lengths vary
+    within ``range_ratio``; which request is long is seeded."""
+    if not 0.0 <= long_fraction <= 1.0:
+        raise ValueError(f"long fraction must be in [0, 1], got {long_fraction}")
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        long = rng.random() < long_fraction
+        n_in, n_out = (long_input_len, long_output_len) if long else (input_len, output_len)
+        out.append(Request(_ids(rng, _length(rng, n_in, range_ratio), max_token_id),
+                           _length(rng, n_out, range_ratio)))
+    return out
+
+
+def multi_turn_workload(conversations: int, turns: int, input_len: int, output_len: int,
+                        seed: int = 0, max_token_id: int = MAX_TOKEN_ID) -> list[Request]:
+    """Conversations that grow: turn k's prompt is turn k-1's prompt, a stand-in for its
+    reply (``output_len`` seeded ids: the workload stays the same whatever a server
+    answers) and a new ``input_len``-token user message. Turns of a conversation are
+    sent in order, each after the previous reply; conversations start at the arrival
+    times. Prefix caches see each previous prompt again."""
+    rng = random.Random(seed)
+    out = []
+    for c in range(conversations):
+        history: list[int] = []
+        for t in range(turns):
+            if t:
+                history = history + _ids(rng, output_len, max_token_id)
+            history = history + _ids(rng, input_len, max_token_id)
+            out.append(Request(list(history), output_len, conversation=c))
+    return out
 
 
 def trace_workload(path: str | Path, seed: int = 0, max_token_id: int = MAX_TOKEN_ID
