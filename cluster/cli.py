@@ -533,6 +533,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_headline(args: argparse.Namespace) -> int:
+    from cluster.bench_headline import HeadlineOptions, run_headline
+    from workers.model_store import resolve_model
+
+    try:
+        rates = tuple(float(r) for r in args.rates.split(","))
+    except ValueError:
+        print(f"pdserve bench-headline: --rates wants numbers like 0.2,0.4, got {args.rates!r}",
+              file=sys.stderr)
+        return EXIT_INVALID
+    path = resolve_model(args.model, _cache_dir(args))
+    run_headline(HeadlineOptions(model=str(path), rates=rates, duration_s=args.duration_s,
+                                 slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms,
+                                 out=args.out))
+    return 0
+
+
 def cmd_bench_routing(args: argparse.Namespace) -> int:
     from cluster.bench_routing import RoutingBenchOptions, run
     from workers.model_store import resolve_model
@@ -758,6 +775,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--sweep-rates", default=None,
                    help="comma-separated request rates: one run each, then the goodput curve")
     b.set_defaults(func=cmd_bench)
+
+    bh = sub.add_parser("bench-headline", help="disaggregated (1P+1D) vs colocated (2 mixed) "
+                                               "under long prompts mixed with decodes, swept "
+                                               "over rate")
+    bh.add_argument("--model", default=None)
+    bh.add_argument("--cache-dir", default=None)
+    bh.add_argument("--rates", default="0.2,0.4,0.6,0.8")
+    bh.add_argument("--duration-s", type=float, default=40.0,
+                    help="seconds of arrivals per rate")
+    bh.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    bh.add_argument("--slo-ttft-ms", type=float, default=10000.0)
+    bh.add_argument("--out", default="bench-results/headline")
+    bh.set_defaults(func=cmd_bench_headline)
 
     bq = sub.add_parser("bench-routing", help="cache-aware vs round-robin on a shared-prefix "
                                               "workload, and the routing overhead")

@@ -168,7 +168,8 @@ class LocalCluster:
         def interrupt(signum: int, frame: object) -> None:
             raise KeyboardInterrupt
 
-        signal.signal(signal.SIGTERM, interrupt)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job ignores it
+            signal.signal(sig, interrupt)
         try:
             while True:
                 for p in self.procs:
