@@ -65,14 +65,17 @@ CLUSTERS = {
 }
 
 
-def _workload(o: HeadlineOptions, rate: float) -> tuple[list, list[float]]:
+def _workload(o: HeadlineOptions, rate: float, i: int) -> tuple[list, list[float]]:
+    """Point ``i``'s requests: seeded by the point, so no point reuses another's prompts
+    (the prefix cache would serve them), and the same for both clusters."""
     n = max(12, math.ceil(rate * o.duration_s))
     requests = mixed_workload(n, o.input_len, o.output_len, o.long_fraction,
-                              o.long_input_len, o.long_output_len, 0.2, o.seed)
-    return requests, arrival_times(n, rate, 1.0, o.seed)
+                              o.long_input_len, o.long_output_len, 0.2, o.seed + i)
+    return requests, arrival_times(n, rate, 1.0, o.seed + i)
 
 
 def _sweep(o: HeadlineOptions, name: str, out: Path) -> list[dict]:
+    """Start ``name``'s cluster, warm it, run every rate; writes the sweep's JSON."""
     cfg = LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
                              kv_cache_gb=1.0, threads_per_worker=1,
                              log_dir=str(out / f"{name}-logs"),
@@ -84,19 +87,35 @@ def _sweep(o: HeadlineOptions, name: str, out: Path) -> list[dict]:
             for i in range(4):
                 client.generate(list(range(1000 + i, 1064 + i)), max_tokens=4,
                                 ignore_eos=True, temperature=0.0)
-        for rate in o.rates:
-            requests, times = _workload(o, rate)
+        for i, rate in enumerate(o.rates):
+            requests, times = _workload(o, rate, i)
             print(f"\n== {name}: {len(requests)} requests at {rate:g} req/s ==", flush=True)
             opts = RunOptions(cluster.target, tuple(requests), tuple(times),
                               slo=SLO(o.slo_ttft_ms, o.slo_tpot_ms), progress=True)
             m = run(opts, str(out / f"{name}-rate{rate:g}.json"),
                     {"cluster": name, "request_rate": rate})
+            if m["cached_token_ratio"] > 0.01:
+                print(f"warning: {m['cached_token_ratio']:.1%} of prompt tokens came from "
+                      "the prefix cache", flush=True)
             points.append({"cluster": name, "request_rate": rate, **m})
     (out / f"{name}-sweep.json").write_text(json.dumps(points, indent=2))
     return points
 
 
-def run_headline(o: HeadlineOptions) -> dict:
+TPOT_SLOS_MS = (75.0, 100.0, 150.0, 200.0)
+
+
+def _goodput(run: dict, ttft_ms: float | None, tpot_ms: float) -> float:
+    """Requests/s of ``run`` that met the SLOs (from its per-request details)."""
+    d = run["details"]
+    good = sum(1 for ttft, tpot in zip(d["ttfts"], d["tpots"], strict=True)
+               if (ttft_ms is None or ttft * 1e3 <= ttft_ms)
+               and (tpot is None or tpot * 1e3 <= tpot_ms))
+    return good / run["duration"]
+
+
+def run_headline(o: HeadlineOptions, report_only: bool = False) -> dict:
+    """Run both sweeps (unless ``report_only``: tabulate the files already in ``out``)."""
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     load0 = os.getloadavg()
@@ -108,7 +127,13 @@ def run_headline(o: HeadlineOptions) -> dict:
           f"{o.slo_ttft_ms:g} ms, TPOT <= {o.slo_tpot_ms:g} ms")
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
           f"loadavg {load0[0]:.2f} {load0[1]:.2f}")
-    sweeps = {name: _sweep(o, name, out) for name in CLUSTERS}
+    if not report_only:
+        for name in CLUSTERS:
+            _sweep(o, name, out)
+    sweeps = {name: json.loads((out / f"{name}-sweep.json").read_text()) for name in CLUSTERS}
+    runs = {name: {p["request_rate"]: json.loads(
+        (out / f"{name}-rate{p['request_rate']:g}.json").read_text()) for p in pts}
+        for name, pts in sweeps.items()}
     load1 = os.getloadavg()
     rows = []
     print(f"\n{'rate':>6} | {'ITL p99 ms (D / C)':>22} {'C/D':>6} | "
@@ -116,14 +141,29 @@ def run_headline(o: HeadlineOptions) -> dict:
           f"{'goodput req/s (D / C)':>22} | {'throughput (D / C)':>20}")
     for d, c in zip(sweeps["disaggregated"], sweeps["colocated"], strict=True):
         ratio = c["p99_itl_ms"] / d["p99_itl_ms"] if d["p99_itl_ms"] else float("nan")
-        rows.append({"request_rate": d["request_rate"], "itl_p99_ratio_c_over_d": ratio,
-                     "goodput_disaggregated": d["request_goodput"],
-                     "goodput_colocated": c["request_goodput"]})
-        print(f"{d['request_rate']:>6g} | {d['p99_itl_ms']:>10.0f} / {c['p99_itl_ms']:>9.0f} "
+        rate = d["request_rate"]
+        rows.append({"request_rate": rate, "itl_p99_ms": [d["p99_itl_ms"], c["p99_itl_ms"]],
+                     "itl_p99_ratio_c_over_d": ratio,
+                     "tpot_p99_ms": [d["p99_tpot_ms"], c["p99_tpot_ms"]],
+                     "ttft_p99_ms": [d["p99_ttft_ms"], c["p99_ttft_ms"]],
+                     "goodput": {f"tpot<={t:g}" + ("" if ttft is None else f",ttft<={ttft:g}"):
+                                 [_goodput(runs[n][rate], ttft, t) for n in CLUSTERS]
+                                 for t in TPOT_SLOS_MS for ttft in (o.slo_ttft_ms, None)}})
+        print(f"{rate:>6g} | {d['p99_itl_ms']:>10.0f} / {c['p99_itl_ms']:>9.0f} "
               f"{ratio:>6.1f} | {d['p99_tpot_ms']:>10.0f} / {c['p99_tpot_ms']:>9.0f} | "
               f"{d['p99_ttft_ms']:>10.0f} / {c['p99_ttft_ms']:>9.0f} | "
               f"{d['request_goodput']:>10.2f} / {c['request_goodput']:>9.2f} | "
               f"{d['request_throughput']:>9.2f} / {c['request_throughput']:>8.2f}")
+    print("\ngoodput (req/s, disaggregated / colocated) at TPOT SLOs, with the TTFT SLO "
+          f"({o.slo_ttft_ms:g} ms) and without one:")
+    print(f"{'rate':>6} | " + " | ".join(f"{f'TPOT<={t:g}':>12}{'(no TTFT)':>14}"
+                                          for t in TPOT_SLOS_MS))
+    for row in rows:
+        g = row["goodput"]
+        print(f"{row['request_rate']:>6g} | " + " | ".join(
+            "{:>5.2f}/{:<5.2f}  {:>5.2f}/{:<5.2f} ".format(
+                *g[f"tpot<={t:g},ttft<={o.slo_ttft_ms:g}"], *g[f"tpot<={t:g}"])
+            for t in TPOT_SLOS_MS))
     png = plot_sweeps(sweeps, out / "headline.png")
     summary = {"options": o.__dict__, "machine": {"cpus": os.cpu_count(),
                "arch": platform.machine(), "torch": torch.__version__,

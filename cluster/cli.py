@@ -483,24 +483,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"wrote {png}", file=sys.stderr)
         return 0
     n = args.num_requests
-    if args.workload == "trace":
-        if not args.trace:
-            print("pdserve bench: --workload trace needs --trace FILE.jsonl", file=sys.stderr)
-            return EXIT_INVALID
-        requests = trace_workload(args.trace, args.seed, args.max_token_id)
-    elif args.workload == "shared-prefix":
-        requests = shared_prefix_workload(n, args.groups, args.prefix_len, args.input_len,
-                                          args.output_len, args.seed, args.max_token_id)
-    elif args.workload == "mixed":
-        requests = mixed_workload(n, args.input_len, args.output_len, args.long_fraction,
+    if args.workload == "trace" and not args.trace:
+        print("pdserve bench: --workload trace needs --trace FILE.jsonl", file=sys.stderr)
+        return EXIT_INVALID
+
+    def build(seed: int) -> list:
+        if args.workload == "trace":
+            return trace_workload(args.trace, seed, args.max_token_id)
+        if args.workload == "shared-prefix":
+            return shared_prefix_workload(n, args.groups, args.prefix_len, args.input_len,
+                                          args.output_len, seed, args.max_token_id)
+        if args.workload == "mixed":
+            return mixed_workload(n, args.input_len, args.output_len, args.long_fraction,
                                   args.long_input_len, args.long_output_len, args.range_ratio,
-                                  args.seed, args.max_token_id)
-    elif args.workload == "multi-turn":
-        requests = multi_turn_workload(n, args.turns, args.input_len, args.output_len,
-                                       args.seed, args.max_token_id)
-    else:
-        requests = random_workload(n, args.input_len, args.output_len, args.range_ratio,
-                                   args.seed, args.max_token_id)
+                                  seed, args.max_token_id)
+        if args.workload == "multi-turn":
+            return multi_turn_workload(n, args.turns, args.input_len, args.output_len, seed,
+                                       args.max_token_id)
+        return random_workload(n, args.input_len, args.output_len, args.range_ratio, seed,
+                               args.max_token_id)
+
+    requests = build(args.seed)
     sessions = len(group_sessions(requests))
     try:
         times = arrival_times(sessions, args.request_rate, args.burstiness, args.seed)
@@ -525,8 +528,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(f"pdserve bench: --sweep-rates wants numbers like 1,2,4, got "
                   f"{args.sweep_rates!r}", file=sys.stderr)
             return EXIT_INVALID
-        sweep(opts, rates, lambda r: arrival_times(sessions, r, args.burstiness, args.seed),
-              args.out or "bench-results/sweep")
+        if args.workload == "trace":
+            print("pdserve bench: --sweep-rates replays a trace at its own times; sweep "
+                  "another workload", file=sys.stderr)
+            return EXIT_INVALID
+
+        def point(rate: float, i: int) -> tuple[list, list[float]]:
+            # Fresh prompts per point (seed + i): a point must not hit the prefix cache
+            # the points before it filled.
+            reqs = build(args.seed + i)
+            n = len(group_sessions(reqs))
+            return reqs, arrival_times(n, rate, args.burstiness, args.seed + i)
+
+        sweep(opts, rates, point, args.out or "bench-results/sweep")
         return 0
     run(opts, args.out, {"workload": args.workload, "request_rate": args.request_rate,
                          "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
@@ -544,9 +558,12 @@ def cmd_bench_headline(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_INVALID
     path = resolve_model(args.model, _cache_dir(args))
-    run_headline(HeadlineOptions(model=str(path), rates=rates, duration_s=args.duration_s,
-                                 slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms,
-                                 out=args.out))
+    run_headline(HeadlineOptions(
+        model=str(path), rates=rates, duration_s=args.duration_s, input_len=args.input_len,
+        output_len=args.output_len, long_fraction=args.long_fraction,
+        long_input_len=args.long_input_len, long_output_len=args.long_output_len,
+        slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, out=args.out),
+        report_only=args.report_only)
     return 0
 
 
@@ -784,9 +801,17 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--rates", default="0.2,0.4,0.6,0.8")
     bh.add_argument("--duration-s", type=float, default=40.0,
                     help="seconds of arrivals per rate")
+    bh.add_argument("--input-len", type=int, default=128)
+    bh.add_argument("--output-len", type=int, default=96)
+    bh.add_argument("--long-fraction", type=float, default=0.25,
+                    help="share of requests with --long-input-len prompts instead")
+    bh.add_argument("--long-input-len", type=int, default=1536)
+    bh.add_argument("--long-output-len", type=int, default=16)
     bh.add_argument("--slo-tpot-ms", type=float, default=100.0)
     bh.add_argument("--slo-ttft-ms", type=float, default=10000.0)
     bh.add_argument("--out", default="bench-results/headline")
+    bh.add_argument("--report-only", action="store_true",
+                    help="no runs: tabulate and plot the results already in --out")
     bh.set_defaults(func=cmd_bench_headline)
 
     bq = sub.add_parser("bench-routing", help="cache-aware vs round-robin on a shared-prefix "

@@ -205,14 +205,18 @@ def run(opts: RunOptions, out: str | None = None, extra: dict | None = None) -> 
     return metrics
 
 
-def sweep(opts: RunOptions, rates: list[float], times_for: Callable[[float], list[float]],
+def sweep(opts: RunOptions, rates: list[float],
+          point_for: Callable[[float, int], tuple[list[Request], list[float]]],
           out_prefix: str) -> list[dict]:
-    """One run per rate (low to high), each written to ``{out_prefix}-rate{r}.json``, then
-    the goodput curve as a table and ``{out_prefix}-sweep.json``."""
+    """One run per rate (low to high) with the requests and send times ``point_for(rate,
+    i)`` gives (fresh prompts per point: earlier points must not warm the prefix cache
+    for later ones), each written to ``{out_prefix}-rate{r}.json``, then the goodput
+    curve as a table, ``{out_prefix}-sweep.json`` and its plot."""
     points = []
-    for rate in sorted(rates):
+    for i, rate in enumerate(sorted(rates)):
         print(f"\n== request rate {rate:g} req/s ==", flush=True)
-        point = replace(opts, send_times=tuple(times_for(rate)))
+        requests, times = point_for(rate, i)
+        point = replace(opts, requests=tuple(requests), send_times=tuple(times))
         m = run(point, f"{out_prefix}-rate{rate:g}.json", {"request_rate": rate})
         points.append({"request_rate": rate, **m})
     print(f"\n{'rate':>8}{'req/s':>9}{'goodput':>9}{'TTFT p50':>10}{'TTFT p99':>10}"

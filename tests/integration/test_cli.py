@@ -96,3 +96,41 @@ def test_bench_sweep_writes_a_point_per_rate_and_the_curve(cluster, tmp_path) ->
     assert (tmp_path / "sweep-rate5.json").exists() and (tmp_path / "sweep-rate20.json").exists()
     r = pdserve("bench", "--target", cluster.target, "--sweep-rates", "fast")
     assert r.returncode == 2 and "--sweep-rates" in r.stderr
+
+
+def test_bench_over_openai_http_matches_grpc_counts_and_plots(cluster, tmp_path) -> None:
+    """The same workload through the router's OpenAI HTTP front and its gRPC API: the
+    same requests and tokens are counted, both runs write their plots, and --compare
+    tabulates them side by side."""
+    runs = {}
+    for name, target in (("grpc", cluster.target), ("http", cluster.http_url)):
+        out = tmp_path / f"{name}.json"
+        r = pdserve("bench", "--target", target, "--num-requests", "6", "--input-len", "20",
+                    "--output-len", "5", "--request-rate", "30", "--max-token-id", "300",
+                    "--no-progress", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        runs[name] = json.loads(out.read_text())
+        assert out.with_suffix(".png").stat().st_size > 10_000
+    assert runs["http"]["backend"] == "openai" and runs["grpc"]["backend"] == "grpc"
+    for m in runs.values():
+        assert m["completed"] == 6 and m["failed"] == 0 and m["total_output_tokens"] == 30
+        assert m["total_input_tokens"] == 6 * 20 and m["mean_ttft_ms"] > 0
+        assert len(m["details"]["ttfts"]) == 6
+    assert runs["grpc"]["details"]["queue"], "the gRPC backend samples the server's queues"
+    r = pdserve("bench", "--compare", str(tmp_path / "grpc.json"), str(tmp_path / "http.json"),
+                "--out", str(tmp_path / "cmp.png"))
+    assert r.returncode == 0, r.stderr
+    assert "median_ttft_ms" in r.stdout and "x)" in r.stdout
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
+
+
+def test_bench_multi_turn_conversations_reuse_their_history(cluster, tmp_path) -> None:
+    out = tmp_path / "mt.json"
+    r = pdserve("bench", "--target", cluster.target, "--workload", "multi-turn",
+                "--num-requests", "2", "--turns", "3", "--input-len", "16", "--output-len", "4",
+                "--max-token-id", "300", "--no-progress", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    m = json.loads(out.read_text())
+    assert m["completed"] == 6 and m["failed"] == 0
+    # turn k's prompt holds turn k-1's whole prompt: the prefix cache serves part of it
+    assert m["cached_token_ratio"] > 0.2

@@ -94,3 +94,45 @@ def test_arrivals_poisson_gamma_and_infinite() -> None:
     assert statistics.pstdev(bgaps) > 1.5 * statistics.pstdev(gaps)  # cv 2 vs 1
     with pytest.raises(ValueError):
         arrival_times(3, 0.0)
+
+
+def test_mixed_and_multi_turn_workloads() -> None:
+    from loadtest.runner import group_sessions
+    from loadtest.workloads import mixed_workload, multi_turn_workload
+
+    mixed = mixed_workload(200, 100, 50, 0.25, 1000, 10, seed=3)
+    long = [r for r in mixed if len(r.prompt) == 1000]
+    assert 30 < len(long) < 70 and all(r.output_len == 10 for r in long)
+    assert all(len(r.prompt) == 100 and r.output_len == 50 for r in mixed if r not in long)
+    assert mixed == mixed_workload(200, 100, 50, 0.25, 1000, 10, seed=3)
+    turns = multi_turn_workload(2, 3, 8, 4, seed=1)
+    assert [r.conversation for r in turns] == [0, 0, 0, 1, 1, 1]
+    assert [len(r.prompt) for r in turns[:3]] == [8, 8 + 4 + 8, 8 + 4 + 8 + 4 + 8]
+    assert turns[1].prompt[:8] == turns[0].prompt and turns[2].prompt[:20] == turns[1].prompt
+    sessions = group_sessions(turns + mixed[:2])
+    assert [len(s) for s in sessions] == [3, 3, 1, 1]
+
+
+def test_run_plot_and_compare_write_pngs_and_ratios(tmp_path) -> None:
+    import json
+
+    from loadtest.plots import compare, plot_run, plot_sweeps
+
+    def result(scale: float) -> dict:
+        token_times = [[0.1 * scale + 0.05 * k for k in range(5)] for _ in range(4)]
+        return {"completed": 4, "request_throughput": 2.0 / scale, "output_throughput": 10.0,
+                "median_ttft_ms": 100.0 * scale, "p99_itl_ms": 50.0 * scale,
+                "details": {"ttfts": [0.1 * scale] * 4, "tpots": [0.05] * 4,
+                            "itls": [0.05] * 16, "e2els": [0.3] * 4, "sent": [0.0] * 4,
+                            "token_times": token_times, "output_tokens": [5] * 4,
+                            "queue": []}}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(result(1.0)))
+    b.write_text(json.dumps(result(2.0)))
+    assert plot_run(result(1.0), tmp_path / "a.png").stat().st_size > 10_000
+    png, table = compare([str(a), str(b)], tmp_path / "cmp.png")
+    assert png.stat().st_size > 10_000
+    assert "median_ttft_ms" in table and "(2.00x)" in table and "(0.50x)" in table
+    sweep = [{"request_rate": r, "request_throughput": r, "p99_itl_ms": 10.0,
+              "p99_tpot_ms": 5.0, "p99_ttft_ms": 100.0} for r in (1.0, 2.0)]
+    assert plot_sweeps({"s": sweep}, tmp_path / "s.png").stat().st_size > 10_000
