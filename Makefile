@@ -45,6 +45,7 @@ bench: install
 	$(VENV)/bin/pdserve bench-router
 	$(VENV)/bin/pdserve bench-disagg
 	$(VENV)/bin/pdserve bench-routing
+	$(VENV)/bin/pdserve bench-headline
 
 lint: install
 	$(VENV)/bin/ruff check .
