@@ -98,3 +98,20 @@ def test_a_component_reads_its_settings_from_the_deployment_file(tmp_path: Path)
     assert (r.policy, r.redis_url, r.port, r.worker) == ("least_loaded", "redis://r:1/0", 1,
                                                          None)
     assert expand_config(["status", "--config", "x"]) == ["status", "--config", "x"]
+
+
+def test_deploy_files_agree_with_the_package() -> None:
+    """The image copies every package pyproject installs; the launcher YAML parses."""
+    import tomllib
+
+    import yaml
+
+    root = Path(__file__).parents[2]
+    packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "packages"]["find"]["include"]
+    dockerfile = (root / "deploy" / "Dockerfile").read_text()
+    for pkg in packages:
+        name = pkg.rstrip("*")
+        assert f"COPY {name} {name}" in dockerfile, f"deploy/Dockerfile misses {name}/"
+    launcher = yaml.safe_load((root / "deploy" / "ray-cluster.yaml").read_text())
+    assert launcher["provider"]["type"] == "local" and launcher["head_start_ray_commands"]
