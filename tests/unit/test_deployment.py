@@ -103,7 +103,6 @@ def test_a_component_reads_its_settings_from_the_deployment_file(tmp_path: Path)
 def test_deploy_files_agree_with_the_package() -> None:
     """The image copies every package pyproject installs; the launcher YAML parses."""
     import tomllib
-
     import yaml
 
     root = Path(__file__).parents[2]
