@@ -46,7 +46,7 @@ from .local import LocalCluster, LocalClusterConfig, free_port
 @dataclass(frozen=True)
 class HeadlineOptions:
     model: str
-    rates: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
+    rates: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     duration_s: float = 40.0
     input_len: int = 128
     output_len: int = 96

@@ -798,7 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                "over rate")
     bh.add_argument("--model", default=None)
     bh.add_argument("--cache-dir", default=None)
-    bh.add_argument("--rates", default="0.2,0.4,0.6,0.8")
+    bh.add_argument("--rates", default="0.25,0.5,0.75,1.0")
     bh.add_argument("--duration-s", type=float, default=40.0,
                     help="seconds of arrivals per rate")
     bh.add_argument("--input-len", type=int, default=128)
