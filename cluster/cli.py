@@ -562,8 +562,8 @@ def cmd_bench_headline(args: argparse.Namespace) -> int:
         model=str(path), rates=rates, duration_s=args.duration_s, input_len=args.input_len,
         output_len=args.output_len, long_fraction=args.long_fraction,
         long_input_len=args.long_input_len, long_output_len=args.long_output_len,
-        slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, out=args.out),
-        report_only=args.report_only)
+        slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, seed=args.seed,
+        out=args.out), report_only=args.report_only)
     return 0
 
 
@@ -809,6 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--long-output-len", type=int, default=16)
     bh.add_argument("--slo-tpot-ms", type=float, default=100.0)
     bh.add_argument("--slo-ttft-ms", type=float, default=10000.0)
+    bh.add_argument("--seed", type=int, default=0, help="workload seed (point i uses seed + i)")
     bh.add_argument("--out", default="bench-results/headline")
     bh.add_argument("--report-only", action="store_true",
                     help="no runs: tabulate and plot the results already in --out")
