@@ -187,7 +187,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"prefix index: {'up' if status.prefix_index_up else 'not in use or down'}; "
           f"routing decisions: {decisions or 'none yet'}")
     print(f"{'worker':24}{'role':8}{'serving':>8}{'running':>9}{'waiting':>9}{'reserved':>9}"
-          f"{'free KV':>14}  transfers done/failed/timed out, in flight, MB")
+          f"{'free KV':>14}{'prefix hit':>11}  transfers done/failed/timed out, in flight, MB")
     for w in status.workers:
         t = w.transfers
         moved = (f"{t.entered.get('done', 0)}/{t.entered.get('failed', 0)}/"
@@ -195,8 +195,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                  if w.role in ("prefill", "decode") else "-")
         print(f"{w.address:24}{w.role:8}{'yes' if w.serving else 'NO':>8}"
               f"{w.running_requests:>9}{w.waiting_requests:>9}{w.reserved_requests:>9}"
-              f"{f'{w.free_blocks}/{w.total_blocks}':>14}  {moved}")
+              f"{f'{w.free_blocks}/{w.total_blocks}':>14}"
+              f"{_ratio(w.cached_prompt_tokens, w.prompt_tokens):>11}  {moved}")
     return _ray_status(args.ray_address) if args.ray else 0
+
+
+def _ratio(part: int, whole: int) -> str:
+    return f"{part / whole:.0%}" if whole else "-"
 
 
 def _ray_view(address: str) -> dict:

@@ -586,7 +586,8 @@ class Router:
                     running_requests=load.running_requests,
                     waiting_requests=load.waiting_requests, free_blocks=load.free_blocks,
                     total_blocks=load.total_blocks, reserved_requests=load.reserved_requests,
-                    transfers=load.transfers))
+                    transfers=load.transfers, prompt_tokens=load.prompt_tokens,
+                    cached_prompt_tokens=load.cached_prompt_tokens))
             except grpc.aio.AioRpcError:
                 resp.workers.append(api_pb2.WorkerStatus(address=w.address, serving=False))
         return resp

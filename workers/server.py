@@ -243,7 +243,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             free_blocks=load.free_blocks, total_blocks=load.total_blocks,
             max_model_len=engine.max_model_len, reserved_requests=load.reserved,
             transfers=self.transfer_stats(), block_size=engine.config.block_size,
-            model_id=engine.model_id)
+            model_id=engine.model_id, prompt_tokens=self._loop.counters.prompt_tokens,
+            cached_prompt_tokens=self._loop.counters.cached_prompt_tokens)
 
     def transfer_stats(self) -> common_pb2.TransferStats:
         end = self._sender or self._receiver

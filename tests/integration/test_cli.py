@@ -62,6 +62,15 @@ def test_status_and_generate_against_a_running_cluster(cluster) -> None:
     assert out["prompt_token_ids"] and 0 < out["ttft_s"] <= out["e2e_s"]
     r = pdserve("generate", "--target", cluster.target, "--top-p", "0", "hi")
     assert r.returncode == 2 and "top_p" in r.stderr
+    for _ in range(2):  # the second is a prefix-cache hit
+        r = pdserve("generate", "--target", cluster.target, "--max-tokens", "2", "--json",
+                    "The same long prompt, twice, so that its blocks are cached. " * 4)
+        assert r.returncode == 0, r.stderr
+    r = pdserve("status", "--target", cluster.target)
+    assert r.returncode == 0 and "prefix hit" in r.stdout
+    status = json.loads(pdserve("status", "--target", cluster.target, "--json").stdout)
+    worker = status["workers"][0]
+    assert 0 < int(worker["cachedPromptTokens"]) < int(worker["promptTokens"])
 
 
 @pytest.mark.parametrize("pools", [["--prefill", "1"], ["--decode", "2"], ["--mixed", "0"]])

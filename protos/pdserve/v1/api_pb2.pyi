@@ -124,7 +124,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("address", "role", "serving", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "reserved_requests", "transfers")
+    __slots__ = ("address", "role", "serving", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "reserved_requests", "transfers", "prompt_tokens", "cached_prompt_tokens")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,8 @@ class WorkerStatus(_message.Message):
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RESERVED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     address: str
     role: str
     serving: bool
@@ -143,7 +145,9 @@ class WorkerStatus(_message.Message):
     total_blocks: int
     reserved_requests: int
     transfers: _common_pb2.TransferStats
-    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., serving: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ...) -> None: ...
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    def __init__(self, address: _Optional[str] = ..., role: _Optional[str] = ..., serving: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class GetStatusResponse(_message.Message):
     __slots__ = ("model", "workers", "requests_in_flight", "max_requests_in_flight", "routing_decisions", "prefix_index_up")

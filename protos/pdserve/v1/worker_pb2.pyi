@@ -96,7 +96,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("role", "model", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "max_model_len", "reserved_requests", "transfers", "block_size", "model_id")
+    __slots__ = ("role", "model", "running_requests", "waiting_requests", "free_blocks", "total_blocks", "max_model_len", "reserved_requests", "transfers", "block_size", "model_id", "prompt_tokens", "cached_prompt_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,8 @@ class WorkerLoad(_message.Message):
     TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     model: str
     running_requests: int
@@ -119,4 +121,6 @@ class WorkerLoad(_message.Message):
     transfers: _common_pb2.TransferStats
     block_size: int
     model_id: str
-    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
