@@ -34,6 +34,8 @@ VALUES = {
     "external-redis": ["--set", "redis.enabled=false",
                        "--set", "redis.externalUrl=redis://redis.example:6379/0"],
     "scaled": ["--set", "pools.prefill.autoscaling.enabled=true",
+               "--set", "pools.decode.autoscaling.enabled=true",
+               "--set", "pools.decode.autoscaling.metric=queue",
                "--set", "pools.decode.replicas=3", "--set", "pools.mixed.replicas=1",
                "--set", "metrics.serviceMonitor.enabled=true", "--set", "router.replicas=2"],
 }
@@ -80,6 +82,11 @@ def test_chart_lints_renders_and_validates(helm: str, name: str) -> None:
         assert "StatefulSet" not in kinds
     if name == "scaled":
         assert {"HorizontalPodAutoscaler", "ServiceMonitor"} <= set(kinds)
+        hpas = {d["metadata"]["name"]: d["spec"]["metrics"][0] for d in docs
+                if d["kind"] == "HorizontalPodAutoscaler"}
+        assert hpas["rel-pdserve-prefill"]["type"] == "Resource"
+        assert hpas["rel-pdserve-decode"]["pods"]["metric"]["name"] == \
+            "pdserve_num_requests_waiting"
     if name == "gpu":
         workers = [d for d in docs if d["kind"] == "Deployment"
                    and d["metadata"]["labels"].get("pdserve.io/role")]
@@ -178,6 +185,7 @@ def test_kuberay_head_runs_pdserve_up_on_the_local_ray(helm: str, tmp_path: Path
     (["--set", "pools.prefill.replicas=0", "--set", "pools.decode.replicas=0"],
      "pools: no workers"),
     (["--set", "redis.enabled=false"], "routers find workers through the Redis registry"),
+    (["--set", "pools.decode.autoscaling.metric=gpu"], "/pools/decode/autoscaling/metric"),
 ])
 def test_bad_values_are_refused_with_the_key(helm: str, args: list[str], message: str) -> None:
     r = render(helm, *args)
