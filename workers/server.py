@@ -5,9 +5,9 @@ KV cache (the slow part), start the engine thread (and the KV channel end of the
 a sender on ``prefill``, a receiver hosting its rendezvous on ``decode``), serve
 Prometheus ``/metrics`` (``--metrics-port``), mark gRPC health SERVING, register (with
 ``--redis-url``), serve until stopped, then mark NOT_SERVING. SIGTERM (what Kubernetes
-and ``pdserve scale`` send) drains first: leave the registry, keep serving what was
-already routed here until nothing runs, waits or is in transfer (at most
-``drain_timeout_s``). SIGINT skips the drain. Then stop accepting, abort what is left
+sends; ``pdserve scale`` sets ``drain`` on the actor instead) drains first: leave the
+registry, keep serving what was already routed here until nothing runs, waits or is in
+transfer (at most ``drain_timeout_s``). SIGINT skips the drain. Then stop accepting, abort what is left
 (freeing its blocks), close the channel and exit.
 
 Calls: ``Generate`` (any role) runs a request here, a server stream; ``Prefill``
