@@ -7,8 +7,8 @@ Prometheus ``/metrics`` (``--metrics-port``), mark gRPC health SERVING, register
 ``--redis-url``), serve until stopped, then mark NOT_SERVING. SIGTERM (what Kubernetes
 sends; ``pdserve scale`` sets ``drain`` on the actor instead) drains first: leave the
 registry, keep serving what was already routed here until nothing runs, waits or is in
-transfer (at most ``drain_timeout_s``). SIGINT skips the drain. Then stop accepting, abort what is left
-(freeing its blocks), close the channel and exit.
+transfer (at most ``drain_timeout_s``). SIGINT skips the drain. Then stop accepting,
+abort what is left (freeing its blocks), close the channel and exit.
 
 Calls: ``Generate`` (any role) runs a request here, a server stream; ``Prefill``
 (prefill role) computes a prompt, returns its first token and sends the KV to the
