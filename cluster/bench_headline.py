@@ -107,10 +107,9 @@ TPOT_SLOS_MS = (75.0, 100.0, 150.0, 200.0)
 
 def _goodput(run: dict, ttft_ms: float | None, tpot_ms: float) -> float:
     """Requests/s of ``run`` that met the SLOs (from its per-request details)."""
-    d = run["details"]
-    good = sum(1 for ttft, tpot in zip(d["ttfts"], d["tpots"], strict=True)
-               if (ttft_ms is None or ttft * 1e3 <= ttft_ms)
-               and (tpot is None or tpot * 1e3 <= tpot_ms))
+    d, slo = run["details"], SLO(ttft_ms, tpot_ms)
+    good = sum(slo.met(*latencies) for latencies in zip(d["ttfts"], d["tpots"], d["e2els"],
+                                                        strict=True))
     return good / run["duration"]
 
 

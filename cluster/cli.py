@@ -336,9 +336,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _up_on_ray(config) -> int:  # noqa: ANN001 - DeploymentConfig
-    import signal
-
-    from cluster.local import banner, start_redis
+    from cluster.local import banner, start_redis, stop_on_signals
     from cluster.ray_cluster import RayDeployment
 
     if config.ray_address and not config.redis_url:
@@ -349,15 +347,11 @@ def _up_on_ray(config) -> int:  # noqa: ANN001 - DeploymentConfig
     deployment = RayDeployment(config, redis.url if redis else config.redis_url,
                                component_config)
 
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
     try:
         print(f"pdserve up: placing {config.pool_sizes()} on Ray ...", file=sys.stderr,
               flush=True)
         deployment.start()
-        for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which sets its own
-            signal.signal(sig, interrupt)
+        stop_on_signals()  # after ray.init, which sets its own handlers
         host, _ = deployment.router["address"].rsplit(":", 1)
         http = deployment.router.get("http_port")
         metrics = deployment.router.get("metrics_port")

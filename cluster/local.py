@@ -25,7 +25,8 @@ from .net import free_port
 from .redis_server import RedisServer
 
 LocalClusterConfig = DeploymentConfig  # what this launcher reads (its ``launcher`` is moot)
-__all__ = ["LocalCluster", "LocalClusterConfig", "banner", "free_port", "start_redis"]
+__all__ = ["LocalCluster", "LocalClusterConfig", "banner", "free_port", "start_redis",
+           "stop_on_signals"]
 
 
 def _die_with_parent() -> None:
@@ -37,6 +38,17 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, signal.SIGTERM)
     except OSError:
         pass
+
+
+def stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt in the main thread: ``pdserve up``'s
+    way out. SIGINT explicitly too: a background job starts with it ignored."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, interrupt)
 
 
 def start_redis(c: DeploymentConfig) -> RedisServer | None:
@@ -81,16 +93,21 @@ class LocalCluster:
         self.threads = config.threads(os.cpu_count() or 1)
         self.worker_addresses = [f"{config.host}:{free_port(config.host)}"
                                  for _ in self.workers]
-        self.metrics_urls = {name: f"http://{config.host}:{free_port(config.host)}/metrics"
-                             for name, _ in self.workers}
+        self.metrics_ports = {name: free_port(config.host) for name, _ in self.workers}
         if config.metrics_port is not None:
-            self.metrics_urls["router"] = f"http://{config.host}:{config.metrics_port}/metrics"
+            self.metrics_ports["router"] = config.metrics_port
         self.target = f"{config.host}:{config.port}"
         self.http_url = (f"http://{config.host}:{config.http_port}"
                          if config.http_port else None)
         self.procs: list[subprocess.Popen] = []
         self.names: list[str] = []
         self.redis_url: str | None = None
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """Each process's ``/metrics`` (workers by name, and ``router``)."""
+        return {name: f"http://{self.config.host}:{port}/metrics"
+                for name, port in self.metrics_ports.items()}
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -124,9 +141,9 @@ class LocalCluster:
         self.redis_url = redis.url if redis is not None else self.config.redis_url
         for (name, role), address in zip(self.workers, self.worker_addresses, strict=True):
             host, port = address.rsplit(":", 1)
-            metrics_port = int(self.metrics_urls[name].rsplit(":", 1)[1].split("/")[0])
             self._spawn(name, c.worker_args(role, host, int(port), self.redis_url,
-                                            self.threads, metrics_port), self.threads)
+                                            self.threads, self.metrics_ports[name]),
+                        self.threads)
         self._spawn("router", c.router_args(self.worker_addresses, self.redis_url), 1)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
@@ -160,11 +177,7 @@ class LocalCluster:
     def wait(self) -> int:
         """Serve until Ctrl-C or SIGTERM (exit 0) or until a process dies (exit 1)."""
 
-        def interrupt(signum: int, frame: object) -> None:
-            raise KeyboardInterrupt
-
-        for sig in (signal.SIGINT, signal.SIGTERM):  # SIGINT too: a background job ignores it
-            signal.signal(sig, interrupt)
+        stop_on_signals()
         try:
             while True:
                 for p in self.procs:

@@ -100,7 +100,6 @@ class Metrics:
         self.registry = prom.CollectorRegistry()
         self._prom: dict[str, object] = {}
         self._ray: dict[str, object] = {}
-        self._specs = {s.name: s for s in CATALOG}
         const = tuple(self.labels)
         for s in CATALOG:
             keys = const + s.labels

@@ -64,12 +64,16 @@ class SLO:
     e2el_ms: float | None = None
 
     def met_by(self, r: RequestRecord) -> bool:
-        if self.ttft_ms is not None and r.ttft * 1e3 > self.ttft_ms:
+        return self.met(r.ttft, r.tpot, r.e2el)
+
+    def met(self, ttft_s: float, tpot_s: float | None, e2el_s: float) -> bool:
+        """Whether a request with these latencies (seconds; TPOT None: one output token)
+        meets every SLO given."""
+        if self.ttft_ms is not None and ttft_s * 1e3 > self.ttft_ms:
             return False
-        tpot = r.tpot
-        if self.tpot_ms is not None and tpot is not None and tpot * 1e3 > self.tpot_ms:
+        if self.tpot_ms is not None and tpot_s is not None and tpot_s * 1e3 > self.tpot_ms:
             return False
-        return not (self.e2el_ms is not None and r.e2el * 1e3 > self.e2el_ms)
+        return not (self.e2el_ms is not None and e2el_s * 1e3 > self.e2el_ms)
 
 
 def percentile(values: list[float], p: float) -> float:

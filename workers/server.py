@@ -246,9 +246,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_id=engine.model_id, prompt_tokens=self._loop.counters.prompt_tokens,
             cached_prompt_tokens=self._loop.counters.cached_prompt_tokens)
 
-    def transfer_stats(self) -> common_pb2.TransferStats:
+    def channel_stats(self) -> ChannelStats | None:
+        """This role's end of the KV channel's counters; None on a mixed worker."""
         end = self._sender or self._receiver
-        return stats_to_proto(end.stats() if end is not None else None)
+        return end.stats() if end is not None else None
+
+    def transfer_stats(self) -> common_pb2.TransferStats:
+        return stats_to_proto(self.channel_stats())
 
 
 def channel_ends(config: WorkerConfig, engine: LLMEngine
@@ -304,8 +308,7 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     metrics = Metrics({"model": config.model_name, "role": config.role, "worker": address},
                       ray=config.ray_metrics)
-    sampler = WorkerMetrics(metrics, loop, lambda: (sender or receiver).stats()
-                            if (sender or receiver) else None)
+    sampler = WorkerMetrics(metrics, loop, servicer.channel_stats)
     metrics_port = (metrics.serve(config.metrics_port, config.host)
                     if config.metrics_port is not None else None)
     await server.start()
