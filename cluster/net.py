@@ -1,12 +1,67 @@
-"""Loopback helpers shared by the launchers, the Redis starter and the tests."""
+"""Loopback helpers shared by the launchers, the Redis starter and the tests.
+
+Why ports are picked *below* the kernel's ephemeral range: a launcher picks a port, hands
+it to a child on its command line, and the child binds it seconds later (after its
+imports, or after loading a model). A port from the ephemeral range (what binding port 0
+returns) can be taken in that window by any outgoing connection on the machine, and
+clusters make many (Redis clients, gRPC channels, gloo pairs): the child then dies with
+"address already in use". Outgoing connections never use a port outside
+``ip_local_port_range``, so a port picked there can only be taken by another explicit
+bind; picks are random and this process never hands out the same port twice.
+"""
 
 from __future__ import annotations
 
+import random
 import socket
+import threading
+from collections import deque
+
+_LOWEST = 20000  # above Ray's worker ports (10002-19999) and the usual service ports
+_issued: deque[int] = deque(maxlen=4096)  # the latest picks; a stopped cluster's ports age out
+_lock = threading.Lock()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports it assigns by itself (Linux; the usual default
+    elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+            return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free on ``host`` now (someone may take it before we bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on ``host`` now, outside the ephemeral range when there is room
+    there (see the module docstring), never one this process handed out before."""
+    low, high = ephemeral_range()
+    candidates = [(_LOWEST, low - 1), (high + 1, 65535)]
+    span = [(a, b) for a, b in candidates if b - a >= 1000]
+    with _lock:
+        for _ in range(200):
+            if not span:
+                break
+            a, b = random.choice(span)
+            port = random.randint(a, b)  # noqa: S311 - not a secret
+            if port not in _issued and _bindable(host, port):
+                _issued.append(port)
+                return port
+        # No room outside the range (a tuned kernel): let the OS pick, and accept the race.
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _issued:
+                _issued.append(port)
+                return port

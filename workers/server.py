@@ -50,6 +50,8 @@ from .transfer import (
     KVSender,
     PagedCacheDestination,
     TransferConfig,
+    TransferResult,
+    TransferState,
 )
 
 log = logging.getLogger(__name__)
@@ -115,6 +117,12 @@ def to_proto(out: RequestOutput, first_index: int) -> worker_pb2.WorkerGenerateR
     return msg
 
 
+def _log_failed_send(result: TransferResult) -> None:
+    if result.state is not TransferState.DONE:  # the decode side recomputes or migrates
+        log.warning("KV send of %s ended %s: %s", result.request_id, result.state.value,
+                    result.reason)
+
+
 def stats_to_proto(stats: ChannelStats | None) -> common_pb2.TransferStats:
     if stats is None:
         return common_pb2.TransferStats()
@@ -165,6 +173,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 log.exception("request %s: cannot send its KV", req.request_id)
                 release()
                 return
+            handle.add_done_callback(_log_failed_send)
             handle.add_quiesced_callback(lambda: loop.call_soon(release))
 
         last = None

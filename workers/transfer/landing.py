@@ -75,7 +75,7 @@ def receive_direct(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Mes
             w.wait(td(timeout_s))
         _sync(wire_device)
     except BaseException:
-        settle_when_resolved(handle, works, "direct receive")
+        settle_when_resolved(handle, works, "direct receive", timeout_s)
         raise
 
 

@@ -32,6 +32,7 @@ import datetime
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterable
 
 import torch.distributed as dist
@@ -138,10 +139,17 @@ def wait_key(store: dist.Store, key: str, timeout_s: float) -> bytes | None:
     return store.get(key)
 
 
-def settle_when_resolved(handle: TransferHandle, works: Iterable[dist.Work], what: str) -> None:
+def settle_when_resolved(handle: TransferHandle, works: Iterable[dist.Work], what: str,
+                         timeout_s: float) -> None:
     """Call before ending a failed transfer: gloo cannot take back a posted send or
     receive, so the handle does not quiesce (its memory is not reused) until every
-    posted message has resolved, watched on a daemon thread."""
+    posted message has resolved, watched on a daemon thread.
+
+    Each is waited on for at most ``timeout_s`` (the data timeout): a wait that times
+    out makes gloo close the pair, which fails every message still posted on it (the
+    pair is abandoned anyway). Seen with a decode worker SIGKILLed mid-send: a posted
+    send neither completed nor failed until its wait timed out, so a longer wait here
+    held the prefill's blocks that much longer."""
     pending = [w for w in works if not w.is_completed()]
     if not pending:
         return
@@ -150,12 +158,15 @@ def settle_when_resolved(handle: TransferHandle, works: Iterable[dist.Work], wha
                 "memory stays held until they resolve", what, handle.request_id, len(pending))
 
     def watch() -> None:
+        t0 = time.monotonic()
         for w in pending:
             while not w.is_completed():
                 try:
-                    w.wait(td(60.0))
-                except Exception:  # noqa: BLE001, S110 - resolved (failed) or not yet
-                    pass
+                    w.wait(td(timeout_s))
+                except Exception as e:  # noqa: BLE001 - resolved (failed) or not yet
+                    log.debug("%s of %r: posted message: %s", what, handle.request_id, e)
+        log.info("%s of %r: the posted messages resolved after %.1fs; memory released",
+                 what, handle.request_id, time.monotonic() - t0)
         settle()
 
     threading.Thread(target=watch, daemon=True, name=f"kvx-linger-{handle.request_id}").start()

@@ -327,7 +327,7 @@ class KVSender:
             for w in works:
                 w.wait(td(self.config.data_timeout_s))
         except BaseException:
-            settle_when_resolved(handle, works, "send")  # the source may still be read
+            settle_when_resolved(handle, works, "send", self.config.data_timeout_s)  # still read?
             raise
         if drop:
             raise ChannelError(f"fault injection: transfer of {handle.request_id!r} dropped "
