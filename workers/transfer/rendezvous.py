@@ -85,7 +85,12 @@ def listen_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 
 
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """A client of a remote store; raises within ``timeout_s`` if nobody answers."""
+    """A client of a remote store; raises within ``timeout_s`` if nobody answers, and
+    at once (ConnectionRefusedError) when nothing listens there: TCPStore's client
+    retries a refused connect for its whole timeout, which would keep every send to a
+    dead decode worker (and the prefill blocks it reads) waiting that long."""
+    with socket.create_connection((host, port), timeout=timeout_s):
+        pass
     return dist.TCPStore(host, port, None, False, td(timeout_s), wait_for_workers=False)
 
 
