@@ -1,0 +1,20 @@
+"""free_port: ports a launcher hands to a child must not be ones the kernel gives to
+outgoing connections in the meantime (see cluster.net)."""
+
+from __future__ import annotations
+
+import socket
+
+from cluster.net import ephemeral_range, free_port
+
+
+def test_picks_are_outside_the_ephemeral_range_unique_and_bindable() -> None:
+    low, high = ephemeral_range()
+    picks = [free_port() for _ in range(300)]
+    assert len(set(picks)) == len(picks)
+    assert all(not (low <= p <= high) for p in picks), [p for p in picks if low <= p <= high]
+    assert all(p >= 20000 for p in picks)  # above Ray's worker ports
+    for p in picks[:20]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", p))
+
