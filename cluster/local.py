@@ -84,6 +84,16 @@ def banner(c: DeploymentConfig, threads: int, target: str, http_url: str | None,
     return "\n".join(lines)
 
 
+def _log_tail(path: str, limit: int = 2000) -> str:
+    """The end of a log, to quote in an error (a CI run keeps no files)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - limit))
+            return ":\n" + f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 class LocalCluster:
     def __init__(self, config: LocalClusterConfig) -> None:
         if config.metrics_port == 0:  # any free one, known before the router starts
@@ -159,7 +169,7 @@ class LocalCluster:
                     where = (os.path.join(self.config.log_dir, f"{name}.log")
                              if self.config.log_dir else "its output above")
                     raise RuntimeError(f"{name} exited with {proc.returncode} while starting; "
-                                       f"see {where}")
+                                       f"see {where}{_log_tail(where)}")
                 try:
                     status = client.status(timeout=2.0)
                     if all(w.serving for w in status.workers):

@@ -178,3 +178,12 @@ def test_overload_is_resource_exhausted_never_a_hang(tiny_checkpoints, tmp_path)
         assert_cluster_idle(c)
     finally:
         c.stop()
+
+
+def test_a_worker_that_cannot_start_is_named_with_its_log(tmp_path) -> None:
+    """A CI run keeps no files: the start-up error quotes the failing process's log."""
+    with pytest.raises(RuntimeError) as info:
+        start(tmp_path / "no-such-model", tmp_path, prefill=1, decode=1)
+    text = str(info.value)
+    assert " while starting; see " in text and ".log:" in text
+    assert "no-such-model' does not exist" in text  # the worker's own words, quoted
