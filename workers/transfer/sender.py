@@ -326,8 +326,8 @@ class KVSender:
         try:
             for w in works:
                 w.wait(td(self.config.data_timeout_s))
-        except BaseException:
-            settle_when_resolved(handle, works, "send", self.config.data_timeout_s)  # still read?
+        except BaseException:  # the source may still be read until the posted sends resolve
+            settle_when_resolved(handle, works, "send", self.config.data_timeout_s)
             raise
         if drop:
             raise ChannelError(f"fault injection: transfer of {handle.request_id!r} dropped "
