@@ -20,6 +20,7 @@ import sys
 import time
 from types import TracebackType
 
+from .child import guarded
 from .deployment import DeploymentConfig
 from .net import free_port
 from .redis_server import RedisServer
@@ -27,17 +28,6 @@ from .redis_server import RedisServer
 LocalClusterConfig = DeploymentConfig  # what this launcher reads (its ``launcher`` is moot)
 __all__ = ["LocalCluster", "LocalClusterConfig", "banner", "free_port", "start_redis",
            "stop_on_signals"]
-
-
-def _die_with_parent() -> None:
-    """Children get SIGTERM if ``pdserve up`` dies without cleaning up (Linux only)."""
-    try:
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def stop_on_signals() -> None:
@@ -57,8 +47,7 @@ def start_redis(c: DeploymentConfig) -> RedisServer | None:
     if c.redis_url or not c.redis:
         return None
     try:
-        return RedisServer(c.host, preexec_fn=_die_with_parent
-                           if sys.platform == "linux" else None)
+        return RedisServer(c.host, guard=True)
     except FileNotFoundError as e:
         print(f"pdserve up: {e}; routing by load only, no shared prefix index",
               file=sys.stderr)
@@ -133,9 +122,8 @@ class LocalCluster:
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
             out = open(os.path.join(self.config.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", *args], env=env,
-                                stdout=out, stderr=out,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        proc = subprocess.Popen(guarded([sys.executable, "-m", "cluster.cli", *args]),
+                                env=env, stdout=out, stderr=out)
         if out is not None:
             out.close()  # the child holds its own descriptor
         self.procs.append(proc)

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from .child import guarded
 from .net import free_port
 
 
@@ -40,7 +41,8 @@ class RedisServer:
     """One ``redis-server`` process; ``url`` is where it serves once ``wait_ready``."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None,
-                 binary: str | None = None, preexec_fn=None) -> None:  # noqa: ANN001
+                 binary: str | None = None, guard: bool = False) -> None:
+        """``guard``: the server gets SIGTERM if this process dies (see cluster.child)."""
         binary = binary or find_redis_server()
         if binary is None:
             raise FileNotFoundError("no redis-server: install Debian's redis-server, or "
@@ -49,10 +51,10 @@ class RedisServer:
 
         self.port = port or free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", host, "--save", "",
-             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=preexec_fn)
+        argv = [binary, "--port", str(self.port), "--bind", host, "--save", "",
+                "--appendonly", "no"]
+        self.proc = subprocess.Popen(guarded(argv) if guard else argv,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait_ready(self, timeout: float = 20.0) -> RedisServer:
         deadline = time.monotonic() + timeout
