@@ -33,7 +33,7 @@ def _die_with_parent(parent: int) -> None:
 
     pr_set_pdeathsig = 1
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, signal.SIGTERM)
     except OSError:
         return
     if os.getppid() != parent:  # the launcher died before we asked

@@ -154,10 +154,12 @@ class LocalCluster:
                         if p.poll() is not None]
                 if dead:
                     name, proc = dead[0]
-                    where = (os.path.join(self.config.log_dir, f"{name}.log")
-                             if self.config.log_dir else "its output above")
+                    where = "its output above"
+                    if self.config.log_dir:
+                        log = os.path.join(self.config.log_dir, f"{name}.log")
+                        where = log + _log_tail(log)
                     raise RuntimeError(f"{name} exited with {proc.returncode} while starting; "
-                                       f"see {where}{_log_tail(where)}")
+                                       f"see {where}")
                 try:
                     status = client.status(timeout=2.0)
                     if all(w.serving for w in status.workers):

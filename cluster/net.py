@@ -33,13 +33,15 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bind(host: str, port: int) -> int | None:
+    """The port a socket got binding ``host:port`` (0: the OS picks), closed again at
+    once; None when the port is taken."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
         except OSError:
-            return False
-    return True
+            return None
+        return s.getsockname()[1]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,14 +56,13 @@ def free_port(host: str = "127.0.0.1") -> int:
                 break
             a, b = random.choice(span)
             port = random.randint(a, b)  # noqa: S311 - not a secret
-            if port not in _issued and _bindable(host, port):
+            if port not in _issued and _bind(host, port) is not None:
                 _issued.append(port)
                 return port
-        # No room outside the range (a tuned kernel): let the OS pick, and accept the race.
-        while True:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
+        while True:  # no room outside the range (a tuned kernel): the OS picks; racy
+            port = _bind(host, 0)
+            if port is None:
+                raise OSError(f"cannot bind any port on {host!r}")
             if port not in _issued:
                 _issued.append(port)
                 return port
