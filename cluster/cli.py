@@ -19,12 +19,12 @@ down. Subcommands:
 * ``pdserve status [--target HOST:PORT] [--ray]`` shows the workers (and with ``--ray``
   the pools' actors, nodes and restarts); exit 0 once the router serves;
 * ``pdserve bench-engine`` compares the engine with Hugging Face ``generate`` and the
-  GEMM floor (see ``workers/bench_engine.py``);
+  GEMM floor (see ``benchmarks/engine.py``);
 * ``pdserve bench-disagg`` measures the KV transfer on the serving path against a raw
-  TCP copy, and disaggregated TTFT against colocated (see ``cluster/bench_disagg.py``);
+  TCP copy, and disaggregated TTFT against colocated (see ``benchmarks/disagg.py``);
 * ``pdserve bench --target HOST:PORT`` load-tests a running router (``loadtest/``);
 * ``pdserve bench-routing`` compares cache-aware with round-robin routing on a
-  shared-prefix workload and times the routing decision (see ``cluster/bench_routing.py``);
+  shared-prefix workload and times the routing decision (see ``benchmarks/routing.py``);
 * ``pdserve convert-model`` converts the default model once, ahead of time.
 """
 
@@ -438,7 +438,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from workers.bench_engine import BenchOptions, run_bench
+    from benchmarks.engine import BenchOptions, run_bench
 
     return run_bench(BenchOptions(
         model=args.model, cache_dir=_cache_dir(args), workloads=tuple(args.workload),
@@ -448,7 +448,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_disagg(args: argparse.Namespace) -> int:
-    from cluster.bench_disagg import DisaggBenchOptions, run
+    from benchmarks.disagg import DisaggBenchOptions, run
     from workers.model_store import resolve_model
 
     path = resolve_model(args.model, _cache_dir(args))
@@ -548,7 +548,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_headline(args: argparse.Namespace) -> int:
-    from cluster.bench_headline import HeadlineOptions, run_headline
+    from benchmarks.headline import HeadlineOptions, run_headline
     from workers.model_store import resolve_model
 
     try:
@@ -568,7 +568,7 @@ def cmd_bench_headline(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_routing(args: argparse.Namespace) -> int:
-    from cluster.bench_routing import RoutingBenchOptions, run
+    from benchmarks.routing import RoutingBenchOptions, run
     from workers.model_store import resolve_model
 
     path = resolve_model(args.model, _cache_dir(args))
@@ -579,7 +579,7 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_router(args: argparse.Namespace) -> int:
-    from cluster.bench_router import RouterBenchOptions, run
+    from benchmarks.router import RouterBenchOptions, run
     from workers.model_store import resolve_model
 
     path = resolve_model(args.model, _cache_dir(args))

@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from cluster.sampling import SamplingParams
-from cluster.wire import FINISH_NAMES, sampling_to_proto
+from common.sampling import SamplingParams
+from common.wire import FINISH_NAMES, sampling_to_proto
 from protos.pdserve.v1 import api_pb2, api_pb2_grpc
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]

@@ -25,7 +25,7 @@ output is unchanged by a move. Seeded sampling restarts its random stream at the
 and text a stop-string check was still holding back on the failed worker is lost (the
 token ids are not). Past the limit the request fails with UNAVAILABLE.
 
-Metrics (``cluster.metrics``, names after vLLM's and Dynamo's frontend): requests by
+Metrics (``common.metrics``, names after vLLM's and Dynamo's frontend): requests by
 final status, in flight, TTFT, inter-token latency, end-to-end latency, tokens, cached
 tokens, routing decisions by policy and reason, migrations.
 """
@@ -45,12 +45,12 @@ import grpc
 import redis
 from transformers import AutoTokenizer
 
-from cluster.hashing import block_hashes
-from cluster.metrics import Metrics
-from cluster.prefix_index import PrefixIndex
-from cluster.registry import WorkerRegistry
-from cluster.sampling import InvalidRequestError, check_prompt
-from cluster.wire import sampling_from_proto
+from common.hashing import block_hashes
+from common.metrics import Metrics
+from common.prefix_index import PrefixIndex
+from common.registry import WorkerRegistry
+from common.sampling import InvalidRequestError, check_prompt
+from common.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2, worker_pb2_grpc
 
 from .errors import RouterError, WorkerFailed

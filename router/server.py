@@ -19,7 +19,7 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from cluster.metrics import Metrics
+from common.metrics import Metrics
 from protos.pdserve.v1 import api_pb2, api_pb2_grpc
 
 from .core import Router, RouterConfig

@@ -19,7 +19,7 @@ import time
 
 import redis
 
-from cluster.prefix_index import PrefixIndex
+from common.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 

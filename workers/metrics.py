@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from cluster.metrics import Metrics
+from common.metrics import Metrics
 
 from .engine_loop import EngineLoop
 from .transfer import ChannelStats

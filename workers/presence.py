@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import redis
 
-from cluster.registry import WorkerInfo, WorkerRegistry
+from common.registry import WorkerInfo, WorkerRegistry
 
 from .kv_publisher import KVEventPublisher
 

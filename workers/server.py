@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cluster.metrics import Metrics
-from cluster.registry import WorkerInfo
-from cluster.sampling import InvalidRequestError
-from cluster.wire import FINISH_REASONS, sampling_from_proto
+from common.metrics import Metrics
+from common.registry import WorkerInfo
+from common.sampling import InvalidRequestError
+from common.wire import FINISH_REASONS, sampling_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .engine.llm_engine import LLMEngine, RequestOutput

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from cluster.metrics import CATALOG, PREFIX  # noqa: E402
+from common.metrics import CATALOG, PREFIX  # noqa: E402
 
 OUT = Path(__file__).with_name("pdserve-dashboard.json")
 M = '{model=~"$model"}'

@@ -13,10 +13,10 @@ import pytest
 import redis
 from cluster_helpers import assert_cluster_idle, start
 
-from cluster.hashing import block_hashes
 from cluster.local import free_port
-from cluster.prefix_index import PrefixIndex
 from cluster.redis_server import RedisServer, find_redis_server
+from common.hashing import block_hashes
+from common.prefix_index import PrefixIndex
 from protos.pdserve.v1 import worker_pb2
 from router.client import AsyncClient, Client
 

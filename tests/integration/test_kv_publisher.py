@@ -6,8 +6,8 @@ import redis
 from conftest import assert_no_leaks
 from redis_helpers import RedisProcess, redis_server
 
-from cluster.hashing import block_hashes
-from cluster.prefix_index import PrefixIndex
+from common.hashing import block_hashes
+from common.prefix_index import PrefixIndex
 from workers.engine.llm import LLM
 from workers.engine.params import SamplingParams
 from workers.kv_publisher import KVEventPublisher

@@ -8,10 +8,10 @@ import pytest
 import redis
 from redis_helpers import redis_server
 
-from cluster.hashing import block_hashes
-from cluster.prefix_index import PrefixIndex, hash_key
 from cluster.redis_server import RedisServer, find_redis_server
-from cluster.registry import WorkerInfo, WorkerRegistry
+from common.hashing import block_hashes
+from common.prefix_index import PrefixIndex, hash_key
+from common.registry import WorkerInfo, WorkerRegistry
 
 
 @pytest.fixture(scope="module")

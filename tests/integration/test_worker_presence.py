@@ -13,9 +13,9 @@ import grpc
 import redis
 from redis_helpers import redis_server
 
-from cluster.hashing import block_hashes
 from cluster.local import free_port
-from cluster.registry import WorkerRegistry
+from common.hashing import block_hashes
+from common.registry import WorkerRegistry
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from workers.engine.llm_engine import model_identity
 

@@ -1,4 +1,4 @@
-from cluster.hashing import block_hashes, hash_block, root_hash
+from common.hashing import block_hashes, hash_block, root_hash
 
 
 def test_block_hash_values_are_pinned() -> None:

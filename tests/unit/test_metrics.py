@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from cluster.metrics import CATALOG, Metrics
+from common.metrics import CATALOG, Metrics
 from workers.engine_loop import EngineCounters, EngineLoad
 from workers.metrics import WorkerMetrics
 from workers.transfer import ChannelStats

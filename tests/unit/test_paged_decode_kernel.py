@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.engine import kernels
-from workers.engine.attention import build_attention_batch
+from workers.models.attention import build_attention_batch
 
 BLOCK = 16
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig
 
-from cluster.sampling import check_prompt
+from common.sampling import check_prompt
 
 from .block_manager import KVEventListener
 from .detokenizer import IncrementalDetokenizer

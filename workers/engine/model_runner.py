@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from workers.models.attention import build_attention_batch
 from workers.models.decoder import TORCH_OPS, DecoderModel, ElementwiseOps
 
 from . import kernels
-from .attention import build_attention_batch
 from .params import EngineConfig
 from .sampler import Sampler, SampleResult
 from .scheduler import ScheduledChunk

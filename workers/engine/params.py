@@ -1,6 +1,6 @@
 """Typed, validated engine configuration, checked once at construction, never mutated.
 
-Request parameters (:class:`SamplingParams`) live in ``cluster.sampling`` because the
+Request parameters (:class:`SamplingParams`) live in ``common.sampling`` because the
 router validates them too; they are re-exported here as part of the engine's API.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from cluster.sampling import InvalidRequestError, SamplingParams
+from common.sampling import InvalidRequestError, SamplingParams
 
 __all__ = ["DTYPES", "EngineConfig", "InvalidRequestError", "SamplingParams", "SchedulerConfig"]
 

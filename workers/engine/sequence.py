@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as Seq
 
-from cluster.hashing import block_hashes
+from common.hashing import block_hashes
 
 from .params import SamplingParams
 

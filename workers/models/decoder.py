@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.engine.attention import AttentionBatch, paged_attention
+from workers.models.attention import AttentionBatch, paged_attention
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",

@@ -2,7 +2,7 @@
 
 The contract (every router replica and every worker reads and writes exactly this; a
 test pins it). All keys of one model live under ``pdserve:{model}:``; block hashes are
-the 64-bit values of :mod:`cluster.hashing`, written as 16 lowercase hex digits:
+the 64-bit values of :mod:`common.hashing`, written as 16 lowercase hex digits:
 
 - ``blk:{hash}``: SET of worker ids that hold the block (computed KV, reusable);
 - ``wblk:{worker}``: SET of the hashes that worker holds, so a dead or restarted worker

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import grpc
 
+from cluster.local import LocalCluster, LocalClusterConfig, free_port
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.client import Client, build_request
-
-from .local import LocalCluster, LocalClusterConfig, free_port
 
 
 @dataclass(frozen=True)

@@ -34,13 +34,12 @@ from pathlib import Path
 
 import torch
 
+from cluster.local import LocalCluster, LocalClusterConfig, free_port
 from loadtest.metrics import SLO
 from loadtest.plots import plot_sweeps
 from loadtest.runner import RunOptions, run
 from loadtest.workloads import arrival_times, mixed_workload
 from router.client import Client
-
-from .local import LocalCluster, LocalClusterConfig, free_port
 
 
 @dataclass(frozen=True)

@@ -34,14 +34,14 @@ from pathlib import Path
 
 import redis
 
-from cluster.hashing import block_hashes
-from cluster.prefix_index import PrefixIndex
+from cluster.local import LocalCluster, LocalClusterConfig, free_port
+from cluster.redis_server import RedisServer
+from common.hashing import block_hashes
+from common.prefix_index import PrefixIndex
 from router.client import AsyncClient
 from router.policies import CacheAware, Candidate
 
-from .bench_router import percentile
-from .local import LocalCluster, LocalClusterConfig, free_port
-from .redis_server import RedisServer
+from .router import percentile
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The worker registry in Redis: who serves, in which role, at which address, how loaded.
 
-Contract (beside :mod:`cluster.prefix_index`, under the same ``pdserve:{model}:``):
+Contract (beside :mod:`common.prefix_index`, under the same ``pdserve:{model}:``):
 
 - ``workers``: HASH worker id -> JSON :class:`WorkerInfo` (static: role, addresses,
   capacity, epoch);

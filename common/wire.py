@@ -2,7 +2,7 @@
 
 The generated ``protos`` package sits below everything (it imports nothing of ours), so
 this bottom-layer module may use it. Conversion validates: a bad value raises
-:class:`~cluster.sampling.InvalidRequestError` naming the field.
+:class:`~common.sampling.InvalidRequestError` naming the field.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ One run, real processes on loopback, the default model (``pdserve up``'s code):
    a time; the prefill worker's transfer counters give, per request, the KV bytes and
    the time from KV ready (the gather out of the paged cache) to landed in the decode
    worker's reserved blocks. Interleaved with each request, the same number of bytes is
-   copied over a raw TCP socket between two processes (``workers.transfer.bench``'s
+   copied over a raw TCP socket between two processes (``benchmarks.transfer``'s
    child: ``sendall`` into ``recv_into`` a preallocated buffer), the loopback link's
    practical limit. Target: at least 80% of the raw rate.
 2. **TTFT.** Lone prompts of ``--ttft-tokens`` tokens through that disaggregated cluster
@@ -35,9 +35,8 @@ from pathlib import Path
 
 import torch
 
+from cluster.local import LocalCluster, LocalClusterConfig, free_port
 from router.client import Client
-
-from .local import LocalCluster, LocalClusterConfig, free_port
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ class _RawLink:
     """A raw TCP copy into another process (the transfer bench's child)."""
 
     def __init__(self) -> None:
-        from workers.transfer.bench import Child
+        from benchmarks.transfer import Child
 
         self.child = Child(argparse.Namespace(chunk_bytes=8 << 20, window=4, dest="paged"))
         self.sock = socket.create_connection(("127.0.0.1", self.child.raw_port))

@@ -1,6 +1,6 @@
 """Transfer benchmark: KV bytes/s prefill -> decode over the channel vs a raw TCP copy.
 
-    python -m workers.transfer.bench [--tokens 2048] [--iters 10] [--dtypes float32,bfloat16]
+    python -m benchmarks.transfer [--tokens 2048] [--iters 10] [--dtypes float32,bfloat16]
 
 Workload: one request's KV shaped like SmolLM2-135M (30 layers, 3 KV heads, head_dim 64,
 block 16). This process plays the prefill worker; a child process (this module with
@@ -118,7 +118,7 @@ def child(args: argparse.Namespace) -> None:
 
 class Child:
     def __init__(self, args: argparse.Namespace):
-        cmd = [sys.executable, "-m", "workers.transfer.bench", "--child",
+        cmd = [sys.executable, "-m", "benchmarks.transfer", "--child",
                "--chunk-bytes", str(args.chunk_bytes), "--window", str(args.window),
                "--dest", args.dest]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

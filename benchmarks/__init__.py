@@ -1,0 +1,13 @@
+"""Every benchmark of pdserve, one module each, run through ``pdserve bench-*``.
+
+Top layer beside :mod:`cluster`'s launchers: a benchmark may import anything below it
+(it starts clusters, engines and channels), and nothing but the CLI imports it. Each one
+runs our path and its baseline in the same run and prints workload, machine and ratio.
+
+- :mod:`benchmarks.engine`: the engine against Hugging Face ``generate`` and a GEMM floor;
+- :mod:`benchmarks.transfer`: the bare KV channel against raw TCP;
+- :mod:`benchmarks.disagg`: disaggregated TTFT against colocated;
+- :mod:`benchmarks.router`: the router's overhead per request;
+- :mod:`benchmarks.routing`: cache-aware routing against round robin;
+- :mod:`benchmarks.headline`: 1 prefill + 1 decode against 2 mixed under load.
+"""
