@@ -29,6 +29,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                 5.0, 10.0)
+_INDEX_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                  0.25, 0.5, 1.0, 2.5)
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,20 @@ CATALOG: tuple[Spec, ...] = (
     Spec("request_migrations_total", "counter",
          "Requests moved to another worker after theirs failed mid-stream"),
     Spec("workers", "gauge", "Workers the router routes to, by role", ("role",)),
+    # the prefix index, as its user sees it (common/prefix_index: InstrumentedIndex)
+    Spec("prefix_index_lookups_total", "counter",
+         "Prefix-index lookups, by backend (redis, memory, ...)", ("backend",)),
+    Spec("prefix_index_lookup_blocks_total", "counter",
+         "Prompt blocks looked up in the prefix index, by backend", ("backend",)),
+    Spec("prefix_index_matched_blocks_total", "counter",
+         "Leading prompt blocks the best worker holds, per lookup, by backend "
+         "(/ lookup_blocks = the index's hit rate)", ("backend",)),
+    Spec("prefix_index_errors_total", "counter",
+         "Prefix-index calls that raised, by backend and op (lookup, publish, purge, "
+         "replace, blocks_of)", ("backend", "op")),
+    Spec("prefix_index_lookup_seconds", "histogram",
+         "Prefix-index lookup latency (one round trip for redis), failed ones included",
+         ("backend",), _INDEX_BUCKETS),
     # workers (the engines)
     Spec("num_requests_running", "gauge", "Requests in the engine's running batch"),
     Spec("num_requests_waiting", "gauge", "Requests queued for the engine"),

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import redis
 
-from .prefix_index import PrefixIndex
+from .prefix_index import RedisPrefixIndex
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class LiveWorker:
 class WorkerRegistry:
     def __init__(self, client: redis.Redis, model: str) -> None:
         self.client = client
-        self.index = PrefixIndex(client, model)
+        self.index = RedisPrefixIndex(client, model)
         self.prefix = self.index.prefix
 
     def _alive(self, worker: str) -> str:

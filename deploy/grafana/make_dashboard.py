@@ -59,6 +59,13 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Routing decisions / s by reason", "short",
      [("{{policy}}/{{reason}}",
        f"sum by (policy, reason) (rate({q('routing_decisions_total')}{M}{R}))")]),
+    ("Prefix index: matched share of looked-up blocks (router)", "percentunit",
+     [("{{backend}}",
+       f"sum by (backend) (rate({q('prefix_index_matched_blocks_total')}{M}{R}))"
+       f" / sum by (backend) (rate({q('prefix_index_lookup_blocks_total')}{M}{R}))")]),
+    ("Prefix index lookup latency, errors", "s",
+     quantiles("prefix_index_lookup_seconds")
+     + [("errors / s {{op}}", f"sum by (op) (rate({q('prefix_index_errors_total')}{M}{R}))")]),
     ("KV transfer rate (decode side)", "Bps",
      [("{{worker}}", f"sum by (worker) (rate({q('kv_transfer_bytes_total')}"
                      f'{{model=~"$model",role="decode"}}{R}))')]),

@@ -16,7 +16,7 @@ from cluster_helpers import assert_cluster_idle, start
 from cluster.local import free_port
 from cluster.redis_server import RedisServer, find_redis_server
 from common.hashing import block_hashes
-from common.prefix_index import PrefixIndex
+from common.prefix_index import RedisPrefixIndex
 from protos.pdserve.v1 import worker_pb2
 from router.client import AsyncClient, Client
 
@@ -86,7 +86,7 @@ def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_
         back = RedisServer(port=port)
         try:
             client_r = redis.Redis.from_url(c.redis_url)
-            index = PrefixIndex(client_r, "llama")
+            index = RedisPrefixIndex(client_r, "llama")
             hashes = block_hashes(SHARED, 4, _model_id(c), None)
             deadline = time.monotonic() + 20
             while not _lookup(index, hashes):
@@ -101,7 +101,7 @@ def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_
         c.stop()
 
 
-def _lookup(index: PrefixIndex, hashes: list[int]) -> dict[str, int]:
+def _lookup(index: RedisPrefixIndex, hashes: list[int]) -> dict[str, int]:
     try:
         return index.lookup(hashes)
     except redis.ConnectionError:  # the restarted server is not listening yet

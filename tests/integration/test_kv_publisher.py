@@ -7,7 +7,7 @@ from conftest import assert_no_leaks
 from redis_helpers import RedisProcess, redis_server
 
 from common.hashing import block_hashes
-from common.prefix_index import PrefixIndex
+from common.prefix_index import RedisPrefixIndex
 from workers.engine.llm import LLM
 from workers.engine.params import SamplingParams
 from workers.kv_publisher import KVEventPublisher
@@ -22,7 +22,7 @@ def cached(llm: LLM) -> set[int]:
 def test_index_mirrors_the_engine_through_evictions_and_an_outage(tiny_checkpoints) -> None:
     with redis_server() as server:
         client = redis.Redis.from_url(server.url, socket_timeout=2)
-        index = PrefixIndex(client, "llama")
+        index = RedisPrefixIndex(client, "llama")
         publisher = KVEventPublisher(index, "w1", retry_s=0.05)
         # 12 blocks of 4 tokens: later prompts evict earlier ones.
         llm = LLM(tiny_checkpoints["llama"], num_blocks=12, block_size=4,

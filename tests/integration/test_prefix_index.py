@@ -1,4 +1,7 @@
-"""The Redis index and registry contract, against a real ``redis-server``."""
+"""The Redis index's key layout and the registry, against a real ``redis-server``.
+
+What every backend must do is in ``tests/contract/test_prefix_index_contract.py``; this
+file pins what other routers and workers (other versions, other languages) read."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from redis_helpers import redis_server
 
 from cluster.redis_server import RedisServer, find_redis_server
 from common.hashing import block_hashes
-from common.prefix_index import PrefixIndex, hash_key
+from common.prefix_index import RedisPrefixIndex, hash_key
 from common.registry import WorkerInfo, WorkerRegistry
 
 
@@ -31,7 +34,7 @@ def client(server):
 def test_keys_are_pinned(client) -> None:
     """Other routers and workers (other versions, other languages) read these keys."""
     hashes = block_hashes(list(range(40)), 16, "m", None)
-    index = PrefixIndex(client, "SmolLM2")
+    index = RedisPrefixIndex(client, "SmolLM2")
     index.publish("w1", hashes)
     assert hash_key(hashes[0]) == format(hashes[0], "016x") and len(hash_key(1)) == 16
     assert sorted(k.decode() for k in client.keys("*")) == sorted(
@@ -39,38 +42,25 @@ def test_keys_are_pinned(client) -> None:
     assert client.smembers(f"pdserve:SmolLM2:blk:{hash_key(hashes[1])}") == {b"w1"}
 
 
-def test_lookup_counts_leading_blocks_per_worker(client) -> None:
-    index = PrefixIndex(client, "m")
-    h = block_hashes(list(range(80)), 16, "m", None)  # 5 blocks
-    index.publish("a", h[:5])
-    index.publish("b", h[:2])
-    index.publish("c", [h[0], h[2], h[3]])  # lacks block 1: only the first counts
-    index.publish("d", h[1:])  # lacks block 0: nothing counts
-    assert index.lookup(h) == {"a": 5, "b": 2, "c": 1}
-    assert index.lookup(h[:1]) == {"a": 1, "b": 1, "c": 1}
-    assert index.lookup([]) == {}
-    assert PrefixIndex(client, "other-model").lookup(h) == {}  # namespaced by model
-
-
-def test_evictions_and_purge(client) -> None:
-    index = PrefixIndex(client, "m")
-    h = block_hashes(list(range(64)), 16, "m", None)
-    index.publish("a", h)
-    index.publish("a", evicted=h[2:])
-    assert index.lookup(h) == {"a": 2} and index.blocks_of("a") == set(h[:2])
-    index.publish("b", h)
-    assert index.purge("a") == 2
-    assert index.lookup(h) == {"b": 4} and index.blocks_of("a") == set()
-    index.replace("b", h[:1])
-    assert index.lookup(h) == {"b": 1}
+def test_purge_leaves_no_key_behind(client) -> None:
+    """Purging deletes the worker's set and its name from every block's set."""
+    index = RedisPrefixIndex(client, "m")
+    h = block_hashes(list(range(48)), 16, "m", None)
+    index.publish("w1", h)
+    index.publish("w2", h[:1])
+    index.publish("w1", evicted=h[2:])
+    assert index.purge("w1") == 2
+    assert sorted(k.decode() for k in client.keys("*")) == sorted(
+        [f"pdserve:m:blk:{hash_key(h[0])}", "pdserve:m:wblk:w2"])
+    assert index.bump_epoch("w1") == 1 and client.get("pdserve:m:epoch:w1") == b"1"
 
 
 def test_two_routers_see_the_same_answer(server, client) -> None:
     h = block_hashes(list(range(64)), 16, "m", None)
-    PrefixIndex(client, "m").publish("w", h[:3])
+    RedisPrefixIndex(client, "m").publish("w", h[:3])
     other = redis.Redis.from_url(server.url)  # a second router's own connection
     try:
-        assert PrefixIndex(other, "m").lookup(h) == PrefixIndex(client, "m").lookup(h)
+        assert RedisPrefixIndex(other, "m").lookup(h) == RedisPrefixIndex(client, "m").lookup(h)
     finally:
         other.close()
 
@@ -105,7 +95,7 @@ def test_the_pip_only_default_serves(monkeypatch) -> None:
     server = RedisServer(binary=binary).wait_ready()
     try:
         client = redis.Redis.from_url(server.url)
-        index = PrefixIndex(client, "m")
+        index = RedisPrefixIndex(client, "m")
         h = block_hashes(list(range(48)), 16, "m", None)
         index.publish("w", h)
         assert index.lookup(h) == {"w": 3}  # SMISMEMBER: Redis >= 6.2

@@ -1,4 +1,4 @@
-"""The shared prefix-cache index in Redis: which worker holds which KV block.
+"""The Redis backend of the prefix index: the one every router and worker shares.
 
 The contract (every router replica and every worker reads and writes exactly this; a
 test pins it). All keys of one model live under ``pdserve:{model}:``; block hashes are
@@ -11,7 +11,7 @@ the 64-bit values of :mod:`common.hashing`, written as 16 lowercase hex digits:
   purges what its previous life published before publishing anything.
 
 Workers publish their engine's ``stored``/``evicted`` events in order, a batch per
-MULTI/EXEC transaction, so a reader never sees half a batch. :meth:`PrefixIndex.lookup`
+MULTI/EXEC transaction, so a reader never sees half a batch. :meth:`RedisPrefixIndex.lookup`
 takes a prompt's block hashes and answers in one round trip (a server-side script walks
 the block sets and returns only the counts), per worker, how many *leading* blocks it
 holds: a worker that lacks block i is not credited for any block after it, exactly what
@@ -65,8 +65,12 @@ def hash_key(block_hash: int) -> str:
     return format(block_hash & 0xFFFFFFFFFFFFFFFF, "016x")
 
 
-class PrefixIndex:
-    """One model's index on one Redis. Thread-safe as far as the client is."""
+class RedisPrefixIndex:
+    """One model's index on one Redis: a :class:`~.interface.PrefixIndexBackend`.
+
+    Every method blocks on one round trip (``replace``: two) and raises
+    ``redis.RedisError`` when Redis does not answer; thread-safe as far as the client is
+    (``redis.Redis`` is: it pools connections)."""
 
     def __init__(self, client: redis.Redis, model: str) -> None:
         self.client = client
@@ -110,6 +114,7 @@ class PrefixIndex:
         self.publish(worker, held)
 
     def bump_epoch(self, worker: str) -> int:
+        """A new life for ``worker`` (the registry calls it on every registration)."""
         return int(self.client.incr(f"{self.prefix}epoch:{worker}"))
 
     # -- readers (routers) ---------------------------------------------------------------
