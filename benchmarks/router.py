@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
+from loadtest.metrics import percentile
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.client import Client, build_request
 
@@ -29,12 +30,6 @@ class RouterBenchOptions:
     num_requests: int = 200
     max_tokens: int = 8
     out: str | None = None
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 1]) of ``values``."""
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
 def _timed(stream) -> tuple[float, float]:  # noqa: ANN001 - any iterator of messages
@@ -76,10 +71,10 @@ def run(opts: RouterBenchOptions) -> dict:
     report = {"workload": f"{opts.num_requests} sequential requests, ~16-token prompts, "
                           f"{opts.max_tokens} tokens out, greedy", "model": opts.model}
     for metric in ("ttft", "e2e"):
-        for q in (0.5, 0.9, 0.99):
+        for q in (50, 90, 99):
             r = percentile(results["router"][metric], q)
             d = percentile(results["direct"][metric], q)
-            report[f"{metric}_p{int(q * 100)}_ms"] = {
+            report[f"{metric}_p{q}_ms"] = {
                 "router": r * 1e3, "direct": d * 1e3, "overhead": (r - d) * 1e3}
         report[f"{metric}_mean_overhead_ms"] = 1e3 * (
             statistics.mean(results["router"][metric]) - statistics.mean(results["direct"][metric]))

@@ -37,11 +37,10 @@ import redis
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
 from cluster.redis_server import RedisServer
 from common.hashing import block_hashes
-from common.prefix_index import PrefixIndex
+from common.prefix_index import RedisPrefixIndex
+from loadtest.metrics import percentile
 from router.client import AsyncClient
 from router.policies import CacheAware, Candidate
-
-from .router import percentile
 
 
 @dataclass(frozen=True)
@@ -89,8 +88,8 @@ def run_policy(o: RoutingBenchOptions, policy: str, prompts: list[list[int]]) ->
     ttft = [s.ttft_s for s in served]
     cached = sum(s.usage["cached_tokens"] for s in served)
     total = sum(len(p) for p in prompts)
-    return {"policy": policy, "ttft_p50_s": percentile(ttft, 0.5),
-            "ttft_p99_s": percentile(ttft, 0.99),
+    return {"policy": policy, "ttft_p50_s": percentile(ttft, 50),
+            "ttft_p99_s": percentile(ttft, 99),
             "hit_rate": cached / total, "requests_per_s": len(prompts) / wall,
             "reasons": sorted({s.routing["reason"] for s in served})}
 
@@ -105,7 +104,7 @@ def routing_overhead(o: RoutingBenchOptions) -> dict:
         workers = [f"10.0.{i // 250}.{i % 250}:50061" for i in range(o.workers)]
         out = {}
         for scenario in ("typical", "worst"):
-            index = PrefixIndex(client, f"bench-{scenario}")
+            index = RedisPrefixIndex(client, f"bench-{scenario}")
             for i, w in enumerate(workers):
                 if scenario == "worst":  # every worker holds a prefix, of every length
                     index.publish(w, hashes[: (i * len(hashes)) // len(workers)])
@@ -121,7 +120,7 @@ def routing_overhead(o: RoutingBenchOptions) -> dict:
         server.stop()
 
 
-def _time_decision(index: PrefixIndex, prompt: list[int], workers: list[str]) -> dict:
+def _time_decision(index: RedisPrefixIndex, prompt: list[int], workers: list[str]) -> dict:
     policy = CacheAware()
     times = []
     for _ in range(300 + 20):
@@ -132,7 +131,7 @@ def _time_decision(index: PrefixIndex, prompt: list[int], workers: list[str]) ->
                       len(prompt))
         times.append(time.perf_counter() - t0)
     times = times[20:]
-    return {"p50_ms": percentile(times, 0.5) * 1e3, "p99_ms": percentile(times, 0.99) * 1e3,
+    return {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3,
             "mean_ms": statistics.mean(times) * 1e3}
 
 

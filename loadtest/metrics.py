@@ -77,7 +77,11 @@ class SLO:
 
 
 def percentile(values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), ``p`` in [0, 100]."""
+    """Linear interpolation between closest ranks (numpy's default, and ``vllm bench
+    serve``'s), ``p`` in [0, 100]; 0.0 for no values. pdserve's one percentile: the
+    load-test reports and the benchmarks (``benchmarks/``) all use it."""
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile p must be in [0, 100] (p99: 99), got {p}")
     if not values:
         return 0.0
     s = sorted(values)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import os
 import re
 from pathlib import Path
 
 import pytest
 
 from cluster.cli import build_parser, deployment_config, expand_config
-from cluster.deployment import DeploymentConfig, DeploymentError, load_yaml
+from cluster.deployment import DeploymentConfig, DeploymentError, flag_of, load_yaml
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "pdserve.yaml"
 
@@ -114,3 +117,82 @@ def test_deploy_files_agree_with_the_package() -> None:
         assert f"COPY {name} {name}" in dockerfile, f"deploy/Dockerfile misses {name}/"
     launcher = yaml.safe_load((root / "deploy" / "ray-cluster.yaml").read_text())
     assert launcher["provider"]["type"] == "local" and launcher["head_start_ray_commands"]
+
+
+def _command(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _actions(command: str) -> dict[str, argparse.Action]:
+    return {a.dest: a for a in _command(command)._actions}
+
+
+def test_every_setting_has_an_up_flag_with_its_default_and_help() -> None:
+    """``pdserve up``'s flags are built from DeploymentConfig's fields: one per field,
+    named by it, its help stating the field's default (a switch flips it)."""
+    up = _actions("up")
+    for f in dataclasses.fields(DeploymentConfig):
+        action = up[f.name]
+        assert action.option_strings == [flag_of(f)] and action.help, f.name
+        assert action.default is argparse.SUPPRESS, f"{f.name}: a file's value must win"
+        if f.default is True:
+            assert flag_of(f) == f"--no-{f.name.replace('_', '-')}", f.name
+        elif not isinstance(f.default, bool):
+            shown = f.metadata["shown"] or f.default
+            assert action.help.endswith(f"(default: {shown})"), (f.name, action.help)
+
+
+def _other_value(f: dataclasses.Field, action: argparse.Action) -> tuple[list[str], object]:
+    """A command line giving field ``f`` a value other than its default, and the value."""
+    if action.nargs == 0:  # a switch
+        return [flag_of(f)], not f.default
+    if action.choices:
+        value = next(c for c in action.choices if c != f.default)
+        return [flag_of(f), value], value
+    value = {int: 7, float: 0.5, str: "/x"}[action.type or str]
+    return [flag_of(f), str(value)], value
+
+
+def test_each_up_flag_sets_its_field() -> None:
+    up = _actions("up")
+    parser = build_parser()
+    base = ["up", "--prefill", "1", "--decode", "1"]
+    for f in dataclasses.fields(DeploymentConfig):
+        argv, value = _other_value(f, up[f.name])
+        config = deployment_config(parser.parse_args(base + argv))
+        assert getattr(config, f.name) == value != f.default, (f.name, argv)
+
+
+ENGINE = ["model", "dtype", "kv_cache_gb", "block_size", "max_model_len"]
+
+
+@pytest.mark.parametrize(("command", "shared"), [
+    ("worker", [*ENGINE, "local_prefill_threshold", "transfer_timeout_s", "drain_timeout_s"]),
+    ("router", ["policy", "port", "http_port", "max_in_flight"]),
+    ("generate", ENGINE),
+])
+def test_components_share_the_deployment_defaults_and_help(command: str,
+                                                           shared: list[str]) -> None:
+    """A setting ``pdserve worker``/``router``/``generate`` share with the deployment has
+    its flag, default and help from the field, so ``pdserve up`` and a bare component
+    agree."""
+    up, own = _actions("up"), _actions(command)
+    fields = {f.name: f for f in dataclasses.fields(DeploymentConfig)}
+    for name in shared:
+        assert own[name].option_strings == up[name].option_strings, name
+        assert own[name].help == up[name].help and own[name].choices == up[name].choices, name
+        expected = None if name == "model" else fields[name].default  # None: the default model
+        assert own[name].default == expected, name
+
+
+def test_a_file_without_pools_gives_components_the_pools_up_would_run(tmp_path: Path) -> None:
+    """``pdserve worker --config`` splits the cores as ``pdserve up --config`` would:
+    no pool size in the file is one prefill and one decode worker, not one mixed."""
+    path = tmp_path / "d.yaml"
+    path.write_text("kv_cache_gb: 0.5\n")
+    up = deployment_config(build_parser().parse_args(["up", "--config", str(path)]))
+    assert up.pool_sizes() == {"prefill": 1, "decode": 1, "mixed": 0}
+    w = build_parser().parse_args(expand_config(["worker", "--config", str(path)]))
+    assert w.threads == up.threads(os.cpu_count() or 1) and w.kv_cache_gb == 0.5

@@ -52,6 +52,19 @@ def test_percentile_is_numpys_linear_interpolation() -> None:
     v = [1.0, 2.0, 3.0, 4.0]
     assert [percentile(v, p) for p in (0, 50, 90, 100)] == pytest.approx([1, 2.5, 3.7, 4])
     assert percentile([], 50) == 0.0
+    assert percentile([5.0], 99) == 5.0
+    with pytest.raises(ValueError, match=r"\[0, 100\].*got 101"):
+        percentile(v, 101)
+
+
+def test_the_benchmarks_use_the_load_tests_percentile() -> None:
+    """One percentile in the project: bench-router and bench-routing report with the
+    interpolation the load-test reports (and vllm bench serve) use."""
+    import benchmarks.router
+    import benchmarks.routing
+
+    assert benchmarks.router.percentile is percentile
+    assert benchmarks.routing.percentile is percentile
 
 
 def test_single_token_requests_have_no_tpot_and_empty_runs_report_zeros() -> None:

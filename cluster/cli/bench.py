@@ -1,0 +1,280 @@
+"""``pdserve bench`` (load-test a running router, ``loadtest/``) and ``pdserve bench-*``
+(the benchmarks in ``benchmarks/``, each starting the clusters it compares)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from workers.engine.params import DTYPES
+
+from .options import EXIT_INVALID, cache_dir
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    _add_bench(sub)
+
+    b = sub.add_parser("bench-engine", help="engine vs Hugging Face generate vs GEMM floor")
+    b.add_argument("--model", default=None)
+    b.add_argument("--cache-dir", default=None)
+    b.add_argument("--workload", action="append", choices=("a", "b"),
+                   help="a: 32 x 128 in / 64 out; b: 256 x 128 in / 128 out (default both)")
+    b.add_argument("--dtype", action="append", choices=DTYPES,
+                   help="repeatable (default: float32 and bfloat16)")
+    b.add_argument("--threads", type=int, default=os.cpu_count())
+    b.add_argument("--out", default="bench-results/engine.json",
+                   help="where to write the JSON results")
+    b.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
+    b.add_argument("--quick", action="store_true", help="a small run to check the harness")
+    b.set_defaults(func=cmd_bench_engine)
+
+    bd = sub.add_parser("bench-disagg", help="KV transfer rate vs raw TCP, and disaggregated "
+                                             "TTFT vs colocated, on real local clusters")
+    bd.add_argument("--model", default=None)
+    bd.add_argument("--cache-dir", default=None)
+    bd.add_argument("--tokens", type=int, default=2048, help="prompt length for the transfer")
+    bd.add_argument("--ttft-tokens", type=int, default=1024, help="prompt length for TTFT")
+    bd.add_argument("--iters", type=int, default=5)
+    bd.add_argument("--out", default="bench-results/disagg.json")
+    bd.set_defaults(func=cmd_bench_disagg)
+
+    bh = sub.add_parser("bench-headline", help="disaggregated (1P+1D) vs colocated (2 mixed) "
+                                               "under long prompts mixed with decodes, swept "
+                                               "over rate")
+    bh.add_argument("--model", default=None)
+    bh.add_argument("--cache-dir", default=None)
+    bh.add_argument("--rates", default="0.25,0.5,0.75,1.0")
+    bh.add_argument("--duration-s", type=float, default=40.0,
+                    help="seconds of arrivals per rate")
+    bh.add_argument("--input-len", type=int, default=128)
+    bh.add_argument("--output-len", type=int, default=96)
+    bh.add_argument("--long-fraction", type=float, default=0.25,
+                    help="share of requests with --long-input-len prompts instead")
+    bh.add_argument("--long-input-len", type=int, default=1536)
+    bh.add_argument("--long-output-len", type=int, default=16)
+    bh.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    bh.add_argument("--slo-ttft-ms", type=float, default=10000.0)
+    bh.add_argument("--seed", type=int, default=0, help="workload seed (point i uses seed + i)")
+    bh.add_argument("--out", default="bench-results/headline")
+    bh.add_argument("--report-only", action="store_true",
+                    help="no runs: tabulate and plot the results already in --out")
+    bh.set_defaults(func=cmd_bench_headline)
+
+    bq = sub.add_parser("bench-routing", help="cache-aware vs round-robin on a shared-prefix "
+                                              "workload, and the routing overhead")
+    bq.add_argument("--model", default=None)
+    bq.add_argument("--cache-dir", default=None)
+    bq.add_argument("--system-prompts", type=int, default=8)
+    bq.add_argument("--questions", type=int, default=4, help="per system prompt")
+    bq.add_argument("--concurrency", type=int, default=2)
+    bq.add_argument("--out", default="bench-results/routing.json")
+    bq.set_defaults(func=cmd_bench_routing)
+
+    br = sub.add_parser("bench-router", help="latency the router adds over a direct worker call")
+    br.add_argument("--model", default=None)
+    br.add_argument("--cache-dir", default=None)
+    br.add_argument("--num-requests", type=int, default=200)
+    br.add_argument("--max-tokens", type=int, default=8)
+    br.add_argument("--out", default="bench-results/router.json")
+    br.set_defaults(func=cmd_bench_router)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    b = sub.add_parser("bench", help="load-test a running router: TTFT, TPOT, ITL, "
+                                     "throughput, goodput (vllm bench serve's fields)")
+    b.add_argument("--target", default="127.0.0.1:50051",
+                   help="router gRPC HOST:PORT, or http://HOST:PORT of any OpenAI-compatible "
+                        "server (pdserve's HTTP front, vLLM, ...)")
+    b.add_argument("--model", default=None,
+                   help="OpenAI target: the model name to send (default: its first model)")
+    b.add_argument("--num-requests", type=int, default=100,
+                   help="requests (multi-turn: conversations)")
+    b.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, open loop (default inf: all at once)")
+    b.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of the arrivals: 1 Poisson, <1 burstier")
+    b.add_argument("--max-concurrency", type=int, default=None)
+    b.add_argument("--workload", choices=("random", "shared-prefix", "mixed", "multi-turn",
+                                          "trace"), default="random")
+    b.add_argument("--input-len", type=int, default=256)
+    b.add_argument("--output-len", type=int, default=64)
+    b.add_argument("--range-ratio", type=float, default=0.0)
+    b.add_argument("--long-fraction", type=float, default=0.25, help="mixed: share of long "
+                                                                     "prompts")
+    b.add_argument("--long-input-len", type=int, default=1536, help="mixed workload")
+    b.add_argument("--long-output-len", type=int, default=16, help="mixed workload")
+    b.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
+    b.add_argument("--think-time-s", type=float, default=0.0,
+                   help="multi-turn: pause between a reply and the next turn")
+    b.add_argument("--compare", nargs="+", metavar="JSON", default=None,
+                   help="no load: plot earlier runs (or sweeps) side by side and tabulate "
+                        "them; the PNG goes to --out (default bench-results/compare.png)")
+    b.add_argument("--prefix-len", type=int, default=512, help="shared-prefix workload")
+    b.add_argument("--groups", type=int, default=8, help="shared-prefix: system prompts")
+    b.add_argument("--trace", default=None, help="JSONL: timestamp, input_length, "
+                                                 "output_length, prefix_group")
+    b.add_argument("--slo-ttft-ms", type=float, default=None)
+    b.add_argument("--slo-tpot-ms", type=float, default=None)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--max-token-id", type=int, default=30000,
+                   help="random prompt ids stay below this (keep it under the vocabulary)")
+    b.add_argument("--no-progress", action="store_true")
+    b.add_argument("--out", default=None,
+                   help="write the JSON here (with --sweep-rates: the files' prefix)")
+    b.add_argument("--sweep-rates", default=None,
+                   help="comma-separated request rates: one run each, then the goodput curve")
+    b.set_defaults(func=cmd_bench)
+
+
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    from benchmarks.engine import BenchOptions, run_bench
+
+    args.workload = args.workload or ["a", "b"]
+    args.dtype = args.dtype or list(DTYPES)
+    return run_bench(BenchOptions(
+        model=args.model, cache_dir=cache_dir(args), workloads=tuple(args.workload),
+        dtypes=tuple(args.dtype), threads=args.threads, out=args.out,
+        skip_hf=args.skip_hf, quick=args.quick,
+    ))
+
+
+def cmd_bench_disagg(args: argparse.Namespace) -> int:
+    from benchmarks.disagg import DisaggBenchOptions, run
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, cache_dir(args))
+    run(DisaggBenchOptions(model=str(path), tokens=args.tokens, ttft_tokens=args.ttft_tokens,
+                           iters=args.iters, out=args.out))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import math
+
+    from loadtest.metrics import SLO
+    from loadtest.runner import RunOptions, group_sessions, run, sweep
+    from loadtest.workloads import (
+        arrival_times,
+        mixed_workload,
+        multi_turn_workload,
+        random_workload,
+        shared_prefix_workload,
+        trace_workload,
+    )
+
+    if args.compare:
+        from loadtest.plots import compare
+
+        try:
+            png, table = compare(args.compare, args.out or "bench-results/compare.png")
+        except (OSError, ValueError, KeyError) as e:
+            print(f"pdserve bench --compare: {e}", file=sys.stderr)
+            return EXIT_INVALID
+        print(table)
+        print(f"wrote {png}", file=sys.stderr)
+        return 0
+    n = args.num_requests
+    if args.workload == "trace" and not args.trace:
+        print("pdserve bench: --workload trace needs --trace FILE.jsonl", file=sys.stderr)
+        return EXIT_INVALID
+
+    def build(seed: int) -> list:
+        if args.workload == "trace":
+            return trace_workload(args.trace, seed, args.max_token_id)
+        if args.workload == "shared-prefix":
+            return shared_prefix_workload(n, args.groups, args.prefix_len, args.input_len,
+                                          args.output_len, seed, args.max_token_id)
+        if args.workload == "mixed":
+            return mixed_workload(n, args.input_len, args.output_len, args.long_fraction,
+                                  args.long_input_len, args.long_output_len, args.range_ratio,
+                                  seed, args.max_token_id)
+        if args.workload == "multi-turn":
+            return multi_turn_workload(n, args.turns, args.input_len, args.output_len, seed,
+                                       args.max_token_id)
+        return random_workload(n, args.input_len, args.output_len, args.range_ratio, seed,
+                               args.max_token_id)
+
+    requests = build(args.seed)
+    sessions = len(group_sessions(requests))
+    try:
+        times = arrival_times(sessions, args.request_rate, args.burstiness, args.seed)
+    except ValueError as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    if all(r.at is not None for r in requests):  # a trace keeps its own schedule
+        times = [float(r.at) for r in requests]  # type: ignore[arg-type]
+    slo = (SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+           if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None else None)
+    print(f"pdserve bench: {len(requests)} requests ({args.workload}), rate "
+          f"{'inf' if math.isinf(args.request_rate) else args.request_rate} req/s, "
+          f"burstiness {args.burstiness}, max concurrency {args.max_concurrency or 'none'}, "
+          f"target {args.target}", file=sys.stderr)
+    opts = RunOptions(args.target, tuple(requests), tuple(times), args.max_concurrency, slo,
+                      progress=not args.no_progress, think_time_s=args.think_time_s,
+                      model=args.model)
+    if args.sweep_rates:
+        try:
+            rates = [float(r) for r in args.sweep_rates.split(",")]
+        except ValueError:
+            print(f"pdserve bench: --sweep-rates wants numbers like 1,2,4, got "
+                  f"{args.sweep_rates!r}", file=sys.stderr)
+            return EXIT_INVALID
+        if args.workload == "trace":
+            print("pdserve bench: --sweep-rates replays a trace at its own times; sweep "
+                  "another workload", file=sys.stderr)
+            return EXIT_INVALID
+
+        def point(rate: float, i: int) -> tuple[list, list[float]]:
+            # Fresh prompts per point (seed + i): a point must not hit the prefix cache
+            # the points before it filled.
+            reqs = build(args.seed + i)
+            n = len(group_sessions(reqs))
+            return reqs, arrival_times(n, rate, args.burstiness, args.seed + i)
+
+        sweep(opts, rates, point, args.out or "bench-results/sweep")
+        return 0
+    run(opts, args.out, {"workload": args.workload, "request_rate": args.request_rate,
+                         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
+    return 0
+
+
+def cmd_bench_headline(args: argparse.Namespace) -> int:
+    from benchmarks.headline import HeadlineOptions, run_headline
+    from workers.model_store import resolve_model
+
+    try:
+        rates = tuple(float(r) for r in args.rates.split(","))
+    except ValueError:
+        print(f"pdserve bench-headline: --rates wants numbers like 0.2,0.4, got {args.rates!r}",
+              file=sys.stderr)
+        return EXIT_INVALID
+    path = resolve_model(args.model, cache_dir(args))
+    run_headline(HeadlineOptions(
+        model=str(path), rates=rates, duration_s=args.duration_s, input_len=args.input_len,
+        output_len=args.output_len, long_fraction=args.long_fraction,
+        long_input_len=args.long_input_len, long_output_len=args.long_output_len,
+        slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, seed=args.seed,
+        out=args.out), report_only=args.report_only)
+    return 0
+
+
+def cmd_bench_routing(args: argparse.Namespace) -> int:
+    from benchmarks.routing import RoutingBenchOptions, run
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, cache_dir(args))
+    run(RoutingBenchOptions(model=str(path), system_prompts=args.system_prompts,
+                            questions=args.questions, concurrency=args.concurrency,
+                            out=args.out))
+    return 0
+
+
+def cmd_bench_router(args: argparse.Namespace) -> int:
+    from benchmarks.router import RouterBenchOptions, run
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, cache_dir(args))
+    run(RouterBenchOptions(model=str(path), num_requests=args.num_requests,
+                           max_tokens=args.max_tokens, out=args.out))
+    return 0

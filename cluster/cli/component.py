@@ -1,0 +1,164 @@
+"""``pdserve worker`` and ``pdserve router``: one component as a plain process, from
+flags or from the deployment file (``--config``), and ``pdserve convert-model``.
+
+These command lines are what every launcher runs (:mod:`cluster.deployment` writes
+them): a plain process parses them here, a Ray actor through :func:`component_config`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from cluster.deployment import DeploymentConfig, load_yaml
+
+from .options import add_engine_flags, add_setting, cache_dir, engine_options
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    w = sub.add_parser("worker", help="one engine worker as a plain process")
+    w.add_argument("--role", choices=("mixed", "prefill", "decode"), default="mixed")
+    w.add_argument("--host", default="127.0.0.1",
+                   help="interface for gRPC and, on decode workers, the KV receiver")
+    w.add_argument("--port", type=int, default=50061)
+    add_setting(w, "local_prefill_threshold")
+    add_setting(w, "transfer_timeout_s")
+    w.add_argument("--redis-url", default=None,
+                   help="register here and publish KV block events to the prefix index "
+                        "(redis://HOST:PORT/DB)")
+    w.add_argument("--config", default=None,
+                   help="deployment YAML: this worker's settings come from it (flags win)")
+    w.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics here (0: any free port; default: off)")
+    add_setting(w, "drain_timeout_s")
+    add_engine_flags(w)
+    w.set_defaults(func=cmd_worker)
+
+    r = sub.add_parser("router", help="the router as a plain process")
+    r.add_argument("--worker", action="append",
+                   help="HOST:PORT (repeatable); with --redis-url workers are also found in "
+                        "the registry")
+    r.add_argument("--redis-url", default=None,
+                   help="the prefix index and worker registry (redis://HOST:PORT/DB)")
+    add_setting(r, "policy")
+    r.add_argument("--model", default=None, help="checkpoint whose tokenizer to use")
+    r.add_argument("--cache-dir", default=None)
+    r.add_argument("--host", default="127.0.0.1")
+    add_setting(r, "port")
+    add_setting(r, "http_port")
+    add_setting(r, "max_in_flight")
+    r.add_argument("--config", default=None,
+                   help="deployment YAML: the router's settings come from it (flags win)")
+    r.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics here (0: any free port; default: off)")
+    r.set_defaults(func=cmd_router)
+
+    c = sub.add_parser("convert-model", help="convert the default model once; print its path")
+    c.add_argument("--cache-dir", default=None)
+    c.set_defaults(func=cmd_convert)
+
+
+def expand_config(argv: list[str]) -> list[str]:
+    """``pdserve worker|router --config FILE [flags]``: the command line the deployment
+    file gives that component (what ``pdserve up`` would run), then the flags given,
+    which win (argparse keeps the last value). How a pod runs one component from the
+    same file a ``pdserve up`` reads."""
+    if not argv or argv[0] not in ("worker", "router"):
+        return argv
+    rest, path = [], None
+    it = iter(argv[1:])
+    for a in it:
+        if a == "--config":
+            path = next(it, None)
+        elif a.startswith("--config="):
+            path = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    if path is None:
+        return argv
+    config = DeploymentConfig.from_settings(load_yaml(path))
+    if argv[0] == "router":
+        return config.router_args([], config.redis_url) + rest
+    role = argparse.ArgumentParser(add_help=False)
+    role.add_argument("--role", default="mixed")
+    known, _ = role.parse_known_args(rest)
+    return config.worker_args(known.role, config.host, 50061, config.redis_url,
+                              config.threads(os.cpu_count() or 1)) + rest
+
+
+def component_config(argv: list[str]) -> tuple[str, object]:
+    """A ``pdserve worker`` or ``pdserve router`` command line as (kind, config): how
+    a Ray actor runs the component exactly as the plain process would."""
+    parser = argparse.ArgumentParser(prog="pdserve")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    if args.command == "worker":
+        return "worker", worker_config(args)
+    if args.command == "router":
+        return "router", router_config(args)
+    raise ValueError(f"not a component command line: {argv}")
+
+
+def _log_to_stderr(name: str) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+
+
+def worker_config(args: argparse.Namespace):  # noqa: ANN201 - WorkerConfig
+    from workers.engine.params import EngineConfig
+    from workers.model_store import resolve_model
+    from workers.server import WorkerConfig
+    from workers.transfer import TransferConfig
+
+    path = resolve_model(args.model, cache_dir(args))
+    transfer = TransferConfig(host=args.host, device=args.device,
+                              data_timeout_s=args.transfer_timeout_s,
+                              fault_drop_midway=os.environ.get("PDSERVE_FAULT_DROP_TRANSFER", ""))
+    return WorkerConfig(
+        engine=EngineConfig(model=str(path), **engine_options(args)),  # type: ignore[arg-type]
+        model_name=path.name, role=args.role, host=args.host, port=args.port,
+        transfer=transfer, local_prefill_threshold=args.local_prefill_threshold,
+        redis_url=args.redis_url, metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout_s)
+
+
+def router_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
+    from router.core import RouterConfig
+    from router.server import ServerConfig
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, cache_dir(args))
+    return ServerConfig(
+        router=RouterConfig(workers=tuple(args.worker or ()), model_path=str(path),
+                            model_name=path.name, max_in_flight=args.max_in_flight,
+                            redis_url=args.redis_url, policy=args.policy),
+        host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port,
+        metrics_port=args.metrics_port)
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from workers.server import serve
+
+    _log_to_stderr(f"{args.role}@{args.port}")
+    asyncio.run(serve(worker_config(args)))
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router.server import serve
+
+    _log_to_stderr(f"router@{args.port}")
+    asyncio.run(serve(router_config(args)))
+    return 0
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from workers.model_store import resolve_model
+
+    print(resolve_model(None, cache_dir(args)))
+    return 0

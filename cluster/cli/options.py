@@ -1,0 +1,105 @@
+"""What the command groups share: the environment (read here, once), the engine flags
+of ``pdserve worker`` and ``pdserve generate``, and flags built from
+:class:`~cluster.deployment.DeploymentConfig`'s fields, so a setting's default and help
+are written once, next to the field (``pdserve up`` has one flag per field; ``worker``,
+``router`` and ``generate`` take the settings they share with it)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+
+from cluster.deployment import DeploymentConfig, flag_of
+from router.policies import POLICIES
+from workers.engine.params import DTYPES
+
+EXIT_INVALID = 2
+
+CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPES, "policy": tuple(sorted(POLICIES))}
+"""Choices of settings whose valid values live with the component that checks them (the
+engine, the router), not in the deployment file's module."""
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DeploymentConfig)}
+_HINTS = typing.get_type_hints(DeploymentConfig)
+_FIELD_DEFAULT = object()
+
+
+def cache_dir(args: argparse.Namespace) -> Path | None:
+    """``--cache-dir``, else ``$PDSERVE_CACHE_DIR``; None: the model store's default."""
+    value = args.cache_dir or os.environ.get("PDSERVE_CACHE_DIR")
+    return Path(value) if value else None
+
+
+def _scalar(hint: object) -> type:
+    """``int | None`` -> ``int``: what a flag's value converts to."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        (kind,) = [h for h in typing.get_args(hint) if h is not type(None)]
+        return kind
+    return hint  # type: ignore[return-value]
+
+
+def add_setting(p: argparse.ArgumentParser, name: str,
+                default: object = _FIELD_DEFAULT) -> None:
+    """Add the flag of DeploymentConfig field ``name`` to ``p``: the field's flag, type,
+    choices and help, the help ending with the field's default. The flag's own default is
+    the field's unless ``default`` is given: ``argparse.SUPPRESS`` (``pdserve up``: only
+    flags given override the deployment file) or a value that means the same (``None``
+    for ``model``'s "")."""
+    f = _FIELDS[name]
+    flag, kind = flag_of(f), _scalar(_HINTS[name])
+    kw: dict[str, object] = {"dest": name,
+                             "default": f.default if default is _FIELD_DEFAULT else default}
+    help = str(f.metadata["help"])
+    if kind is bool:  # a switch: its flag turns the field's default around
+        kw["action"] = "store_false" if f.default else "store_true"
+    else:
+        kw["type"] = kind
+        choices = f.metadata["choices"] or CHOICES.get(name)
+        if choices:
+            kw["choices"] = choices
+        elif flag != f"--{name.replace('_', '-')}":
+            kw["metavar"] = flag.lstrip("-").replace("-", "_").upper()  # not the field's
+        help += f" (default: {f.metadata['shown'] or f.default})"
+    p.add_argument(flag, help=help, **kw)  # type: ignore[arg-type]
+
+
+def add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per DeploymentConfig field, set only when given (``pdserve up``)."""
+    for name in _FIELDS:
+        add_setting(p, name, default=argparse.SUPPRESS)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    add_setting(p, "model", default=None)
+    p.add_argument("--cache-dir", default=None,
+                   help="where converted models live (default: $PDSERVE_CACHE_DIR or "
+                        "~/.cache/pdserve)")
+    add_setting(p, "dtype")
+    add_setting(p, "kv_cache_gb")
+    add_setting(p, "block_size")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_setting(p, "max_model_len")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="torch threads for this process (default: all cores)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu or cuda[:N]: where weights, KV cache and the forward run "
+                        "(KV transfer uses NCCL between CUDA workers)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    """The engine flags as EngineConfig fields (all but ``model``)."""
+    cache = cache_dir(args)
+    return {
+        "kernel_cache_dir": str(cache / "kernels") if cache else None,
+        "dtype": args.dtype,
+        "kv_cache_memory_gb": args.kv_cache_gb,
+        "block_size": args.block_size,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "num_threads": args.threads,
+        "device": args.device,
+    }

@@ -1,0 +1,140 @@
+"""``pdserve up`` and ``pdserve scale``: a whole cluster's lifecycle.
+
+``up`` reads the deployment (``--config FILE``, then the flags given, which win; one
+flag per :class:`~cluster.deployment.DeploymentConfig` field, built from the field),
+converts the model once, and serves until Ctrl-C: as actors on Ray
+(``cluster/ray_cluster.py``, the default) or as plain processes here (``--launcher
+process``, ``cluster/local.py``). ``scale`` resizes the pools of a cluster on Ray while
+it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from cluster.deployment import DeploymentConfig, load_yaml
+
+from .component import component_config
+from .options import EXIT_INVALID, add_deployment_flags, cache_dir
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    u = sub.add_parser("up", help="start the whole cluster (on Ray by default) and serve "
+                       "until Ctrl-C", argument_default=argparse.SUPPRESS,
+                       description="Flags override the deployment file (--config); unset "
+                       "ones take DeploymentConfig's defaults (cluster/deployment.py).")
+    u.add_argument("--config", default=None,
+                   help="deployment YAML (keys: DeploymentConfig's fields; see "
+                        "deploy/pdserve.yaml)")
+    u.add_argument("--cache-dir", default=None,
+                   help="where converted models live (default: $PDSERVE_CACHE_DIR or "
+                        "~/.cache/pdserve)")
+    add_deployment_flags(u)
+    u.set_defaults(func=cmd_up)
+
+    sc = sub.add_parser("scale", help="resize the pools of a cluster `pdserve up` runs on Ray, "
+                        "while it serves (removed workers drain first)")
+    sc.add_argument("--prefill", type=int, default=None)
+    sc.add_argument("--decode", type=int, default=None)
+    sc.add_argument("--mixed", type=int, default=None)
+    sc.add_argument("--ray-address", default="auto",
+                    help="the Ray cluster (default: the local one `pdserve up` started)")
+    sc.set_defaults(func=cmd_scale)
+
+
+def deployment_config(args: argparse.Namespace) -> DeploymentConfig:
+    """The deployment file's settings (``--config``), overridden by the flags given."""
+    settings: dict[str, object] = load_yaml(args.config) if args.config else {}
+    fields = {f.name for f in dataclasses.fields(DeploymentConfig)}
+    given = {k: v for k, v in vars(args).items() if k in fields}
+    return DeploymentConfig.from_settings({**settings, **given})
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from workers.model_store import resolve_model
+
+    try:  # bad pool sizes and files are reported before any model conversion
+        config = deployment_config(args)
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    path = resolve_model(config.model or None, cache_dir(args))  # convert once, up front
+    config = dataclasses.replace(config, model=str(path))
+    if config.launcher == "process":
+        from cluster.local import LocalCluster
+
+        with LocalCluster(config) as cluster:
+            cluster.wait_ready()
+            print(cluster.usage(), flush=True)
+            return cluster.wait()
+    return _up_on_ray(config)
+
+
+def _up_on_ray(config: DeploymentConfig) -> int:
+    from cluster.local import banner, start_redis, stop_on_signals
+    from cluster.ray_cluster import RayDeployment
+
+    if config.ray_address and not config.redis_url:
+        print("pdserve up: with --ray-address give --redis-url too (a Redis every node can "
+              "reach); starting one on 127.0.0.1 serves workers on this node only",
+              file=sys.stderr)
+    redis = start_redis(config)
+    deployment = RayDeployment(config, redis.url if redis else config.redis_url,
+                               component_config)
+
+    try:
+        print(f"pdserve up: placing {config.pool_sizes()} on Ray ...", file=sys.stderr,
+              flush=True)
+        deployment.start()
+        stop_on_signals()  # after ray.init, which sets its own handlers
+        host, _ = deployment.router["address"].rsplit(":", 1)
+        http = deployment.router.get("http_port")
+        metrics = deployment.router.get("metrics_port")
+        extra = [f"  Ray:     {deployment.ray.get('address')}"
+                 + (f", dashboard http://{deployment.ray['dashboard_url']}"
+                    if deployment.ray.get("dashboard_url") else ""),
+                 "           pdserve status --ray       pdserve scale --prefill N --decode M",
+                 f"Started in {deployment.started_s:.1f}s."]
+        print(banner(config, deployment.threads, deployment.router["address"],
+                     f"http://{host}:{http}" if http else None,
+                     f"http://{host}:{metrics}/metrics" if metrics else None, tuple(extra)),
+              flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        deployment.stop()
+        if redis is not None:
+            redis.stop()
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.ray_cluster import connect, controller
+
+    sizes = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode),
+                               ("mixed", args.mixed)) if v is not None}
+    if not sizes or any(v < 0 for v in sizes.values()):
+        print("pdserve scale: give --prefill N, --decode M and/or --mixed K (>= 0)",
+              file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        connect(args.ray_address)
+        ctl = controller()
+        before = ray.get(ctl.sizes.remote())  # type: ignore[attr-defined]
+        print(f"pdserve scale: {before} -> {({**before, **sizes})} (removed workers drain "
+              "first) ...", file=sys.stderr, flush=True)
+        after = ray.get(ctl.scale.remote(sizes))  # type: ignore[attr-defined]
+    except (RuntimeError, ConnectionError, ValueError) as e:
+        print(f"pdserve scale: {e}", file=sys.stderr)
+        return 1
+    except ray.exceptions.RayTaskError as e:
+        print(f"pdserve scale: {e.cause if hasattr(e, 'cause') else e}", file=sys.stderr)
+        return EXIT_INVALID
+    print(json.dumps(after))
+    return 0
