@@ -7,8 +7,9 @@ this bottom-layer module may use it. Conversion validates: a bad value raises
 
 from __future__ import annotations
 
-from protos.pdserve.v1 import common_pb2
+from protos.pdserve.v1 import common_pb2, worker_pb2
 
+from .request import Request
 from .sampling import SamplingParams
 
 FINISH_REASONS = {
@@ -44,3 +45,16 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
     return msg
+
+
+def request_to_proto(r: Request) -> worker_pb2.WorkerGenerateRequest:
+    """The internal API's form of a request (router -> worker)."""
+    return worker_pb2.WorkerGenerateRequest(
+        request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+        sampling=sampling_to_proto(r.sampling), cache_salt=r.cache_salt or "")
+
+
+def request_from_proto(msg: worker_pb2.WorkerGenerateRequest) -> Request:
+    """A worker's typed request; raises ``InvalidRequestError`` naming the field."""
+    return Request(msg.request_id, tuple(msg.prompt_token_ids),
+                   sampling_from_proto(msg.sampling), msg.cache_salt or None)
