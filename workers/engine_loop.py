@@ -12,43 +12,33 @@ The engine is touched only by the engine thread; :meth:`load` reads counters tha
 thread publishes after every step, so it is safe from any thread.
 
 Disaggregated decode (:meth:`EngineLoop.reserve`): the first item of the stream is a
-:class:`Reservation`. Unless the uncached part of the prompt is under the local-prefill
-threshold (then the request simply runs here), the engine holds blocks for the prompt
-and ``kv_expect`` registers them with the KV receiver. Two events then meet on the
-engine thread, in either order: the transfer ending (``_TransferDone``) and the router's
-``commit`` (the first token, or None when the prefill failed). Both present: a landed
-transfer and a first token commit the request into the running batch; anything else
-recomputes it here. Blocks a transfer may still write into are never freed before the
-transfer is terminal, so an abort in the middle waits for it (each transfer step is
-bounded by the channel's timeouts, and a commit whose offer never came cancels the
-reservation after ``offer_timeout_s``).
+:class:`~workers.reservation.Reservation`. Unless the uncached part of the prompt is
+under the local-prefill threshold (then the request simply runs here), the engine holds
+blocks for the prompt and ``kv_expect`` registers them with the KV receiver. Each
+reserve has a :class:`~workers.reservation.ReservationMachine`, which decides what the
+transfer's end, the router's ``commit`` and aborts lead to (see
+:mod:`workers.reservation`); this module carries its decisions out on the engine
+thread: cancel the transfer, arm the offer timeout, settle (commit into the running
+batch, recompute, or free; blocks a failed transfer may still write into go back to
+the pool only once it is quiesced).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput
+from .engine.llm_engine import EngineLoad, LLMEngine, OnPrefilled, RequestOutput
 from .engine.params import SamplingParams
-from .transfer import TransferHandle, TransferResult, TransferState
+from .reservation import Actions, Reservation, ReservationMachine, ReservationState
+from .transfer import TransferHandle, TransferResult
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-    reserved: int = 0
-    """Requests holding blocks for KV in transit: decode, reserved (or waiting for room)
-    until the KV lands; prefill, held until their KV has been sent."""
 
 
 @dataclass
@@ -67,18 +57,6 @@ class EngineCounters:
             self.cached_prompt_tokens += output.num_cached_tokens
             reason = output.finish_reason or "unknown"
             self.finished[reason] = self.finished.get(reason, 0) + 1
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Decode side's answer to a reserve: prefill here (``local``), or send the KV of
-    the prompt's blocks from ``skip_blocks`` on into ``block_ids`` at ``kv_address``."""
-
-    local: bool
-    cached_tokens: int
-    kv_address: str = ""
-    skip_blocks: int = 0
-    block_ids: tuple[int, ...] = ()
 
 
 KVExpect = Callable[[str, list[int]], TransferHandle]
@@ -120,15 +98,13 @@ class _TransferDone:
 
 
 @dataclass
-class _Remote:
-    """A reserved request between reserve and commit/recompute."""
+class _Reserve:
+    """One reserve on the engine thread: its machine, and what carrying it out holds."""
 
     add: _Add
-    handle: TransferHandle
-    result: TransferResult | None = None
-    committed: bool = False
-    first_token: int | None = None
-    aborted: bool = False
+    machine: ReservationMachine
+    handle: TransferHandle | None = None  # once placed
+    committed: bool = False  # the machine takes one commit; a repeat is ignored
     timers: list[threading.Timer] = field(default_factory=list)
 
 
@@ -143,8 +119,8 @@ class EngineLoop:
         self._commit_wait_s = commit_wait_s
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Add] = {}
-        self._remote: dict[str, _Remote] = {}
-        self._pending: list[_Add] = []  # reserves waiting for free blocks, in order
+        self._remote: dict[str, _Reserve] = {}  # placed, not settled
+        self._pending: list[_Reserve] = []  # QUEUED: waiting for free blocks, in order
         self._load = self._snapshot()
         self.counters = EngineCounters()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -214,17 +190,15 @@ class EngineLoop:
     # -- engine thread -----------------------------------------------------------------
 
     def _snapshot(self) -> EngineLoad:
-        sched = self.engine.scheduler
-        return EngineLoad(len(sched.running), len(sched.waiting),
-                          sched.block_manager.num_free_blocks, sched.block_manager.num_blocks,
-                          len(self._remote) + len(self._pending) + len(sched.held))
+        load = self.engine.load()
+        return dataclasses.replace(load, reserved=load.reserved + len(self._pending))
 
     def _run(self) -> None:
-        sched = self.engine.scheduler
+        engine = self.engine
         cmd = None
         while True:
             if cmd is None:
-                busy = bool(sched.running or sched.waiting)  # reserved ones wait for events
+                busy = engine.has_runnable_requests()  # reserved ones wait for events
                 try:
                     cmd = self._commands.get(block=not busy)
                 except queue.Empty:
@@ -242,9 +216,9 @@ class EngineLoop:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None
-            if sched.running or sched.waiting:
+            if engine.has_runnable_requests():
                 try:
-                    outputs = self.engine.step()
+                    outputs = engine.step()
                 except Exception as e:  # a bug, not bad input: fail every request loudly
                     self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
                     continue
@@ -255,7 +229,7 @@ class EngineLoop:
                     self._emit(output)
             self._reserve_pending()
             self._load = self._snapshot()
-            if (sched.running or sched.waiting) and self.engine.last_step_empty:
+            if engine.has_runnable_requests() and engine.last_step_empty:
                 # Waiting for blocks that only a command can free (a release, an abort,
                 # a landed transfer): sleep until one comes, never spin.
                 try:
@@ -266,11 +240,10 @@ class EngineLoop:
     def _reserve_pending(self) -> None:
         """Reserves that waited for room, in arrival order, while they fit."""
         while self._pending:
-            add = self._pending[0]
-            if not self._try_reserve(add):
+            rec = self._pending.pop(0)  # out before its answer goes: a failed one aborts
+            if not self._try_reserve(rec):
+                self._pending.insert(0, rec)
                 return
-            if self._pending and self._pending[0] is add:  # a failed delivery removed it
-                self._pending.pop(0)
 
     def _emit(self, output: RequestOutput) -> None:
         self.counters.count(output)
@@ -289,20 +262,16 @@ class EngineLoop:
         elif isinstance(cmd, _Commit):
             rec = self._remote.get(cmd.add.request_id)
             if rec is not None and rec.add is cmd.add and not rec.committed:
-                rec.committed, rec.first_token = True, cmd.first_token
-                if cmd.first_token is None:
-                    rec.handle.cancel("the prefill failed; computing here instead")
-                elif rec.result is None:
-                    self._cancel_later(rec, "no KV offer came within the commit wait")
-                self._settle(rec)
+                rec.committed = True
+                self._carry_out(rec, rec.machine.commit(cmd.first_token))
         elif isinstance(cmd, _TransferDone):
             rec = self._remote.get(cmd.add.request_id)
             if rec is not None and rec.add is cmd.add:
-                rec.result = cmd.result
-                self._settle(rec)
+                self._carry_out(rec, rec.machine.transfer_ended(cmd.result.ok))
         elif cmd.local_threshold is not None:
-            if self._pending or not self._try_reserve(cmd):
-                self._pending.append(cmd)
+            rec = _Reserve(cmd, ReservationMachine(cmd.request_id))
+            if self._pending or not self._try_reserve(rec):
+                self._pending.append(rec)
         else:
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
@@ -313,9 +282,11 @@ class EngineLoop:
             self._streams[cmd.request_id] = cmd
 
     def _abort(self, add: _Add) -> None:
-        rid = add.request_id
-        if add in self._pending:
-            self._pending.remove(add)
+        rid, reason = add.request_id, "the request was cancelled"
+        queued = next((rec for rec in self._pending if rec.add is add), None)
+        if queued is not None:  # holds nothing yet
+            self._pending.remove(queued)
+            queued.machine.abort(reason)
             return
         if self._streams.get(rid) is not add:
             return
@@ -323,75 +294,85 @@ class EngineLoop:
         rec = self._remote.get(rid)
         if rec is None:
             self.engine.abort_request(rid)
-            return
-        rec.aborted = True  # freed once the transfer can no longer write
-        rec.handle.cancel("the request was cancelled")
-        self._settle(rec)
+        else:  # freed once the transfer can no longer write
+            self._carry_out(rec, rec.machine.abort(reason))
 
-    def _try_reserve(self, add: _Add) -> bool:
-        """Reserve ``add`` now; False when there is no room yet (it stays pending)."""
-        rid = add.request_id
+    def _try_reserve(self, rec: _Reserve) -> bool:
+        """Reserve now; False when there is no room yet (it stays QUEUED)."""
+        add, machine, rid = rec.add, rec.machine, rec.add.request_id
         try:
-            seq = self.engine.reserve_request(rid, add.prompt_token_ids, add.params,
-                                              add.cache_salt)
+            kv = self.engine.reserve_request(rid, add.prompt_token_ids, add.params,
+                                             add.cache_salt)
         except Exception as e:  # noqa: BLE001 - invalid input goes back to the caller
+            machine.reject()
             self._deliver(add, e)
             return True
-        if seq is None:
+        if kv is None:
             return False
         self._streams[rid] = add
-        cached = seq.num_computed_tokens
-        if seq.num_tokens - cached < (add.local_threshold or 0):
-            self.engine.recompute_request(rid, None)  # conditional disaggregation
-            self._deliver(add, Reservation(True, cached))
-            return True
-        skip = cached // self.engine.config.block_size
-        ids = seq.block_table[skip:]
-        assert self._kv_expect is not None
-        try:
-            handle = self._kv_expect(rid, ids)
-        except Exception:  # noqa: BLE001 - receiver closed: compute here
+        handle = None
+        if kv.uncached_tokens >= (add.local_threshold or 0):  # else: conditional disagg.
+            assert self._kv_expect is not None
+            try:
+                handle = self._kv_expect(rid, list(kv.target_block_ids))
+            except Exception:  # noqa: BLE001 - receiver closed: compute here
+                handle = None
+        if handle is None:
+            machine.go_local()
             self.engine.recompute_request(rid, None)
-            self._deliver(add, Reservation(True, cached))
+            self._deliver(add, Reservation(True, kv.cached_tokens))
             return True
-        self._remote[rid] = _Remote(add, handle)
+        machine.place()
+        rec.handle = handle
+        self._remote[rid] = rec
         handle.add_done_callback(lambda r: self._commands.put(_TransferDone(add, r)))
-        self._deliver(add, Reservation(False, cached, self._kv_address, skip, tuple(ids)))
+        self._deliver(add, Reservation(False, kv.cached_tokens, self._kv_address,
+                                       kv.skip_blocks, kv.target_block_ids))
         return True
 
-    def _cancel_later(self, rec: _Remote, reason: str) -> None:
+    def _carry_out(self, rec: _Reserve, actions: Actions) -> None:
+        """Do what the machine decided for a placed reservation."""
+        assert rec.handle is not None
+        if actions.cancel_transfer is not None:
+            rec.handle.cancel(actions.cancel_transfer)
+        if actions.arm_offer_timeout:
+            self._cancel_later(rec, "no KV offer came within the commit wait")
+        if actions.settle:
+            self._settle(rec)
+
+    def _cancel_later(self, rec: _Reserve, reason: str) -> None:
         """A committed reservation whose offer never arrives is given up (the prefill
         worker died after sampling). Only while PENDING: a receive in flight is bounded
         by the channel's data timeout and must not be cut off for being long."""
+        assert rec.handle is not None
         timer = threading.Timer(self._commit_wait_s, rec.handle.cancel_pending, args=(reason,))
         timer.daemon = True
         timer.start()
         rec.timers.append(timer)
 
-    def _settle(self, rec: _Remote) -> None:
-        """Act once the transfer is terminal and the router decided (or aborted)."""
-        if rec.result is None or not (rec.committed or rec.aborted):
-            return
+    def _settle(self, rec: _Reserve) -> None:
+        """The transfer ended and the machine settled: commit, recompute or free."""
+        assert rec.handle is not None
         rid = rec.add.request_id
         del self._remote[rid]
         for timer in rec.timers:
             timer.cancel()
         if not rec.handle.quiesced:  # failed with receives still posted: not these blocks
-            sched = self.engine.scheduler
-            held = sched.quarantine(sched.reserved[rid])
-            rec.handle.add_quiesced_callback(
-                lambda: self.call_soon(lambda: sched.release(held)))
-        if rec.aborted:
+            release = self.engine.quarantine_request(rid)
+            rec.handle.add_quiesced_callback(lambda: self.call_soon(release))
+        state, token = rec.machine.state, rec.machine.first_token
+        if state is ReservationState.ABORTED:
             self.engine.abort_request(rid)
             return
-        if rec.result.state is TransferState.DONE and rec.first_token is not None:
-            final = self.engine.commit_request(rid, rec.first_token)
+        if state is ReservationState.RUNNING:
+            assert token is not None
+            final = self.engine.commit_request(rid, token)
         else:
-            final = self.engine.recompute_request(rid, rec.first_token)
+            final = self.engine.recompute_request(rid, token)
         if final is not None:
             self._emit(final)
 
-    def _deliver(self, stream: _Add, item: RequestOutput | Exception) -> None:
+    def _deliver(self, stream: _Add, item: Reservation | RequestOutput | Exception) -> None:
         """Hand an item to the consumer's event loop; a closed loop aborts the request."""
         try:
             stream.loop.call_soon_threadsafe(stream.out.put_nowait, item)
@@ -399,16 +380,16 @@ class EngineLoop:
             self._abort(stream)
 
     def _fail_all(self, error: Exception) -> None:
-        for rid, stream in list(self._streams.items()):
+        streams, self._streams = self._streams, {}
+        pending, self._pending = self._pending, []
+        reason = "the worker is failing every request"
+        for rid, stream in streams.items():
             rec = self._remote.get(rid)
             if rec is None:
                 self.engine.abort_request(rid)
             else:  # blocks under a live transfer are freed when it ends
-                rec.aborted = True
-                rec.handle.cancel("the worker is failing every request")
-                self._settle(rec)
+                self._carry_out(rec, rec.machine.abort(reason))
             self._deliver(stream, error)
-        for add in list(self._pending):
-            self._deliver(add, error)
-        self._streams.clear()
-        self._pending.clear()
+        for rec in pending:
+            rec.machine.abort(reason)
+            self._deliver(rec.add, error)

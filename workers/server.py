@@ -40,9 +40,10 @@ from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.params import EngineConfig
-from .engine_loop import EngineLoop, Reservation
+from .engine_loop import EngineLoop
 from .metrics import WorkerMetrics
 from .presence import Presence
+from .reservation import Reservation
 from .transfer import (
     ChannelStats,
     KVLayout,
@@ -155,7 +156,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             params = sampling_from_proto(req.sampling)
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        sender, loop, engine = self._sender, self._loop, self._loop.engine
+        sender, loop, kv = self._sender, self._loop, self._loop.engine.kv_view()
         skip, dst = target.skip_blocks, list(target.block_ids)
 
         def send_kv(block_table: list[int], release) -> None:  # noqa: ANN001 - engine thread
@@ -166,9 +167,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 release()
                 return
             try:  # read in place from the held blocks; released once the send ended
-                handle = sender.send_paged(target.address, req.request_id,
-                                           engine.runner.kv_cache, src, dst,
-                                           engine.config.block_size)
+                handle = sender.send_paged(target.address, req.request_id, kv.cache, src,
+                                           dst, kv.block_size)
             except Exception:  # noqa: BLE001 - sender closed: the decode side recomputes
                 log.exception("request %s: cannot send its KV", req.request_id)
                 release()
@@ -244,15 +244,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     async def GetLoad(self, request, context):  # noqa: N802
-        load = self._loop.load()
-        engine = self._loop.engine
+        load, cap = self._loop.load(), self._loop.engine.capacity()
         return worker_pb2.WorkerLoad(
             role=self._config.role, model=self._config.model_name,
             running_requests=load.running, waiting_requests=load.waiting,
             free_blocks=load.free_blocks, total_blocks=load.total_blocks,
-            max_model_len=engine.max_model_len, reserved_requests=load.reserved,
-            transfers=self.transfer_stats(), block_size=engine.config.block_size,
-            model_id=engine.model_id, prompt_tokens=self._loop.counters.prompt_tokens,
+            max_model_len=cap.max_model_len, reserved_requests=load.reserved,
+            transfers=self.transfer_stats(), block_size=cap.block_size,
+            model_id=cap.model_id, prompt_tokens=self._loop.counters.prompt_tokens,
             cached_prompt_tokens=self._loop.counters.cached_prompt_tokens)
 
     def channel_stats(self) -> ChannelStats | None:
@@ -268,17 +267,17 @@ def channel_ends(config: WorkerConfig, engine: LLMEngine
                  ) -> tuple[EngineLoop, KVSender | None, KVReceiver | None]:
     """The engine loop with the role's end of the KV channel wired in."""
     name = f"{config.role}@{config.host}:{config.port}"
-    cache, block_size = engine.runner.kv_cache, engine.config.block_size
+    kv = engine.kv_view()
     if config.role == "prefill":
         return EngineLoop(engine), KVSender(name, config.transfer), None
     if config.role != "decode":
         return EngineLoop(engine), None, None
     receiver = KVReceiver(name, config.transfer)
-    layout = KVLayout.of_cache(cache, block_size)
+    layout = KVLayout.of_cache(kv.cache, kv.block_size)
 
     def expect(request_id: str, block_ids: list[int]):  # noqa: ANN202 - TransferHandle
         return receiver.expect(request_id, layout, block_ids,
-                               PagedCacheDestination(cache, block_ids, block_size),
+                               PagedCacheDestination(kv.cache, block_ids, kv.block_size),
                                timeout_s=config.reservation_timeout_s)
 
     loop = EngineLoop(engine, expect, receiver.address, config.transfer.offer_timeout_s)
@@ -311,6 +310,7 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
         presence = Presence(config.redis_url, config.model_name, address, config.registry_ttl_s)
     engine = LLMEngine(config.engine, [presence.publisher] if presence else ())
     loop, sender, receiver = channel_ends(config, engine)
+    capacity = engine.capacity()
     servicer = WorkerServicer(loop, config, sender, receiver)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -323,7 +323,7 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     print(f"pdserve worker ({config.role}) serving {config.model_name} on {address} "
-          f"({engine.scheduler.block_manager.num_blocks} KV blocks"
+          f"({capacity.num_blocks} KV blocks"
           + (f"; metrics on :{metrics_port}" if metrics_port else "") + ")",
           file=sys.stderr, flush=True)
     if stop is None:
@@ -332,13 +332,12 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
         aio.add_signal_handler(signal.SIGINT, stop.set)
         aio.add_signal_handler(signal.SIGTERM, lambda: (drain.set(), stop.set()))
     if on_ready is not None:
-        on_ready(Serving(address, config.role, metrics_port,
-                         engine.scheduler.block_manager.num_blocks))
+        on_ready(Serving(address, config.role, metrics_port, capacity.num_blocks))
     beat_stop = asyncio.Event()
     heartbeat = None
     if presence is not None:
-        bm = engine.scheduler.block_manager
-        info = WorkerInfo(address, config.role, address, bm.num_blocks, bm.block_size)
+        info = WorkerInfo(address, config.role, address, capacity.num_blocks,
+                          capacity.block_size)
 
         def load() -> dict:
             now = loop.load()

@@ -51,13 +51,12 @@ def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],
                   params: SamplingParams = GREEDY, drop: bool = False
                   ) -> tuple[RequestOutput, RequestOutput, TransferState]:
     sender, receiver = channel
-    seq = d.reserve_request(rid, ids, params)
-    assert seq is not None
-    bs = d.config.block_size
-    skip = seq.num_computed_tokens // bs
-    dst = seq.block_table[skip:]
-    handle = receiver.expect(rid, KVLayout.of_cache(d.runner.kv_cache, bs), dst,
-                             PagedCacheDestination(d.runner.kv_cache, dst, bs))
+    kv = d.reserve_request(rid, ids, params)
+    assert kv is not None
+    bs, skip, dst = kv.block_size, kv.skip_blocks, list(kv.target_block_ids)
+    cache = d.kv_view().cache
+    handle = receiver.expect(rid, KVLayout.of_cache(cache, bs), dst,
+                             PagedCacheDestination(cache, dst, bs))
     sent = []
     releases = []
 
@@ -66,7 +65,7 @@ def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],
         if drop:  # the KV never leaves: the reservation must not be decoded
             handle.cancel("test drops the transfer")
             return
-        sent.append(sender.send_paged(receiver.address, rid, p.runner.kv_cache, table[skip:],
+        sent.append(sender.send_paged(receiver.address, rid, p.kv_view().cache, table[skip:],
                                       dst, bs))
 
     p.add_request(rid, ids, params, on_prefilled=export)
@@ -109,8 +108,8 @@ def test_prefix_hits_on_either_side_and_failed_transfer_recomputes(tiny_checkpoi
     shared = p.tokenizer("A long shared system prompt that many requests start with.").input_ids
     a, b, c = shared + [11, 12, 13], shared + [21, 22], shared + [31, 32, 33, 34]
     _, out_a, _ = disaggregated(p, d, channel, "a", a)  # both cold
-    seq = d.reserve_request("probe", b, GREEDY)  # the decode side now holds the prefix
-    assert seq is not None and seq.num_computed_tokens == (len(shared) // 4) * 4
+    kv = d.reserve_request("probe", b, GREEDY)  # the decode side now holds the prefix
+    assert kv is not None and kv.cached_tokens == (len(shared) // 4) * 4
     d.abort_request("probe")
     first_b, out_b, _ = disaggregated(p, d, channel, "b", b)  # hits on both sides
     assert first_b.num_cached_tokens == (len(shared) // 4) * 4

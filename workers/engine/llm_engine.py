@@ -11,9 +11,15 @@ Disaggregation uses two more doors. A prefill worker adds a request with
 callback gets the block table and a ``release`` function; the request ends with reason
 ``remote`` and its first token, but its blocks stay held (read-only) until ``release()``
 is called on the engine thread, so a transfer can read them in place. A decode worker
-calls ``reserve_request`` (blocks for the whole prompt, the cached prefix reused), lets
-the transfer fill them, then ``commit_request`` with the first token, or
-``recompute_request`` when the KV will not come.
+calls ``reserve_request`` (blocks for the whole prompt, the cached prefix reused: a
+:class:`KVReservation`), lets the transfer fill them, then ``commit_request`` with the
+first token, or ``recompute_request`` when the KV will not come; ``quarantine_request``
+keeps blocks a failed transfer may still write into away from the pool until released.
+
+Servers see the engine through value objects only: :meth:`LLMEngine.capacity`
+(:class:`KVCapacity`), :meth:`LLMEngine.load` (:class:`EngineLoad`) and
+:meth:`LLMEngine.kv_view` (:class:`KVView`, the paged cache a transfer reads and writes),
+never its scheduler, block manager or model runner.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from common.sampling import check_prompt
@@ -55,6 +62,66 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What this engine can hold; fixed at construction."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    model_id: str
+    """Seeds the block-hash chain (see :func:`model_identity`)."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A snapshot of the queues and the KV block pool."""
+
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    reserved: int = 0
+    """Requests holding blocks for KV in transit: decode, reserved (or waiting for room)
+    until the KV lands; prefill, held until their KV has been sent."""
+
+
+@dataclass(frozen=True)
+class KVView:
+    """The paged KV cache as a transfer reads and writes it: ``cache`` is
+    ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]`` and block ``b`` is rows
+    ``b * block_size`` up to ``(b + 1) * block_size``. Write only into a reservation's
+    blocks, read only blocks held for export (``on_prefilled``)."""
+
+    cache: torch.Tensor
+    block_size: int
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """Blocks :meth:`LLMEngine.reserve_request` holds for a whole prompt."""
+
+    block_table: tuple[int, ...]
+    """Every block of the prompt, the cached prefix first."""
+    cached_tokens: int
+    """Leading prompt tokens (whole blocks) whose KV is already here: not sent."""
+    num_tokens: int
+    block_size: int
+
+    @property
+    def skip_blocks(self) -> int:
+        return self.cached_tokens // self.block_size
+
+    @property
+    def target_block_ids(self) -> tuple[int, ...]:
+        """The blocks the transfer fills."""
+        return self.block_table[self.skip_blocks:]
+
+    @property
+    def uncached_tokens(self) -> int:
+        return self.num_tokens - self.cached_tokens
 
 
 OnPrefilled = Callable[[list[int], Callable[[], None]], None]
@@ -104,12 +171,35 @@ class LLMEngine:
             ),
             kv_listeners,
         )
+        self._capacity = KVCapacity(self.runner.num_blocks, config.block_size,
+                                    self.max_model_len, self.model_id)
         self._requests: dict[str, _Tracked] = {}
         self.last_step_empty = False
         """Whether the last ``step`` found nothing it could run (no free blocks yet)."""
         self.step_shapes: list[tuple[int, int]] | None = None
         """When a list (set it to ``[]``), each step appends (tokens run, rows sampled):
         benchmarks replay these shapes to time the GEMM floor."""
+
+    # -- what servers see ------------------------------------------------------------------
+
+    def capacity(self) -> KVCapacity:
+        """Fixed at construction: safe from any thread."""
+        return self._capacity
+
+    def kv_view(self) -> KVView:
+        """Safe from any thread (the tensor's contents are not: see :class:`KVView`)."""
+        return KVView(self.runner.kv_cache, self.config.block_size)
+
+    def load(self) -> EngineLoad:
+        """A snapshot, taken on the engine thread; the snapshot may go anywhere."""
+        sched, bm = self.scheduler, self.scheduler.block_manager
+        return EngineLoad(len(sched.running), len(sched.waiting), bm.num_free_blocks,
+                          bm.num_blocks, len(sched.reserved) + len(sched.held))
+
+    def has_runnable_requests(self) -> bool:
+        """Whether ``step`` has anything to schedule (running or waiting requests;
+        reserved and held ones wait for events, not steps). Engine thread only."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
 
     # -- requests ------------------------------------------------------------------------
 
@@ -147,17 +237,19 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
-    ) -> Sequence | None:
+    ) -> KVReservation | None:
         """Decode side: validate, then hold blocks for the whole prompt (the cached
-        prefix reused: ``seq.num_computed_tokens`` tokens need no transfer, the rest
-        lands in ``seq.block_table``). None when there is no room now (retry after a
-        step); raises :class:`InvalidRequestError` like ``add_request``."""
+        prefix reused: its tokens need no transfer, the rest lands in
+        ``target_block_ids``). None when there is no room now (retry after a step);
+        raises :class:`InvalidRequestError` like ``add_request``."""
         ids = self.tokenize(prompt)
         self._validate(request_id, ids)
         seq = self.scheduler.reserve(request_id, ids, params, cache_salt)
-        if seq is not None:
-            self._track(seq)
-        return seq
+        if seq is None:
+            return None
+        self._track(seq)
+        return KVReservation(tuple(seq.block_table), seq.num_computed_tokens, seq.num_tokens,
+                             self.config.block_size)
 
     def commit_request(self, request_id: str, first_token: int) -> RequestOutput | None:
         """The reserved request's KV has landed: join the running batch with the first
@@ -175,6 +267,14 @@ class LLMEngine:
         if first_token is None:
             return None
         return self._after_first_token(tracked, first_token, reason)
+
+    def quarantine_request(self, request_id: str) -> Callable[[], None]:
+        """Take a reserved request's blocks away from it, for a failed transfer may still
+        write into them: the request holds none after (commit, recompute or abort it as
+        usual) and the pool gets them back only when the returned ``release`` is called,
+        on the engine thread (idempotent)."""
+        held = self.scheduler.quarantine(self.scheduler.reserved[request_id])
+        return partial(self.scheduler.release, held)
 
     def _after_first_token(self, tracked: _Tracked, token: int, reason: FinishReason | None
                            ) -> RequestOutput | None:
