@@ -33,8 +33,9 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from common.request import Request
+
 from .engine.llm_engine import EngineLoad, LLMEngine, OnPrefilled, RequestOutput
-from .engine.params import SamplingParams
 from .reservation import Actions, Reservation, ReservationMachine, ReservationState
 from .transfer import TransferHandle, TransferResult
 
@@ -65,14 +66,15 @@ KVExpect = Callable[[str, list[int]], TransferHandle]
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
+    request: Request
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     on_prefilled: OnPrefilled | None = None
     local_threshold: int | None = None  # set: a reserve (decode side of disaggregation)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass
@@ -138,26 +140,15 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
     async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        on_prefilled: OnPrefilled | None = None,
+        self, request: Request, on_prefilled: OnPrefilled | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Run a request here; ``on_prefilled`` makes it prefill-only (see LLMEngine)."""
-        add = _Add(request_id, prompt_token_ids, params, cache_salt,
-                   asyncio.get_running_loop(), asyncio.Queue(), on_prefilled)
+        add = _Add(request, asyncio.get_running_loop(), asyncio.Queue(), on_prefilled)
         async for item in self._stream(add):
             yield item  # type: ignore[misc]
 
     def reserve(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        cache_salt: str | None = None,
-        local_threshold: int = 0,
+        self, request: Request, local_threshold: int = 0
     ) -> tuple[Callable[[int | None], None], AsyncIterator[Reservation | RequestOutput]]:
         """Decode side: returns ``commit`` and the stream, whose first item is the
         :class:`Reservation`. Call ``commit(first_token)`` once the prefill worker
@@ -165,8 +156,7 @@ class EngineLoop:
         the reservation is local. Waits (in order) while the KV pool is full."""
         if self._kv_expect is None:
             raise RuntimeError("this worker has no KV receiver (role is not decode)")
-        add = _Add(request_id, prompt_token_ids, params, cache_salt,
-                   asyncio.get_running_loop(), asyncio.Queue(),
+        add = _Add(request, asyncio.get_running_loop(), asyncio.Queue(),
                    local_threshold=max(local_threshold, 0))
         return (lambda token: self._commands.put(_Commit(add, token))), self._stream(add)
 
@@ -274,8 +264,9 @@ class EngineLoop:
                 self._pending.append(rec)
         else:
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                                        cmd.cache_salt, cmd.on_prefilled)
+                r = cmd.request
+                self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.sampling,
+                                        r.cache_salt, cmd.on_prefilled)
             except Exception as e:  # InvalidRequestError and friends go back to the caller
                 self._deliver(cmd, e)
                 return
@@ -301,8 +292,9 @@ class EngineLoop:
         """Reserve now; False when there is no room yet (it stays QUEUED)."""
         add, machine, rid = rec.add, rec.machine, rec.add.request_id
         try:
-            kv = self.engine.reserve_request(rid, add.prompt_token_ids, add.params,
-                                             add.cache_salt)
+            r = add.request
+            kv = self.engine.reserve_request(rid, list(r.prompt_token_ids), r.sampling,
+                                             r.cache_salt)
         except Exception as e:  # noqa: BLE001 - invalid input goes back to the caller
             machine.reject()
             self._deliver(add, e)

@@ -34,8 +34,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.metrics import Metrics
 from common.registry import WorkerInfo
+from common.request import Request
 from common.sampling import InvalidRequestError
-from common.wire import FINISH_REASONS, sampling_from_proto
+from common.wire import FINISH_REASONS, request_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .engine.llm_engine import LLMEngine, RequestOutput
@@ -140,6 +141,15 @@ def reservation_to_proto(r: Reservation) -> worker_pb2.Reservation:
     return msg
 
 
+async def _typed(msg: worker_pb2.WorkerGenerateRequest, context) -> Request:  # noqa: ANN001
+    """The request as the engine takes it; a bad value ends the call INVALID_ARGUMENT."""
+    try:
+        return request_from_proto(msg)
+    except InvalidRequestError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        raise  # abort raises; this line only tells type checkers so
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, loop: EngineLoop, config: WorkerConfig,
                  sender: KVSender | None = None, receiver: KVReceiver | None = None) -> None:
@@ -151,11 +161,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self._sender is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this worker's role is {self._config.role}, not prefill")
-        req, target = request.request, request.target
-        try:
-            params = sampling_from_proto(req.sampling)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        req, target = await _typed(request.request, context), request.target
         sender, loop, kv = self._sender, self._loop, self._loop.engine.kv_view()
         skip, dst = target.skip_blocks, list(target.block_ids)
 
@@ -178,8 +184,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         last = None
         try:
-            async for out in self._loop.generate(req.request_id, list(req.prompt_token_ids),
-                                                 params, req.cache_salt or None, send_kv):
+            async for out in self._loop.generate(req, send_kv):
                 last = out
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -195,14 +200,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if first is None or first.WhichOneof("kind") != "start":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "Decode: the first message must be `start`")
-        req = first.start
-        try:
-            params = sampling_from_proto(req.sampling)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        commit, stream = self._loop.reserve(req.request_id, list(req.prompt_token_ids), params,
-                                            req.cache_salt or None,
-                                            self._config.local_prefill_threshold)
+        req = await _typed(first.start, context)
+        commit, stream = self._loop.reserve(req, self._config.local_prefill_threshold)
 
         async def read_commit() -> None:
             msg = await anext(requests, None)  # the caller hung up without one: compute here
@@ -228,16 +227,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 reader.cancel()
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
-        try:
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        req = await _typed(request, context)
         sent_logprobs = 0
         try:
-            async for out in self._loop.generate(
-                request.request_id, list(request.prompt_token_ids), params,
-                request.cache_salt or None,
-            ):
+            async for out in self._loop.generate(req):
                 yield to_proto(out, sent_logprobs)
                 sent_logprobs = len(out.logprobs or ())
         except InvalidRequestError as e:

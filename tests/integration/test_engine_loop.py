@@ -6,6 +6,7 @@ import asyncio
 
 from conftest import assert_no_leaks
 
+from common.request import Request
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.params import EngineConfig, SamplingParams
 from workers.engine_loop import EngineLoop
@@ -19,11 +20,11 @@ def test_closing_a_finished_stream_never_aborts_a_newer_request_with_its_id(
     ids = engine.tokenize("same id twice")
 
     async def run() -> int:
-        first = loop.generate("dup", ids, SamplingParams(max_tokens=2, ignore_eos=True))
+        first = loop.generate(Request("dup", ids, SamplingParams(max_tokens=2, ignore_eos=True)))
         async for out in first:
             if out.finished:
                 break  # the stream is not closed yet
-        second = loop.generate("dup", ids, SamplingParams(max_tokens=6, ignore_eos=True))
+        second = loop.generate(Request("dup", ids, SamplingParams(max_tokens=6, ignore_eos=True)))
         got = [await second.__anext__()]
         await first.aclose()  # must not reach the second request
         got += [o async for o in second]
@@ -41,8 +42,8 @@ def test_cancelled_consumer_frees_blocks(tiny_checkpoints) -> None:
     loop = EngineLoop(engine)
 
     async def run() -> None:
-        stream = loop.generate("c", engine.tokenize("go"), SamplingParams(max_tokens=300,
-                                                                          ignore_eos=True))
+        stream = loop.generate(Request("c", engine.tokenize("go"),
+                                       SamplingParams(max_tokens=300, ignore_eos=True)))
         await stream.__anext__()
         await stream.aclose()
         for _ in range(200):
