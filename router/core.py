@@ -1,29 +1,30 @@
-"""The router's request path, shared by the gRPC API and the OpenAI HTTP front.
+"""The router's request lifecycle, shared by the gRPC API and the OpenAI HTTP front.
 
-Lifecycle of a request: validate (prompt present, sampling values, length against the
-model's context) and tokenize (chat template for messages) -> admit (at most
-``max_in_flight`` at once; beyond it RESOURCE_EXHAUSTED at once, never a queue that
-hangs) -> route -> stream the tokens back, adding prompt ids first and usage/timings
-last. When the consumer stops early (client cancelled or disconnected, deadline passed)
-every worker call is cancelled, and the workers abort the request and free its blocks.
+A request passes through:
 
-Routing. With prefill and decode workers (roles come from each worker's ``GetLoad``)
-a request is disaggregated (worker.proto gives the message order): open ``Decode`` on
-the least-loaded decode worker and get its reservation (a decode worker that does not
-answer is skipped for ``down_s`` and the next one tried); unless the reservation is
-local, call ``Prefill`` on the least-loaded prefill worker, relay its first token at
-once (TTFT never waits for the KV transfer), ``commit`` it to the decode worker and
-relay the rest. A prefill that fails (worker died, transport error) is recomputed on
-the decode worker: the request still completes. Without both pools, requests go to the
-least-loaded mixed worker.
+1. **validate** (model name, sampling values, prompt present, roles of chat messages,
+   length against the workers' context) and **tokenize** (chat template for messages);
+   a bad field is INVALID_ARGUMENT naming it.
+2. **admit**: at most ``max_in_flight`` requests at once; beyond it RESOURCE_EXHAUSTED
+   at once, never a queue that hangs.
+3. **route and call**: one attempt runs on the workers through
+   :class:`router.dispatch.Dispatcher` (disaggregated: reserve on a decode worker ->
+   prefill -> commit -> decode stream; or one mixed worker), which picks workers with
+   :class:`router.choice.Chooser` (routing policy + :mod:`router.prefix_lookup`) from
+   the :class:`router.pool.WorkerPool` (connection, discovery, health, load).
+4. **relay**: the tokens stream back, prompt ids on the first message, usage, timings
+   and routing on the last.
+5. **migrate** (Dynamo's name for it): when the worker generating a request fails
+   mid-stream (it died, its transport broke), the request moves to another worker with
+   the prompt plus the tokens already streamed as its new prompt and ``max_tokens``
+   reduced by them, at most ``migration_limit`` times; the client sees one
+   uninterrupted stream. Greedy output is unchanged by a move. Seeded sampling restarts
+   its random stream at the move, and text a stop-string check was still holding back
+   on the failed worker is lost (the token ids are not). Past the limit the request
+   fails with UNAVAILABLE.
 
-Migration (Dynamo's name for it). When the worker generating a request fails mid-stream
-(it died, its transport broke), the request moves to another worker with the prompt
-plus the tokens already streamed as its new prompt and ``max_tokens`` reduced by them,
-at most ``migration_limit`` times; the client sees one uninterrupted stream. Greedy
-output is unchanged by a move. Seeded sampling restarts its random stream at the move,
-and text a stop-string check was still holding back on the failed worker is lost (the
-token ids are not). Past the limit the request fails with UNAVAILABLE.
+When the consumer stops early (client cancelled or disconnected, deadline passed) every
+worker call is cancelled, and the workers abort the request and free its blocks.
 
 Metrics (``common.metrics``, names after vLLM's and Dynamo's frontend): requests by
 final status, in flight, TTFT, inter-token latency, end-to-end latency, tokens, cached
@@ -37,24 +38,26 @@ import itertools
 import logging
 import time
 import uuid
-from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import redis
-from transformers import AutoTokenizer
 
-from common.hashing import block_hashes
 from common.metrics import Metrics
-from common.prefix_index import PrefixIndex
+from common.prefix_index import PrefixIndexBackend, RedisPrefixIndex
 from common.registry import WorkerRegistry
 from common.sampling import InvalidRequestError, check_prompt
 from common.wire import sampling_from_proto
-from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2, worker_pb2_grpc
+from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
 
+from .choice import Chooser
+from .dispatch import Dispatcher
 from .errors import RouterError, WorkerFailed
-from .policies import Candidate, Decision, RoutedPrefixes, make_policy
+from .policies import make_policy
+from .pool import Connect, RegistryLike, Worker, WorkerPool, grpc_connect
+from .prefix_lookup import PrefixLookup
 
 log = logging.getLogger(__name__)
 
@@ -85,22 +88,6 @@ class RouterConfig:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
 
 
-@dataclass
-class _Worker:
-    address: str
-    channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.WorkerStub
-    role: str = "mixed"
-    in_flight: int = 0
-    queued_tokens: int = 0  # prompt tokens sent here whose first token has not come
-    down_until: float = 0.0
-    block_size: int = 16
-    model_id: str = ""
-    free_blocks: int = 0  # last reported (registry heartbeat); breaks in-flight ties
-    static: bool = True  # given on the command line; False: found in the registry
-    gone: bool = False  # left the registry: no new requests
-
-
 class _Relay:
     """Worker stream messages -> public responses: prompt ids first, timings last."""
 
@@ -128,131 +115,71 @@ class _Relay:
 
 
 class Router:
-    def __init__(self, config: RouterConfig, metrics: Metrics | None = None) -> None:
+    """The request lifecycle over a :class:`WorkerPool`, a :class:`Chooser` and a
+    :class:`Dispatcher` (see the module docstring).
+
+    ``tokenizer`` (default: the model's, from ``config.model_path``) needs
+    ``__call__(text).input_ids``, ``apply_chat_template`` and ``__len__``; ``connect``
+    (default :func:`router.pool.grpc_connect`) opens a worker's channel and stub;
+    ``registry`` and ``index`` (default: on ``config.redis_url``, if any) are the worker
+    registry and the shared prefix index. Tests pass fakes; production passes none.
+    """
+
+    def __init__(self, config: RouterConfig, metrics: Metrics | None = None, *,
+                 tokenizer: Any = None, connect: Connect = grpc_connect,
+                 registry: RegistryLike | None = None,
+                 index: PrefixIndexBackend | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics({"model": config.model_name})
         self.model_name = config.model_name
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.max_model_len = 0
-        self._workers: list[_Worker] = []
+        if tokenizer is None:
+            # Imported here: transformers takes seconds to import, and tests pass a fake.
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.tokenizer = tokenizer
         self._in_flight = 0
         self._ids = itertools.count()
         self._nonce = uuid.uuid4().hex[:8]  # router replicas and restarts never collide
-        self.policy = make_policy(config.policy)
-        self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, reason) -> count
         self._redis: redis.Redis | None = None
-        self._index: PrefixIndex | None = None
-        self._registry: WorkerRegistry | None = None
-        self._redis_down = False
-        self._redis_retry_at = 0.0
-        self._routed = RoutedPrefixes()
-        self._discovery: asyncio.Task | None = None
+        if config.redis_url and (registry is None or index is None):
+            self._redis = redis.Redis.from_url(config.redis_url, socket_timeout=2,
+                                               socket_connect_timeout=2)
+            index = (index if index is not None
+                     else RedisPrefixIndex(self._redis, self.model_name))
+            registry = (registry if registry is not None
+                        else WorkerRegistry(self._redis, self.model_name))
+        self.prefixes = PrefixLookup(index, self.metrics)
+        self.workers = WorkerPool(config, self.metrics, connect=connect, registry=registry,
+                                  on_redis=self.prefixes.note_redis)
+        self.policy = make_policy(config.policy)
+        self.chooser = Chooser(self.workers, self.policy, self.prefixes, self.metrics)
+        self.decisions = self.chooser.decisions  # (policy, reason) -> count
+        self.dispatcher = Dispatcher(self.workers, self.chooser)
 
-    def pool(self, role: str) -> list[_Worker]:
-        return [w for w in self._workers if w.role == role and not w.gone]
+    def pool(self, role: str) -> list[Worker]:
+        return self.workers.serving(role)
 
     @property
     def disaggregated(self) -> bool:
-        return bool(self.pool("prefill")) and bool(self.pool("decode"))
+        return self.workers.disaggregated
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
+    @property
+    def max_model_len(self) -> int:
+        """The smallest context limit of the workers connected so far."""
+        return self.workers.max_model_len
+
     async def start(self) -> None:
         """Connect to every worker given and found in the registry, and wait until each
         answers (loading takes a while) and the pools can serve."""
-        if self.config.redis_url:
-            self._redis = redis.Redis.from_url(self.config.redis_url, socket_timeout=2,
-                                               socket_connect_timeout=2)
-            self._index = PrefixIndex(self._redis, self.model_name)
-            self._registry = WorkerRegistry(self._redis, self.model_name)
-        deadline = time.monotonic() + self.config.connect_timeout_s
-        for address in self.config.workers:
-            self._workers.append(await self._connect(address, True, deadline))
-        while True:
-            await self._discover(deadline)
-            if self.disaggregated or self.pool("mixed"):
-                break
-            if self._registry is None or time.monotonic() > deadline:
-                roles = sorted({w.role for w in self._workers})
-                raise RuntimeError(f"workers with roles {roles} cannot serve alone: give the "
-                                   "router prefill and decode workers, or mixed ones")
-            await asyncio.sleep(0.5)
-        self._count_workers()
-        if self._registry is not None:
-            self._discovery = asyncio.create_task(self._discover_forever())
-
-    def _count_workers(self) -> None:
-        for role in ("prefill", "decode", "mixed"):
-            self.metrics.set("workers", len(self.pool(role)), role=role)
-
-    async def _connect(self, address: str, static: bool, deadline: float) -> _Worker:
-        channel = grpc.aio.insecure_channel(address)
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        while True:
-            try:
-                load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
-                break
-            except grpc.aio.AioRpcError as e:
-                if time.monotonic() > deadline:
-                    await channel.close()
-                    raise RuntimeError(f"worker {address} did not answer within "
-                                       f"{self.config.connect_timeout_s:.0f}s: "
-                                       f"{e.details()}") from e
-                await asyncio.sleep(0.5)
-        limit = load.max_model_len
-        self.max_model_len = min(self.max_model_len, limit) if self.max_model_len else limit
-        return _Worker(address, channel, stub, role=load.role or "mixed",
-                       block_size=load.block_size or 16, model_id=load.model_id, static=static)
-
-    async def _discover(self, deadline: float | None = None) -> None:
-        """Join workers new in the registry; retire those whose heartbeat expired."""
-        if self._registry is None:
-            return
-        try:
-            entries = await asyncio.to_thread(self._registry.live)
-        except redis.RedisError as e:
-            self._note_redis(e)
-            return
-        self._note_redis(None)
-        live = {w.info.address for w in entries}
-        known = {w.address: w for w in self._workers}
-        for entry in entries:
-            if entry.info.address in known:
-                known[entry.info.address].free_blocks = int(entry.load.get("free_blocks", 0))
-        for address in sorted(live - known.keys()):
-            try:
-                self._workers.append(await self._connect(
-                    address, False, deadline or time.monotonic() + 10))
-                log.info("worker %s joined from the registry", address)
-            except RuntimeError as e:
-                log.warning("registry lists %s but it does not answer: %s", address, e)
-        for w in self._workers:
-            if not w.static and w.gone == (w.address in live):
-                w.gone = w.address not in live
-                log.info("worker %s %s the registry", w.address,
-                         "left" if w.gone else "rejoined")
-        self._count_workers()
-
-    async def _discover_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.discovery_interval_s)
-            await self._discover()
-
-    def _note_redis(self, error: Exception | None) -> None:
-        if error is not None and not self._redis_down:
-            log.warning("prefix index / registry unreachable (%s): routing by load until it "
-                        "is back", error)
-        elif error is None and self._redis_down:
-            log.info("prefix index / registry reachable again")
-        self._redis_down = error is not None
+        await self.workers.start()
 
     async def close(self) -> None:
-        if self._discovery is not None:
-            self._discovery.cancel()
-        for w in self._workers:
-            await w.channel.close()
+        await self.workers.close()
         if self._redis is not None:
             self._redis.close()
 
@@ -293,57 +220,7 @@ class Router:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from e
         return ids, req.sampling
 
-    # -- the request path ----------------------------------------------------------------
-
-    def _by_load(self, role: str) -> list[_Worker]:
-        """Least-loaded first; workers that failed lately go last."""
-        now = time.monotonic()
-        return sorted(self.pool(role),
-                      key=lambda w: (w.down_until > now, w.in_flight, -w.free_blocks))
-
-    async def _choose(self, role: str, wreq: worker_pb2.WorkerGenerateRequest
-                      ) -> tuple[_Worker, Decision]:
-        """The policy's pick among the pool's workers, with their cached prefix of this
-        prompt from the shared index (one round trip; none when Redis is down)."""
-        pool = self.pool(role)
-        if not pool:
-            raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                              f"no {role} worker is serving right now; retry later")
-        now = time.monotonic()
-        cached: dict[str, int] = {}
-        hashes: list[int] = []
-        if self.policy.name == "cache_aware":
-            w0 = pool[0]
-            hashes = block_hashes(list(wreq.prompt_token_ids), w0.block_size, w0.model_id,
-                                  wreq.cache_salt or None)
-            cached = self._routed.lookup(hashes, now)  # routed here, maybe not yet published
-            if self._index is not None and not (self._redis_down and now < self._redis_retry_at):
-                try:
-                    published = await asyncio.to_thread(self._index.lookup, hashes)
-                    self._note_redis(None)
-                    for w, n in published.items():
-                        cached[w] = max(cached.get(w, 0), n)
-                except redis.RedisError as e:
-                    self._note_redis(e)
-                    self._redis_retry_at = now + 1.0
-        cands = [Candidate(w.address, w.in_flight, w.queued_tokens,
-                           cached.get(w.address, 0) * w.block_size, w.down_until <= now)
-                 for w in pool]
-        decision = self.policy.choose(cands, len(wreq.prompt_token_ids))
-        self._decided(decision.policy, decision.reason)
-        if hashes:
-            self._routed.add(hashes, decision.address, now)
-        worker = next(w for w in pool if w.address == decision.address)
-        return worker, decision
-
-    def _decided(self, policy: str, reason: str) -> None:
-        self.decisions[(policy, reason)] += 1
-        self.metrics.inc("routing_decisions_total", policy=policy, reason=reason)
-
-    def _failed(self, worker: _Worker, e: grpc.aio.AioRpcError) -> None:
-        worker.down_until = time.monotonic() + self.config.down_s
-        log.warning("worker %s (%s) failed: %s: %s", worker.address, worker.role,
-                    e.code().name, e.details())
+    # -- the request lifecycle -------------------------------------------------------------
 
     async def generate(
         self, req: api_pb2.GenerateRequest, timeout: float | None = None
@@ -372,8 +249,7 @@ class Router:
             while True:
                 wreq = self._worker_request(request_id, ids, generated, sampling, req.cache_salt)
                 routing = api_pb2.Routing()
-                source = (self._disaggregated(wreq, timeout, routing) if self.disaggregated
-                          else self._mixed(wreq, timeout, routing))
+                source = self.dispatcher.stream(wreq, timeout, routing)
                 try:
                     async for msg in source:
                         if msg.token_ids:
@@ -445,187 +321,11 @@ class Router:
         m.inc("generation_tokens_total", len(generated))
         m.inc("cached_prompt_tokens_total", out.usage.cached_tokens)
 
-    async def _mixed(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None,
-                     routing: api_pb2.Routing
-                     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-        worker, decision = await self._choose("mixed", wreq)
-        _record(routing, decision)
-        queued = decision.estimated_tokens - worker.queued_tokens
-        worker.in_flight += 1
-        worker.queued_tokens += queued
-        call = None
-        try:
-            call = worker.stub.Generate(wreq, timeout=timeout)
-            async for msg in call:
-                if queued and msg.token_ids:
-                    worker.queued_tokens -= queued  # prefilled
-                    queued = 0
-                yield msg
-        except grpc.aio.AioRpcError as e:
-            if e.code() not in _CALLER_CODES:
-                self._failed(worker, e)
-            raise _from_worker(e, worker.address) from e
-        finally:
-            if call is not None:
-                call.cancel()  # no-op when finished; frees the worker's blocks otherwise
-            worker.in_flight -= 1
-            worker.queued_tokens -= queued
-
-    async def _disaggregated(self, wreq: worker_pb2.WorkerGenerateRequest,
-                             timeout: float | None, routing: api_pb2.Routing
-                             ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        decode, call, reservation = await self._reserve(wreq, deadline)
-        routing.decode_worker = decode.address
-        try:
-            prefilled = None
-            if reservation.local:
-                routing.MergeFrom(api_pb2.Routing(policy=self.policy.name, reason="local",
-                                                  worker=decode.address))
-                self._decided(self.policy.name, "local")
-            else:
-                prefilled = await self._prefill(wreq, reservation.target, deadline, routing)
-                if prefilled is None:  # compute the whole prompt on the decode worker
-                    await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
-                else:
-                    first = prefilled.first
-                    if first.finish_reason:  # ended at the first token; cancel frees the rest
-                        yield first
-                        return
-                    # Commit first: a slow consumer must not hold the decode worker back.
-                    await _write(call, worker_pb2.DecodeRequest(
-                        commit=worker_pb2.DecodeCommit(first_token=first.token_ids[0])))
-                    yield worker_pb2.WorkerGenerateResponse(
-                        token_ids=first.token_ids, text=first.text, logprobs=first.logprobs)
-                await _write(call, None)
-            while True:
-                msg = await call.read()
-                if msg is grpc.aio.EOF:
-                    decode.down_until = time.monotonic() + self.config.down_s
-                    raise WorkerFailed(f"decode worker {decode.address} ended the stream early")
-                out = msg.output
-                if out.finish_reason and prefilled is not None:
-                    # The prompt was computed (or reused) on the prefill worker.
-                    out.usage.cached_tokens = prefilled.first.usage.cached_tokens
-                    out.queue_s = prefilled.first.queue_s
-                yield out
-                if out.finish_reason:
-                    return
-        except grpc.aio.AioRpcError as e:
-            if e.code() not in _CALLER_CODES:
-                self._failed(decode, e)
-            raise _from_worker(e, decode.address) from e
-        finally:
-            call.cancel()  # no-op when finished; frees the reservation otherwise
-            decode.in_flight -= 1
-
-    async def _reserve(self, wreq: worker_pb2.WorkerGenerateRequest, deadline: float | None
-                       ) -> tuple[_Worker, grpc.aio.StreamStreamCall, worker_pb2.Reservation]:
-        """Open Decode on the least-loaded decode worker that answers."""
-        errors = []
-        for worker in self._by_load("decode"):
-            timeout = _left(deadline)
-            worker.in_flight += 1
-            call = worker.stub.Decode(timeout=timeout)
-            try:
-                await call.write(worker_pb2.DecodeRequest(start=wreq))
-                msg = await call.read()
-                if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "reservation":
-                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                                      f"decode worker {worker.address} sent no reservation")
-                return worker, call, msg.reservation
-            except grpc.aio.AioRpcError as e:
-                call.cancel()
-                worker.in_flight -= 1
-                if e.code() in _CALLER_CODES:
-                    raise _from_worker(e, worker.address) from e
-                self._failed(worker, e)
-                errors.append(f"{worker.address}: {e.code().name}")
-            except BaseException:
-                call.cancel()
-                worker.in_flight -= 1
-                raise
-        raise RouterError(grpc.StatusCode.UNAVAILABLE,
-                          f"no decode worker could take the request ({'; '.join(errors)}); "
-                          "retry later")
-
-    async def _prefill(self, wreq: worker_pb2.WorkerGenerateRequest,
-                       target: worker_pb2.KVTarget, deadline: float | None,
-                       routing: api_pb2.Routing) -> worker_pb2.PrefillResponse | None:
-        """The first token from the prefill worker the policy picks; None when it failed
-        (the caller recomputes on the decode worker). Bad input raises."""
-        worker, decision = await self._choose("prefill", wreq)
-        _record(routing, decision)
-        timeout = _left(deadline)
-        queued = decision.estimated_tokens - worker.queued_tokens
-        worker.in_flight += 1
-        worker.queued_tokens += queued
-        try:
-            return await worker.stub.Prefill(
-                worker_pb2.PrefillRequest(request=wreq, target=target), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            if e.code() in _CALLER_CODES:
-                raise _from_worker(e, worker.address) from e
-            self._failed(worker, e)
-            return None
-        finally:
-            worker.in_flight -= 1
-            worker.queued_tokens -= queued
-
     async def status(self) -> api_pb2.GetStatusResponse:
         resp = api_pb2.GetStatusResponse(
             model=self.model_name, requests_in_flight=self._in_flight,
             max_requests_in_flight=self.config.max_in_flight,
             routing_decisions={f"{p}/{r}": n for (p, r), n in self.decisions.items()},
-            prefix_index_up=self._index is not None and not self._redis_down)
-        for w in self._workers:
-            try:
-                load = await w.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
-                resp.workers.append(api_pb2.WorkerStatus(
-                    address=w.address, role=load.role, serving=True,
-                    running_requests=load.running_requests,
-                    waiting_requests=load.waiting_requests, free_blocks=load.free_blocks,
-                    total_blocks=load.total_blocks, reserved_requests=load.reserved_requests,
-                    transfers=load.transfers, prompt_tokens=load.prompt_tokens,
-                    cached_prompt_tokens=load.cached_prompt_tokens))
-            except grpc.aio.AioRpcError:
-                resp.workers.append(api_pb2.WorkerStatus(address=w.address, serving=False))
+            prefix_index_up=self.prefixes.up)
+        resp.workers.extend(await self.workers.statuses())
         return resp
-
-
-_CALLER_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
-                 grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
-"""Worker answers about the request or its caller, not about the worker's health."""
-
-
-async def _write(call: grpc.aio.StreamStreamCall, msg: worker_pb2.DecodeRequest | None) -> None:
-    """Write (None: done writing); a call the worker already ended raises its status."""
-    try:
-        await (call.done_writing() if msg is None else call.write(msg))
-    except asyncio.InvalidStateError:
-        await call.wait_for_connection()  # raises AioRpcError with the call's status
-        raise grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(),
-                                   grpc.aio.Metadata(), await call.details()) from None
-
-
-def _record(routing: api_pb2.Routing, d: Decision) -> None:
-    routing.MergeFrom(api_pb2.Routing(policy=d.policy, reason=d.reason, worker=d.address,
-                                      indexed_cached_tokens=d.cached_tokens,
-                                      estimated_prefill_tokens=d.estimated_tokens))
-
-
-def _left(deadline: float | None) -> float | None:
-    if deadline is None:
-        return None
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-    return left
-
-
-def _from_worker(e: grpc.aio.AioRpcError, address: str) -> RouterError:
-    code = e.code()
-    if code in _CALLER_CODES:
-        return RouterError(code, e.details() or code.name)
-    return WorkerFailed(f"worker {address} failed: {code.name}: {e.details()}; retry the "
-                        "request")

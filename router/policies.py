@@ -17,9 +17,9 @@ of its score, for the response's usage and the metrics:
   only the guard, not a single request's wait, moves a prefix off its holder.
 
 The shared index only learns a prefix once a worker has computed it; requests for the
-same prefix arriving meanwhile would all miss. :class:`RoutedPrefixes` remembers, for
-``ttl_s``, which worker this router just sent each prefix to (as SGLang's approximate
-router does), and the router credits the larger of the two.
+same prefix arriving meanwhile would all miss. The router's prefix lookup
+(:mod:`router.prefix_lookup`) also remembers, for a while, which worker it just sent each
+prefix to (as SGLang's approximate router does) and credits the larger of the two.
 """
 
 from __future__ import annotations
@@ -86,44 +86,6 @@ class CacheAware:
             return _decision(self.name, "cache", holder, prompt_tokens)
         c = min(pool, key=lambda c: (_work(c, prompt_tokens), c.in_flight))
         return _decision(self.name, "cache" if c.cached_tokens else "load", c, prompt_tokens)
-
-
-class RoutedPrefixes:
-    """Block hash -> workers this router sent it to, each until an expiry time."""
-
-    def __init__(self, ttl_s: float = 30.0, max_blocks: int = 200_000) -> None:
-        self.ttl_s, self.max_blocks = ttl_s, max_blocks
-        self._blocks: dict[int, dict[str, float]] = {}
-
-    def add(self, block_hashes: list[int], worker: str, now: float) -> None:
-        until = now + self.ttl_s
-        for h in block_hashes:
-            self._blocks.setdefault(h, {})[worker] = until
-        if len(self._blocks) > self.max_blocks:
-            self.prune(now)
-
-    def prune(self, now: float) -> None:
-        for h in list(self._blocks):
-            live = {w: t for w, t in self._blocks[h].items() if t > now}
-            if live:
-                self._blocks[h] = live
-            else:
-                del self._blocks[h]
-        while len(self._blocks) > self.max_blocks:  # still too many: oldest entries go
-            del self._blocks[next(iter(self._blocks))]
-
-    def lookup(self, block_hashes: list[int], now: float) -> dict[str, int]:
-        """Per worker, its leading blocks of ``block_hashes`` (unexpired entries)."""
-        counts: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, h in enumerate(block_hashes):
-            here = {w for w, t in self._blocks.get(h, {}).items() if t > now}
-            alive = here if alive is None else alive & here
-            if not alive:
-                break
-            for w in alive:
-                counts[w] = i + 1
-        return counts
 
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}

@@ -19,7 +19,7 @@ import time
 
 import redis
 
-from common.prefix_index import PrefixIndex
+from common.prefix_index import RedisPrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ _STOP = object()
 
 
 class KVEventPublisher:
-    def __init__(self, index: PrefixIndex, worker_id: str, retry_s: float = 0.5) -> None:
+    def __init__(self, index: RedisPrefixIndex, worker_id: str, retry_s: float = 0.5) -> None:
         self.index, self.worker_id, self.retry_s = index, worker_id, retry_s
         self._events: queue.Queue = queue.Queue()
         self._held: set[int] = set()

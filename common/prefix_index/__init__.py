@@ -23,16 +23,11 @@ from .memory import MemoryPrefixIndex
 from .redis_backend import RedisPrefixIndex, hash_key
 from .wrappers import FailSoftIndex, InstrumentedIndex, LayeredIndex
 
-# The Redis backend's old name, kept only while router/core.py and workers/kv_publisher.py
-# still import it (both outside this change); delete it with their last use.
-PrefixIndex = RedisPrefixIndex
-
 __all__ = [
     "FailSoftIndex",
     "InstrumentedIndex",
     "LayeredIndex",
     "MemoryPrefixIndex",
-    "PrefixIndex",
     "PrefixIndexBackend",
     "RedisPrefixIndex",
     "hash_key",

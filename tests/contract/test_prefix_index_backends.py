@@ -225,3 +225,20 @@ def test_instrumented_counts_errors_by_op_and_reraises() -> None:
     assert sample(m, "errors_total", "redis", op="purge") == 1
     assert sample(m, "lookup_seconds_count", "redis") == 1  # failed lookups' time too
     assert sample(m, "matched_blocks_total", "redis") == 0
+
+
+def test_routed_memory_remembers_leading_blocks_until_they_expire() -> None:
+    """The router's record of where it routed (was router.policies.RoutedPrefixes)."""
+    now = [0.0]
+    r = MemoryPrefixIndex(ttl_s=10, max_blocks=5, clock=lambda: now[0])
+    r.publish("a", [1, 2, 3])
+    now[0] = 5
+    r.publish("b", [1, 9])
+    now[0] = 6
+    assert r.lookup([1, 2, 3, 4]) == {"a": 3, "b": 1}
+    assert r.lookup([1, 9]) == {"a": 1, "b": 2}
+    now[0] = 12
+    assert r.lookup([1, 9]) == {"b": 2}  # a's entries expired
+    now[0] = 13
+    r.publish("c", [20, 21, 22])  # over max_blocks: expired entries are dropped
+    assert r.lookup([1, 2]) == {"b": 1}

@@ -9,7 +9,6 @@ from router.policies import (
     Candidate,
     LeastLoaded,
     RoundRobin,
-    RoutedPrefixes,
     make_policy,
 )
 
@@ -58,14 +57,3 @@ def test_all_unhealthy_still_decides_and_says_so() -> None:
 def test_unknown_policy_is_named() -> None:
     with pytest.raises(ValueError, match="round_robin"):
         make_policy("random")
-
-
-def test_routed_prefixes_remember_leading_blocks_until_they_expire() -> None:
-    r = RoutedPrefixes(ttl_s=10, max_blocks=5)
-    r.add([1, 2, 3], "a", now=0)
-    r.add([1, 9], "b", now=5)
-    assert r.lookup([1, 2, 3, 4], now=6) == {"a": 3, "b": 1}
-    assert r.lookup([1, 9], now=6) == {"a": 1, "b": 2}
-    assert r.lookup([1, 9], now=12) == {"b": 2}  # a's entries expired
-    r.add([20, 21, 22], "c", now=13)  # over max_blocks: expired entries are dropped
-    assert r.lookup([1, 2], now=13) == {"b": 1} and len(r._blocks) <= 5

@@ -1,0 +1,69 @@
+"""Which worker of a pool computes a prompt: the routing policy fed with what each holds.
+
+For one request and one role (``prefill`` or ``mixed``): hash the prompt into blocks
+(only for ``cache_aware``; with the first worker's block size and model id, which every
+worker of one model shares), ask the prefix lookup how many leading blocks each worker
+holds, turn every serving worker into a :class:`router.policies.Candidate` (its
+in-flight calls, queued prefill tokens, cached tokens, and whether it is down), let the
+policy decide, count the decision (``routing_decisions_total`` and :attr:`decisions`),
+and tell the prefix lookup where the prompt went so the next request sharing it follows.
+
+The policies themselves are pure and live in :mod:`router.policies`. Runs on the
+router's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import grpc
+
+from common.hashing import block_hashes
+from common.metrics import Metrics
+from protos.pdserve.v1 import worker_pb2
+
+from .errors import RouterError
+from .policies import CacheAware, Candidate, Decision, LeastLoaded, RoundRobin
+from .pool import Worker, WorkerPool
+from .prefix_lookup import PrefixLookup
+
+
+class Chooser:
+    def __init__(self, pool: WorkerPool, policy: RoundRobin | LeastLoaded | CacheAware,
+                 prefixes: PrefixLookup, metrics: Metrics) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.prefixes = prefixes
+        self.metrics = metrics
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, reason) -> count
+
+    async def choose(self, role: str, wreq: worker_pb2.WorkerGenerateRequest
+                     ) -> tuple[Worker, Decision]:
+        """The policy's pick among the pool's workers, with their cached prefix of this
+        prompt from the shared index (one round trip; none when Redis is down)."""
+        pool = self.pool.serving(role)
+        if not pool:
+            raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                              f"no {role} worker is serving right now; retry later")
+        now = time.monotonic()
+        cached: dict[str, int] = {}
+        hashes: list[int] = []
+        if self.policy.name == "cache_aware":
+            w0 = pool[0]
+            hashes = block_hashes(list(wreq.prompt_token_ids), w0.block_size, w0.model_id,
+                                  wreq.cache_salt or None)
+            cached = await self.prefixes.lookup(hashes)
+        cands = [Candidate(w.address, w.in_flight, w.queued_tokens,
+                           cached.get(w.address, 0) * w.block_size, w.down_until <= now)
+                 for w in pool]
+        decision = self.policy.choose(cands, len(wreq.prompt_token_ids))
+        self.decided(decision.policy, decision.reason)
+        if hashes:
+            self.prefixes.note_routed(hashes, decision.address)
+        worker = next(w for w in pool if w.address == decision.address)
+        return worker, decision
+
+    def decided(self, policy: str, reason: str) -> None:
+        self.decisions[(policy, reason)] += 1
+        self.metrics.inc("routing_decisions_total", policy=policy, reason=reason)

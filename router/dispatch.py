@@ -1,0 +1,220 @@
+"""The call protocols: how one attempt at a request runs on the workers.
+
+:meth:`Dispatcher.stream` yields the worker's ``WorkerGenerateResponse`` messages for one
+attempt, whichever protocol runs it (worker.proto gives the message order):
+
+- **mixed** (no prefill or no decode pool): the policy picks a mixed worker; one
+  ``Generate`` stream.
+- **disaggregated**: open ``Decode`` on the least-loaded decode worker and send
+  ``start``; it answers with a reservation. A decode worker that fails there is marked
+  down for ``down_s`` and the next one tried; when none can take the request,
+  UNAVAILABLE. If the reservation is ``local`` (conditional disaggregation: the
+  uncached part is short) the decode worker prefills itself and no ``Prefill`` is sent.
+  Otherwise the policy picks a prefill worker and ``Prefill`` returns the first token,
+  which is relayed at once (TTFT never waits for the KV transfer) after being
+  ``commit``-ted to the decode worker; the rest streams from ``Decode``. A prefill that
+  fails for the worker's sake (died, transport error) commits without a first token:
+  the decode worker recomputes the prompt and the request still completes.
+
+Failures are sorted once, in :func:`from_worker`: a status about the request or its
+caller (:data:`CALLER_CODES`) is passed on as that status; anything else marks the
+worker down and raises :class:`router.errors.WorkerFailed`, which the router answers by
+migrating the request. Every exit cancels the calls it opened (a no-op on finished ones;
+the workers abort the request and free its blocks otherwise) and gives back the
+``in_flight`` and ``queued_tokens`` it counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos.pdserve.v1 import api_pb2, worker_pb2
+
+from .choice import Chooser
+from .errors import RouterError, WorkerFailed
+from .policies import Decision
+from .pool import Worker, WorkerPool
+
+CALLER_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""Worker answers about the request or its caller, not about the worker's health."""
+
+
+class Dispatcher:
+    def __init__(self, pool: WorkerPool, chooser: Chooser) -> None:
+        self.pool = pool
+        self.chooser = chooser
+
+    def stream(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None,
+               routing: api_pb2.Routing) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        """One attempt, disaggregated when both pools serve; fills ``routing`` in."""
+        if self.pool.disaggregated:
+            return self.disaggregated(wreq, timeout, routing)
+        return self.mixed(wreq, timeout, routing)
+
+    async def mixed(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None,
+                    routing: api_pb2.Routing
+                    ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        worker, decision = await self.chooser.choose("mixed", wreq)
+        _record(routing, decision)
+        queued = decision.estimated_tokens - worker.queued_tokens
+        worker.in_flight += 1
+        worker.queued_tokens += queued
+        call = None
+        try:
+            call = worker.stub.Generate(wreq, timeout=timeout)
+            async for msg in call:
+                if queued and msg.token_ids:
+                    worker.queued_tokens -= queued  # prefilled
+                    queued = 0
+                yield msg
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in CALLER_CODES:
+                self.pool.failed(worker, e)
+            raise from_worker(e, worker.address) from e
+        finally:
+            if call is not None:
+                call.cancel()  # no-op when finished; frees the worker's blocks otherwise
+            worker.in_flight -= 1
+            worker.queued_tokens -= queued
+
+    async def disaggregated(self, wreq: worker_pb2.WorkerGenerateRequest,
+                            timeout: float | None, routing: api_pb2.Routing
+                            ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        decode, call, reservation = await self._reserve(wreq, deadline)
+        routing.decode_worker = decode.address
+        try:
+            prefilled = None
+            if reservation.local:
+                policy = self.chooser.policy.name
+                routing.MergeFrom(api_pb2.Routing(policy=policy, reason="local",
+                                                  worker=decode.address))
+                self.chooser.decided(policy, "local")
+            else:
+                prefilled = await self._prefill(wreq, reservation.target, deadline, routing)
+                if prefilled is None:  # compute the whole prompt on the decode worker
+                    await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
+                else:
+                    first = prefilled.first
+                    if first.finish_reason:  # ended at the first token; cancel frees the rest
+                        yield first
+                        return
+                    # Commit first: a slow consumer must not hold the decode worker back.
+                    await _write(call, worker_pb2.DecodeRequest(
+                        commit=worker_pb2.DecodeCommit(first_token=first.token_ids[0])))
+                    yield worker_pb2.WorkerGenerateResponse(
+                        token_ids=first.token_ids, text=first.text, logprobs=first.logprobs)
+                await _write(call, None)
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    self.pool.mark_down(decode)
+                    raise WorkerFailed(f"decode worker {decode.address} ended the stream early")
+                out = msg.output
+                if out.finish_reason and prefilled is not None:
+                    # The prompt was computed (or reused) on the prefill worker.
+                    out.usage.cached_tokens = prefilled.first.usage.cached_tokens
+                    out.queue_s = prefilled.first.queue_s
+                yield out
+                if out.finish_reason:
+                    return
+        except grpc.aio.AioRpcError as e:
+            if e.code() not in CALLER_CODES:
+                self.pool.failed(decode, e)
+            raise from_worker(e, decode.address) from e
+        finally:
+            call.cancel()  # no-op when finished; frees the reservation otherwise
+            decode.in_flight -= 1
+
+    async def _reserve(self, wreq: worker_pb2.WorkerGenerateRequest, deadline: float | None
+                       ) -> tuple[Worker, grpc.aio.StreamStreamCall, worker_pb2.Reservation]:
+        """Open Decode on the least-loaded decode worker that answers."""
+        errors = []
+        for worker in self.pool.by_load("decode"):
+            timeout = _left(deadline)
+            worker.in_flight += 1
+            call = worker.stub.Decode(timeout=timeout)
+            try:
+                await call.write(worker_pb2.DecodeRequest(start=wreq))
+                msg = await call.read()
+                if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "reservation":
+                    raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                                      f"decode worker {worker.address} sent no reservation")
+                return worker, call, msg.reservation
+            except grpc.aio.AioRpcError as e:
+                call.cancel()
+                worker.in_flight -= 1
+                if e.code() in CALLER_CODES:
+                    raise from_worker(e, worker.address) from e
+                self.pool.failed(worker, e)
+                errors.append(f"{worker.address}: {e.code().name}")
+            except BaseException:
+                call.cancel()
+                worker.in_flight -= 1
+                raise
+        raise RouterError(grpc.StatusCode.UNAVAILABLE,
+                          f"no decode worker could take the request ({'; '.join(errors)}); "
+                          "retry later")
+
+    async def _prefill(self, wreq: worker_pb2.WorkerGenerateRequest,
+                       target: worker_pb2.KVTarget, deadline: float | None,
+                       routing: api_pb2.Routing) -> worker_pb2.PrefillResponse | None:
+        """The first token from the prefill worker the policy picks; None when it failed
+        (the caller recomputes on the decode worker). Bad input raises."""
+        worker, decision = await self.chooser.choose("prefill", wreq)
+        _record(routing, decision)
+        timeout = _left(deadline)
+        queued = decision.estimated_tokens - worker.queued_tokens
+        worker.in_flight += 1
+        worker.queued_tokens += queued
+        try:
+            return await worker.stub.Prefill(
+                worker_pb2.PrefillRequest(request=wreq, target=target), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in CALLER_CODES:
+                raise from_worker(e, worker.address) from e
+            self.pool.failed(worker, e)
+            return None
+        finally:
+            worker.in_flight -= 1
+            worker.queued_tokens -= queued
+
+
+def from_worker(e: grpc.aio.AioRpcError, address: str) -> RouterError:
+    """A worker's status as the router's: the caller's own codes pass through; anything
+    else is the worker failing, which the router may answer by migrating."""
+    code = e.code()
+    if code in CALLER_CODES:
+        return RouterError(code, e.details() or code.name)
+    return WorkerFailed(f"worker {address} failed: {code.name}: {e.details()}; retry the "
+                        "request")
+
+
+async def _write(call: grpc.aio.StreamStreamCall, msg: worker_pb2.DecodeRequest | None) -> None:
+    """Write (None: done writing); a call the worker already ended raises its status."""
+    try:
+        await (call.done_writing() if msg is None else call.write(msg))
+    except asyncio.InvalidStateError:
+        await call.wait_for_connection()  # raises AioRpcError with the call's status
+        raise grpc.aio.AioRpcError(await call.code(), grpc.aio.Metadata(),
+                                   grpc.aio.Metadata(), await call.details()) from None
+
+
+def _record(routing: api_pb2.Routing, d: Decision) -> None:
+    routing.MergeFrom(api_pb2.Routing(policy=d.policy, reason=d.reason, worker=d.address,
+                                      indexed_cached_tokens=d.cached_tokens,
+                                      estimated_prefill_tokens=d.estimated_tokens))
+
+
+def _left(deadline: float | None) -> float | None:
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise RouterError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+    return left

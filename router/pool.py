@@ -1,0 +1,226 @@
+"""The worker pool: which workers the router can send a request to, and how busy each is.
+
+Lifecycle of a worker, as the router sees it:
+
+1. **connect**: ``connect(address)`` gives a channel and a ``Worker`` stub; the pool
+   calls ``GetLoad`` until it answers (loading a model takes a while, so it retries
+   until ``connect_timeout_s``) and learns the worker's role, block size, model id and
+   context limit. The router serves the smallest ``max_model_len`` of its workers.
+2. **serving**: in its role's pool. ``in_flight`` and ``queued_tokens`` count this
+   router's calls there (the dispatcher moves them); ``free_blocks`` comes from the
+   registry heartbeat and breaks ties.
+3. **down** for ``down_s`` after a call failed for the worker's sake (not the
+   request's): still a candidate, but ordered last, so a request reaches it only when
+   every worker of its role is down.
+4. **gone**, for a worker found in the registry whose heartbeat expired: no new
+   requests; it comes back if its heartbeat does. Workers given on the command line
+   (static) never leave.
+
+Discovery: with a registry, :meth:`WorkerPool.start` joins every live worker and then
+re-reads the registry every ``discovery_interval_s``. A registry read that fails is
+reported to ``on_redis`` (the router keeps one view of whether Redis answers, shared
+with the prefix lookup) and skipped: the pool keeps what it knew.
+
+Everything here runs on the router's event loop; nothing is thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+import redis
+
+from common.metrics import Metrics
+from common.registry import LiveWorker
+from protos.pdserve.v1 import api_pb2, worker_pb2, worker_pb2_grpc
+
+if TYPE_CHECKING:
+    from .core import RouterConfig
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "mixed")
+
+
+class ChannelLike(Protocol):
+    async def close(self) -> None: ...
+
+
+class RegistryLike(Protocol):
+    """What the pool reads of :class:`common.registry.WorkerRegistry`. ``live`` blocks
+    (one Redis round trip): the pool calls it from a thread."""
+
+    def live(self) -> list[LiveWorker]: ...
+
+
+Connect = Callable[[str], tuple[ChannelLike, Any]]
+"""``connect(address) -> (channel, stub)``; the stub has the ``Worker`` service's
+methods with grpc.aio's call semantics (see :func:`grpc_connect`)."""
+
+
+def grpc_connect(address: str) -> tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]:
+    """Production wiring: an insecure grpc.aio channel (workers listen on the cluster's
+    private network) and the generated stub."""
+    channel = grpc.aio.insecure_channel(address)
+    return channel, worker_pb2_grpc.WorkerStub(channel)
+
+
+@dataclass
+class Worker:
+    address: str
+    channel: ChannelLike
+    stub: worker_pb2_grpc.WorkerStub
+    role: str = "mixed"
+    in_flight: int = 0
+    queued_tokens: int = 0  # prompt tokens sent here whose first token has not come
+    down_until: float = 0.0
+    block_size: int = 16
+    model_id: str = ""
+    free_blocks: int = 0  # last reported (registry heartbeat); breaks in-flight ties
+    static: bool = True  # given on the command line; False: found in the registry
+    gone: bool = False  # left the registry: no new requests
+
+
+class WorkerPool:
+    def __init__(self, config: RouterConfig, metrics: Metrics, *,
+                 connect: Connect = grpc_connect, registry: RegistryLike | None = None,
+                 on_redis: Callable[[Exception | None], None] = lambda e: None) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.registry = registry
+        self.max_model_len = 0
+        self.workers: list[Worker] = []
+        self._connect_fn = connect
+        self._on_redis = on_redis
+        self._discovery: asyncio.Task | None = None
+
+    def serving(self, role: str) -> list[Worker]:
+        """The role's workers that take new requests (down ones included)."""
+        return [w for w in self.workers if w.role == role and not w.gone]
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.serving("prefill")) and bool(self.serving("decode"))
+
+    def by_load(self, role: str) -> list[Worker]:
+        """Least-loaded first; workers that failed lately go last."""
+        now = time.monotonic()
+        return sorted(self.serving(role),
+                      key=lambda w: (w.down_until > now, w.in_flight, -w.free_blocks))
+
+    def mark_down(self, worker: Worker) -> None:
+        worker.down_until = time.monotonic() + self.config.down_s
+
+    def failed(self, worker: Worker, e: grpc.aio.AioRpcError) -> None:
+        self.mark_down(worker)
+        log.warning("worker %s (%s) failed: %s: %s", worker.address, worker.role,
+                    e.code().name, e.details())
+
+    # -- joining and leaving ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect to every worker given and found in the registry, and wait until each
+        answers (loading takes a while) and the pools can serve."""
+        deadline = time.monotonic() + self.config.connect_timeout_s
+        for address in self.config.workers:
+            self.workers.append(await self._connect(address, True, deadline))
+        while True:
+            await self.discover(deadline)
+            if self.disaggregated or self.serving("mixed"):
+                break
+            if self.registry is None or time.monotonic() > deadline:
+                roles = sorted({w.role for w in self.workers})
+                raise RuntimeError(f"workers with roles {roles} cannot serve alone: give the "
+                                   "router prefill and decode workers, or mixed ones")
+            await asyncio.sleep(0.5)
+        self._count()
+        if self.registry is not None:
+            self._discovery = asyncio.create_task(self._discover_forever())
+
+    async def _connect(self, address: str, static: bool, deadline: float) -> Worker:
+        channel, stub = self._connect_fn(address)
+        while True:
+            try:
+                load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+                break
+            except grpc.aio.AioRpcError as e:
+                if time.monotonic() > deadline:
+                    await channel.close()
+                    raise RuntimeError(f"worker {address} did not answer within "
+                                       f"{self.config.connect_timeout_s:.0f}s: "
+                                       f"{e.details()}") from e
+                await asyncio.sleep(0.5)
+        limit = load.max_model_len
+        self.max_model_len = min(self.max_model_len, limit) if self.max_model_len else limit
+        return Worker(address, channel, stub, role=load.role or "mixed",
+                      block_size=load.block_size or 16, model_id=load.model_id, static=static)
+
+    async def discover(self, deadline: float | None = None) -> None:
+        """Join workers new in the registry; retire those whose heartbeat expired."""
+        if self.registry is None:
+            return
+        try:
+            entries = await asyncio.to_thread(self.registry.live)
+        except redis.RedisError as e:
+            self._on_redis(e)
+            return
+        self._on_redis(None)
+        live = {w.info.address for w in entries}
+        known = {w.address: w for w in self.workers}
+        for entry in entries:
+            if entry.info.address in known:
+                known[entry.info.address].free_blocks = int(entry.load.get("free_blocks", 0))
+        for address in sorted(live - known.keys()):
+            try:
+                self.workers.append(await self._connect(
+                    address, False, deadline or time.monotonic() + 10))
+                log.info("worker %s joined from the registry", address)
+            except RuntimeError as e:
+                log.warning("registry lists %s but it does not answer: %s", address, e)
+        for w in self.workers:
+            if not w.static and w.gone == (w.address in live):
+                w.gone = w.address not in live
+                log.info("worker %s %s the registry", w.address,
+                         "left" if w.gone else "rejoined")
+        self._count()
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.discovery_interval_s)
+            await self.discover()
+
+    def _count(self) -> None:
+        for role in ROLES:
+            self.metrics.set("workers", len(self.serving(role)), role=role)
+
+    async def close(self) -> None:
+        if self._discovery is not None:
+            self._discovery.cancel()
+        for w in self.workers:
+            await w.channel.close()
+
+    # -- status -----------------------------------------------------------------------------
+
+    async def statuses(self) -> list[api_pb2.WorkerStatus]:
+        """Every known worker's own report (``GetLoad``, one at a time); ``serving=False``
+        for one that does not answer within 2 s."""
+        out = []
+        for w in self.workers:
+            try:
+                load = await w.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
+                out.append(api_pb2.WorkerStatus(
+                    address=w.address, role=load.role, serving=True,
+                    running_requests=load.running_requests,
+                    waiting_requests=load.waiting_requests, free_blocks=load.free_blocks,
+                    total_blocks=load.total_blocks, reserved_requests=load.reserved_requests,
+                    transfers=load.transfers, prompt_tokens=load.prompt_tokens,
+                    cached_prompt_tokens=load.cached_prompt_tokens))
+            except grpc.aio.AioRpcError:
+                out.append(api_pb2.WorkerStatus(address=w.address, serving=False))
+        return out

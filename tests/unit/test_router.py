@@ -1,0 +1,512 @@
+"""The router's request lifecycle against fake in-process workers (tests/fake_workers.py).
+
+Each test runs a real :class:`router.core.Router` over real grpc.aio servers on
+127.0.0.1 whose servicers are fake engines (the fake module says why not fake stubs):
+no processes, no model, no Redis server, no real tokenizer. Each runs its own event
+loop (``asyncio.run``; pytest-asyncio is not a dependency) and ends with the cluster's
+leak check: nothing in flight at the router, every worker call closed, every channel
+closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import pytest
+import redis
+from fake_workers import (
+    MAX_MODEL_LEN,
+    MODEL,
+    Cluster,
+    FakeIndex,
+    FakeRegistry,
+    expected_tokens,
+)
+
+from protos.pdserve.v1 import api_pb2, common_pb2
+from router.errors import RouterError, WorkerFailed
+from router.prefix_lookup import PrefixLookup
+
+P = 10  # prompt tokens of the default request
+PROMPT = list(range(10, 10 + P))
+LENGTH = common_pb2.FINISH_REASON_LENGTH
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(body())
+
+
+def req(prompt: list[int] = PROMPT, max_tokens: int | None = None,
+        **kw: object) -> api_pb2.GenerateRequest:
+    r = api_pb2.GenerateRequest(token_ids=api_pb2.TokenIds(ids=prompt), **kw)
+    if max_tokens is not None:
+        r.sampling.max_tokens = max_tokens
+    return r
+
+
+async def collect(c: Cluster, r: api_pb2.GenerateRequest, timeout: float | None = None
+                  ) -> list[api_pb2.GenerateResponse]:
+    return [m async for m in c.router.generate(r, timeout)]
+
+
+def tokens(msgs: list[api_pb2.GenerateResponse]) -> list[int]:
+    return [t for m in msgs for t in m.token_ids]
+
+
+def metric(c: Cluster, name: str, **labels: str) -> float:
+    value = c.router.metrics.registry.get_sample_value(f"pdserve:{name}",
+                                                       {"model": MODEL, **labels})
+    return value or 0.0
+
+
+async def wait_for(cond: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.001)
+
+
+def assert_one_stream(msgs: list[api_pb2.GenerateResponse], n: int) -> None:
+    """What a client must see: the prompt ids on the first message only, the finish,
+    usage and timings on the last only, and the tokens of an unbroken generation."""
+    assert tokens(msgs) == expected_tokens(P, n)
+    assert list(msgs[0].prompt_token_ids) == PROMPT
+    assert not any(m.prompt_token_ids for m in msgs[1:])
+    assert not any(m.finish_reason or m.HasField("usage") or m.HasField("timings")
+                   for m in msgs[:-1])
+    last = msgs[-1]
+    assert last.finish_reason == LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (P, n)
+    assert 0 < last.timings.ttft_s <= last.timings.e2e_s
+    assert len({m.request_id for m in msgs}) == 1
+
+
+# -- the call protocols ---------------------------------------------------------------------
+
+
+def test_mixed_request_relays_tokens_with_prompt_ids_first_and_usage_last() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"]) as c:
+            msgs = await collect(c, req(max_tokens=5))
+            assert_one_stream(msgs, 5)
+            (w,) = c.workers
+            assert msgs[-1].routing.worker == w.address
+            assert msgs[-1].routing.policy == "cache_aware"
+            assert msgs[-1].routing.migrations == 0
+            assert list(w.requests[0].prompt_token_ids) == PROMPT
+            assert w.requests[0].request_id.startswith(msgs[0].request_id + "#")
+            assert metric(c, "requests_total", status="OK") == 1
+            assert metric(c, "generation_tokens_total") == 5
+            assert metric(c, "prompt_tokens_total") == P
+
+    run(body)
+
+
+def test_disaggregated_request_relays_the_first_token_before_decode_streams() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode"]) as c:
+            prefill, decode = c.workers
+            decode.gate = asyncio.Event()  # decode sends nothing until the test says so
+            stream = c.router.generate(req(max_tokens=5))
+            first = await anext(stream)
+            assert list(first.token_ids) == expected_tokens(P, 1)
+            assert list(first.prompt_token_ids) == PROMPT
+            assert decode.sent == 0
+            decode.gate.set()
+            msgs = [first] + [m async for m in stream]
+            assert_one_stream(msgs, 5)
+            assert c.events == [("reserve", decode.address), ("prefill", prefill.address),
+                                ("commit", decode.address)]
+            assert decode.commits == expected_tokens(P, 1)
+            assert prefill.targets[0].address == f"{decode.address}-kv"  # the reservation's
+            assert prefill.requests[0].request_id == decode.requests[0].request_id
+            last = msgs[-1]
+            assert (last.routing.worker, last.routing.decode_worker) == (prefill.address,
+                                                                          decode.address)
+            assert last.usage.cached_tokens == 4  # the prefill worker's, not the decode's
+            assert last.timings.queue_s == pytest.approx(0.001)
+
+    run(body)
+
+
+def test_local_reservation_skips_prefill() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode"]) as c:
+            prefill, decode = c.workers
+            decode.local = True
+            msgs = await collect(c, req(max_tokens=4))
+            assert_one_stream(msgs, 4)
+            assert prefill.requests == [] and decode.commits == []
+            routing = msgs[-1].routing
+            assert (routing.reason, routing.worker, routing.decode_worker) == (
+                "local", decode.address, decode.address)
+            assert c.router.decisions[("cache_aware", "local")] == 1
+
+    run(body)
+
+
+def test_request_finished_by_its_first_token_frees_the_reservation() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode"]) as c:
+            prefill, decode = c.workers
+            decode.gate = asyncio.Event()  # holds the reservation until cancelled
+            msgs = await collect(c, req(max_tokens=1))
+            assert tokens(msgs) == expected_tokens(P, 1) and msgs[-1].finish_reason == LENGTH
+            assert msgs[-1].usage.completion_tokens == 1
+            await wait_for(lambda: decode.cancelled == 1)  # the reservation was let go
+            assert decode.sent == 0
+
+    run(body)
+
+
+def test_failed_prefill_is_recomputed_on_the_decode_worker() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode"]) as c:
+            prefill, decode = c.workers
+            prefill.fail_prefill = grpc.StatusCode.UNAVAILABLE
+            msgs = await collect(c, req(max_tokens=6))
+            assert_one_stream(msgs, 6)
+            assert decode.commits == [None]  # commit without a first token
+            assert msgs[-1].usage.cached_tokens == 0  # the decode worker's own count
+            assert msgs[-1].routing.migrations == 0
+            assert c.router_worker(prefill).down_until > time.monotonic()
+
+    run(body)
+
+
+# -- reservation retry ----------------------------------------------------------------------
+
+
+def test_reservation_skips_decode_workers_that_fail_and_uses_the_next() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode", "decode", "decode"]) as c:
+            _, failing, dead, healthy = c.workers
+            failing.fail_reserve = grpc.StatusCode.UNAVAILABLE
+            await dead.kill()  # does not answer at all
+            msgs = await collect(c, req(max_tokens=3))
+            assert_one_stream(msgs, 3)
+            assert msgs[-1].routing.decode_worker == healthy.address
+            assert msgs[-1].routing.migrations == 0
+            now = time.monotonic()
+            assert c.router_worker(failing).down_until > now
+            assert c.router_worker(dead).down_until > now
+            assert c.router_worker(healthy).down_until == 0
+
+    run(body)
+
+
+def test_no_decode_worker_able_to_reserve_is_unavailable() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode", "decode"]) as c:
+            prefill, d1, d2 = c.workers
+            d1.fail_reserve = d2.fail_reserve = grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(RouterError) as e:
+                await collect(c, req())
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+            assert e.value.message.startswith("no decode worker could take the request")
+            assert f"{d1.address}: UNAVAILABLE" in e.value.message
+            assert f"{d2.address}: UNAVAILABLE" in e.value.message
+            assert prefill.requests == []
+            assert metric(c, "requests_total", status="UNAVAILABLE") == 1
+
+    run(body)
+
+
+# -- migration ------------------------------------------------------------------------------
+
+
+def test_request_migrates_after_its_worker_dies_mid_stream() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed", "mixed"]) as c:
+            first, second = c.workers
+            first.die_after = 3  # the first worker in the pool gets the request
+            msgs = await collect(c, req(max_tokens=8))
+            assert first.dead and len(first.requests) == 1
+            assert_one_stream(msgs, 8)  # one uninterrupted stream
+            (moved,) = second.requests
+            assert list(moved.prompt_token_ids) == PROMPT + expected_tokens(P, 3)
+            assert moved.sampling.max_tokens == 5
+            assert moved.request_id != first.requests[0].request_id
+            assert msgs[-1].routing.worker == second.address
+            assert msgs[-1].routing.migrations == 1
+            assert metric(c, "request_migrations_total") == 1
+            assert metric(c, "requests_total", status="OK") == 1
+
+    run(body)
+
+
+def test_disaggregated_request_migrates_after_its_decode_worker_dies() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode", "decode"]) as c:
+            prefill, d1, d2 = c.workers
+            d1.die_after = 2  # after the prefill's first token and 2 of its own
+            msgs = await collect(c, req(max_tokens=8))
+            assert d1.dead
+            assert_one_stream(msgs, 8)
+            (moved,) = d2.requests
+            assert list(moved.prompt_token_ids) == PROMPT + expected_tokens(P, 3)
+            assert moved.sampling.max_tokens == 5
+            assert len(prefill.requests) == 2  # the moved request is prefilled again
+            assert msgs[-1].routing.decode_worker == d2.address
+            assert msgs[-1].routing.migrations == 1
+
+    run(body)
+
+
+def test_request_past_the_migration_limit_fails_with_unavailable() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed", "mixed"], migration_limit=1) as c:
+            for w in c.workers:
+                w.fail_after = (1, grpc.StatusCode.UNAVAILABLE)
+            seen: list[api_pb2.GenerateResponse] = []
+            with pytest.raises(WorkerFailed) as e:
+                async for m in c.router.generate(req(max_tokens=8)):
+                    seen.append(m)
+            assert e.value.code == grpc.StatusCode.UNAVAILABLE
+            assert "failed: UNAVAILABLE" in e.value.message
+            assert tokens(seen) == expected_tokens(P, 2)  # one from each worker
+            assert metric(c, "request_migrations_total") == 1
+            assert metric(c, "requests_total", status="UNAVAILABLE") == 1
+
+    run(body)
+
+
+# -- deadlines, cancellation, admission -----------------------------------------------------
+
+
+def test_passed_deadline_is_deadline_exceeded() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode"]) as c:
+            with pytest.raises(RouterError) as e:
+                await collect(c, req(), timeout=0)
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert c.events == []
+            assert metric(c, "requests_total", status="DEADLINE_EXCEEDED") == 1
+
+    run(body)
+
+
+@pytest.mark.parametrize("roles", [["mixed"], ["prefill", "decode"]], ids=["mixed", "disagg"])
+def test_deadline_passing_mid_stream_is_deadline_exceeded(roles: list[str]) -> None:
+    async def body() -> None:
+        async with Cluster(roles) as c:
+            c.workers[-1].token_delay_s = 0.02
+            with pytest.raises(RouterError) as e:
+                await collect(c, req(max_tokens=8), timeout=0.06)
+            assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert type(e.value) is RouterError  # the caller's deadline: no migration
+            assert metric(c, "request_migrations_total") == 0
+
+    run(body)
+
+
+@pytest.mark.parametrize("roles", [["mixed"], ["prefill", "decode"]], ids=["mixed", "disagg"])
+def test_closing_the_stream_cancels_the_worker_call(roles: list[str]) -> None:
+    async def body() -> None:
+        async with Cluster(roles) as c:
+            worker = c.workers[-1]
+            worker.endless, worker.token_delay_s = True, 0.001
+            stream = c.router.generate(req())
+            for _ in range(3):
+                await anext(stream)
+            assert c.router.in_flight == 1
+            await stream.aclose()
+            assert c.router.in_flight == 0
+            await wait_for(lambda: worker.cancelled == 1)
+            assert metric(c, "requests_total", status="CANCELLED") == 1
+
+    run(body)
+
+
+def test_requests_beyond_max_in_flight_are_resource_exhausted() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"], max_in_flight=1) as c:
+            (w,) = c.workers
+            w.endless, w.token_delay_s = True, 0.001
+            running = c.router.generate(req())
+            await anext(running)
+            with pytest.raises(RouterError) as e:
+                await collect(c, req())
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "max_in_flight=1" in e.value.message
+            assert len(w.requests) == 1
+            await running.aclose()
+            w.endless = False
+            assert_one_stream(await collect(c, req(max_tokens=2)), 2)  # admitted again
+            assert metric(c, "requests_total", status="RESOURCE_EXHAUSTED") == 1
+
+    run(body)
+
+
+# -- validation -----------------------------------------------------------------------------
+
+
+def _messages(*pairs: tuple[str, str]) -> api_pb2.GenerateRequest:
+    return api_pb2.GenerateRequest(messages=api_pb2.ChatMessages(
+        messages=[api_pb2.ChatMessage(role=r, content=t) for r, t in pairs]))
+
+
+@pytest.mark.parametrize("request_, code, field, words", [
+    (api_pb2.GenerateRequest(), "INVALID_ARGUMENT", "prompt", "set one of"),
+    (_messages(), "INVALID_ARGUMENT", "messages", "at least one message"),
+    (_messages(("user", "hi"), ("robot", "beep")), "INVALID_ARGUMENT", "messages", "'robot'"),
+    (req(list(range(10, 10 + MAX_MODEL_LEN))), "INVALID_ARGUMENT", "prompt",
+     f"max_model_len {MAX_MODEL_LEN}"),
+    (req([5, 99999]), "INVALID_ARGUMENT", "prompt_token_ids", "99999"),
+    (req(max_tokens=0), "INVALID_ARGUMENT", "max_tokens", "got 0"),
+    (req(model="other-model"), "NOT_FOUND", "model", "'other-model'"),
+], ids=["no-prompt", "no-messages", "bad-role", "too-long", "out-of-vocab", "max-tokens-0",
+        "other-model"])
+def test_invalid_request_is_refused_naming_the_field(request_: api_pb2.GenerateRequest,
+                                                     code: str, field: str,
+                                                     words: str) -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"]) as c:
+            with pytest.raises(RouterError) as e:
+                await collect(c, request_)
+            assert (e.value.code.name, e.value.field) == (code, field)
+            assert words in e.value.message
+            assert c.events == []
+            assert metric(c, "requests_total", status=code) == 1
+
+    run(body)
+
+
+def test_text_and_chat_prompts_are_tokenized_by_the_given_tokenizer() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"]) as c:
+            (w,) = c.workers
+            text = await collect(c, api_pb2.GenerateRequest(text="hey"))
+            assert list(text[0].prompt_token_ids) == [ord(ch) for ch in "hey"]
+            chat = await collect(c, _messages(("user", "hi")))
+            assert list(chat[0].prompt_token_ids) == [1, *map(ord, "user:hi"), 2, 1]
+            assert [list(r.prompt_token_ids) for r in w.requests] == [
+                list(text[0].prompt_token_ids), list(chat[0].prompt_token_ids)]
+
+    run(body)
+
+
+# -- the worker pool ------------------------------------------------------------------------
+
+
+def test_worker_appearing_in_the_registry_joins_the_pool() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"], registry=FakeRegistry(),
+                           discovery_interval_s=0.005) as c:
+            (static,) = c.workers
+            joiner = await c.add_worker("mixed")
+            c.registry.add(joiner.address, "mixed", free_blocks=7)
+            await wait_for(lambda: len(c.router.pool("mixed")) == 2)
+            joined = c.router_worker(joiner)
+            assert not joined.static
+            # Its heartbeat's load is read on the round after it joined.
+            await wait_for(lambda: joined.free_blocks == 7)
+            assert metric(c, "workers", role="mixed") == 2
+            c.router_worker(static).down_until = time.monotonic() + 60
+            msgs = await collect(c, req(max_tokens=2))
+            assert msgs[-1].routing.worker == joiner.address
+
+    run(body)
+
+
+def test_worker_whose_heartbeat_expired_retires_and_returns_with_it() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"], registry_roles=["mixed"],
+                           discovery_interval_s=0.005) as c:
+            (static,), (listed,) = c.workers, c.registry_workers
+            assert len(c.router.pool("mixed")) == 2
+            c.registry.expire(listed.address)
+            await wait_for(lambda: c.router_worker(listed).gone)
+            assert [w.address for w in c.router.pool("mixed")] == [static.address]
+            assert metric(c, "workers", role="mixed") == 1
+            c.router_worker(static).down_until = time.monotonic() + 60  # still chosen
+            msgs = await collect(c, req(max_tokens=2))
+            assert msgs[-1].routing.worker == static.address
+            assert listed.requests == []
+            c.registry.add(listed.address, "mixed")
+            await wait_for(lambda: not c.router_worker(listed).gone)
+            assert metric(c, "workers", role="mixed") == 2
+
+    run(body)
+
+
+def test_router_with_only_a_registry_serves_disaggregated() -> None:
+    async def body() -> None:
+        async with Cluster([], registry_roles=["prefill", "decode"], index=FakeIndex(),
+                           redis_url="redis://unused.invalid") as c:
+            assert c.router.disaggregated
+            assert c.router.max_model_len == MAX_MODEL_LEN
+            assert_one_stream(await collect(c, req(max_tokens=3)), 3)
+
+    run(body)
+
+
+def test_status_reports_workers_decisions_and_prefix_index_health() -> None:
+    async def body() -> None:
+        registry = FakeRegistry()
+        async with Cluster(["mixed", "mixed"], registry=registry, index=FakeIndex(),
+                           discovery_interval_s=0.005) as c:
+            await collect(c, req(max_tokens=2))
+            await c.workers[1].kill()
+            status = await c.router.status()
+            assert [(w.address, w.serving, w.role) for w in status.workers] == [
+                (c.workers[0].address, True, "mixed"), (c.workers[1].address, False, "")]
+            assert status.prefix_index_up
+            assert sum(status.routing_decisions.values()) == 1
+            assert (status.requests_in_flight, status.max_requests_in_flight) == (0, 256)
+            registry.error = redis.ConnectionError("redis is down")
+            await wait_for(lambda: not c.router.prefixes.up)
+            assert not (await c.router.status()).prefix_index_up
+
+    run(body)
+
+
+# -- the cache-aware choice and its prefix lookup -------------------------------------------
+
+
+def test_cache_aware_choice_follows_the_index_and_what_this_router_routed() -> None:
+    async def body() -> None:
+        index = FakeIndex()
+        async with Cluster(["mixed", "mixed"], index=index) as c:
+            a, b = c.workers
+            prompt = list(range(10, 26))  # 4 blocks of 4
+            index.counts = {b.address: 3}
+            msgs = await collect(c, req(prompt, max_tokens=1))
+            routing = msgs[-1].routing
+            assert (routing.worker, routing.reason) == (b.address, "cache")
+            assert routing.indexed_cached_tokens == 12
+            index.counts = {}  # not published yet: this router remembers where it went
+            msgs = await collect(c, req(prompt, max_tokens=1))
+            assert msgs[-1].routing.worker == b.address
+            assert msgs[-1].routing.indexed_cached_tokens == 16
+
+    run(body)
+
+
+def test_prefix_lookup_merges_by_max_and_backs_off_while_redis_is_down() -> None:
+    async def body() -> None:
+        index = FakeIndex({"a": 2, "b": 1})
+        now = [100.0]
+        lookup = PrefixLookup(index, retry_s=1.0, clock=lambda: now[0])
+        lookup.note_routed([1, 2, 3], "b")
+        now[0] = 100.5
+        assert await lookup.lookup([1, 2, 3]) == {"a": 2, "b": 3}
+        assert lookup.up
+        index.error = redis.ConnectionError("down")
+        now[0] = 101.0
+        assert await lookup.lookup([1, 2, 3]) == {"b": 3}  # routed only
+        assert not lookup.up and index.calls == 2
+        now[0] = 101.5
+        assert await lookup.lookup([1, 2, 3]) == {"b": 3}
+        assert index.calls == 2  # within retry_s: Redis is not asked
+        index.error = None
+        now[0] = 102.1
+        assert await lookup.lookup([1, 2, 3]) == {"a": 2, "b": 3}
+        assert lookup.up and index.calls == 3
+        now[0] = 100.0 + 30.0  # the routed entry expires after ROUTED_TTL_S
+        assert await lookup.lookup([1, 2, 3]) == {"a": 2, "b": 1}
+
+    run(body)
