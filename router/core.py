@@ -48,6 +48,7 @@ import redis
 from common.metrics import Metrics
 from common.prefix_index import PrefixIndexBackend, RedisPrefixIndex
 from common.registry import WorkerRegistry
+from common.request import Request
 from common.sampling import InvalidRequestError, check_prompt
 from common.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
@@ -207,18 +208,22 @@ class Router:
         return list(self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
-    def validate(self, req: api_pb2.GenerateRequest) -> tuple[list[int], common_pb2.SamplingParams]:
+    def validate(self, req: api_pb2.GenerateRequest) -> Request:
+        """The public request checked once, here at the edge, into the typed
+        :class:`~common.request.Request` every later step carries (its id: the client's,
+        else a fresh one). Raises :class:`RouterError` naming the field."""
         if req.model and req.model != self.model_name:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
                               f"model: {req.model!r} is not served here; this router serves "
                               f"{self.model_name!r}", "model")
         try:
-            sampling_from_proto(req.sampling)  # validation only: the worker rebuilds it
+            sampling = sampling_from_proto(req.sampling)
             ids = self.tokenize(req)
             check_prompt(ids, self.max_model_len, len(self.tokenizer))
         except InvalidRequestError as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from e
-        return ids, req.sampling
+        request_id = req.request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        return Request(request_id, tuple(ids), sampling, req.cache_salt or None)
 
     # -- the request lifecycle -------------------------------------------------------------
 
@@ -229,7 +234,7 @@ class Router:
         received = time.monotonic()
         status = "OK"
         try:
-            ids, sampling = self.validate(req)
+            request = self.validate(req)
             if self._in_flight >= self.config.max_in_flight:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"the router has {self._in_flight} requests in flight, its "
@@ -238,7 +243,7 @@ class Router:
         except RouterError as e:
             self.metrics.inc("requests_total", status=e.code.name)
             raise
-        request_id = req.request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        request_id, ids = request.request_id, list(request.prompt_token_ids)
         relay = _Relay(request_id, ids, received)
         generated: list[int] = []
         migrations = 0
@@ -247,9 +252,9 @@ class Router:
         self.metrics.set("requests_in_flight", self._in_flight)
         try:
             while True:
-                wreq = self._worker_request(request_id, ids, generated, sampling, req.cache_salt)
                 routing = api_pb2.Routing()
-                source = self.dispatcher.stream(wreq, timeout, routing)
+                source = self.dispatcher.stream(self._worker_request(request, generated),
+                                                timeout, routing)
                 try:
                     async for msg in source:
                         if msg.token_ids:
@@ -269,8 +274,9 @@ class Router:
                         yield out
                     return
                 except WorkerFailed as e:
-                    if migrations >= self.config.migration_limit:
-                        raise
+                    if (migrations >= self.config.migration_limit
+                            or len(generated) >= request.sampling.max_tokens):
+                        raise  # out of moves, or every token came and only the end is lost
                     migrations += 1
                     self.metrics.inc("request_migrations_total")
                     log.warning("request %s moves to another worker after %d tokens (move %d "
@@ -292,19 +298,12 @@ class Router:
             self.metrics.set("requests_in_flight", self._in_flight)
             self.metrics.inc("requests_total", status=status)
 
-    def _worker_request(self, request_id: str, ids: list[int], generated: list[int],
-                        sampling: common_pb2.SamplingParams, cache_salt: str
-                        ) -> worker_pb2.WorkerGenerateRequest:
+    def _worker_request(self, request: Request, generated: list[int]) -> Request:
         """The request a worker sees: a unique id (this router's nonce and a counter;
         clients may reuse theirs, and one request's cancellation must never reach
         another's); after a migration, the tokens so far continue the prompt."""
-        if generated:
-            sampling = common_pb2.SamplingParams.FromString(sampling.SerializeToString())
-            if sampling.HasField("max_tokens"):
-                sampling.max_tokens -= len(generated)
-        return worker_pb2.WorkerGenerateRequest(
-            request_id=f"{request_id}#{self._nonce}-{next(self._ids)}",
-            prompt_token_ids=ids + generated, sampling=sampling, cache_salt=cache_salt)
+        return request.continued(
+            generated, f"{request.request_id}#{self._nonce}-{next(self._ids)}")
 
     def _finish(self, out: api_pb2.GenerateResponse, routing: api_pb2.Routing, ids: list[int],
                 generated: list[int], migrations: int, received: float) -> None:

@@ -32,6 +32,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.request import Request
+from common.wire import request_to_proto
 from protos.pdserve.v1 import api_pb2, worker_pb2
 
 from .choice import Chooser
@@ -49,9 +51,11 @@ class Dispatcher:
         self.pool = pool
         self.chooser = chooser
 
-    def stream(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None,
+    def stream(self, request: Request, timeout: float | None,
                routing: api_pb2.Routing) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-        """One attempt, disaggregated when both pools serve; fills ``routing`` in."""
+        """One attempt, disaggregated when both pools serve; fills ``routing`` in. The
+        typed request becomes its wire form here, once, for every call of the attempt."""
+        wreq = request_to_proto(request)
         if self.pool.disaggregated:
             return self.disaggregated(wreq, timeout, routing)
         return self.mixed(wreq, timeout, routing)
