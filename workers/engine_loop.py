@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 from common.request import Request
 
-from .engine.llm_engine import EngineLoad, LLMEngine, OnPrefilled, RequestOutput
+from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput
+from .engine.surface import EngineLoad
 from .reservation import Actions, Reservation, ReservationMachine, ReservationState
 from .transfer import TransferHandle, TransferResult
 

@@ -1,15 +1,28 @@
-"""The engine thread behind the servers: ids, aborts and delivery."""
+"""The engine thread behind the servers: ids, aborts and delivery; and the decode side's
+reservations (:meth:`EngineLoop.reserve`) carried out on it."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from typing import TypeVar
 
+import pytest
 from conftest import assert_no_leaks
 
 from common.request import Request
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.params import EngineConfig, SamplingParams
 from workers.engine_loop import EngineLoop
+from workers.reservation import PREFILL_FAILED, Reservation
+from workers.transfer import TransferHandle
+from workers.transfer import TransferState as T
+from workers.transfer.state import StateCounters
+
+R = TypeVar("R")
 
 
 def test_closing_a_finished_stream_never_aborts_a_newer_request_with_its_id(
@@ -53,6 +66,296 @@ def test_cancelled_consumer_frees_blocks(tiny_checkpoints) -> None:
 
     try:
         asyncio.run(run())
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
+
+
+# -- the decode side: EngineLoop.reserve, driven by fake transfer handles ----------------
+#
+# No KV moves: the loop's ``kv_expect`` hands out bare TransferHandles and the test plays
+# the channel (advances them, lingers on them), so each test pins one path of
+# workers.reservation as the loop carries it out. Waits poll with generous bounds; order
+# between the engine thread and the test comes from ``on_engine`` (the engine thread
+# runs commands in the order they were posted), never from a sleep.
+
+FIVE = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+WAIT_S = 10.0  # bound on every poll: far above what anything here takes
+Handles = dict[str, tuple[TransferHandle, list[int]]]
+
+
+def start(tiny: dict, num_blocks: int = 64, commit_wait_s: float = 10.0
+          ) -> tuple[LLMEngine, EngineLoop, Handles]:
+    """A decode engine loop (blocks of 4 tokens) whose KV receiver is the test:
+    ``handles[rid]`` is the handle and the target blocks of each placed reservation."""
+    engine = LLMEngine(EngineConfig(model=str(tiny["llama"]), num_blocks=num_blocks,
+                                    block_size=4))
+    handles: Handles = {}
+
+    def expect(rid: str, block_ids: list[int]) -> TransferHandle:
+        handle = TransferHandle(rid, StateCounters(), frozenset({T.PENDING, T.RECEIVING}))
+        handles[rid] = (handle, block_ids)
+        return handle
+
+    return engine, EngineLoop(engine, expect, "decode:1", commit_wait_s), handles
+
+
+def prompt(engine: LLMEngine, n: int, text: str = "a prompt of some length") -> list[int]:
+    """Exactly ``n`` token ids."""
+    ids = engine.tokenize(text)
+    return (ids * n)[:n]
+
+
+async def until(check: Callable[[], bool | Awaitable[bool]], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        ok = check()
+        if inspect.isawaitable(ok):
+            ok = await ok
+        if ok:
+            return
+        assert time.monotonic() < deadline, f"still waiting after {WAIT_S}s: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def on_engine(loop: EngineLoop, fn: Callable[[], R]) -> R:
+    """``fn()`` on the engine thread, after every command posted before this call."""
+    aloop = asyncio.get_running_loop()
+    fut: asyncio.Future[R] = aloop.create_future()
+
+    def call() -> None:
+        try:
+            aloop.call_soon_threadsafe(fut.set_result, fn())
+        except Exception as e:  # noqa: BLE001 - back to the test
+            aloop.call_soon_threadsafe(fut.set_exception, e)
+
+    loop.call_soon(call)
+    return await asyncio.wait_for(fut, WAIT_S)
+
+
+async def idle(loop: EngineLoop) -> None:
+    """Wait (bounded) until the loop publishes nothing queued, running or reserved and
+    every block free; ``assert_no_leaks`` then reads the engine while its thread waits,
+    and reports a leak itself."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        load = loop.load()
+        if (load.running == load.waiting == load.reserved == 0
+                and load.free_blocks == load.total_blocks):
+            return
+        await asyncio.sleep(0.01)
+
+
+async def greedy(loop: EngineLoop, ids: list[int]) -> list[int]:
+    """This engine's own output for ``ids``, salted so it shares no cached block."""
+    outs = [o async for o in loop.generate(Request("reference", ids, FIVE, "reference"))]
+    return outs[-1].token_ids
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "failed"])
+@pytest.mark.parametrize("commit_first", [True, False], ids=["commit-first", "transfer-first"])
+def test_transfer_end_and_commit_settle_in_either_order(tiny_checkpoints, commit_first: bool,
+                                                        landed: bool) -> None:
+    """Neither event alone settles. Landed KV plus the first token decodes from that KV
+    (no prefill step); a failed transfer recomputes the prompt after the prefill
+    worker's first token, so the greedy output is the engine's own."""
+    engine, loop, handles = start(tiny_checkpoints)
+    ids = prompt(engine, 21)
+
+    async def run() -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        want = await greedy(loop, ids)
+        await on_engine(loop, lambda: setattr(engine, "step_shapes", []))
+        commit, stream = loop.reserve(Request("r", ids, FIVE))
+        r = await anext(stream)
+        assert isinstance(r, Reservation) and not r.local, r
+        handle, targets = handles["r"]
+        assert (r.kv_address, r.cached_tokens, r.skip_blocks) == ("decode:1", 0, 0)
+        assert r.block_ids == tuple(targets) and len(targets) == 6  # 21 tokens, blocks of 4
+        # Published after the answer went out: poll.
+        await until(lambda: loop.load().reserved == 1, "the reservation counted in load()")
+
+        def end_transfer() -> None:
+            handle.advance(T.RECEIVING)
+            handle.advance(T.DONE if landed else T.FAILED, "test: the KV did not land")
+
+        events = [lambda: commit(want[0]), end_transfer]
+        events[0 if commit_first else 1]()
+        load = await on_engine(loop, engine.load)  # that event applied, alone
+        assert (load.running, load.waiting, load.reserved) == (0, 0, 1), load
+        events[1 if commit_first else 0]()
+        outs = [o async for o in stream]
+        await idle(loop)
+        assert outs[-1].finished
+        return want, outs[-1].token_ids, list(engine.step_shapes or [])
+
+    try:
+        want, got, shapes = asyncio.run(asyncio.wait_for(run(), 30))
+        assert len(got) == 5 and got[0] == want[0]
+        if landed:
+            assert shapes == [(1, 1)] * 4, f"decoding from the landed KV ran {shapes}"
+        else:
+            assert got == want
+            assert shapes[0][0] == len(ids) + 1, f"expected prompt + token recomputed: {shapes}"
+        assert handles["r"][0].state is (T.DONE if landed else T.FAILED)
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
+
+
+def test_abort_mid_transfer_frees_blocks_only_once_the_transfer_quiesces(
+    tiny_checkpoints,
+) -> None:
+    """The consumer goes away while the KV is landing: the receive is cancelled, the
+    request ends, and its blocks stay out of the pool while a posted receive may still
+    write into them (the handle lingers); they come back once it resolves."""
+    engine, loop, handles = start(tiny_checkpoints)
+
+    async def run() -> None:
+        _, stream = loop.reserve(Request("r", prompt(engine, 21), FIVE))
+        await anext(stream)
+        handle = handles["r"][0]
+        handle.advance(T.RECEIVING)
+        settle = handle.linger()  # a posted receive that has not resolved
+        await stream.aclose()
+        await until(lambda: handle.state is T.CANCELLED, "the abort cancels the receive")
+        await until(lambda: on_engine(loop, lambda: not engine.has_unfinished_requests()),
+                    "the request ends once its transfer did")
+        load = await on_engine(loop, engine.load)
+        assert load.reserved == 1 and load.free_blocks == load.total_blocks - 6, (
+            f"the 6 blocks must stay quarantined until the transfer quiesces: {load}")
+        settle()
+        await idle(loop)
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 30))
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
+
+
+def test_commit_with_no_offer_gives_up_after_the_commit_wait_and_recomputes(
+    tiny_checkpoints,
+) -> None:
+    """The prefill worker sampled the first token, then its KV offer never came: after
+    ``commit_wait_s`` the still-PENDING transfer is cancelled and the prompt computed
+    here, after that token."""
+    engine, loop, handles = start(tiny_checkpoints, commit_wait_s=0.2)
+    ids = prompt(engine, 21)
+
+    async def run() -> tuple[list[int], list[int], float]:
+        want = await greedy(loop, ids)
+        commit, stream = loop.reserve(Request("r", ids, FIVE))
+        await anext(stream)
+        t0 = time.monotonic()
+        commit(want[0])
+        outs = [o async for o in stream]
+        waited = time.monotonic() - t0
+        await idle(loop)
+        return want, outs[-1].token_ids, waited
+
+    try:
+        want, got, waited = asyncio.run(asyncio.wait_for(run(), 30))
+        result = handles["r"][0].result()
+        assert result.state is T.CANCELLED and "no KV offer" in (result.reason or ""), result
+        assert waited >= 0.2, f"gave up after {waited:.3f}s, before the commit wait"
+        assert got == want
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
+
+
+def test_reserve_under_the_local_threshold_prefills_here(tiny_checkpoints) -> None:
+    """Fewer uncached prompt tokens than ``local_threshold``: no transfer is expected and
+    the request runs here like any other; at the threshold it is placed for a transfer."""
+    engine, loop, handles = start(tiny_checkpoints)
+    ids = prompt(engine, 21)
+
+    async def run() -> tuple[list[int], list[int]]:
+        want = await greedy(loop, ids)
+        _, at = loop.reserve(Request("at", ids, FIVE), local_threshold=len(ids))
+        assert not (await anext(at)).local
+        await at.aclose()  # abort while PENDING: cancelled, freed
+        _, under = loop.reserve(Request("under", ids, FIVE), local_threshold=len(ids) + 1)
+        r = await anext(under)
+        assert r == Reservation(local=True, cached_tokens=0), r
+        outs = [o async for o in under]
+        await idle(loop)
+        return want, outs[-1].token_ids
+
+    try:
+        want, got = asyncio.run(asyncio.wait_for(run(), 30))
+        assert got == want
+        assert set(handles) == {"at"} and handles["at"][0].state is T.CANCELLED
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
+
+
+def test_reserve_waits_for_room_in_the_pool_then_runs(tiny_checkpoints) -> None:
+    """8 blocks, two prompts of 5 blocks: the second reserve waits (counted as reserved,
+    holding nothing) until the first finishes, then gets its answer and runs."""
+    engine, loop, handles = start(tiny_checkpoints, num_blocks=8)
+    a_ids, b_ids = prompt(engine, 20), prompt(engine, 20, "something else entirely")
+    assert a_ids != b_ids
+
+    async def run() -> tuple[list[int], list[int], Reservation]:
+        commit_a, a = loop.reserve(Request("a", a_ids, FIVE))
+        assert not (await anext(a)).local
+        _, b = loop.reserve(Request("b", b_ids, FIVE), local_threshold=1000)
+        b_answer = asyncio.ensure_future(anext(b))
+        await until(lambda: loop.load().reserved == 2, "b queued behind a")
+        load = loop.load()
+        assert load.free_blocks == 3 and not b_answer.done(), (load, b_answer)
+        handle = handles["a"][0]
+        handle.advance(T.RECEIVING)
+        handle.advance(T.DONE)
+        commit_a(3)
+        a_outs = [o async for o in a]
+        rb = await b_answer
+        b_outs = [o async for o in b]
+        await idle(loop)
+        return a_outs[-1].token_ids, b_outs[-1].token_ids, rb
+
+    try:
+        a_got, b_got, rb = asyncio.run(asyncio.wait_for(run(), 30))
+        assert rb.local and len(a_got) == len(b_got) == 5
+        assert set(handles) == {"a"}
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
+
+
+def test_abort_while_queued_takes_nothing(tiny_checkpoints) -> None:
+    """A reserve cancelled while waiting for room leaves the queue holding nothing and is
+    never placed; the one ahead of it, committed with no first token (the prefill
+    failed), cancels its transfer and computes everything here."""
+    # A commit wait no test run reaches: only the commit of None may end the transfer.
+    engine, loop, handles = start(tiny_checkpoints, num_blocks=8, commit_wait_s=600.0)
+    a_ids, b_ids = prompt(engine, 20), prompt(engine, 20, "something else entirely")
+
+    async def run() -> tuple[list[int], list[int]]:
+        want = await greedy(loop, a_ids)
+        commit_a, a = loop.reserve(Request("a", a_ids, FIVE))
+        await anext(a)
+        _, b = loop.reserve(Request("b", b_ids, FIVE))
+        b_answer = asyncio.ensure_future(anext(b))
+        await until(lambda: loop.load().reserved == 2, "b queued behind a")
+        b_answer.cancel()
+        with suppress(asyncio.CancelledError):
+            await b_answer
+        await b.aclose()
+        await until(lambda: loop.load().reserved == 1, "the aborted reserve left the queue")
+        commit_a(None)
+        outs = [o async for o in a]
+        await idle(loop)
+        return want, outs[-1].token_ids
+
+    try:
+        want, got = asyncio.run(asyncio.wait_for(run(), 30))
+        assert got == want
+        assert set(handles) == {"a"}, "the aborted reserve was placed after all"
+        result = handles["a"][0].result()
+        assert result.state is T.CANCELLED and result.reason == PREFILL_FAILED, result
         assert_no_leaks(engine)
     finally:
         loop.close()

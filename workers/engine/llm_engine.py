@@ -16,10 +16,10 @@ calls ``reserve_request`` (blocks for the whole prompt, the cached prefix reused
 first token, or ``recompute_request`` when the KV will not come; ``quarantine_request``
 keeps blocks a failed transfer may still write into away from the pool until released.
 
-Servers see the engine through value objects only: :meth:`LLMEngine.capacity`
-(:class:`KVCapacity`), :meth:`LLMEngine.load` (:class:`EngineLoad`) and
-:meth:`LLMEngine.kv_view` (:class:`KVView`, the paged cache a transfer reads and writes),
-never its scheduler, block manager or model runner.
+Servers see the engine through the value objects of :mod:`workers.engine.surface` only:
+:meth:`LLMEngine.capacity` (:class:`KVCapacity`), :meth:`LLMEngine.load`
+(:class:`EngineLoad`) and :meth:`LLMEngine.kv_view` (:class:`KVView`, the paged cache a
+transfer reads and writes), never its scheduler, block manager or model runner.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from common.sampling import check_prompt
@@ -43,6 +42,7 @@ from .params import EngineConfig, InvalidRequestError, SamplingParams, Scheduler
 from .sampler import TokenLogprobs
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence
+from .surface import EngineLoad, KVCapacity, KVReservation, KVView
 
 
 @dataclass
@@ -62,66 +62,6 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
-
-
-@dataclass(frozen=True)
-class KVCapacity:
-    """What this engine can hold; fixed at construction."""
-
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    model_id: str
-    """Seeds the block-hash chain (see :func:`model_identity`)."""
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """A snapshot of the queues and the KV block pool."""
-
-    running: int
-    waiting: int
-    free_blocks: int
-    total_blocks: int
-    reserved: int = 0
-    """Requests holding blocks for KV in transit: decode, reserved (or waiting for room)
-    until the KV lands; prefill, held until their KV has been sent."""
-
-
-@dataclass(frozen=True)
-class KVView:
-    """The paged KV cache as a transfer reads and writes it: ``cache`` is
-    ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]`` and block ``b`` is rows
-    ``b * block_size`` up to ``(b + 1) * block_size``. Write only into a reservation's
-    blocks, read only blocks held for export (``on_prefilled``)."""
-
-    cache: torch.Tensor
-    block_size: int
-
-
-@dataclass(frozen=True)
-class KVReservation:
-    """Blocks :meth:`LLMEngine.reserve_request` holds for a whole prompt."""
-
-    block_table: tuple[int, ...]
-    """Every block of the prompt, the cached prefix first."""
-    cached_tokens: int
-    """Leading prompt tokens (whole blocks) whose KV is already here: not sent."""
-    num_tokens: int
-    block_size: int
-
-    @property
-    def skip_blocks(self) -> int:
-        return self.cached_tokens // self.block_size
-
-    @property
-    def target_block_ids(self) -> tuple[int, ...]:
-        """The blocks the transfer fills."""
-        return self.block_table[self.skip_blocks:]
-
-    @property
-    def uncached_tokens(self) -> int:
-        return self.num_tokens - self.cached_tokens
 
 
 OnPrefilled = Callable[[list[int], Callable[[], None]], None]
