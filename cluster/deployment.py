@@ -102,6 +102,19 @@ class DeploymentConfig:
     max_in_flight: int = field(default=256, metadata=setting(
         "requests the router admits at once; beyond it they are refused with "
         "RESOURCE_EXHAUSTED"))
+    api_keys: str | None = field(default=None, metadata=setting(
+        "file of API keys, one `KEY TENANT [admin]` per line (router/auth.py), read by the "
+        "router and reloaded when it changes; keys never go on a command line",
+        shown="$PDSERVE_API_KEYS_FILE, else no authentication"))
+    tenant_max_concurrency: int = field(default=0, metadata=setting(
+        "requests each tenant (API key's tenant) may have in flight; 0: unlimited; a key "
+        "line's max_concurrency=N overrides it"))
+    tenant_tokens_per_minute: int = field(default=0, metadata=setting(
+        "tokens each tenant may spend per minute (prompt + max_tokens reserved at "
+        "admission, settled to what was used); 0: unlimited; a key line's "
+        "tokens_per_minute=N overrides it"))
+    metrics_public: bool = field(default=False, metadata=setting(
+        "serve /metrics on the HTTP port without an API key (with keys, else admin only)"))
     # -- prefix index and worker registry --------------------------------------------------
     redis_url: str | None = field(default=None, metadata=setting(
         "an existing Redis, redis://HOST:PORT/DB, for the prefix index and worker registry",
@@ -109,6 +122,23 @@ class DeploymentConfig:
     redis: bool = field(default=True, metadata=setting(
         "no prefix index: route by load only"))
     """Start a ``redis-server`` (persistence off) when no ``redis_url`` is given."""
+    # -- trust: TLS and the KV channel's secret (files every component reads itself) --------
+    cluster_tls_dir: str | None = field(default=None, metadata=setting(
+        "directory holding ca.pem, cluster.pem and cluster-key.pem (`pdserve certs` makes "
+        "them): mutual TLS between the router and the workers, and the KV channel's key "
+        "unless --cluster-secret-file is given", shown="plaintext inside the cluster"))
+    cluster_secret_file: str | None = field(default=None, metadata=setting(
+        "file holding the secret that authenticates KV-transfer joins and offers between "
+        "workers", shown="$PDSERVE_CLUSTER_SECRET_FILE, else derived from the cluster TLS "
+        "key, else unauthenticated"))
+    tls_cert: str | None = field(default=None, metadata=setting(
+        "the router's certificate (PEM) for TLS on its public gRPC and HTTP ports",
+        shown="plaintext"))
+    tls_key: str | None = field(default=None, metadata=setting(
+        "the key (PEM) of --tls-cert", shown="none"))
+    tls_ca: str | None = field(default=None, metadata=setting(
+        "the CA certificate that signed --tls-cert: what `pdserve up` trusts when it checks "
+        "the router, and tells clients to use", shown="ca.pem in --cluster-tls-dir"))
     # -- launcher and placement on Ray -----------------------------------------------------
     launcher: str = field(default="ray", metadata=setting(
         "ray: actors on Ray (a fresh local one unless --ray-address); process: plain "
@@ -146,6 +176,9 @@ class DeploymentConfig:
                                       f"{', '.join(choices)}")
         if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
             raise DeploymentError("cpus_per_worker and gpus_per_worker must be >= 0")
+        if self.tenant_max_concurrency < 0 or self.tenant_tokens_per_minute < 0:
+            raise DeploymentError("tenant_max_concurrency and tenant_tokens_per_minute must "
+                                  "be >= 0 (0: unlimited)")
 
     @classmethod
     def from_settings(cls, settings: Mapping[str, object]) -> DeploymentConfig:
@@ -161,6 +194,16 @@ class DeploymentConfig:
         if self.mixed is not None:
             return self.mixed
         return 0 if self.prefill else 1
+
+    @property
+    def client_tls_ca(self) -> str | None:
+        """The CA a client of this deployment's router trusts; None: plaintext router."""
+        if self.tls_cert is None:
+            return None
+        if self.tls_ca is None and self.cluster_tls_dir is None:
+            raise DeploymentError("the router serves TLS (tls_cert): give tls_ca, the CA "
+                                  "certificate that signed it, so clients can check it")
+        return self.tls_ca or str(Path(self.cluster_tls_dir or "") / "ca.pem")
 
     def pool_sizes(self) -> dict[str, int]:
         return {"prefill": self.prefill, "decode": self.decode, "mixed": self.num_mixed}
@@ -196,7 +239,15 @@ class DeploymentConfig:
             args += ["--metrics-port", str(metrics_port)]
         if self.gpus_per_worker > 0:
             args += ["--device", "cuda"]
-        return args
+        return args + self._trust_args("cluster_tls_dir", "cluster_secret_file")
+
+    def _trust_args(self, *names: str) -> list[str]:
+        """Flags of the trust settings given (paths: each component reads the file)."""
+        out: list[str] = []
+        for f in dataclasses.fields(self):
+            if f.name in names and getattr(self, f.name) is not None:
+                out += [flag_of(f), str(getattr(self, f.name))]
+        return out
 
     def router_args(self, workers: list[str], redis_url: str | None) -> list[str]:
         """``pdserve router`` arguments (``workers``: static addresses, beside the
@@ -204,6 +255,14 @@ class DeploymentConfig:
         args = ["router", "--host", self.host, "--port", str(self.port),
                 "--http-port", str(self.http_port), "--max-in-flight", str(self.max_in_flight),
                 "--policy", self.policy]
+        if self.api_keys:  # the path; the router reads the keys itself
+            args += ["--api-keys", self.api_keys]
+        if self.tenant_max_concurrency:
+            args += ["--tenant-max-concurrency", str(self.tenant_max_concurrency)]
+        if self.tenant_tokens_per_minute:
+            args += ["--tenant-tokens-per-minute", str(self.tenant_tokens_per_minute)]
+        if self.metrics_public:
+            args.append("--metrics-public")
         if self.metrics_port is not None:
             args += ["--metrics-port", str(self.metrics_port)]
         if self.model:
@@ -212,7 +271,7 @@ class DeploymentConfig:
             args += ["--worker", address]
         if redis_url:
             args += ["--redis-url", redis_url]
-        return args
+        return args + self._trust_args("cluster_tls_dir", "tls_cert", "tls_key")
 
 
 def load_yaml(path: str | Path) -> dict[str, object]:

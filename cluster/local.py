@@ -8,17 +8,25 @@ wait_ready` until the router answers ``GetStatus`` -> serve until Ctrl-C or unti
 process dies -> stop everyone (SIGINT, or SIGTERM to drain; SIGKILL after a grace
 period). ``pdserve up --launcher process`` and the end-to-end tests use it; the Ray
 launcher (``cluster.ray_cluster``) runs the same command lines as actors.
+
+Redis credentials: the Redis started here gets a fresh random password; a child's
+command line carries the URL without it (``ps`` shows every user's command lines) and
+its environment carries the password (``PDSERVE_REDIS_PASSWORD``, readable only by the
+same user), which ``pdserve worker|router`` merge back at their edge.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from types import TracebackType
+
+from common.redis_url import PASSWORD_ENV, password_of, without_password
 
 from .child import guarded
 from .deployment import DeploymentConfig
@@ -42,12 +50,13 @@ def stop_on_signals() -> None:
 
 
 def start_redis(c: DeploymentConfig) -> RedisServer | None:
-    """A fresh ``redis-server`` on a free loopback port, unless the deployment gives a
-    URL or turns Redis off; None (and a note) when no binary can be found."""
+    """A fresh ``redis-server`` on a free loopback port with a fresh random password,
+    unless the deployment gives a URL or turns Redis off; None (and a note) when no
+    binary can be found."""
     if c.redis_url or not c.redis:
         return None
     try:
-        return RedisServer(c.host, guard=True)
+        return RedisServer(c.host, guard=True, password=secrets.token_urlsafe(32))
     except FileNotFoundError as e:
         print(f"pdserve up: {e}; routing by load only, no shared prefix index",
               file=sys.stderr)
@@ -57,14 +66,18 @@ def start_redis(c: DeploymentConfig) -> RedisServer | None:
 def banner(c: DeploymentConfig, threads: int, target: str, http_url: str | None,
            metrics_url: str | None, extra: tuple[str, ...] = ()) -> str:
     """What ``pdserve up`` prints once the cluster serves: how to reach it."""
+    ca = c.client_tls_ca
+    tls, cacert = (f" --tls-ca {ca}", f" --cacert {ca}") if ca else ("", "")
+    if ca and http_url and http_url.startswith("http://"):
+        http_url = "https://" + http_url.removeprefix("http://")
     pools = ", ".join(f"{n} {role}" for role, n in c.pool_sizes().items() if n)
     lines = [f"pdserve is serving {os.path.basename(c.model)} with {pools} worker(s) "
              f"({threads} threads each).",
-             f"  gRPC:    pdserve generate --target {target} \"Hello\"",
-             f"           pdserve status --target {target}"]
+             f"  gRPC:    pdserve generate --target {target}{tls} \"Hello\"",
+             f"           pdserve status --target {target}{tls}"]
     if http_url:
         lines.append(
-            f"  HTTP:    curl {http_url}/v1/chat/completions -H 'Content-Type: "
+            f"  HTTP:    curl{cacert} {http_url}/v1/chat/completions -H 'Content-Type: "
             "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": "
             "\"Hello\"}], \"max_tokens\": 32}'")
     if metrics_url:
@@ -96,11 +109,13 @@ class LocalCluster:
         if config.metrics_port is not None:
             self.metrics_ports["router"] = config.metrics_port
         self.target = f"{config.host}:{config.port}"
-        self.http_url = (f"http://{config.host}:{config.http_port}"
+        scheme = "https" if config.client_tls_ca else "http"  # raises without a CA to trust
+        self.http_url = (f"{scheme}://{config.host}:{config.http_port}"
                          if config.http_port else None)
         self.procs: list[subprocess.Popen] = []
         self.names: list[str] = []
         self.redis_url: str | None = None
+        """Where components find Redis, credentials included (prints redacted)."""
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -118,6 +133,11 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str], threads: int) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        password = password_of(self.redis_url)
+        if password:
+            env[PASSWORD_ENV] = password
+        else:
+            env.pop(PASSWORD_ENV, None)
         out = None
         if self.config.log_dir:
             os.makedirs(self.config.log_dir, exist_ok=True)
@@ -137,18 +157,19 @@ class LocalCluster:
             self.procs.append(redis.proc)
             self.names.append("redis")
         self.redis_url = redis.url if redis is not None else self.config.redis_url
+        shown = without_password(self.redis_url)  # the password goes in the environment
         for (name, role), address in zip(self.workers, self.worker_addresses, strict=True):
             host, port = address.rsplit(":", 1)
-            self._spawn(name, c.worker_args(role, host, int(port), self.redis_url,
+            self._spawn(name, c.worker_args(role, host, int(port), shown,
                                             self.threads, self.metrics_ports[name]),
                         self.threads)
-        self._spawn("router", c.router_args(self.worker_addresses, self.redis_url), 1)
+        self._spawn("router", c.router_args(self.worker_addresses, shown), 1)
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         from router.client import Client
 
         deadline = time.monotonic() + timeout
-        with Client(self.target) as client:
+        with Client(self.target, self.config.client_tls_ca) as client:
             while True:
                 dead = [(n, p) for n, p in zip(self.names, self.procs, strict=True)
                         if p.poll() is not None]
@@ -161,8 +182,7 @@ class LocalCluster:
                     raise RuntimeError(f"{name} exited with {proc.returncode} while starting; "
                                        f"see {where}")
                 try:
-                    status = client.status(timeout=2.0)
-                    if all(w.serving for w in status.workers):
+                    if client.serving(timeout=2.0):  # health: open even with API keys
                         return
                 except Exception:  # noqa: BLE001 - not up yet
                     pass

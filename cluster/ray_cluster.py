@@ -19,6 +19,15 @@ freed in the pool's groups, then a new placement group of the rest; removed work
 (newest first) drain: they leave the registry, finish what was routed to them and exit;
 a group is removed once no worker holds any of its bundles. ``pdserve up`` stops
 everything on Ctrl-C.
+
+Trust. A Ray cluster runs any code a client sends it, so ``pdserve up`` only places
+work on one that enforces Ray's token authentication: a fresh local Ray starts with
+``RAY_AUTH_MODE=token`` (Ray writes the token to ``~/.ray/auth_token``), and a joined
+one (``--ray-address``) must refuse a call without the token; :func:`connect` asks its
+GCS with a bare gRPC call (none of Ray's interceptors) and stops when it answers,
+unless ``--allow-unauthenticated-ray``. The Redis password never rides in a
+component's command line: the controller gets the URL with it (pickled over Ray's
+authenticated channel) and hands each actor the password beside its argv.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -40,13 +50,17 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from common.redis_url import password_of, without_password
+
 from .deployment import ROLES, DeploymentConfig
+from .ray_auth import AUTH_MODE_ENV, RayAuthError, require_token_auth
 
 log = logging.getLogger(__name__)
 
-ParseComponent = Callable[[list[str]], tuple[str, Any]]
-"""A ``pdserve worker|router`` command line -> (kind, config): the CLI's own parser
-(``cluster.cli.component.component_config``), handed in by the composition root."""
+ParseComponent = Callable[[list[str], str | None], tuple[str, Any]]
+"""A ``pdserve worker|router`` command line and the Redis password -> (kind, config):
+the CLI's own parser (``cluster.cli.component.component_config``), handed in by the
+composition root."""
 
 NAMESPACE = "pdserve"
 CONTROLLER = "pdserve-controller"
@@ -60,12 +74,14 @@ class ComponentActor:
     ``ready`` blocks until it serves (or raises why it could not); ``stop(drain=True)``
     drains a worker (SIGTERM's path) before stopping."""
 
-    def __init__(self, argv: list[str], threads: int, parse: ParseComponent) -> None:
+    def __init__(self, argv: list[str], threads: int, parse: ParseComponent,
+                 redis_password: str | None = None) -> None:
         import torch
 
         torch.set_num_threads(threads)
         node_ip = ray.util.get_node_ip_address()
-        self.kind, config = parse([a.replace("{node_ip}", node_ip) for a in argv])
+        self.kind, config = parse([a.replace("{node_ip}", node_ip) for a in argv],
+                                  redis_password)
         self.config = dataclasses.replace(config, ray_metrics=True)
         self._ready = threading.Event()
         self._serving: object = None
@@ -145,7 +161,11 @@ class Controller:
 
     def __init__(self, config: DeploymentConfig, redis_url: str | None, threads: int,
                  parse: ParseComponent) -> None:
-        self.config, self.redis_url, self.threads = config, redis_url, threads
+        """``redis_url`` may carry a password: command lines get the URL without it,
+        actors the password beside them."""
+        self.config, self.threads = config, threads
+        self.redis_url = without_password(redis_url)
+        self._redis_password = password_of(redis_url)
         self._parse = parse
         self._members: list[_Member] = []
         self._groups: list[_Group | None] = []
@@ -197,7 +217,8 @@ class Controller:
                 num_gpus=c.gpus_per_worker, scheduling_strategy=strategy,
                 runtime_env={"env_vars": _env(self.threads)},
             ).remote(c.worker_args(role, "{node_ip}", 0, self.redis_url, self.threads,
-                                   metrics_port=0), self.threads, self._parse)
+                                   metrics_port=0), self.threads, self._parse,
+                     self._redis_password)
             members.append(_Member(name, role, actor, g, b))
         return members
 
@@ -212,7 +233,8 @@ class Controller:
             self._router = ComponentActor.options(
                 name=ROUTER, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here,
                 runtime_env={"env_vars": _env(1)},
-            ).remote(self.config.router_args([], self.redis_url), 1, self._parse)
+            ).remote(self.config.router_args([], self.redis_url), 1, self._parse,
+                     self._redis_password)
             self._await(started, timeout_s)
             self._router_info = ray.get(self._router.ready.remote(timeout_s))  # type: ignore[attr-defined]
         return self._router_info
@@ -331,23 +353,46 @@ def _restarts(actor: object) -> int | None:
 
 
 def connect(address: str | None, host: str = "127.0.0.1", dashboard: bool = True,
-            num_cpus: int | None = None, num_gpus: int | None = None) -> dict:
-    """Join the Ray cluster at ``address``, or start a fresh local one on ``host``."""
+            num_cpus: int | None = None, num_gpus: int | None = None,
+            require_token: bool = False) -> dict:
+    """Join the Ray cluster at ``address``, or start a fresh local one on ``host``.
+
+    ``require_token`` (``pdserve up``): this process and a fresh cluster use token
+    authentication, and the cluster (fresh or joined) must refuse calls without the
+    token, else :class:`~cluster.ray_auth.RayAuthError` (after disconnecting)."""
+    if require_token:
+        # Ray takes its auth mode from the environment only, read by ray.init and
+        # inherited by the daemons a fresh cluster starts (ray._private.authentication).
+        os.environ[AUTH_MODE_ENV] = "token"
+        if address and re.fullmatch(r"[\w.-]+:\d+", address):
+            require_token_auth(address)  # before ray.init asks for a token it needs not
     if address:
         try:
             ctx = ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        except ray.exceptions.AuthenticationError as e:
+            raise RayAuthError(
+                f"{e.message}: Ray at {address} wants its token. Copy it from the head "
+                "(`ray get-auth-token`) into ~/.ray/auth_token, or set $RAY_AUTH_TOKEN_PATH "
+                "(or $RAY_AUTH_TOKEN)") from None
         except ConnectionError as e:
             raise ConnectionError(
                 f"{e}. Is a Ray cluster running there? One started by `ray start` uses "
                 "token authentication: run with RAY_AUTH_MODE=token (the token is read from "
-                "~/.ray/auth_token)") from e
+                "~/.ray/auth_token, or $RAY_AUTH_TOKEN / $RAY_AUTH_TOKEN_PATH)") from e
     else:
         ctx = ray.init(_node_ip_address=host, include_dashboard=dashboard,
                        dashboard_host=host, num_cpus=num_cpus, num_gpus=num_gpus,
                        namespace=NAMESPACE, log_to_driver=False)
+    if require_token:
+        try:
+            require_token_auth(str(ctx.address_info.get("gcs_address") or address))
+        except RayAuthError:
+            ray.shutdown()
+            raise
     return {"address": ctx.address_info.get("address") or address,
             "dashboard_url": ctx.dashboard_url,
-            "metrics_export_port": ctx.address_info.get("metrics_export_port")}
+            "metrics_export_port": ctx.address_info.get("metrics_export_port"),
+            "token_auth": require_token}
 
 
 def controller() -> object:
@@ -363,8 +408,11 @@ class RayDeployment:
     """``pdserve up`` on Ray: connect, start the controller and its pools, serve, stop."""
 
     def __init__(self, config: DeploymentConfig, redis_url: str | None,
-                 parse: ParseComponent) -> None:
+                 parse: ParseComponent, allow_unauthenticated: bool = False) -> None:
+        """``redis_url`` may carry the password (see :class:`Controller`);
+        ``allow_unauthenticated``: place work on a Ray without token authentication."""
         self.config, self.redis_url, self.parse = config, redis_url, parse
+        self.allow_unauthenticated = allow_unauthenticated
         cores = os.cpu_count() or 1
         self.threads = config.threads(cores)
         workers = sum(config.pool_sizes().values())
@@ -378,7 +426,7 @@ class RayDeployment:
         t0 = time.monotonic()
         c = self.config
         self.ray = connect(c.ray_address, c.host, c.dashboard, None if c.ray_address
-                           else self._cpus)
+                           else self._cpus, require_token=not self.allow_unauthenticated)
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
                                               soft=True)  # the router binds this node's ports
         self.controller = Controller.options(name=CONTROLLER, namespace=NAMESPACE,

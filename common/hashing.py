@@ -34,11 +34,29 @@ def root_hash(model_id: str) -> int:
     return _digest(f"pdserve-block-hash-v{HASH_VERSION}:{model_id}".encode())
 
 
+_EXTRA_LEN_FIELD_MAX = 0xFFFF
+"""The v1 encoding's extra-keys length field is a uint16. It saturates here: the extra
+keys are the payload's tail, so their length is implied by the payload's and the field
+carries no information the digest needs. Every payload that fit before is unchanged
+(the pinned values hold); longer extra keys, which used to raise ``struct.error``, hash
+like any other (:data:`common.request.MAX_CACHE_SALT_BYTES` bounds the salt itself)."""
+
+_TOKEN_ID_MAX = 0xFFFF_FFFF  # token ids are packed as uint32
+
+
 def hash_block(parent: int, token_ids: Sequence[int], extra_keys: bytes = b"") -> int:
-    """Hash one full block given its parent's hash. Pure and thread-safe."""
-    payload = struct.pack(
-        f"<QI{len(token_ids)}IH", parent, len(token_ids), *token_ids, len(extra_keys)
-    )
+    """Hash one full block given its parent's hash. Pure and thread-safe.
+
+    Raises ``ValueError`` for a token id outside ``[0, 2**32)`` (the engine never holds
+    one: prompts and first tokens are checked against the vocabulary on the way in)."""
+    try:
+        payload = struct.pack(f"<QI{len(token_ids)}IH", parent, len(token_ids), *token_ids,
+                              min(len(extra_keys), _EXTRA_LEN_FIELD_MAX))
+    except struct.error as e:
+        bad = next((t for t in token_ids
+                    if not (isinstance(t, int) and 0 <= t <= _TOKEN_ID_MAX)), None)
+        what = f"token id {bad!r} is not an integer in [0, 2**32)" if bad is not None else e
+        raise ValueError(f"cannot hash block: {what}") from e
     return _digest(payload + extra_keys)
 
 
@@ -58,7 +76,9 @@ def block_hashes(
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     h = root_hash(model_id) if parent is None else parent
-    salt = cache_salt.encode() if cache_salt else b""
+    # surrogatepass: the same bytes for every valid string, and no error for a lone
+    # surrogate (Request refuses those; hashing stays total regardless).
+    salt = cache_salt.encode("utf-8", "surrogatepass") if cache_salt else b""
     out: list[int] = []
     for i in range(start_block, len(token_ids) // block_size):
         block = token_ids[i * block_size : (i + 1) * block_size]

@@ -13,6 +13,11 @@ A worker rebuilding it from the wire re-runs the constructors' checks: the inter
 is a process boundary, and a request that would break the engine step must be refused
 there too (it costs microseconds). There is no other validation of these values.
 
+Bounds (besides :class:`~common.sampling.SamplingParams`'): ``cache_salt`` is at most
+:data:`MAX_CACHE_SALT_BYTES` of UTF-8 and ``request_id`` at most
+:data:`MAX_REQUEST_ID_CHARS` characters. The prompt's length and token ids are bounded by
+the model (``check_prompt``), which this type does not know.
+
 Bottom layer: plain data, no I/O.
 """
 
@@ -22,6 +27,43 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from .sampling import InvalidRequestError, SamplingParams
+
+MAX_CACHE_SALT_BYTES = 256
+"""A salt names a tenant (an id, or a 32-byte key as hex or base64: 44-64 bytes); it
+enters the first block's hash, on the router and every worker. 256 bytes of UTF-8 is
+room for any such name; more would only be a way to make every hash costly."""
+
+MAX_REQUEST_ID_CHARS = 512
+"""Request ids key the engine's tables and name threads and log lines. Clients may send
+their own; the router derives each worker call's id by appending a suffix (under 64
+characters), so its edge should hold a client's id to :data:`MAX_CLIENT_REQUEST_ID_CHARS`
+for the derived ids to stay under this."""
+
+MAX_CLIENT_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS - 64
+
+
+def check_cache_salt(cache_salt: str | None) -> None:
+    """Raises :class:`InvalidRequestError` unless ``cache_salt`` is None or a string of at
+    most :data:`MAX_CACHE_SALT_BYTES` bytes of UTF-8 (lone surrogates do not encode)."""
+    if cache_salt is None:
+        return
+    if not isinstance(cache_salt, str):
+        raise InvalidRequestError("cache_salt", f"must be a string, got {type(cache_salt)}")
+    if len(cache_salt) > MAX_CACHE_SALT_BYTES:  # cheap, before encoding a huge string
+        raise InvalidRequestError("cache_salt", f"must be at most {MAX_CACHE_SALT_BYTES} "
+                                  f"bytes of UTF-8, got {len(cache_salt)} characters")
+    size = len(_check_utf8("cache_salt", cache_salt))
+    if size > MAX_CACHE_SALT_BYTES:
+        raise InvalidRequestError("cache_salt", f"must be at most {MAX_CACHE_SALT_BYTES} "
+                                  f"bytes of UTF-8, got {size}")
+
+
+def _check_utf8(field_name: str, text: str) -> bytes:
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(field_name, f"must be valid Unicode text: {e.reason} at "
+                                  f"character {e.start}") from e
 
 
 @dataclass(frozen=True)
@@ -38,8 +80,13 @@ class Request:
         object.__setattr__(self, "prompt_token_ids",
                            tuple(int(t) for t in self.prompt_token_ids))
         object.__setattr__(self, "cache_salt", self.cache_salt or None)
-        if not self.request_id:
+        if not self.request_id or not isinstance(self.request_id, str):
             raise InvalidRequestError("request_id", "must be a non-empty string")
+        if len(self.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} "
+                                      f"characters, got {len(self.request_id)}")
+        _check_utf8("request_id", self.request_id)  # it names the KV transfer (hashed)
+        check_cache_salt(self.cache_salt)
 
     def continued(self, generated: Sequence[int], request_id: str) -> Request:
         """This request resumed elsewhere after ``generated`` tokens (a migration): they

@@ -3,10 +3,16 @@
 Everything is checked once, at construction, and never mutated afterwards. A bad value
 raises :class:`InvalidRequestError` naming the field, the value and the limit, so servers
 hand it to clients as ``INVALID_ARGUMENT`` (HTTP 400) unchanged.
+
+Every field is bounded (the ``MAX_*`` / ``*_MIN`` constants below), so no client value
+can fail later, inside an engine step shared with other requests: integers fit their
+wire types (``common.proto``), floats are finite, lists and strings have a size a
+per-step scan can afford.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -21,12 +27,40 @@ class InvalidRequestError(ValueError):
 GREEDY_BELOW = 1e-5
 """Temperatures under this are greedy (as in vLLM), never a division that overflows."""
 
+MAX_TOKENS_LIMIT = 2**32 - 1
+"""``max_tokens`` is a uint32 on the wire; the engine also ends a request at its
+context length, so this only keeps the value representable everywhere."""
+
+TOP_K_MIN, TOP_K_MAX = -1, 2**31 - 1
+"""``top_k`` is an int32 on the wire; 0 and -1 (vLLM's spelling) disable it, values
+above the vocabulary mean the whole vocabulary."""
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""``seed`` is an int64 on the wire (and fits ``torch.Generator.manual_seed``)."""
+
+MAX_STOP_STRINGS = 16
+"""OpenAI allows 4 stop sequences; 16 leaves room for chat templates' end markers. Each
+step searches the new text for every stop string, so the count is per-step work."""
+
+MAX_STOP_STRING_CHARS = 256
+"""Longer than any end marker or delimiter in practice; the detokenizer holds back up
+to this many characters of output while they could still begin a stop string."""
+
+MAX_STOP_TOKEN_IDS = 64
+"""Several times the end-of-turn ids of any chat model; checked on every sampled token.
+Each id must fit the wire's uint32: ``[0, STOP_TOKEN_ID_MAX]``."""
+
+STOP_TOKEN_ID_MAX = 2**32 - 1
+
+MAX_LOGPROBS = 20
+"""OpenAI's (and vLLM's default) limit on ``top_logprobs``."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request (OpenAI / vLLM semantics).
 
-    ``temperature == 0`` (or below :data:`GREEDY_BELOW`) is greedy. ``top_k <= 0``
+    ``temperature == 0`` (or below :data:`GREEDY_BELOW`) is greedy. ``top_k`` 0 or -1
     disables top-k. Filters apply in the order temperature, top-k, top-p, min-p.
     ``seed`` makes a request's samples independent of whatever else shares its batch.
     ``logprobs=n`` returns the sampled token's log-probability and the ``n`` most likely
@@ -49,18 +83,41 @@ class SamplingParams:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        _check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS_LIMIT)
+        # ``not x >= 0`` also rejects NaN; inf would make every logit 0 (or NaN).
+        if not (self.temperature >= 0.0 and math.isfinite(self.temperature)):
+            raise InvalidRequestError(
+                "temperature", f"must be finite and >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:  # rejects NaN
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= self.min_p <= 1.0:  # rejects NaN
             raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop", "stop strings must be non-empty")
+        _check_int("top_k", self.top_k, TOP_K_MIN, TOP_K_MAX)
+        if self.seed is not None:
+            _check_int("seed", self.seed, SEED_MIN, SEED_MAX)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self._check_stops()
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                "stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError("stop", "stop strings must be non-empty strings")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise InvalidRequestError(
+                    "stop", f"each stop string is at most {MAX_STOP_STRING_CHARS} "
+                    f"characters, got one of {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got "
+                f"{len(self.stop_token_ids)}")
+        bad = next((t for t in self.stop_token_ids if not 0 <= t <= STOP_TOKEN_ID_MAX), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                "stop_token_ids", f"each id must be in [0, {STOP_TOKEN_ID_MAX}], got {bad}")
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +127,15 @@ class SamplingParams:
 
 def _as_tuple(stop: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+def _check_int(field_name: str, value: object, low: int, high: int) -> None:
+    """An integer (never a bool or a float) in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(
+            field_name, f"must be an integer >= {low} and <= {high}, got {value!r}")
+    if not low <= value <= high:
+        raise InvalidRequestError(field_name, f"must be >= {low} and <= {high}, got {value}")
 
 
 def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

@@ -12,6 +12,11 @@ from protos.pdserve.v1 import common_pb2, worker_pb2
 from .request import Request
 from .sampling import SamplingParams
 
+MAX_MESSAGE_BYTES = 8 * 2**20
+"""The largest gRPC message any pdserve endpoint sends or receives: the router's public
+server, its channels to the workers, the workers' servers, and the HTTP front's body
+limit. One number, so a request the router accepts is never refused further in."""
+
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,

@@ -5,6 +5,10 @@ harness, the tests and users share.
 ``stream(...)`` yields the raw :class:`api_pb2.GenerateResponse` messages as they come.
 A prompt is a string, a list of token ids, or a list of ``{"role", "content"}`` chat
 messages. Errors surface as ``grpc.RpcError`` with the server's status and message.
+A router serving TLS is reached with ``tls_ca`` (the CA certificate file that signed its
+certificate; ``pdserve certs`` writes ``ca.pem``), optionally checking another name than
+the target's host (``tls_server_name``). ``api_key`` (a router with a key file needs
+one; ``status`` an admin key) goes as ``authorization: Bearer KEY`` metadata on every call.
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.sampling import SamplingParams
+from common.tls import client_credentials, load_ca
 from common.wire import FINISH_NAMES, sampling_to_proto
 from protos.pdserve.v1 import api_pb2, api_pb2_grpc
 
@@ -76,9 +82,28 @@ def build_request(prompt: Prompt, request_id: str = "", model: str = "",
     return req
 
 
+def _secure(tls_ca: str | None, tls_server_name: str | None
+            ) -> tuple[grpc.ChannelCredentials | None, list[tuple[str, str]]]:
+    """Credentials and options for a TLS router (None: plaintext)."""
+    if tls_ca is None:
+        return None, []
+    options = ([("grpc.ssl_target_name_override", tls_server_name)]
+               if tls_server_name else [])
+    return client_credentials(load_ca(tls_ca)), options
+
+
+def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata that carries ``api_key`` (none without one)."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
 class Client:
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.insecure_channel(target)
+    def __init__(self, target: str, tls_ca: str | None = None,
+                 tls_server_name: str | None = None, *, api_key: str | None = None) -> None:
+        self._metadata = auth_metadata(api_key)
+        creds, options = _secure(tls_ca, tls_server_name)
+        self._channel = (grpc.secure_channel(target, creds, options) if creds
+                         else grpc.insecure_channel(target))
         self._stub = api_pb2_grpc.PDServeStub(self._channel)
 
     def __enter__(self) -> Client:
@@ -92,7 +117,8 @@ class Client:
 
     def stream(self, prompt: Prompt, timeout: float | None = None, **kw: Any
                ) -> Iterator[api_pb2.GenerateResponse]:
-        call = self._stub.Generate(build_request(prompt, **kw), timeout=timeout)
+        call = self._stub.Generate(build_request(prompt, **kw), timeout=timeout,
+                                   metadata=self._metadata)
         try:
             yield from call
         finally:
@@ -105,27 +131,43 @@ class Client:
         return out
 
     def status(self, timeout: float = 5.0) -> api_pb2.GetStatusResponse:
-        return self._stub.GetStatus(api_pb2.GetStatusRequest(), timeout=timeout)
+        return self._stub.GetStatus(api_pb2.GetStatusRequest(), timeout=timeout,
+                                    metadata=self._metadata)
 
     def list_models(self) -> list[str]:
-        return [m.id for m in self._stub.ListModels(api_pb2.ListModelsRequest()).models]
+        return [m.id for m in self._stub.ListModels(api_pb2.ListModelsRequest(),
+                                                    metadata=self._metadata).models]
+
+    def serving(self, timeout: float = 2.0) -> bool:
+        """Whether the router's health check says SERVING: it is up and the workers it
+        started with answer. Needs no API key (health checks are open)."""
+        answer = health_pb2_grpc.HealthStub(self._channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout)
+        return answer.status == health_pb2.HealthCheckResponse.SERVING
 
     def wait_ready(self, timeout: float = 300.0) -> None:
-        """Block until the router answers (it starts after its workers load)."""
+        """Block until the router serves (it starts after its workers load); no key
+        needed."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                self.status(timeout=2.0)
-                return
+                if self.serving(timeout=2.0):
+                    return
             except grpc.RpcError:
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.5)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the router did not serve within {timeout:.0f} s")
+            time.sleep(0.5)
 
 
 class AsyncClient:
-    def __init__(self, target: str) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, tls_ca: str | None = None,
+                 tls_server_name: str | None = None, *, api_key: str | None = None) -> None:
+        self._metadata = auth_metadata(api_key)
+        creds, options = _secure(tls_ca, tls_server_name)
+        self._channel = (grpc.aio.secure_channel(target, creds, options) if creds
+                         else grpc.aio.insecure_channel(target))
         self._stub = api_pb2_grpc.PDServeStub(self._channel)
 
     async def __aenter__(self) -> AsyncClient:
@@ -139,7 +181,8 @@ class AsyncClient:
 
     async def stream(self, prompt: Prompt, timeout: float | None = None, **kw: Any
                      ) -> AsyncIterator[api_pb2.GenerateResponse]:
-        call = self._stub.Generate(build_request(prompt, **kw), timeout=timeout)
+        call = self._stub.Generate(build_request(prompt, **kw), timeout=timeout,
+                                   metadata=self._metadata)
         try:
             async for msg in call:
                 yield msg
@@ -154,4 +197,5 @@ class AsyncClient:
         return out
 
     async def status(self, timeout: float = 5.0) -> api_pb2.GetStatusResponse:
-        return await self._stub.GetStatus(api_pb2.GetStatusRequest(), timeout=timeout)
+        return await self._stub.GetStatus(api_pb2.GetStatusRequest(), timeout=timeout,
+                                          metadata=self._metadata)

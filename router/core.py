@@ -2,11 +2,14 @@
 
 A request passes through:
 
-1. **validate** (model name, sampling values, prompt present, roles of chat messages,
-   length against the workers' context) and **tokenize** (chat template for messages);
-   a bad field is INVALID_ARGUMENT naming it.
-2. **admit**: at most ``max_in_flight`` requests at once; beyond it RESOURCE_EXHAUSTED
-   at once, never a queue that hangs.
+1. **validate** (model name, sampling values, prompt present and within the edge's
+   bounds (:mod:`router.edge`), roles of chat messages, length against the workers'
+   context) and **tokenize** (chat template for messages) on the tokenizer's own thread,
+   never on the event loop; a bad field is INVALID_ARGUMENT naming it. The caller's
+   tenant salts the request's cache namespace (:func:`router.auth.tenant_salt`).
+2. **admit**: at most ``max_in_flight`` requests at once, and the caller's tenant within
+   its limits (:mod:`router.limits`); beyond either RESOURCE_EXHAUSTED at once, never a
+   queue that hangs.
 3. **route and call**: one attempt runs on the workers through
    :class:`router.dispatch.Dispatcher` (disaggregated: reserve on a decode worker ->
    prefill -> commit -> decode stream; or one mixed worker), which picks workers with
@@ -23,6 +26,11 @@ A request passes through:
    on the failed worker is lost (the token ids are not). Past the limit the request
    fails with UNAVAILABLE.
 
+Who is calling (:class:`router.auth.Principal`, from the edge's authentication; None:
+a router without keys, :data:`router.auth.OPEN`) decides the salt, the limits, and
+whether the last message's ``routing`` names workers: only admin callers see worker
+addresses and indexed cached tokens.
+
 When the consumer stops early (client cancelled or disconnected, deadline passed) every
 worker call is cancelled, and the workers abort the request and free its blocks.
 
@@ -34,59 +42,54 @@ tokens, routing decisions by policy and reason, migrations.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import jinja2
 import redis
 
 from common.metrics import Metrics
 from common.prefix_index import PrefixIndexBackend, RedisPrefixIndex
+from common.redis_url import connect as connect_redis
 from common.registry import WorkerRegistry
 from common.request import Request
 from common.sampling import InvalidRequestError, check_prompt
 from common.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
 
+from . import edge
+from .auth import OPEN, Principal, tenant_salt
 from .choice import Chooser
+from .config import RouterConfig
 from .dispatch import Dispatcher
 from .errors import RouterError, WorkerFailed
+from .limits import TenantLimiter
 from .policies import make_policy
 from .pool import Connect, RegistryLike, Worker, WorkerPool, grpc_connect
 from .prefix_lookup import PrefixLookup
 
 log = logging.getLogger(__name__)
 
+ADMIN_ROUTING_FIELDS = ("worker", "decode_worker", "indexed_cached_tokens",
+                        "estimated_prefill_tokens")
+"""What ``routing`` tells only admin callers: where the request ran and what the shared
+index says is cached there (the cluster's layout and other requests' traces). Others
+see the policy, the reason and the migrations."""
 
-@dataclass(frozen=True)
-class RouterConfig:
-    workers: tuple[str, ...]
-    model_path: str  # tokenizer and chat template come from here
-    model_name: str
-    max_in_flight: int = 256
-    connect_timeout_s: float = 120.0
-    down_s: float = 5.0
-    """How long a worker that failed a call is passed over (unless all are)."""
-    redis_url: str | None = None
-    """The shared prefix index and worker registry; workers found there join the pools
-    (beside any given in ``workers``) and leave when their heartbeat expires."""
-    policy: str = "cache_aware"
-    """How prefill (or mixed) workers are chosen: see :mod:`router.policies`."""
-    discovery_interval_s: float = 1.0
-    migration_limit: int = 3
-    """How many times a request may move to another worker after its worker failed."""
 
-    def __post_init__(self) -> None:
-        if not self.workers and not self.redis_url:
-            raise ValueError("the router needs worker addresses or a registry (redis_url)")
-        make_policy(self.policy)  # validates the name
-        if self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+def _status_of(e: BaseException) -> str:
+    """The ``requests_total`` status of a request that failed with ``e`` (not a
+    RouterError) before it was admitted."""
+    if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELLED"
+    return "INTERNAL"
 
 
 class _Relay:
@@ -139,13 +142,17 @@ class Router:
 
             tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.tokenizer = tokenizer
+        # One thread: tokenizing is CPU work that must not stall the event loop, and a
+        # Hugging Face tokenizer is not safe to call from several threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
+        self.limiter = TenantLimiter(config.tenant_limits())
         self._in_flight = 0
         self._ids = itertools.count()
         self._nonce = uuid.uuid4().hex[:8]  # router replicas and restarts never collide
         self._redis: redis.Redis | None = None
         if config.redis_url and (registry is None or index is None):
-            self._redis = redis.Redis.from_url(config.redis_url, socket_timeout=2,
-                                               socket_connect_timeout=2)
+            self._redis = connect_redis(config.redis_url, socket_timeout=2,
+                                        socket_connect_timeout=2)
             index = (index if index is not None
                      else RedisPrefixIndex(self._redis, self.model_name))
             registry = (registry if registry is not None
@@ -183,16 +190,28 @@ class Router:
         await self.workers.close()
         if self._redis is not None:
             self._redis.close()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # -- validation ----------------------------------------------------------------------
 
-    def tokenize(self, req: api_pb2.GenerateRequest | api_pb2.TokenizeRequest) -> list[int]:
+    def new_request_id(self) -> str:
+        """A fresh request id, unique across router replicas and restarts."""
+        return f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+
+    async def tokenize(self, req: api_pb2.GenerateRequest | api_pb2.TokenizeRequest
+                       ) -> list[int]:
+        """The prompt as token ids: bounded here (:mod:`router.edge`), then tokenized or
+        rendered with the chat template on the tokenizer's thread. Raises
+        :class:`RouterError` naming the field."""
         kind = req.WhichOneof("prompt")
         if kind is None:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
                               "prompt: set one of text, token_ids or messages", "prompt")
+        loop = asyncio.get_running_loop()
         if kind == "text":
-            return list(self.tokenizer(req.text).input_ids)
+            edge.check_text_prompt(req.text)
+            ids = await loop.run_in_executor(self._tokenizer_thread, self._encode, req.text)
+            return list(ids)
         if kind == "token_ids":
             return list(req.token_ids.ids)
         messages = [{"role": m.role, "content": m.content} for m in req.messages.messages]
@@ -203,45 +222,84 @@ class Router:
                     if m["role"] not in ("system", "user", "assistant")), None)
         if bad is not None:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"messages: unknown role {bad!r}; use system, user or assistant",
-                              "messages")
-        return list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+                              f"messages: unknown role {bad[:40]!r}; use system, user or "
+                              "assistant", "messages")
+        edge.check_chat(messages)
+        return list(await loop.run_in_executor(self._tokenizer_thread, self._render, messages))
 
-    def validate(self, req: api_pb2.GenerateRequest) -> Request:
+    def _encode(self, text: str) -> list[int]:
+        """On the tokenizer's thread."""
+        return list(self.tokenizer(text).input_ids)
+
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        """On the tokenizer's thread. A template that raises (``raise_exception`` in
+        Jinja: roles that do not alternate, a system message it does not take) refuses
+        the messages: its words are the template author's, meant for the client."""
+        try:
+            return list(self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        except jinja2.TemplateError as e:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"messages: the model's chat template refuses them: "
+                              f"{str(e)[:200]}", "messages") from None
+
+    async def validate(self, req: api_pb2.GenerateRequest,
+                       caller: Principal | None = None) -> Request:
         """The public request checked once, here at the edge, into the typed
         :class:`~common.request.Request` every later step carries (its id: the client's,
-        else a fresh one). Raises :class:`RouterError` naming the field."""
+        else a fresh one; its cache salt: the caller's tenant and the client's salt).
+        Raises :class:`RouterError` naming the field."""
+        caller = caller or OPEN
         if req.model and req.model != self.model_name:
             raise RouterError(grpc.StatusCode.NOT_FOUND,
-                              f"model: {req.model!r} is not served here; this router serves "
-                              f"{self.model_name!r}", "model")
+                              f"model: {req.model[:100]!r} is not served here; this router "
+                              f"serves {self.model_name!r}", "model")
+        if req.request_id:
+            edge.check_request_id(req.request_id)
         try:
             sampling = sampling_from_proto(req.sampling)
-            ids = self.tokenize(req)
+            kind = req.WhichOneof("prompt")
+            if kind == "token_ids":  # the length first, before copying up to millions of ids
+                check_prompt(req.token_ids.ids, self.max_model_len, len(self.tokenizer))
+            ids = await self.tokenize(req)
             check_prompt(ids, self.max_model_len, len(self.tokenizer))
+            request = Request(req.request_id or self.new_request_id(), tuple(ids), sampling,
+                              req.cache_salt or None)  # checks the client's salt
         except InvalidRequestError as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from e
-        request_id = req.request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        return Request(request_id, tuple(ids), sampling, req.cache_salt or None)
+        if caller.tenant:
+            request = dataclasses.replace(
+                request, cache_salt=tenant_salt(caller.tenant, request.cache_salt))
+        return request
 
     # -- the request lifecycle -------------------------------------------------------------
 
     async def generate(
-        self, req: api_pb2.GenerateRequest, timeout: float | None = None
+        self, req: api_pb2.GenerateRequest, timeout: float | None = None,
+        caller: Principal | None = None,
     ) -> AsyncIterator[api_pb2.GenerateResponse]:
-        """Validated, admitted, routed, relayed, migrated. See the module docstring."""
+        """Validated, admitted, routed, relayed, migrated. See the module docstring.
+        ``caller``: who asks (None: :data:`router.auth.OPEN`, a router without keys)."""
         received = time.monotonic()
         status = "OK"
+        caller = caller or OPEN
+        lease = None
         try:
-            request = self.validate(req)
+            # The tenant's concurrency before any work on the request, its tokens once
+            # the prompt's length is known (router/limits.py).
+            lease = self.limiter.admit(caller.tenant, caller.limits)
+            request = await self.validate(req, caller)
             if self._in_flight >= self.config.max_in_flight:
                 raise RouterError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                   f"the router has {self._in_flight} requests in flight, its "
                                   f"limit (max_in_flight={self.config.max_in_flight}); retry "
-                                  "later")
-        except RouterError as e:
-            self.metrics.inc("requests_total", status=e.code.name)
+                                  "later", retry_after_s=1)
+            lease.reserve(self._reserve(request))
+        except BaseException as e:
+            if lease is not None:
+                lease.settle(0)
+            self.metrics.inc("requests_total", status=e.code.name
+                             if isinstance(e, RouterError) else _status_of(e))
             raise
         request_id, ids = request.request_id, list(request.prompt_token_ids)
         relay = _Relay(request_id, ids, received)
@@ -270,7 +328,8 @@ class Router:
                             generated.extend(msg.token_ids)
                         out = relay.convert(msg)
                         if msg.finish_reason:
-                            self._finish(out, routing, ids, generated, migrations, received)
+                            self._finish(out, routing, ids, generated, migrations, received,
+                                         caller)
                         yield out
                     return
                 except WorkerFailed as e:
@@ -294,9 +353,27 @@ class Router:
             status = "INTERNAL"
             raise
         finally:
+            lease.settle(len(ids) + len(generated))
             self._in_flight -= 1
             self.metrics.set("requests_in_flight", self._in_flight)
             self.metrics.inc("requests_total", status=status)
+
+    async def tokenize_as(self, req: api_pb2.TokenizeRequest,
+                          caller: Principal | None = None) -> list[int]:
+        """The public ``Tokenize``: :meth:`tokenize` within the caller's tenant's
+        concurrency limit (tokenizing is the router's own CPU work)."""
+        caller = caller or OPEN
+        lease = self.limiter.admit(caller.tenant, caller.limits)
+        try:
+            return await self.tokenize(req)
+        finally:
+            lease.settle(0)
+
+    def _reserve(self, request: Request) -> int:
+        """What a request may cost at most, in tokens: its prompt and the output the
+        context leaves room for (``max_tokens``, capped by it)."""
+        prompt = len(request.prompt_token_ids)
+        return prompt + max(0, min(request.sampling.max_tokens, self.max_model_len - prompt))
 
     def _worker_request(self, request: Request, generated: list[int]) -> Request:
         """The request a worker sees: a unique id (this router's nonce and a counter;
@@ -306,13 +383,18 @@ class Router:
             generated, f"{request.request_id}#{self._nonce}-{next(self._ids)}")
 
     def _finish(self, out: api_pb2.GenerateResponse, routing: api_pb2.Routing, ids: list[int],
-                generated: list[int], migrations: int, received: float) -> None:
+                generated: list[int], migrations: int, received: float,
+                caller: Principal) -> None:
         """The last message: usage over the whole request (a migrated one's last worker
-        saw part of the output as prompt), routing, and the request's metrics."""
+        saw part of the output as prompt), routing (where it ran only for admins), and
+        the request's metrics."""
         out.usage.prompt_tokens = len(ids)
         out.usage.completion_tokens = len(generated)
         out.usage.cached_tokens = min(out.usage.cached_tokens, len(ids))
         routing.migrations = migrations
+        if not caller.admin:
+            for name in ADMIN_ROUTING_FIELDS:
+                routing.ClearField(name)
         out.routing.CopyFrom(routing)
         m = self.metrics
         m.observe("e2e_request_latency_seconds", time.monotonic() - received)

@@ -38,10 +38,12 @@ import redis
 
 from common.metrics import Metrics
 from common.registry import LiveWorker
+from common.tls import ClusterTLS
+from common.wire import MAX_MESSAGE_BYTES
 from protos.pdserve.v1 import api_pb2, worker_pb2, worker_pb2_grpc
 
 if TYPE_CHECKING:
-    from .core import RouterConfig
+    from .config import RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +66,20 @@ Connect = Callable[[str], tuple[ChannelLike, Any]]
 methods with grpc.aio's call semantics (see :func:`grpc_connect`)."""
 
 
-def grpc_connect(address: str) -> tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]:
-    """Production wiring: an insecure grpc.aio channel (workers listen on the cluster's
-    private network) and the generated stub."""
-    channel = grpc.aio.insecure_channel(address)
+def grpc_connect(address: str, tls: ClusterTLS | None = None
+                 ) -> tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]:
+    """Production wiring: a grpc.aio channel and the generated stub; messages bounded as
+    on the workers. With ``tls``, mutual TLS: the router presents the cluster
+    certificate and accepts only a worker whose certificate the cluster CA signed for
+    the cluster name (whatever address it was dialled at); else plaintext (workers on a
+    private network, or loopback)."""
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    if tls is None:
+        channel = grpc.aio.insecure_channel(address, options=options)
+    else:
+        channel = grpc.aio.secure_channel(address, tls.channel_credentials(),
+                                          options=options + tls.channel_options())
     return channel, worker_pb2_grpc.WorkerStub(channel)
 
 

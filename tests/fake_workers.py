@@ -23,6 +23,7 @@ leaked: the router has nothing in flight, no worker call is open, every channel 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,13 +53,26 @@ def expected_tokens(prompt_len: int, n: int) -> list[int]:
 
 
 class FakeTokenizer:
-    """A character per token; chat messages framed by ids 1 and 2."""
+    """A character per token; chat messages framed by ids 1 and 2. Records the threads
+    it ran on (``threads``); ``error``, when set, is raised by every call (an internal
+    failure the client must not read about)."""
+
+    def __init__(self) -> None:
+        self.threads: set[int] = set()
+        self.error: Exception | None = None
+
+    def _enter(self) -> None:
+        self.threads.add(threading.get_ident())
+        if self.error is not None:
+            raise self.error
 
     def __call__(self, text: str) -> SimpleNamespace:
+        self._enter()
         return SimpleNamespace(input_ids=[ord(c) % VOCAB for c in text])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
                             tokenize: bool = True, return_dict: bool = False) -> list[int]:
+        self._enter()
         ids = []
         for m in messages:
             ids += [1] + self(f"{m['role']}:{m['content']}").input_ids + [2]
@@ -304,7 +318,8 @@ class Cluster:
 
     def __init__(self, roles: Sequence[str], *, registry_roles: Sequence[str] = (),
                  registry: FakeRegistry | None = None, index: FakeIndex | None = None,
-                 **config: Any) -> None:
+                 tokenizer: FakeTokenizer | None = None, **config: Any) -> None:
+        self.tokenizer = tokenizer or FakeTokenizer()
         self.workers = [FakeWorker(r) for r in roles]
         self.registry_workers = [FakeWorker(r) for r in registry_roles]
         self.events: list[tuple[str, str]] = []
@@ -345,7 +360,7 @@ class Cluster:
         config = RouterConfig(workers=tuple(w.address for w in self.workers),
                               model_path="unused", model_name=MODEL,
                               **{"connect_timeout_s": 2.0, **self.config})
-        self.router = Router(config, tokenizer=FakeTokenizer(), connect=self.connect,
+        self.router = Router(config, tokenizer=self.tokenizer, connect=self.connect,
                              registry=self.registry, index=self.index)
         await self.router.start()
         return self

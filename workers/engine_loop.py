@@ -11,6 +11,17 @@ which frees the request's KV blocks before the next step. Errors from ``add_requ
 The engine is touched only by the engine thread; :meth:`load` reads counters that the
 thread publishes after every step, so it is safe from any thread.
 
+Failures. A request failing on its own (bad input found late, a first token outside the
+vocabulary, an error in its own bookkeeping inside the step, or in a command about it)
+ends that request alone: its stream raises :class:`InvalidRequestError` (servers answer
+``INVALID_ARGUMENT``) and its blocks are freed; the rest of the batch runs on. An engine
+failure (``step`` raising: the forward, the sampler, a broken invariant) or the engine
+thread itself failing fails every request with :class:`EngineUnavailableError` and the
+loop stops serving for good: :attr:`EngineLoop.failure` says why, callbacks registered
+with :meth:`EngineLoop.on_failure` run once (the worker turns its health NOT_SERVING and
+leaves the registry), new requests are refused with the same error, and transfers still
+in flight are waited for so their blocks come back.
+
 Disaggregated decode (:meth:`EngineLoop.reserve`): the first item of the stream is a
 :class:`~workers.reservation.Reservation`. Unless the uncached part of the prompt is
 under the local-prefill threshold (then the request simply runs here), the engine holds
@@ -34,6 +45,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.request import Request
+from common.sampling import InvalidRequestError
 
 from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput
 from .engine.surface import EngineLoad
@@ -41,6 +53,11 @@ from .reservation import Actions, Reservation, ReservationMachine, ReservationSt
 from .transfer import TransferHandle, TransferResult
 
 log = logging.getLogger(__name__)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine cannot serve (it failed, or the worker is shutting down): not about
+    the request, which may succeed on another worker (servers answer UNAVAILABLE)."""
 
 
 @dataclass
@@ -126,11 +143,28 @@ class EngineLoop:
         self._pending: list[_Reserve] = []  # QUEUED: waiting for free blocks, in order
         self._load = self._snapshot()
         self.counters = EngineCounters()
+        self.failure: str | None = None
+        """Why the loop stopped serving (see the module docstring); None while it serves.
+        Set once, on the engine thread; safe to read anywhere."""
+        self._failure_callbacks: list[Callable[[str], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
     def load(self) -> EngineLoad:
         return self._load
+
+    @property
+    def serving(self) -> bool:
+        """Whether requests sent now can run here. Safe from any thread."""
+        return self.failure is None and self._thread.is_alive()
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` when the loop stops serving, on the engine thread
+        (at once, here, if it already has). It must not block, and must be idempotent:
+        registered while the loop fails, it may run twice. Exceptions are logged."""
+        self._failure_callbacks.append(callback)
+        if self.failure is not None:
+            _call_logged(callback, self.failure)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine thread between steps (from any thread)."""
@@ -185,34 +219,50 @@ class EngineLoop:
         return dataclasses.replace(load, reserved=load.reserved + len(self._pending))
 
     def _run(self) -> None:
+        try:
+            self._serve()
+            return
+        except Exception as e:  # noqa: BLE001 - the thread must not die silently
+            log.exception("the engine thread failed")
+            try:
+                self._stop_serving(f"the engine thread failed: {e!r}")
+            except Exception:  # noqa: BLE001
+                log.exception("failing the requests left after the engine thread failed")
+        # Nothing here can be trusted now; answer every new request until close().
+        while (cmd := self._commands.get()) is not _STOP:
+            if isinstance(cmd, _Add):
+                self._deliver(cmd, self._unavailable())
+
+    def _runnable(self) -> bool:
+        """Whether to step: requests that can run (reserved ones wait for events, not
+        steps), and an engine that still serves."""
+        return self.failure is None and self.engine.has_runnable_requests()
+
+    def _serve(self) -> None:
         engine = self.engine
         cmd = None
         while True:
             if cmd is None:
-                busy = engine.has_runnable_requests()  # reserved ones wait for events
                 try:
-                    cmd = self._commands.get(block=not busy)
+                    cmd = self._commands.get(block=not self._runnable())
                 except queue.Empty:
                     cmd = None
             while cmd is not None:
                 if cmd is _STOP:
-                    self._fail_all(RuntimeError("the worker is shutting down"))
+                    self._fail_all(EngineUnavailableError("the worker is shutting down"))
                     return
-                try:
-                    self._apply(cmd)
-                except Exception as e:  # a bug: fail loudly, keep the thread alive
-                    log.exception("engine loop command %s failed", type(cmd).__name__)
-                    self._fail_all(RuntimeError(f"engine command failed: {e!r}"))
+                self._apply_guarded(cmd)
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     cmd = None
-            if engine.has_runnable_requests():
+            if self._runnable():
                 try:
                     outputs = engine.step()
-                except Exception as e:  # a bug, not bad input: fail every request loudly
-                    self._fail_all(RuntimeError(f"engine step failed: {e!r}"))
-                    continue
+                except Exception as e:  # noqa: BLE001 - the batch's work, not one request's
+                    log.exception("engine step failed")
+                    self._stop_serving(f"engine step failed: {e!r}")
+                    outputs = []
                 # Published before the outputs: a consumer never sees a load older than
                 # the step that produced what it holds.
                 self._load = self._snapshot()
@@ -220,7 +270,7 @@ class EngineLoop:
                     self._emit(output)
             self._reserve_pending()
             self._load = self._snapshot()
-            if engine.has_runnable_requests() and engine.last_step_empty:
+            if self._runnable() and engine.last_step_empty:
                 # Waiting for blocks that only a command can free (a release, an abort,
                 # a landed transfer): sleep until one comes, never spin.
                 try:
@@ -237,13 +287,57 @@ class EngineLoop:
                 return
 
     def _emit(self, output: RequestOutput) -> None:
+        """Hand an output to its stream; a request that failed on its own (``error``)
+        gets the error instead, and is already aborted."""
         self.counters.count(output)
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
         if output.finished:
             del self._streams[output.request_id]
-        self._deliver(stream, output)
+        self._deliver(stream, output if output.error is None else output.error)
+
+    def _apply_guarded(self, cmd: _Add | _Abort | _Commit | _TransferDone | _Call) -> None:
+        """A command about one request that raises fails that request alone; any other
+        (a ``_Call``: a release, a probe) leaves the engine in doubt: stop serving."""
+        try:
+            self._apply(cmd)
+            return
+        except Exception as e:  # noqa: BLE001 - a bug: contain it, loudly
+            log.exception("engine loop command %s failed", type(cmd).__name__)
+            error = e
+        add = cmd if isinstance(cmd, _Add) else getattr(cmd, "add", None)
+        if add is not None:
+            try:
+                self._fail_request(add, _request_error(add.request_id, error))
+                return
+            except Exception:  # noqa: BLE001
+                log.exception("aborting request %s after its command failed", add.request_id)
+        self._stop_serving(f"engine command {type(cmd).__name__} failed: {error!r}")
+
+    def _fail_request(self, add: _Add, error: Exception) -> None:
+        """End one request with ``error``: abort it (freeing its blocks, or once its
+        transfer can no longer write into them) and raise ``error`` from its stream."""
+        self._abort(add)
+        self._deliver(add, error)
+
+    def _unavailable(self) -> EngineUnavailableError:
+        return EngineUnavailableError(f"this worker no longer serves ({self.failure}); "
+                                      "send the request to another worker")
+
+    def _stop_serving(self, reason: str) -> None:
+        """An engine failure: stop serving for good (see the module docstring)."""
+        first = self.failure is None
+        if first:
+            self.failure = reason
+            log.error("the engine loop no longer serves: %s", reason)
+            for callback in self._failure_callbacks:
+                _call_logged(callback, reason)
+        self._fail_all(EngineUnavailableError(f"the engine failed ({reason}); send the "
+                                              "request to another worker"))
+        # Requests without a stream (none should be) must not keep the loop stepping.
+        self.engine.abort_all(keep=self._remote.keys())
+        self._load = self._snapshot()
 
     def _apply(self, cmd: _Add | _Abort | _Commit | _TransferDone | _Call) -> None:
         if isinstance(cmd, _Call):
@@ -254,11 +348,19 @@ class EngineLoop:
             rec = self._remote.get(cmd.add.request_id)
             if rec is not None and rec.add is cmd.add and not rec.committed:
                 rec.committed = True
+                if cmd.first_token is not None:
+                    try:  # it enters the next forward's input: checked before it counts
+                        self.engine.check_first_token(cmd.first_token)
+                    except InvalidRequestError as e:
+                        self._fail_request(rec.add, e)
+                        return
                 self._carry_out(rec, rec.machine.commit(cmd.first_token))
         elif isinstance(cmd, _TransferDone):
             rec = self._remote.get(cmd.add.request_id)
             if rec is not None and rec.add is cmd.add:
                 self._carry_out(rec, rec.machine.transfer_ended(cmd.result.ok))
+        elif self.failure is not None:
+            self._deliver(cmd, self._unavailable())
         elif cmd.local_threshold is not None:
             rec = _Reserve(cmd, ReservationMachine(cmd.request_id))
             if self._pending or not self._try_reserve(rec):
@@ -268,8 +370,8 @@ class EngineLoop:
                 r = cmd.request
                 self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.sampling,
                                         r.cache_salt, cmd.on_prefilled)
-            except Exception as e:  # InvalidRequestError and friends go back to the caller
-                self._deliver(cmd, e)
+            except Exception as e:  # noqa: BLE001 - the request's own: back to its caller
+                self._deliver(cmd, _request_error(cmd.request_id, e))
                 return
             self._streams[cmd.request_id] = cmd
 
@@ -296,9 +398,9 @@ class EngineLoop:
             r = add.request
             kv = self.engine.reserve_request(rid, list(r.prompt_token_ids), r.sampling,
                                              r.cache_salt)
-        except Exception as e:  # noqa: BLE001 - invalid input goes back to the caller
+        except Exception as e:  # noqa: BLE001 - the request's own: back to its caller
             machine.reject()
-            self._deliver(add, e)
+            self._deliver(add, _request_error(rid, e))
             return True
         if kv is None:
             return False
@@ -357,11 +459,15 @@ class EngineLoop:
         if state is ReservationState.ABORTED:
             self.engine.abort_request(rid)
             return
-        if state is ReservationState.RUNNING:
-            assert token is not None
-            final = self.engine.commit_request(rid, token)
-        else:
-            final = self.engine.recompute_request(rid, token)
+        try:
+            if state is ReservationState.RUNNING:
+                assert token is not None
+                final = self.engine.commit_request(rid, token)
+            else:
+                final = self.engine.recompute_request(rid, token)
+        except InvalidRequestError as e:  # checked when the commit came; in case
+            self._fail_request(rec.add, e)
+            return
         if final is not None:
             self._emit(final)
 
@@ -386,3 +492,21 @@ class EngineLoop:
         for rec in pending:
             rec.machine.abort(reason)
             self._deliver(rec.add, error)
+
+
+def _request_error(request_id: str, e: Exception) -> InvalidRequestError:
+    """What one request's own failure tells its caller: INVALID_ARGUMENT, never a worker
+    failure (the router would mark the worker down and carry the request, and whatever
+    in it failed here, to the next one)."""
+    if isinstance(e, InvalidRequestError):
+        return e
+    log.error("request %s failed on its own; aborted", request_id, exc_info=e)
+    return InvalidRequestError("request", f"failed on this worker ({type(e).__name__}: "
+                               f"{e}); it was aborted, the other requests were not affected")
+
+
+def _call_logged(callback: Callable[[str], None], reason: str) -> None:
+    try:
+        callback(reason)
+    except Exception:  # noqa: BLE001 - a failure callback must not stop the others
+        log.exception("engine failure callback %r failed", callback)

@@ -16,6 +16,11 @@ decode worker's reservation; ``Decode`` (decode role) is the bidirectional strea
 a disaggregated request (worker.proto tells the message order). When a caller cancels
 or its deadline passes, gRPC cancels the handler and the engine loop aborts the request,
 freeing its blocks (reserved blocks once no transfer can write into them).
+
+Errors: a request failing on its own (bad input, found at once or inside a step) ends
+``INVALID_ARGUMENT`` and nothing else is touched; an engine failure ends every request
+``UNAVAILABLE`` (the router retries elsewhere), turns gRPC health NOT_SERVING and takes
+the worker out of the registry (:mod:`workers.engine_loop` tells which is which).
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from common.metrics import Metrics
 from common.registry import WorkerInfo
 from common.request import Request
 from common.sampling import InvalidRequestError
-from common.wire import FINISH_REASONS, request_from_proto
+from common.tls import ClusterTLS
+from common.wire import FINISH_REASONS, MAX_MESSAGE_BYTES, request_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .engine.llm_engine import LLMEngine, RequestOutput
 from .engine.params import EngineConfig
-from .engine_loop import EngineLoop
+from .engine_loop import EngineLoop, EngineUnavailableError
+from .kv_targets import KVTargets
 from .metrics import WorkerMetrics
 from .presence import Presence
 from .reservation import Reservation
@@ -90,6 +97,9 @@ class WorkerConfig:
     """Decode role: how long reserved blocks wait for their KV offer. Long on purpose:
     prefill queues can be deep, and the router's stream bounds a reservation anyway
     (a cancelled or broken Decode call frees it at once)."""
+    cluster_tls: ClusterTLS | None = None
+    """Serve gRPC with mutual TLS: only clients presenting a certificate of the cluster
+    CA get an answer. None: plaintext (a private network, or loopback)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -141,6 +151,13 @@ def reservation_to_proto(r: Reservation) -> worker_pb2.Reservation:
     return msg
 
 
+def _status(e: InvalidRequestError | EngineUnavailableError) -> grpc.StatusCode:
+    """The request's own fault, or this worker's (the router retries elsewhere)."""
+    if isinstance(e, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.UNAVAILABLE
+
+
 async def _typed(msg: worker_pb2.WorkerGenerateRequest, context) -> Request:  # noqa: ANN001
     """The request as the engine takes it; a bad value ends the call INVALID_ARGUMENT."""
     try:
@@ -152,16 +169,22 @@ async def _typed(msg: worker_pb2.WorkerGenerateRequest, context) -> Request:  # 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def __init__(self, loop: EngineLoop, config: WorkerConfig,
-                 sender: KVSender | None = None, receiver: KVReceiver | None = None) -> None:
+                 sender: KVSender | None = None, receiver: KVReceiver | None = None,
+                 targets: KVTargets | None = None) -> None:
         self._loop = loop
         self._config = config
         self._sender, self._receiver = sender, receiver
+        self._targets = targets  # prefill: the decode workers KV may go to (None: any)
 
     async def Prefill(self, request, context):  # noqa: N802
         if self._sender is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"this worker's role is {self._config.role}, not prefill")
         req, target = await _typed(request.request, context), request.target
+        if self._targets is not None and not await self._targets.allowed(target.address):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"KV target {target.address[:100]!r} is no decode worker the "
+                                "registry lists; nothing was computed or sent")
         sender, loop, kv = self._sender, self._loop, self._loop.engine.kv_view()
         skip, dst = target.skip_blocks, list(target.block_ids)
 
@@ -186,8 +209,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async for out in self._loop.generate(req, send_kv):
                 last = out
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (InvalidRequestError, EngineUnavailableError) as e:
+            await context.abort(_status(e), str(e))
         assert last is not None and last.finished
         return worker_pb2.PrefillResponse(first=to_proto(last, 0))
 
@@ -220,8 +243,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     continue
                 yield worker_pb2.DecodeResponse(output=to_proto(item, sent_logprobs))
                 sent_logprobs = len(item.logprobs or ())
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (InvalidRequestError, EngineUnavailableError) as e:
+            await context.abort(_status(e), str(e))
         finally:
             if reader is not None:
                 reader.cancel()
@@ -233,8 +256,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             async for out in self._loop.generate(req):
                 yield to_proto(out, sent_logprobs)
                 sent_logprobs = len(out.logprobs or ())
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (InvalidRequestError, EngineUnavailableError) as e:
+            await context.abort(_status(e), str(e))
 
     async def GetLoad(self, request, context):  # noqa: N802
         load, cap = self._loop.load(), self._loop.engine.capacity()
@@ -292,8 +315,12 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     """Serve until ``stop`` is set (None: until SIGINT or SIGTERM). SIGTERM, or ``drain``
     set before ``stop``, drains first (see :func:`_drain`); SIGINT stops at once,
     aborting what is left."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    server = grpc.aio.server(options=[  # the router's limit, so both ends agree
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)])
+    bind = f"{config.host}:{config.port}"
+    port = (server.add_secure_port(bind, config.cluster_tls.server_credentials())
+            if config.cluster_tls else server.add_insecure_port(bind))
     if port == 0:
         raise OSError(f"worker could not bind {config.host}:{config.port}: is the port in use?")
     config = dataclasses.replace(config, port=port)  # port 0: the one the OS picked
@@ -304,7 +331,13 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     engine = LLMEngine(config.engine, [presence.publisher] if presence else ())
     loop, sender, receiver = channel_ends(config, engine)
     capacity = engine.capacity()
-    servicer = WorkerServicer(loop, config, sender, receiver)
+    targets = None
+    if sender is not None and presence is not None:
+        targets = KVTargets(presence.registry.live)
+    elif sender is not None:
+        log.warning("no registry: this prefill worker sends KV to whatever decode address a "
+                    "Prefill call names (give --redis-url to check targets)")
+    servicer = WorkerServicer(loop, config, sender, receiver, targets)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -315,6 +348,7 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
                     if config.metrics_port is not None else None)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_watch = asyncio.create_task(_not_serving_once_failed(loop, health_servicer))
     print(f"pdserve worker ({config.role}) serving {config.model_name} on {address} "
           f"({capacity.num_blocks} KV blocks"
           + (f"; metrics on :{metrics_port}" if metrics_port else "") + ")",
@@ -330,16 +364,19 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     heartbeat = None
     if presence is not None:
         info = WorkerInfo(address, config.role, address, capacity.num_blocks,
-                          capacity.block_size)
+                          capacity.block_size,
+                          kv_address=receiver.address if receiver is not None else "")
 
         def load() -> dict:
             now = loop.load()
             return {"running": now.running, "waiting": now.waiting,
                     "reserved": now.reserved, "free_blocks": now.free_blocks}
 
-        heartbeat = asyncio.create_task(presence.run(info, load, beat_stop))
+        heartbeat = asyncio.create_task(presence.run(info, load, beat_stop,
+                                                     lambda: loop.serving))
     sampling = asyncio.create_task(sampler.run(beat_stop))
     await stop.wait()
+    health_watch.cancel()
     beat_stop.set()
     if heartbeat is not None:
         await heartbeat
@@ -356,6 +393,21 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     if presence is not None:
         presence.close()
     metrics.close()
+
+
+async def _not_serving_once_failed(loop: EngineLoop,
+                                   health_servicer: health.aio.HealthServicer) -> None:
+    """Health says NOT_SERVING from the moment the engine loop stops serving."""
+    aio = asyncio.get_running_loop()
+    failed = asyncio.Event()
+
+    def on_failure(_reason: str) -> None:  # on the engine thread
+        aio.call_soon_threadsafe(failed.set)
+
+    loop.on_failure(on_failure)
+    await failed.wait()
+    log.error("the engine failed (%s): health is NOT_SERVING", loop.failure)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
 async def _drain(config: WorkerConfig, loop: EngineLoop, servicer: WorkerServicer,

@@ -1,8 +1,11 @@
 """The ``pdserve`` command line: the composition root.
 
-The environment is read here and only here (``PDSERVE_CACHE_DIR``: ``options.py``;
-``PDSERVE_FAULT_DROP_TRANSFER``, fault injection for tests: a prefill worker drops every
-KV transfer of a request whose id contains it, halfway: ``component.py``), into typed
+The environment is read here and only here (``PDSERVE_CACHE_DIR`` and
+``PDSERVE_REDIS_PASSWORD``, the Redis password, never printed, and
+``PDSERVE_CLUSTER_SECRET_FILE``, the KV channel's secret file when no
+``--cluster-secret-file`` is given: ``options.py``; ``PDSERVE_FAULT_DROP_TRANSFER``,
+fault injection for tests: a prefill worker drops every KV transfer of a request whose
+id contains it, halfway: ``component.py``), into typed
 configs handed down. One module per command group, each registering its subcommands:
 
 * ``serve.py``: ``pdserve up [--config FILE] [--mixed K | --prefill N --decode M]``
@@ -23,6 +26,9 @@ configs handed down. One module per command group, each registering its subcomma
 * ``bench.py``: ``pdserve bench --target HOST:PORT`` load-tests a running router
   (``loadtest/``); ``pdserve bench-engine``, ``bench-disagg``, ``bench-headline``,
   ``bench-routing`` and ``bench-router`` run the benchmarks in ``benchmarks/``;
+* ``security.py``: ``pdserve certs --out DIR`` makes a development CA, the cluster's
+  and the router's certificates and the KV channel's secret (``cluster/certs.py``);
+* ``fuzz.py``: ``pdserve fuzz`` throws hostile requests at a running cluster (``loadtest/fuzz.py``);
 * ``options.py``: what they share (engine flags, flags built from the deployment's
   fields, the cache directory).
 """
@@ -32,7 +38,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, client, component, serve
+from . import bench, client, component, fuzz, security, serve
 from .component import component_config, expand_config, router_config, worker_config
 from .options import EXIT_INVALID
 from .serve import deployment_config
@@ -44,7 +50,7 @@ __all__ = ["EXIT_INVALID", "build_parser", "component_config", "deployment_confi
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (serve, component, client, bench):
+    for group in (serve, component, client, bench, security, fuzz):
         group.register(sub)
     return parser
 

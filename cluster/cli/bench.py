@@ -79,6 +79,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     br.add_argument("--out", default="bench-results/router.json")
     br.set_defaults(func=cmd_bench_router)
 
+    _add_bench_tenant_probe(sub)
+
+
+def _add_bench_tenant_probe(sub: argparse._SubParsersAction) -> None:
+    bt = sub.add_parser("bench-tenant-probe",
+                        help="cross-tenant prefix-cache timing attack: its AUC with a shared "
+                             "cache and with tenant salting")
+    bt.add_argument("--model", default=None)
+    bt.add_argument("--cache-dir", default=None)
+    bt.add_argument("--secrets", type=int, default=24)
+    bt.add_argument("--prompt-tokens", type=int, default=384)
+    bt.add_argument("--seed", type=int, default=0)
+    bt.add_argument("--out", default="bench-results/tenant_probe.json")
+    bt.set_defaults(func=cmd_bench_tenant_probe)
+
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     b = sub.add_parser("bench", help="load-test a running router: TTFT, TPOT, ITL, "
@@ -277,4 +292,14 @@ def cmd_bench_router(args: argparse.Namespace) -> int:
     path = resolve_model(args.model, cache_dir(args))
     run(RouterBenchOptions(model=str(path), num_requests=args.num_requests,
                            max_tokens=args.max_tokens, out=args.out))
+    return 0
+
+
+def cmd_bench_tenant_probe(args: argparse.Namespace) -> int:
+    from benchmarks.tenant_probe import TenantProbeOptions, run
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, cache_dir(args))
+    run(TenantProbeOptions(model=str(path), secrets=args.secrets,
+                           prompt_tokens=args.prompt_tokens, seed=args.seed, out=args.out))
     return 0

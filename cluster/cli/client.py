@@ -16,6 +16,7 @@ from .options import EXIT_INVALID, add_engine_flags, cache_dir, engine_options
 def register(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("status", help="workers and load; exit 0 once the router serves")
     st.add_argument("--target", default="127.0.0.1:50051")
+    _add_tls_flags(st)
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--json", action="store_true")
     st.add_argument("--ray", action="store_true",
@@ -26,6 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("prompt")
     g.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
+    _add_tls_flags(g)
     g.add_argument("--offline", action="store_true",
                    help="run the engine in this process instead of asking a router")
     g.add_argument("--chat", action="store_true",
@@ -40,6 +42,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_engine_flags(g)
     g.set_defaults(func=cmd_generate)
+
+
+def _add_tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="the router serves TLS: trust this CA certificate (`pdserve certs` "
+                        "writes ca.pem); default: plaintext")
+    p.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="with --tls-ca: the name to check in the router's certificate "
+                        "(default: the target's host)")
+
+
+def _client(args: argparse.Namespace):  # noqa: ANN202 - router.client.Client
+    from common.tls import TLSError
+    from router.client import Client
+
+    try:
+        return Client(args.target, args.tls_ca, args.tls_server_name)
+    except TLSError as e:
+        print(f"pdserve {args.command}: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_INVALID) from None
 
 
 def _sampling_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -97,11 +119,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _generate_remote(args: argparse.Namespace) -> int:
     import grpc
 
-    from router.client import Client, Completion
+    from router.client import Completion
 
     prompt: object = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     try:
-        with Client(args.target) as client:
+        with _client(args) as client:
             out = Completion()
             for msg in client.stream(prompt, **_sampling_kwargs(args)):  # type: ignore[arg-type]
                 out.add(msg)
@@ -121,10 +143,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
-    from router.client import Client
-
     try:
-        with Client(args.target) as client:
+        with _client(args) as client:
             status = client.status(timeout=args.timeout)
     except grpc.RpcError as e:
         print(f"pdserve status: router at {args.target} is not serving ({e.code().name}: "

@@ -8,12 +8,24 @@ them): a plain process parses them here, a Ray actor through :func:`component_co
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from cluster.deployment import DeploymentConfig, load_yaml
+from common.redis_url import with_password
 
-from .options import add_engine_flags, add_setting, cache_dir, engine_options
+from .options import (
+    EXIT_INVALID,
+    add_engine_flags,
+    add_redis_password_flag,
+    add_setting,
+    cache_dir,
+    cluster_tls,
+    engine_options,
+    kv_channel_key,
+    redis_password,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,12 +38,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_setting(w, "transfer_timeout_s")
     w.add_argument("--redis-url", default=None,
                    help="register here and publish KV block events to the prefix index "
-                        "(redis://HOST:PORT/DB)")
+                        "(redis://HOST:PORT/DB or rediss://...)")
+    add_redis_password_flag(w)
     w.add_argument("--config", default=None,
                    help="deployment YAML: this worker's settings come from it (flags win)")
     w.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics here (0: any free port; default: off)")
     add_setting(w, "drain_timeout_s")
+    add_setting(w, "cluster_tls_dir")
+    add_setting(w, "cluster_secret_file")
     add_engine_flags(w)
     w.set_defaults(func=cmd_worker)
 
@@ -40,7 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="HOST:PORT (repeatable); with --redis-url workers are also found in "
                         "the registry")
     r.add_argument("--redis-url", default=None,
-                   help="the prefix index and worker registry (redis://HOST:PORT/DB)")
+                   help="the prefix index and worker registry (redis://HOST:PORT/DB or "
+                        "rediss://...)")
+    add_redis_password_flag(r)
     add_setting(r, "policy")
     r.add_argument("--model", default=None, help="checkpoint whose tokenizer to use")
     r.add_argument("--cache-dir", default=None)
@@ -48,10 +65,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_setting(r, "port")
     add_setting(r, "http_port")
     add_setting(r, "max_in_flight")
+    add_setting(r, "api_keys")
+    add_setting(r, "tenant_max_concurrency")
+    add_setting(r, "tenant_tokens_per_minute")
+    add_setting(r, "metrics_public")
     r.add_argument("--config", default=None,
                    help="deployment YAML: the router's settings come from it (flags win)")
     r.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics here (0: any free port; default: off)")
+    for name in ("cluster_tls_dir", "tls_cert", "tls_key"):
+        add_setting(r, name)
     r.set_defaults(func=cmd_router)
 
     c = sub.add_parser("convert-model", help="convert the default model once; print its path")
@@ -87,16 +110,19 @@ def expand_config(argv: list[str]) -> list[str]:
                               config.threads(os.cpu_count() or 1)) + rest
 
 
-def component_config(argv: list[str]) -> tuple[str, object]:
+def component_config(argv: list[str],
+                     redis_password: str | None = None) -> tuple[str, object]:
     """A ``pdserve worker`` or ``pdserve router`` command line as (kind, config): how
-    a Ray actor runs the component exactly as the plain process would."""
+    a Ray actor runs the component exactly as the plain process would.
+    ``redis_password``: what the launcher handed over beside the command line (which
+    never carries it)."""
     parser = argparse.ArgumentParser(prog="pdserve")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     if args.command == "worker":
-        return "worker", worker_config(args)
+        return "worker", worker_config(args, redis_password)
     if args.command == "router":
-        return "router", router_config(args)
+        return "router", router_config(args, redis_password)
     raise ValueError(f"not a component command line: {argv}")
 
 
@@ -107,25 +133,30 @@ def _log_to_stderr(name: str) -> None:
                         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
 
 
-def worker_config(args: argparse.Namespace):  # noqa: ANN201 - WorkerConfig
+def worker_config(args: argparse.Namespace,  # noqa: ANN201 - WorkerConfig
+                  password: str | None = None):
     from workers.engine.params import EngineConfig
     from workers.model_store import resolve_model
     from workers.server import WorkerConfig
     from workers.transfer import TransferConfig
 
     path = resolve_model(args.model, cache_dir(args))
+    tls = cluster_tls(args)
     transfer = TransferConfig(host=args.host, device=args.device,
                               data_timeout_s=args.transfer_timeout_s,
+                              auth_key=kv_channel_key(args, tls),
                               fault_drop_midway=os.environ.get("PDSERVE_FAULT_DROP_TRANSFER", ""))
     return WorkerConfig(
         engine=EngineConfig(model=str(path), **engine_options(args)),  # type: ignore[arg-type]
         model_name=path.name, role=args.role, host=args.host, port=args.port,
         transfer=transfer, local_prefill_threshold=args.local_prefill_threshold,
-        redis_url=args.redis_url, metrics_port=args.metrics_port,
-        drain_timeout_s=args.drain_timeout_s)
+        redis_url=with_password(args.redis_url, redis_password(args, password)),
+        metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout_s, cluster_tls=tls)
 
 
-def router_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
+def router_config(args: argparse.Namespace,  # noqa: ANN201 - ServerConfig
+                  password: str | None = None):
     from router.core import RouterConfig
     from router.server import ServerConfig
     from workers.model_store import resolve_model
@@ -134,9 +165,24 @@ def router_config(args: argparse.Namespace):  # noqa: ANN201 - ServerConfig
     return ServerConfig(
         router=RouterConfig(workers=tuple(args.worker or ()), model_path=str(path),
                             model_name=path.name, max_in_flight=args.max_in_flight,
-                            redis_url=args.redis_url, policy=args.policy),
+                            redis_url=with_password(args.redis_url,
+                                                    redis_password(args, password)),
+                            policy=args.policy,
+                            tenant_max_concurrency=args.tenant_max_concurrency,
+                            tenant_tokens_per_minute=args.tenant_tokens_per_minute),
         host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port,
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, cluster_tls=cluster_tls(args),
+        api_keys_file=args.api_keys, metrics_public=args.metrics_public,
+        tls=public_tls(args.tls_cert, args.tls_key))
+
+
+def public_tls(cert: str | None, key: str | None):  # noqa: ANN201 - ServerTLS | None
+    """The router's public certificate and key, read once here; None: plaintext."""
+    from common.tls import ServerTLS, TLSError
+
+    if (cert is None) != (key is None):
+        raise TLSError("--tls-cert and --tls-key go together: give both or neither")
+    return ServerTLS.from_files(cert, key) if cert and key else None
 
 def cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
@@ -144,7 +190,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from workers.server import serve
 
     _log_to_stderr(f"{args.role}@{args.port}")
-    asyncio.run(serve(worker_config(args)))
+    try:
+        config = worker_config(args)
+    except ValueError as e:  # bad settings, an unreadable --redis-password-file
+        print(f"pdserve worker: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    asyncio.run(serve(config))
     return 0
 
 
@@ -154,8 +205,42 @@ def cmd_router(args: argparse.Namespace) -> int:
     from router.server import serve
 
     _log_to_stderr(f"router@{args.port}")
-    asyncio.run(serve(router_config(args)))
+    if args.api_keys is None:  # the environment, read once, here at the edge
+        args.api_keys = os.environ.get(API_KEYS_ENV) or None
+    try:
+        check_api_keys(args.api_keys)
+        config = router_config(args)
+    except ValueError as e:  # bad settings, an unreadable --redis-password-file or key file
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    asyncio.run(serve(config))
     return 0
+
+API_KEYS_ENV = "PDSERVE_API_KEYS_FILE"
+"""The API key file's path when ``--api-keys`` is not given (``pdserve router``, ``up``)."""
+
+
+def check_api_keys(path: str | None) -> None:
+    """Read the key file once up front, so a bad one is reported before anything starts
+    (the router reads it again, and on every change). Raises ``KeyFileError`` (a
+    ValueError) naming the line, never a key."""
+    if path:
+        from router.auth import KeyStore
+
+        KeyStore(path)
+
+
+def api_keys_checked(config: DeploymentConfig) -> DeploymentConfig:
+    """``pdserve up``'s key file: ``api_keys``, else ``$PDSERVE_API_KEYS_FILE``, as an
+    absolute path (a Ray actor runs elsewhere), read once to report a bad file before
+    anything starts. Only the path travels; the router reads the keys."""
+    path = config.api_keys or os.environ.get(API_KEYS_ENV) or None
+    if path is None:
+        return config
+    path = os.path.abspath(path)
+    check_api_keys(path)
+    return dataclasses.replace(config, api_keys=path)
+
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from workers.model_store import resolve_model

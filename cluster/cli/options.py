@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 from cluster.deployment import DeploymentConfig, flag_of
+from common.redis_url import PASSWORD_ENV
 from router.policies import POLICIES
 from workers.engine.params import DTYPES
 
@@ -26,6 +27,55 @@ engine, the router), not in the deployment file's module."""
 _FIELDS = {f.name: f for f in dataclasses.fields(DeploymentConfig)}
 _HINTS = typing.get_type_hints(DeploymentConfig)
 _FIELD_DEFAULT = object()
+
+
+def add_redis_password_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-password-file", default=None, metavar="FILE",
+                   help="file holding the Redis password (default: $PDSERVE_REDIS_PASSWORD; "
+                        "a password inside --redis-url shows in the process list)")
+
+
+def redis_password(args: argparse.Namespace, given: str | None = None) -> str | None:
+    """The Redis password: ``given`` (a launcher handed it over), else the file of
+    ``--redis-password-file``, else ``$PDSERVE_REDIS_PASSWORD``; None: none. Raises
+    ValueError naming the file when it cannot be read."""
+    if given:
+        return given
+    path = getattr(args, "redis_password_file", None)
+    if path:
+        try:
+            return Path(path).read_text().strip() or None
+        except OSError as e:
+            raise ValueError(f"--redis-password-file {path}: cannot read it ({e.strerror})") \
+                from None
+    return os.environ.get(PASSWORD_ENV) or None
+
+
+SECRET_FILE_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
+
+
+def secret_file(given: str | None) -> str | None:
+    """``--cluster-secret-file``, else ``$PDSERVE_CLUSTER_SECRET_FILE``; None: none."""
+    return given or os.environ.get(SECRET_FILE_ENV) or None
+
+
+def cluster_tls(args: argparse.Namespace):  # noqa: ANN201 - common.tls.ClusterTLS | None
+    """``--cluster-tls-dir``'s material, read once here; None: plaintext. Raises
+    TLSError (a ValueError) naming the file."""
+    from common.tls import ClusterTLS
+
+    return ClusterTLS.from_dir(args.cluster_tls_dir) if args.cluster_tls_dir else None
+
+
+def kv_channel_key(args: argparse.Namespace, tls) -> bytes | None:  # noqa: ANN001
+    """The KV channel's key: from the secret file (flag or environment), else derived
+    from the cluster TLS key, else None (unauthenticated; the receiver says so)."""
+    from common.tls import load_cluster_secret
+
+    path = secret_file(args.cluster_secret_file)
+    if path:
+        return load_cluster_secret(path)
+    return tls.kv_secret() if tls is not None else None
 
 
 def cache_dir(args: argparse.Namespace) -> Path | None:

@@ -17,9 +17,17 @@ import sys
 import time
 
 from cluster.deployment import DeploymentConfig, load_yaml
+from common.redis_url import with_password
 
-from .component import component_config
-from .options import EXIT_INVALID, add_deployment_flags, cache_dir
+from .component import api_keys_checked, component_config
+from .options import (
+    EXIT_INVALID,
+    add_deployment_flags,
+    add_redis_password_flag,
+    cache_dir,
+    redis_password,
+    secret_file,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--cache-dir", default=None,
                    help="where converted models live (default: $PDSERVE_CACHE_DIR or "
                         "~/.cache/pdserve)")
+    add_redis_password_flag(u)
+    u.add_argument("--allow-unauthenticated-ray", action="store_true", default=False,
+                   help="place work on a Ray cluster that does not enforce token "
+                        "authentication (refused by default: anyone reaching it runs code)")
     add_deployment_flags(u)
     u.set_defaults(func=cmd_up)
 
@@ -59,9 +71,13 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:  # bad pool sizes and files are reported before any model conversion
         config = deployment_config(args)
+        password = redis_password(args)  # for --redis-url; a Redis started here gets its own
+        config = trust_checked(config)
+        config = api_keys_checked(config)
     except ValueError as e:
         print(f"pdserve up: {e}", file=sys.stderr)
         return EXIT_INVALID
+    config = dataclasses.replace(config, redis_url=with_password(config.redis_url, password))
     path = resolve_model(config.model or None, cache_dir(args))  # convert once, up front
     config = dataclasses.replace(config, model=str(path))
     if config.launcher == "process":
@@ -71,11 +87,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             cluster.wait_ready()
             print(cluster.usage(), flush=True)
             return cluster.wait()
-    return _up_on_ray(config)
+    return _up_on_ray(config, args.allow_unauthenticated_ray)
 
 
-def _up_on_ray(config: DeploymentConfig) -> int:
+def _up_on_ray(config: DeploymentConfig, allow_unauthenticated: bool = False) -> int:
     from cluster.local import banner, start_redis, stop_on_signals
+    from cluster.ray_auth import RayAuthError
     from cluster.ray_cluster import RayDeployment
 
     if config.ray_address and not config.redis_url:
@@ -84,7 +101,7 @@ def _up_on_ray(config: DeploymentConfig) -> int:
               file=sys.stderr)
     redis = start_redis(config)
     deployment = RayDeployment(config, redis.url if redis else config.redis_url,
-                               component_config)
+                               component_config, allow_unauthenticated)
 
     try:
         print(f"pdserve up: placing {config.pool_sizes()} on Ray ...", file=sys.stderr,
@@ -107,10 +124,43 @@ def _up_on_ray(config: DeploymentConfig) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         return 0
+    except RayAuthError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return EXIT_INVALID
     finally:
         deployment.stop()
         if redis is not None:
             redis.stop()
+
+def trust_checked(config: DeploymentConfig) -> DeploymentConfig:
+    """The trust files as absolute paths (components may start elsewhere: a Ray actor's
+    working directory is not ours), the secret file from the environment when no flag
+    names one, and every file read once here, so a bad one stops ``up`` before anything
+    starts. Raises ValueError (TLSError, DeploymentError) naming the file."""
+    import os
+
+    from common.tls import ClusterTLS, ServerTLS, load_ca, load_cluster_secret
+
+    changes: dict[str, str] = {}
+    for name in ("cluster_tls_dir", "cluster_secret_file", "tls_cert", "tls_key", "tls_ca"):
+        value = getattr(config, name)
+        if name == "cluster_secret_file":
+            value = secret_file(value)
+        if value:
+            changes[name] = os.path.abspath(value)
+    config = dataclasses.replace(config, **changes)  # type: ignore[arg-type]
+    if (config.tls_cert is None) != (config.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together: give both or neither")
+    if config.cluster_tls_dir:
+        ClusterTLS.from_dir(config.cluster_tls_dir)
+    if config.cluster_secret_file:
+        load_cluster_secret(config.cluster_secret_file)
+    if config.tls_cert and config.tls_key:
+        ServerTLS.from_files(config.tls_cert, config.tls_key).ssl_context()
+    if config.client_tls_ca:
+        load_ca(config.client_tls_ca)
+    return config
+
 
 def cmd_scale(args: argparse.Namespace) -> int:
     import ray

@@ -1,8 +1,14 @@
 """The aiohttp application: reading bodies, driving the router, sending answers, cleaning up.
 
-Lifecycle steps 1, 4, 6 and the sending half of 5 (parsing is :mod:`.protocol`, the shape of
-every answer is :mod:`.responses`).
+Lifecycle steps 0, 1, 4, 6 and the sending half of 5 (parsing is :mod:`.protocol`, the shape
+of every answer is :mod:`.responses`).
 
+0. **Authenticate** (with a key file, :class:`router.auth.KeyStore`): a middleware, so
+   every route has it unless it is in the public set (``/health``; ``/metrics`` with
+   ``metrics_public``). ``Authorization: Bearer KEY`` missing or unknown: 401 with
+   ``WWW-Authenticate: Bearer``; a route of the admin set (``/metrics`` otherwise) with
+   a key lacking ``admin``: 403. The caller goes with the request to the router, which
+   salts, limits and strips by it. A refused request's body is never read.
 1. **Body.** aiohttp's ``client_max_size`` is ``max_body_bytes``. A ``Content-Length`` over
    it is answered 413 before a byte of the body is read; a chunked body that grows past it
    is answered 413 once it does. Both as OpenAI error JSON (a middleware turns every aiohttp
@@ -35,14 +41,18 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST as PROMETHEUS_CONTENT_TYPE
 
+from common.wire import MAX_MESSAGE_BYTES
 from protos.pdserve.v1 import api_pb2, common_pb2
-from router.errors import RouterError
+from router.auth import KeyStore, Principal, bearer_key
+from router.errors import RouterError, to_public
 
 from .protocol import ApiError, Call, RouterLike, decode_body, dumps, parse_request
 from .responses import (
@@ -61,10 +71,27 @@ log = logging.getLogger(__name__)
 DEFAULT_DISCONNECT_POLL_S = 0.25
 LINGER_S = 10.0  # aiohttp's default lingering_time: how long an unread body is drained
 
+HEALTH_PATHS = frozenset({"/health"})
+"""Routes open to everyone, key file or not: probes carry no keys."""
+METRICS_PATH = "/metrics"
 
-def _error_response(exc: Exception, request_id: str | None = None) -> web.Response:
-    err = as_api_error(exc)
-    headers = {"X-Request-Id": request_id} if request_id else None
+CALLER_KEY = web.RequestKey("pdserve_caller", object)
+"""The request's :class:`router.auth.Principal` (absent without a key file)."""
+REQUEST_ID_KEY = web.RequestKey("pdserve_request_id", str)
+"""The id a failure of this HTTP request is logged under (the generation's id, once
+known)."""
+
+
+def _request_id(request: web.Request) -> str:
+    rid = request.get(REQUEST_ID_KEY)
+    if rid is None:
+        rid = request[REQUEST_ID_KEY] = f"http-{uuid.uuid4().hex[:12]}"
+    return rid
+
+
+def _error_response(exc: BaseException, request_id: str) -> web.Response:
+    err = as_api_error(exc, request_id)
+    headers = {**err.headers, "X-Request-Id": request_id}
     return web.json_response(api_error_body(err), status=err.status, headers=headers,
                              dumps=dumps)
 
@@ -79,9 +106,10 @@ def _client_gone(call: Call, holder: list[web.StreamResponse]) -> web.StreamResp
 
 
 async def _next_message(
-    gen: AsyncIterator[api_pb2.GenerateResponse],
+    gen: AsyncIterator[api_pb2.GenerateResponse], request_id: str,
 ) -> api_pb2.GenerateResponse:
-    """The router's next message; its failures come out as RouterError."""
+    """The router's next message; its failures come out as RouterError (an unexpected
+    exception logged under ``request_id`` and told as a bare INTERNAL)."""
     try:
         return await gen.__anext__()
     except StopAsyncIteration:
@@ -90,9 +118,7 @@ async def _next_message(
     except RouterError:
         raise
     except Exception as exc:
-        log.exception("router generator failed")
-        raise RouterError(grpc.StatusCode.INTERNAL,
-                          f"internal error: {type(exc).__name__}: {exc}") from exc
+        raise to_public(exc, request_id) from exc
 
 
 async def _close(gen: AsyncIterator[api_pb2.GenerateResponse]) -> None:
@@ -117,8 +143,10 @@ class OpenAIFront:
     """The handlers; one per application."""
 
     def __init__(self, router: RouterLike, *, max_body_bytes: int,
-                 request_timeout: float | None, disconnect_poll_s: float) -> None:
+                 request_timeout: float | None, disconnect_poll_s: float,
+                 metrics_text: Callable[[], str] | None = None) -> None:
         self.router = router
+        self.metrics_text = metrics_text
         self.max_body_bytes = max_body_bytes
         self.request_timeout = request_timeout
         self.disconnect_poll_s = disconnect_poll_s
@@ -134,6 +162,11 @@ class OpenAIFront:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        assert self.metrics_text is not None
+        return web.Response(body=self.metrics_text().encode(),
+                            headers={"Content-Type": PROMETHEUS_CONTENT_TYPE})
 
     async def list_models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]}, dumps=dumps)
@@ -156,6 +189,12 @@ class OpenAIFront:
         limit = self.max_body_bytes
         too_large = ApiError(413, f"request body is larger than the limit of {limit} bytes",
                              None, "request_too_large")
+        coding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if coding not in ("", "identity"):
+            # The server runs with auto_decompress=False (router/server.py): a compressed
+            # body would be a decompression bomb to size, and OpenAI clients never send one.
+            raise ApiError(415, f"Content-Encoding {coding[:32]!r} is not supported: send the "
+                                "body uncompressed", "Content-Encoding", "unsupported_encoding")
         if request.content_length is not None and request.content_length > limit:
             self._end_drain_on_disconnect(request)
             raise too_large
@@ -191,7 +230,10 @@ class OpenAIFront:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         # A body or request refused here raises ApiError/RouterError; _json_errors answers it.
         call = parse_request(await self._read_body(request), self.router, chat=chat)
-        gen = self.router.generate(call.req, timeout=self.request_timeout)
+        request[REQUEST_ID_KEY] = call.id
+        caller = request.get(CALLER_KEY)
+        gen = self.router.generate(call.req, timeout=self.request_timeout,
+                                   caller=caller if isinstance(caller, Principal) else None)
         holder: list[web.StreamResponse] = []
         driver = (self._stream(request, call, gen, holder) if call.stream
                   else self._collect(call, gen))
@@ -216,7 +258,7 @@ class OpenAIFront:
         msgs: list[api_pb2.GenerateResponse] = []
         try:
             while True:
-                msg = await _next_message(gen)
+                msg = await _next_message(gen, call.id)
                 msgs.append(msg)
                 if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     break
@@ -233,7 +275,7 @@ class OpenAIFront:
         renderer = Renderer(call, self.token_strings)
         try:
             try:
-                msg = await _next_message(gen)
+                msg = await _next_message(gen, call.id)
             except RouterError as exc:
                 return _error_response(exc, call.id)
             resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": call.id})
@@ -246,11 +288,11 @@ class OpenAIFront:
                         await resp.write(sse(chunk))
                     if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                         break
-                    msg = await _next_message(gen)
+                    msg = await _next_message(gen, call.id)
                 if call.include_usage:
                     await resp.write(sse(renderer.usage_chunk()))
             except RouterError as exc:
-                await resp.write(sse(api_error_body(as_api_error(exc))))
+                await resp.write(sse(api_error_body(as_api_error(exc, call.id))))
             await resp.write(SSE_DONE)
             return resp
         except ConnectionError:
@@ -266,11 +308,12 @@ class OpenAIFront:
 async def _json_errors(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    """Every error leaves as OpenAI error JSON, aiohttp's own (404, 405, 413) included."""
+    """Every error leaves as OpenAI error JSON, aiohttp's own (404, 405, 413) included;
+    an unexpected exception as a bare 500 naming the id it is logged under."""
     try:
         return await handler(request)
     except (ApiError, RouterError) as exc:
-        return _error_response(exc)
+        return _error_response(exc, _request_id(request))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -283,27 +326,69 @@ async def _json_errors(
         return web.json_response(error_body(exc.status, message), status=exc.status,
                                  dumps=dumps)
     except Exception as exc:
-        log.exception("unhandled error in %s %s", request.method, request.path)
-        return _error_response(exc)
+        rid = _request_id(request)
+        log.error("unhandled error in %s %s (request %s)", request.method, request.path, rid)
+        return _error_response(exc, rid)
+
+
+def _auth(keys: KeyStore, public: frozenset[str], admin: frozenset[str]) -> Any:
+    """The authentication middleware (lifecycle step 0). ``public`` and ``admin`` are
+    route paths as registered (``/v1/models/{model}``)."""
+
+    @web.middleware
+    async def authenticate(
+        request: web.Request,
+        handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    ) -> web.StreamResponse:
+        resource = request.match_info.route.resource
+        path = resource.canonical if resource is not None else ""  # no route: 401 first
+        if path in public:
+            return await handler(request)
+        key = bearer_key(request.headers.get("Authorization"))
+        caller = keys.authenticate(key)
+        if caller is None:
+            challenge = 'Bearer realm="pdserve"' + (', error="invalid_token"' if key else "")
+            raise ApiError(401, "the API key is not valid" if key else
+                           "this server needs an API key: send `Authorization: Bearer KEY`",
+                           None, "invalid_api_key", {"WWW-Authenticate": challenge})
+        if path in admin and not caller.admin:
+            raise ApiError(403, f"{request.method} {path} needs an admin key (the key of "
+                                f"tenant {caller.tenant!r} is not one)", None,
+                           "permission_denied")
+        request[CALLER_KEY] = caller
+        return await handler(request)
+
+    return authenticate
 
 
 FRONT_KEY = web.AppKey("pdserve_openai_front", OpenAIFront)
 
 
-def create_app(router: RouterLike, max_body_bytes: int = 8 * 2**20, *,
+def create_app(router: RouterLike, max_body_bytes: int = MAX_MESSAGE_BYTES, *,
                request_timeout: float | None = None,
-               disconnect_poll_s: float = DEFAULT_DISCONNECT_POLL_S) -> web.Application:
+               disconnect_poll_s: float = DEFAULT_DISCONNECT_POLL_S,
+               keys: KeyStore | None = None, metrics_text: Callable[[], str] | None = None,
+               metrics_public: bool = False) -> web.Application:
     """The OpenAI-compatible aiohttp application in front of ``router``.
 
     ``request_timeout`` is passed to every ``router.generate`` call; ``disconnect_poll_s``
-    is how often a waiting request checks that its client is still connected.
+    is how often a waiting request checks that its client is still connected. ``keys``
+    None: no authentication. ``metrics_text`` (the Prometheus exposition) adds
+    ``GET /metrics``: admin keys only, unless ``metrics_public``.
     """
     front = OpenAIFront(router, max_body_bytes=max_body_bytes, request_timeout=request_timeout,
-                        disconnect_poll_s=disconnect_poll_s)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[_json_errors])
+                        disconnect_poll_s=disconnect_poll_s, metrics_text=metrics_text)
+    public = HEALTH_PATHS | ({METRICS_PATH} if metrics_public else set())
+    admin = frozenset() if metrics_public else frozenset({METRICS_PATH})
+    middlewares: list[Any] = [_json_errors]
+    if keys is not None:
+        middlewares.append(_auth(keys, frozenset(public), admin))
+    app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
     app[FRONT_KEY] = front
     app.on_shutdown.append(front.close)
     app.router.add_get("/health", front.health)
+    if metrics_text is not None:
+        app.router.add_get(METRICS_PATH, front.metrics)
     app.router.add_get("/v1/models", front.list_models)
     app.router.add_get("/v1/models/{model}", front.get_model)
     app.router.add_post("/v1/completions", front.completions)

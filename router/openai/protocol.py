@@ -1,6 +1,8 @@
 """OpenAI request bodies in, one ``api_pb2.GenerateRequest`` out (lifecycle steps 2 and 3).
 
-2. **Parse.** The body must be a JSON object (``NaN``/``Infinity`` are refused). Each field
+2. **Parse.** The body must be a JSON object (``NaN``/``Infinity`` are refused) whose
+   strings are all Unicode (a lone surrogate, ``"\\ud800"``, is a 400 naming where it is,
+   e.g. ``messages[0].content``). Each field
    this front knows is type-checked here; a wrong type is a 400 naming the field. Fields
    that ask for something pdserve does not do (``n`` > 1, ``echo``, penalties, tools, ...)
    are refused with a 400 saying so, unless they carry their neutral value. Unknown fields
@@ -58,6 +60,8 @@ from typing import Any, Protocol
 import grpc
 
 from protos.pdserve.v1 import api_pb2, common_pb2
+from router.auth import Principal
+from router.edge import unencodable_path
 from router.errors import RouterError
 
 UINT32_MAX = 2**32 - 1
@@ -76,21 +80,25 @@ class RouterLike(Protocol):
     max_model_len: int
 
     def generate(
-        self, req: api_pb2.GenerateRequest, timeout: float | None = None
+        self, req: api_pb2.GenerateRequest, timeout: float | None = None,
+        caller: Principal | None = None,
     ) -> AsyncIterator[api_pb2.GenerateResponse]: ...
 
 
 class ApiError(Exception):
-    """An error answered with an HTTP status that has no gRPC code (413, 404 route, ...)."""
+    """An error answered with an HTTP status that has no gRPC code (413, 404 route, 401,
+    ...); ``headers`` go with it (``WWW-Authenticate``, ``Retry-After``)."""
 
     def __init__(
-        self, status: int, message: str, param: str | None = None, code: str | None = None
+        self, status: int, message: str, param: str | None = None, code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
 
 # --------------------------------------------------------------------------- JSON
@@ -101,20 +109,41 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
+class _NotJson(ValueError):
+    """A refusal of ours while parsing; its text is meant for the client."""
+
+
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise _NotJson(f"{name} is not valid JSON")
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object (``NaN``/``Infinity`` refused), else ApiError 400."""
+    """The request body as a JSON object (``NaN``/``Infinity`` refused), else ApiError 400.
+    The message says what is wrong in words of its own, never Python's exception text."""
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}", None,
-                       "invalid_json") from None
+    except json.JSONDecodeError as exc:
+        why = f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+    except _NotJson as exc:
+        why = str(exc)
+    except UnicodeDecodeError as exc:
+        why = f"byte {exc.start} is not UTF-8 text"
+    except RecursionError:
+        why = "arrays or objects are nested too deeply"
+    except ValueError:  # what else json.loads raises: an integer of too many digits
+        why = "a number has too many digits"
+    else:
+        why = None
+    if why is not None:
+        raise ApiError(400, f"request body is not valid JSON: {why}", None, "invalid_json")
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {_describe(body)}",
                        None, "invalid_json")
+    where = unencodable_path(body)
+    if where is not None:
+        raise _bad(where, f"{where}: not valid Unicode text (a lone surrogate such as "
+                          "\\ud800 has no UTF-8 form); send text as UTF-8 or as escaped "
+                          "surrogate pairs")
     return body
 
 
@@ -262,7 +291,9 @@ def _check_neutral(f: _Fields) -> None:
     for name, (accepts, why) in NEUTRAL_ONLY.items():
         v = f.get(name)
         if v is not None and not accepts(v):
-            raise _bad(name, f"{why}; got {name}={dumps(v)}")
+            # allow_nan: the value is only shown (1e400 parses to inf; dumps refuses it)
+            shown = json.dumps(v, ensure_ascii=False, allow_nan=True)
+            raise _bad(name, f"{why}; got {name}={shown}")
 
 
 # --------------------------------------------------------------------------- translation

@@ -13,8 +13,10 @@ Nothing here does I/O: these functions build the dicts and bytes that :mod:`.app
 Errors take OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: a
 :class:`RouterError` keeps the HTTP status of its gRPC code (:func:`router.errors.http_status`),
 its field as ``param`` and the code's name as ``code`` (``model_not_found`` for an unknown
-model); any other exception is a 500 ``internal``. After a stream started, the same body is
-sent as an SSE event.
+model) and, over a limit, a ``Retry-After`` header; any other exception is a 500
+``internal``. A 5xx never says more than a fixed message naming the request id: the
+details are logged (:func:`router.errors.to_public`). After a stream started, the same
+body is sent as an SSE event.
 
 Logprobs are rendered with token strings from the router's optional
 ``token_strings(ids) -> list[str]`` (each token decoded on its own), else from its
@@ -34,7 +36,7 @@ from typing import Any, Protocol, runtime_checkable
 import grpc
 
 from protos.pdserve.v1 import api_pb2, common_pb2
-from router.errors import RouterError, http_status
+from router.errors import RouterError, http_status, to_public
 
 from .protocol import ApiError, Call, RouterLike, dumps
 
@@ -90,16 +92,17 @@ def _from_router_error(exc: RouterError) -> ApiError:
     code = exc.code.name.lower() if isinstance(exc.code, grpc.StatusCode) else None
     if exc.code == grpc.StatusCode.NOT_FOUND and exc.field == "model":
         code = "model_not_found"
-    return ApiError(http_status(exc.code), exc.message, exc.field, code)
+    headers = ({"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s is not None
+               else None)
+    return ApiError(http_status(exc.code), exc.message, exc.field, code, headers)
 
 
-def as_api_error(exc: Exception) -> ApiError:
-    """Any failure as the status, message, param and code the client is told."""
+def as_api_error(exc: BaseException, request_id: str) -> ApiError:
+    """Any failure as the status, message, param and code the client is told; a 5xx is
+    logged under ``request_id`` and told only that."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, RouterError):
-        return _from_router_error(exc)
-    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", None, "internal")
+    return _from_router_error(to_public(exc, request_id))
 
 
 # --------------------------------------------------------------------------- token strings

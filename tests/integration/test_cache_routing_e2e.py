@@ -7,6 +7,7 @@ import asyncio
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from cluster.local import free_port
 from cluster.redis_server import RedisServer, find_redis_server
 from common.hashing import block_hashes
 from common.prefix_index import RedisPrefixIndex
+from common.redis_url import connect, password_of, without_password
 from protos.pdserve.v1 import worker_pb2
 from router.client import AsyncClient, Client
 
@@ -41,6 +43,7 @@ def test_shared_prefix_lands_on_the_worker_that_holds_it(policy, expect_all_hits
                                                          tiny_checkpoints, tmp_path) -> None:
     c = start(tiny_checkpoints["llama"], tmp_path, mixed=2, block_size=4, policy=policy)
     try:
+        _check_redis_password_is_needed_and_never_shown(c, tmp_path)
         served = misses(c, 6)
         cached = [s.usage["cached_tokens"] for s in served]
         assert all(s.routing["policy"] == policy for s in served)
@@ -82,10 +85,11 @@ def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_
         assert not [s for s in served if isinstance(s, BaseException)], served
         with Client(c.target) as client:  # still serving with Redis down
             client.generate(SHARED + [99], **GREEDY)
-        # Redis comes back empty on the same port: workers re-register and republish.
-        back = RedisServer(port=port)
+        # Redis comes back empty on the same port (and password): workers re-register
+        # and republish.
+        back = RedisServer(port=port, password=password_of(c.redis_url))
         try:
-            client_r = redis.Redis.from_url(c.redis_url)
+            client_r = connect(c.redis_url)
             index = RedisPrefixIndex(client_r, "llama")
             hashes = block_hashes(SHARED, 4, _model_id(c), None)
             deadline = time.monotonic() + 20
@@ -99,6 +103,21 @@ def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_
             back.stop()
     finally:
         c.stop()
+
+
+def _check_redis_password_is_needed_and_never_shown(c, logs) -> None:  # noqa: ANN001
+    """The cluster's Redis wants the password it generated; no process's command line
+    and no log shows it (children get it in their environment)."""
+    password = password_of(c.redis_url)
+    assert password and password not in str(c.redis_url)
+    bare = connect(without_password(c.redis_url))
+    with pytest.raises(redis.AuthenticationError):
+        bare.ping()
+    bare.close()
+    for p in c.procs:
+        assert password.encode() not in Path(f"/proc/{p.pid}/cmdline").read_bytes()
+    for log in Path(logs).glob("*.log"):
+        assert password not in log.read_text(errors="replace"), log
 
 
 def _lookup(index: RedisPrefixIndex, hashes: list[int]) -> dict[str, int]:

@@ -185,6 +185,37 @@ def test_serves_equal_to_hf_and_lists_named_actors(ray_up, workload) -> None:
     assert_cluster_idle(SimpleNamespace(target=ray_up.target), timeout=30)
 
 
+def test_ray_and_redis_want_their_secrets_and_no_command_line_shows_one(ray_up) -> None:
+    """The Ray `pdserve up` started refuses a call without its token; its Redis refuses
+    a client without the password; no process's command line and not the log holds a
+    URL with credentials."""
+    import redis
+
+    from cluster.ray_auth import token_auth_enforced
+
+    gcs = re.search(r"Ray:\s+([\d.]+:\d+)", ray_up.log.read_text()).group(1)
+    assert token_auth_enforced(gcs)
+    credentials = re.compile(rb"rediss?://[^/\s]*:(?!\*\*\*@)[^@/\s]+@")
+    redis_ports = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:  # not a process, or gone
+            continue
+        assert not credentials.search(cmdline), cmdline[:300]
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == ray_up.proc.pid and b"redis-server" in cmdline:  # the cluster's own
+            redis_ports += re.findall(rb"127\.0\.0\.1:(\d+)", cmdline)
+    assert not credentials.search(ray_up.log.read_bytes())
+    assert redis_ports, "the cluster's redis-server was not found"
+    for port in redis_ports:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=int(port), socket_timeout=2).ping()
+
+
 def test_killed_worker_actor_restarts_rejoins_and_loses_no_request(ray_up, workload) -> None:
     prompts, reference = workload
     before = ray_up.actor("pdserve-decode-0")

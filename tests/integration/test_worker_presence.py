@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import redis
@@ -15,6 +16,7 @@ from redis_helpers import redis_server
 
 from cluster.local import free_port
 from common.hashing import block_hashes
+from common.redis_url import connect, without_password
 from common.registry import WorkerRegistry
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from workers.engine.llm_engine import model_identity
@@ -29,11 +31,11 @@ def wait_for(cond, timeout: float, what: str) -> None:  # noqa: ANN001
         time.sleep(0.05)
 
 
-def start_worker(model, port: int, url: str, log) -> subprocess.Popen:  # noqa: ANN001
+def start_worker(model, port: int, url: str, log, *extra: str) -> subprocess.Popen:  # noqa: ANN001
     return subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "worker", "--model", str(model), "--port",
          str(port), "--threads", "1", "--kv-cache-gb", "0.01", "--block-size", "4",
-         "--redis-url", url], stdout=log, stderr=log)
+         "--redis-url", url, *extra], stdout=log, stderr=log)
 
 
 def test_worker_registers_publishes_and_vanishes(tiny_checkpoints, tmp_path) -> None:
@@ -75,4 +77,30 @@ def test_worker_registers_publishes_and_vanishes(tiny_checkpoints, tmp_path) -> 
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+        client.close()
+
+
+def test_worker_reads_the_redis_password_from_a_file(tiny_checkpoints, tmp_path) -> None:
+    """A password-protected Redis: the worker's command line names only the bare URL
+    and a file (``ps`` shows command lines to every user), and it registers."""
+    secret = "w0rker-Secret-for-tests"
+    (tmp_path / "redis-password").write_text(secret + "\n")
+    with redis_server(password=secret) as server:
+        client = connect(server.url)
+        registry = WorkerRegistry(client, "llama")
+        port = free_port()
+        with open(tmp_path / "worker.log", "wb") as log:
+            proc = start_worker(tiny_checkpoints["llama"], port, without_password(server.url),
+                                log, "--redis-password-file", str(tmp_path / "redis-password"))
+            try:
+                wait_for(lambda: len(registry.live()) == 1, 120, "the worker to register")
+                assert secret.encode() not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(30) == 0
+                assert registry.live() == []
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        assert secret not in (tmp_path / "worker.log").read_text(errors="replace")
         client.close()

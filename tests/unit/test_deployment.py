@@ -169,8 +169,10 @@ ENGINE = ["model", "dtype", "kv_cache_gb", "block_size", "max_model_len"]
 
 
 @pytest.mark.parametrize(("command", "shared"), [
-    ("worker", [*ENGINE, "local_prefill_threshold", "transfer_timeout_s", "drain_timeout_s"]),
-    ("router", ["policy", "port", "http_port", "max_in_flight"]),
+    ("worker", [*ENGINE, "local_prefill_threshold", "transfer_timeout_s", "drain_timeout_s",
+                "cluster_tls_dir", "cluster_secret_file"]),
+    ("router", ["policy", "port", "http_port", "max_in_flight", "cluster_tls_dir", "tls_cert",
+                "tls_key"]),
     ("generate", ENGINE),
 ])
 def test_components_share_the_deployment_defaults_and_help(command: str,

@@ -1,3 +1,8 @@
+import hashlib
+import struct
+
+import pytest
+
 from common.hashing import block_hashes, hash_block, root_hash
 
 
@@ -39,3 +44,39 @@ def test_chain_can_be_continued() -> None:
     tail = block_hashes(tokens, 4, "m", cache_salt="s", parent=head[-1], start_block=2)
     assert head + tail == full
     assert hash_block(full[0], tokens[4:8]) == full[1]
+
+
+def _v1_first_block(model_id: str, tokens: list[int], salt: bytes) -> int:
+    """The v1 encoding as first written (a uint16 salt length), for salts it could hold."""
+    payload = struct.pack(f"<QI{len(tokens)}IH", root_hash(model_id), len(tokens), *tokens,
+                          len(salt))
+    return int.from_bytes(hashlib.blake2b(payload + salt, digest_size=8).digest(), "little")
+
+
+def test_salts_up_to_the_old_field_size_hash_exactly_as_before() -> None:
+    for size in (0, 1, 255, 256, 65_535):
+        salt = "s" * size
+        assert block_hashes([1, 2, 3, 4], 4, "m", cache_salt=salt or None) == [
+            _v1_first_block("m", [1, 2, 3, 4], salt.encode())
+        ], size
+
+
+def test_a_salt_of_any_length_hashes_and_still_separates_tenants() -> None:
+    """A 70 KB salt overflowed the uint16 length field (struct.error) inside an engine
+    step; the field now saturates, and the salt, the payload's tail, still counts whole."""
+    long_a = block_hashes([1, 2, 3, 4], 4, "m", cache_salt="s" * 70_000)
+    long_b = block_hashes([1, 2, 3, 4], 4, "m", cache_salt="s" * 70_001)
+    at_limit = block_hashes([1, 2, 3, 4], 4, "m", cache_salt="s" * 65_535)
+    assert len({long_a[0], long_b[0], at_limit[0]}) == 3
+    assert long_a == block_hashes([1, 2, 3, 4], 4, "m", cache_salt="s" * 70_000)
+
+
+def test_a_lone_surrogate_salt_hashes_instead_of_raising() -> None:
+    assert block_hashes([1, 2, 3, 4], 4, "m", cache_salt="\ud800") != block_hashes(
+        [1, 2, 3, 4], 4, "m")
+
+
+def test_token_ids_outside_uint32_raise_a_value_error_naming_the_id() -> None:
+    for bad in (-1, 2**32):
+        with pytest.raises(ValueError, match=f"token id {bad} "):
+            block_hashes([1, 2, 3, bad], 4, "m")

@@ -11,10 +11,12 @@ closed.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
 import grpc
+import jinja2
 import pytest
 import redis
 from fake_workers import (
@@ -23,10 +25,13 @@ from fake_workers import (
     Cluster,
     FakeIndex,
     FakeRegistry,
+    FakeTokenizer,
     expected_tokens,
 )
 
 from protos.pdserve.v1 import api_pb2, common_pb2
+from router import edge
+from router.auth import Principal, tenant_salt
 from router.errors import RouterError, WorkerFailed
 from router.prefix_lookup import PrefixLookup
 
@@ -50,6 +55,11 @@ def req(prompt: list[int] = PROMPT, max_tokens: int | None = None,
 async def collect(c: Cluster, r: api_pb2.GenerateRequest, timeout: float | None = None
                   ) -> list[api_pb2.GenerateResponse]:
     return [m async for m in c.router.generate(r, timeout)]
+
+
+async def collect_as(c: Cluster, r: api_pb2.GenerateRequest, caller: Principal | None
+                     ) -> list[api_pb2.GenerateResponse]:
+    return [m async for m in c.router.generate(r, caller=caller)]
 
 
 def tokens(msgs: list[api_pb2.GenerateResponse]) -> list[int]:
@@ -385,6 +395,167 @@ def test_text_and_chat_prompts_are_tokenized_by_the_given_tokenizer() -> None:
             assert list(chat[0].prompt_token_ids) == [1, *map(ord, "user:hi"), 2, 1]
             assert [list(r.prompt_token_ids) for r in w.requests] == [
                 list(text[0].prompt_token_ids), list(chat[0].prompt_token_ids)]
+
+    run(body)
+
+
+def test_tokenizing_and_chat_templating_run_off_the_event_loop() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"]) as c:
+            await collect(c, api_pb2.GenerateRequest(text="hey"))
+            await collect(c, _messages(("user", "hi")))
+            tokenize = api_pb2.TokenizeRequest(text="abc")
+            assert await c.router.tokenize(tokenize) == [ord(ch) for ch in "abc"]
+            assert c.tokenizer.threads and threading.get_ident() not in c.tokenizer.threads
+
+    run(body)
+
+
+def _text(n: int) -> api_pb2.GenerateRequest:
+    return api_pb2.GenerateRequest(text="x" * n)
+
+
+@pytest.mark.parametrize("request_, field, words", [
+    (_text(edge.MAX_PROMPT_BYTES + 1), "prompt", f"limit of {edge.MAX_PROMPT_BYTES} bytes"),
+    (api_pb2.GenerateRequest(text="\u00e9" * (edge.MAX_PROMPT_BYTES // 2 + 1)), "prompt",
+     "bytes of UTF-8"),
+    (_messages(*[("user", "a")] * (edge.MAX_CHAT_MESSAGES + 1)), "messages",
+     f"limit of {edge.MAX_CHAT_MESSAGES}"),
+    (_messages(("user", "y" * edge.MAX_CHAT_BYTES), ("user", "z")), "messages",
+     f"limit of {edge.MAX_CHAT_BYTES} bytes"),
+    (req(request_id="r" * (edge.MAX_CLIENT_REQUEST_ID_CHARS + 1)), "request_id", "limit"),
+    (req(request_id="two\nlines"), "request_id", "printable"),
+], ids=["text-bytes", "text-utf8-bytes", "message-count", "chat-bytes", "long-id", "id-newline"])
+def test_prompt_bounds_are_checked_before_tokenizing(request_: api_pb2.GenerateRequest,
+                                                    field: str, words: str) -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"]) as c:
+            with pytest.raises(RouterError) as e:
+                await collect(c, request_)
+            assert (e.value.code, e.value.field) == (grpc.StatusCode.INVALID_ARGUMENT, field)
+            assert words in e.value.message
+            assert not c.tokenizer.threads  # refused before the tokenizer saw it
+
+    run(body)
+
+
+def test_a_chat_template_that_raises_refuses_the_messages() -> None:
+    class Strict(FakeTokenizer):
+        def apply_chat_template(self, messages: list[dict], **kw: object) -> list[int]:
+            raise jinja2.TemplateError("Conversation roles must alternate user/assistant")
+
+    async def body() -> None:
+        async with Cluster(["mixed"], tokenizer=Strict()) as c:
+            with pytest.raises(RouterError) as e:
+                await collect(c, _messages(("user", "a"), ("user", "b")))
+            assert (e.value.code, e.value.field) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                     "messages")
+            assert "roles must alternate" in e.value.message
+
+    run(body)
+
+
+# -- tenants --------------------------------------------------------------------------------
+
+ACME = Principal("acme", key_id="a")
+GLOBEX = Principal("globex", key_id="g")
+ADMIN = Principal("ops", admin=True, key_id="o")
+
+
+def test_each_tenant_runs_in_its_own_cache_namespace() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"]) as c:
+            (w,) = c.workers
+            for caller in (ACME, GLOBEX, ACME, None):
+                await collect_as(c, req(max_tokens=1), caller)
+            await collect_as(c, req(max_tokens=1, cache_salt="s"), ACME)
+            await collect_as(c, req(max_tokens=1, cache_salt="s"), None)
+            salts = [r.cache_salt for r in w.requests]
+            assert salts == [tenant_salt("acme", None), tenant_salt("globex", None),
+                             tenant_salt("acme", None), "", tenant_salt("acme", "s"), "s"]
+            assert len(set(salts)) == 5  # acme twice alike; nothing else shared
+
+    run(body)
+
+
+def test_a_tenant_cannot_see_another_tenants_cached_prefix() -> None:
+    """The cache-aware choice looks the prompt up under the caller's salt: blocks cached
+    for one tenant are never found (indexed cached tokens 0) for another."""
+
+    async def body() -> None:
+        async with Cluster(["mixed", "mixed"]) as c:
+            a, _ = c.workers
+            prompt = list(range(10, 26))
+            await collect_as(c, req(prompt, max_tokens=1), ACME)
+            first = a.address if a.requests else c.workers[1].address
+            owner = Principal("acme", admin=True)
+            again = await collect_as(c, req(prompt, max_tokens=1), owner)
+            assert again[-1].routing.indexed_cached_tokens == 16  # what acme routed
+            assert again[-1].routing.worker == first
+            other = Principal("globex", admin=True)
+            theirs = await collect_as(c, req(prompt, max_tokens=1), other)
+            assert theirs[-1].routing.indexed_cached_tokens == 0
+            assert theirs[-1].routing.reason != "cache"
+
+    run(body)
+
+
+def test_routing_details_reach_admin_callers_only() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode"]) as c:
+            for caller, shown in ((ACME, False), (ADMIN, True), (None, True)):
+                last = (await collect_as(c, req(max_tokens=3), caller))[-1]
+                assert last.routing.policy == "cache_aware" and last.routing.reason
+                assert bool(last.routing.worker) == shown
+                assert bool(last.routing.decode_worker) == shown
+                assert bool(last.routing.estimated_prefill_tokens) == shown
+                assert last.usage.completion_tokens == 3
+
+    run(body)
+
+
+def test_tenant_concurrency_limit_is_resource_exhausted_with_retry_after() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"], tenant_max_concurrency=1) as c:
+            (w,) = c.workers
+            w.endless, w.token_delay_s = True, 0.001
+            running = c.router.generate(req(), caller=ACME)
+            await anext(running)
+            with pytest.raises(RouterError) as e:
+                await collect_as(c, api_pb2.GenerateRequest(text="abc"), ACME)
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert e.value.retry_after_s == 1 and "acme" in e.value.message
+            assert not c.tokenizer.threads  # refused before any work on it
+            with pytest.raises(RouterError) as e:
+                await c.router.tokenize_as(api_pb2.TokenizeRequest(text="abc"), ACME)
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await c.router.tokenize_as(api_pb2.TokenizeRequest(text="ab"), GLOBEX) == [
+                ord("a"), ord("b")]
+            other = c.router.generate(req(), caller=GLOBEX)  # another tenant still runs
+            await anext(other)
+            await other.aclose()
+            await running.aclose()
+            w.endless = False
+            assert_one_stream(await collect_as(c, req(max_tokens=2), ACME), 2)
+            assert c.router.limiter.in_flight("acme") == 0
+
+    run(body)
+
+
+def test_tenant_tokens_per_minute_reserve_prompt_plus_max_tokens_and_settle_to_usage() -> None:
+    async def body() -> None:
+        async with Cluster(["mixed"], tenant_tokens_per_minute=100) as c:
+            limiter = c.router.limiter
+            await collect_as(c, req(max_tokens=5), ACME)  # reserves 10 + 5, uses 15
+            assert 85 <= limiter.available_tokens("acme") < 86
+            # reserves 10 + 40 (the context's room caps max_tokens at 64 - 10 = 54)
+            await collect_as(c, req(max_tokens=40), ACME)
+            assert 35 <= limiter.available_tokens("acme") < 36
+            with pytest.raises(RouterError) as e:
+                await collect_as(c, req(max_tokens=50), ACME)  # reserves 60, 35 left
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert e.value.retry_after_s == 15  # 25 tokens at 100/60 per second
+            assert limiter.available_tokens("globex") == 100
 
     run(body)
 

@@ -43,7 +43,9 @@ class LLM:
         """Run every prompt to completion; results come back in prompt order.
 
         A prompt is a string or a list of token ids. Invalid input raises
-        :class:`~workers.engine.params.InvalidRequestError` before anything runs.
+        :class:`~workers.engine.params.InvalidRequestError` before anything runs; a
+        request that fails on its own later comes back finished with its ``error`` set,
+        and the others are unaffected.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]

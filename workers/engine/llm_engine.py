@@ -16,6 +16,16 @@ calls ``reserve_request`` (blocks for the whole prompt, the cached prefix reused
 first token, or ``recompute_request`` when the KV will not come; ``quarantine_request``
 keeps blocks a failed transfer may still write into away from the pool until released.
 
+Blast radius. What one request carries can fail only that request: its input is checked
+at the door (``add_request``/``reserve_request`` check the prompt against the vocabulary
+and the context, the salt against its bound; ``commit_request``/``recompute_request``
+check the first token), and inside ``step`` everything done per request after the
+forward (export, recording tokens and hashing full blocks, detokenizing, stop strings)
+runs under a guard: a request that raises there is aborted, its blocks freed, and its
+last output carries the error (:attr:`RequestOutput.error`, an
+:class:`InvalidRequestError`); the rest of the batch runs on. Only the batch's own work
+(scheduling, the forward, sampling) may raise out of ``step``: an engine failure.
+
 Servers see the engine through the value objects of :mod:`workers.engine.surface` only:
 :meth:`LLMEngine.capacity` (:class:`KVCapacity`), :meth:`LLMEngine.load`
 (:class:`EngineLoad`) and :meth:`LLMEngine.kv_view` (:class:`KVView`, the paged cache a
@@ -25,14 +35,16 @@ transfer reads and writes), never its scheduler, block manager or model runner.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig
 
+from common.request import check_cache_salt
 from common.sampling import check_prompt
 
 from .block_manager import KVEventListener
@@ -43,6 +55,8 @@ from .sampler import TokenLogprobs
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence
 from .surface import EngineLoad, KVCapacity, KVReservation, KVView
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,10 +76,15 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    error: InvalidRequestError | None = None
+    """Set on the last output of a request that failed on its own (see the module
+    docstring): it was aborted and its blocks freed; hand this to its caller."""
 
 
 OnPrefilled = Callable[[list[int], Callable[[], None]], None]
-"""(block table, release) -> None; ``release`` must be called on the engine thread."""
+"""(block table, release) -> None; ``release`` must be called on the engine thread. A
+callback that raises is taken to hold nothing: the engine releases the blocks itself and
+fails that request."""
 
 
 @dataclass
@@ -161,13 +180,17 @@ class LLMEngine:
         With ``on_prefilled`` the request is prefill-only (see the module docstring);
         the callback is skipped when the first token ends the request by itself."""
         ids = self.tokenize(prompt)
-        self._validate(request_id, ids)
+        self._validate(request_id, ids, cache_salt)
         seq = self.scheduler.add(request_id, ids, params, cache_salt)
         self._track(seq, on_prefilled)
 
     def _track(self, seq: Sequence, on_prefilled: OnPrefilled | None = None) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop,
-                                       seq.params.include_stop_str_in_output)
+        try:
+            detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop,
+                                           seq.params.include_stop_str_in_output)
+        except Exception:  # an untracked sequence would fail the next step: none
+            self.scheduler.abort(seq.seq_id)
+            raise
         self._requests[seq.seq_id] = _Tracked(seq, detok, time.monotonic(),
                                               on_prefilled=on_prefilled)
 
@@ -183,7 +206,7 @@ class LLMEngine:
         ``target_block_ids``). None when there is no room now (retry after a step);
         raises :class:`InvalidRequestError` like ``add_request``."""
         ids = self.tokenize(prompt)
-        self._validate(request_id, ids)
+        self._validate(request_id, ids, cache_salt)
         seq = self.scheduler.reserve(request_id, ids, params, cache_salt)
         if seq is None:
             return None
@@ -194,19 +217,39 @@ class LLMEngine:
     def commit_request(self, request_id: str, first_token: int) -> RequestOutput | None:
         """The reserved request's KV has landed: join the running batch with the first
         token the prefill worker sampled (its text was already streamed from there).
-        Returns the final output when that token ends the request."""
+        Returns the final output when that token ends the request (or, with ``error``
+        set, when it failed on its own). A token outside the vocabulary raises
+        :class:`InvalidRequestError` and changes nothing (abort the request then)."""
         tracked = self._requests[request_id]
-        reason = self.scheduler.commit(tracked.seq, first_token, self.eos_token_ids)
-        return self._after_first_token(tracked, first_token, reason)
+        self.check_first_token(first_token)
+        try:
+            reason = self.scheduler.commit(tracked.seq, first_token, self.eos_token_ids)
+            return self._after_first_token(tracked, first_token, reason)
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
+            return self._fail(tracked, "committing its first token", e, time.monotonic())
 
     def recompute_request(self, request_id: str, first_token: int | None) -> RequestOutput | None:
         """The reserved request's KV will not come: compute its prompt here, after the
-        first token when the prefill worker sampled one (greedy output is unchanged)."""
+        first token when the prefill worker sampled one (greedy output is unchanged).
+        Checks the token like :meth:`commit_request`."""
         tracked = self._requests[request_id]
-        reason = self.scheduler.recompute(tracked.seq, first_token, self.eos_token_ids)
-        if first_token is None:
-            return None
-        return self._after_first_token(tracked, first_token, reason)
+        if first_token is not None:
+            self.check_first_token(first_token)
+        try:
+            reason = self.scheduler.recompute(tracked.seq, first_token, self.eos_token_ids)
+            if first_token is None:
+                return None
+            return self._after_first_token(tracked, first_token, reason)
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
+            return self._fail(tracked, "recording its first token", e, time.monotonic())
+
+    def check_first_token(self, token: object) -> None:
+        """Raises :class:`InvalidRequestError` unless ``token`` is a token id of this
+        model: a first token from elsewhere enters the next forward's input."""
+        vocab = self.runner.vocab_size
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise InvalidRequestError(
+                "first_token", f"token id {token!r} is outside the vocabulary [0, {vocab})")
 
     def quarantine_request(self, request_id: str) -> Callable[[], None]:
         """Take a reserved request's blocks away from it, for a failed transfer may still
@@ -222,7 +265,7 @@ class LLMEngine:
         there); end the request if the token ended it."""
         now = time.monotonic()
         tracked.first_token_time = now
-        tracked.detok.add(token)
+        tracked.detok.add(token)  # may raise: the callers fail this request alone
         seq = tracked.seq
         self.runner.sampler.skip(seq.seq_id, seq.params, self.runner.vocab_size)
         if tracked.detok.stopped_by is not None and reason is None:
@@ -233,10 +276,11 @@ class LLMEngine:
         self.runner.sampler.release(seq.seq_id)
         return self._output(tracked, [], tracked.detok.flush(), now)
 
-    def _validate(self, request_id: str, ids: list[int]) -> None:
+    def _validate(self, request_id: str, ids: list[int], cache_salt: str | None) -> None:
         if request_id in self._requests or request_id in self.scheduler.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         check_prompt(ids, self.max_model_len, self.runner.vocab_size)
+        check_cache_salt(cache_salt)  # it is hashed again each time a block fills
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it was not running."""
@@ -246,6 +290,14 @@ class LLMEngine:
         self.scheduler.abort(request_id)
         self.runner.sampler.release(request_id)
         return True
+
+    def abort_all(self, keep: Collection[str] = ()) -> int:
+        """Abort every request but those in ``keep`` (after an engine failure); returns
+        how many were aborted."""
+        doomed = [rid for rid in self._requests if rid not in keep]
+        for rid in doomed:
+            self.abort_request(rid)
+        return len(doomed)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -257,6 +309,9 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One batch: schedule, forward, then each request's own bookkeeping. Raises only
+        when the batch's work fails (an engine failure); a request failing on its own is
+        aborted and reported in its output (see the module docstring)."""
         out = self.scheduler.schedule()
         self.last_step_empty = out.is_empty
         if out.is_empty:
@@ -265,48 +320,93 @@ class LLMEngine:
         if self.step_shapes is not None:
             self.step_shapes.append((out.num_batched_tokens, len(result.seq_ids)))
         sampled = dict(zip(result.seq_ids, result.sample.token_ids, strict=True))
-        self._export_prefilled(sampled)
-        self.scheduler.update(out, sampled, self.eos_token_ids)
+        failed: dict[str, tuple[str, Exception]] = {}
+        self._export_prefilled(sampled, failed)
+        recording = {seq_id: e for seq_id, (_, e) in failed.items()}
+        self.scheduler.update(out, sampled, self.eos_token_ids, recording)
+        for seq_id, e in recording.items():
+            if seq_id not in failed:
+                failed[seq_id] = ("recording its tokens", e)
         now = time.monotonic()
         outputs = []
         for seq_id, token, lp in zip(
             result.seq_ids, result.sample.token_ids, result.sample.logprobs, strict=True
         ):
             tracked = self._requests[seq_id]
-            seq = tracked.seq
-            if tracked.first_token_time is None:
-                tracked.first_token_time = now
-            if lp is not None:
-                tracked.logprobs.append(lp)
-            delta = tracked.detok.add(token)
-            if tracked.detok.stopped_by is not None:
-                if seq.is_finished:  # the same token also hit a length limit or EOS
-                    seq.finish_reason = FinishReason.STOP
-                else:
-                    self.scheduler.finish(seq, FinishReason.STOP)
-            if tracked.on_prefilled is not None and not seq.is_finished:
-                # Decoding goes on elsewhere, with this detokenizer state: no flush.
-                self.scheduler.finish(seq, FinishReason.REMOTE)
-            elif seq.is_finished:
-                delta += tracked.detok.flush()
-            if seq.is_finished:
-                del self._requests[seq_id]
-                self.runner.sampler.release(seq_id)
-            outputs.append(self._output(tracked, [token], delta, now))
+            if seq_id not in failed:
+                try:
+                    outputs.append(self._advance(tracked, token, lp, now))
+                    continue
+                except Exception as e:  # noqa: BLE001 - this request's failure only
+                    failed[seq_id] = ("turning its tokens into text", e)
+            outputs.append(self._fail(tracked, *failed.pop(seq_id), now))
+        for seq_id, (phase, e) in failed.items():  # failed in a chunk that did not sample
+            outputs.append(self._fail(self._requests[seq_id], phase, e, now))
         return outputs
 
-    def _export_prefilled(self, sampled: dict[str, int]) -> None:
-        """Hand prefill-only requests' blocks out while their KV is complete and held."""
+    def _advance(self, tracked: _Tracked, token: int, lp: TokenLogprobs | None,
+                 now: float) -> RequestOutput:
+        """A request's sampled token, already recorded: text, stop strings, its end."""
+        seq = tracked.seq
+        if tracked.first_token_time is None:
+            tracked.first_token_time = now
+        if lp is not None:
+            tracked.logprobs.append(lp)
+        delta = tracked.detok.add(token)
+        if tracked.detok.stopped_by is not None:
+            if seq.is_finished:  # the same token also hit a length limit or EOS
+                seq.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(seq, FinishReason.STOP)
+        if tracked.on_prefilled is not None and not seq.is_finished:
+            # Decoding goes on elsewhere, with this detokenizer state: no flush.
+            self.scheduler.finish(seq, FinishReason.REMOTE)
+        elif seq.is_finished:
+            delta += tracked.detok.flush()
+        if seq.is_finished:
+            del self._requests[seq.seq_id]
+            self.runner.sampler.release(seq.seq_id)
+        return self._output(tracked, [token], delta, now)
+
+    def _fail(self, tracked: _Tracked, phase: str, error: Exception, now: float
+              ) -> RequestOutput:
+        """Abort one request that failed on its own; its last output carries the error.
+        Blocks held for an export stay held until the transfer releases them."""
+        seq = tracked.seq
+        if isinstance(error, InvalidRequestError):
+            log.warning("request %s refused while %s: %s", seq.seq_id, phase, error)
+        else:
+            log.error("request %s failed while %s; aborted, the rest of the batch runs on",
+                      seq.seq_id, phase, exc_info=error)
+            error = InvalidRequestError(
+                "request", f"failed while {phase} ({type(error).__name__}: {error}); it was "
+                "aborted, the other requests on this worker were not affected")
+        self._requests.pop(seq.seq_id, None)
+        self.scheduler.finish(seq, FinishReason.ABORT)  # idempotent
+        self.runner.sampler.release(seq.seq_id)
+        out = self._output(tracked, [], "", now)
+        out.error = error
+        return out
+
+    def _export_prefilled(self, sampled: dict[str, int],
+                          failed: dict[str, tuple[str, Exception]]) -> None:
+        """Hand prefill-only requests' blocks out while their KV is complete and held;
+        a callback that raises fails its request (into ``failed``) and holds nothing."""
         for seq_id, token in sampled.items():
             tracked = self._requests[seq_id]
             if tracked.on_prefilled is None:
                 continue
             seq = tracked.seq
-            if (seq.num_output_tokens + 1 < seq.params.max_tokens
-                    and seq.num_tokens + 1 < self.max_model_len
-                    and self.scheduler.stop_reason(seq, token, self.eos_token_ids) is None):
-                self.scheduler.hold(seq)
-                tracked.on_prefilled(list(seq.block_table), partial(self.scheduler.release, seq))
+            try:
+                if (seq.num_output_tokens + 1 < seq.params.max_tokens
+                        and seq.num_tokens + 1 < self.max_model_len
+                        and self.scheduler.stop_reason(seq, token, self.eos_token_ids) is None):
+                    self.scheduler.hold(seq)
+                    tracked.on_prefilled(list(seq.block_table),
+                                         partial(self.scheduler.release, seq))
+            except Exception as e:  # noqa: BLE001 - this request's failure only
+                self.scheduler.release(seq)  # live: ends the hold, finish frees the blocks
+                failed[seq_id] = ("handing its KV blocks out", e)
 
     def _output(
         self, t: _Tracked, new_ids: list[int], delta: str, now: float

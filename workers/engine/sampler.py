@@ -63,7 +63,7 @@ class Sampler:
         if wanted:
             lp = torch.log_softmax(logits[wanted], dim=-1)
             for row, i in enumerate(wanted):
-                n = params[i].logprobs or 0
+                n = min(params[i].logprobs or 0, lp.shape[-1])  # a vocabulary under 20
                 top_v, top_i = lp[row].topk(n) if n else (torch.empty(0), torch.empty(0))
                 logprobs[i] = TokenLogprobs(
                     token_list[i],
@@ -88,6 +88,8 @@ class Sampler:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             # Drop a token when the tokens strictly more likely already cover top_p.
             drop_sorted = (sorted_p.cumsum(dim=-1) - sorted_p) >= top_p
+            # The most likely token always stays, even for a top_p that is 0 in float32.
+            drop_sorted[:, 0] = False
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             probs = probs.masked_fill(drop, 0.0)
         if any(p.min_p > 0.0 for p in params):

@@ -305,22 +305,39 @@ class Scheduler:
     # -- after the forward pass ----------------------------------------------------------
 
     def update(
-        self, out: SchedulerOutput, sampled: dict[str, int], eos_token_ids: frozenset[int]
+        self, out: SchedulerOutput, sampled: dict[str, int], eos_token_ids: frozenset[int],
+        failed: dict[str, Exception] | None = None,
     ) -> list[Sequence]:
         """Record computed chunks and sampled tokens; returns sequences that finished.
 
         ``sampled`` maps the id of every sampling chunk's sequence to its new token.
+        With ``failed``, one sequence's bookkeeping raising (hashing the block its token
+        fills, say) does not stop the others': the error goes into ``failed`` under its
+        id, for the caller to finish that sequence; sequences already there are skipped.
         """
         finished = []
         for chunk in out.chunks:
             seq = chunk.seq
-            seq.num_computed_tokens += chunk.num_tokens
-            self.block_manager.cache_computed_blocks(seq)
-            if not chunk.samples:
+            if failed is not None and seq.seq_id in failed:
                 continue
-            if self._append(seq, sampled[seq.seq_id], eos_token_ids) is not None:
-                finished.append(seq)
+            try:
+                if self._record(chunk, sampled, eos_token_ids):
+                    finished.append(seq)
+            except Exception as e:
+                if failed is None:
+                    raise
+                failed[seq.seq_id] = e  # that sequence's failure only
         return finished
+
+    def _record(self, chunk: ScheduledChunk, sampled: dict[str, int],
+                eos_token_ids: frozenset[int]) -> bool:
+        """One chunk's update; whether it finished its sequence."""
+        seq = chunk.seq
+        seq.num_computed_tokens += chunk.num_tokens
+        self.block_manager.cache_computed_blocks(seq)
+        if not chunk.samples:
+            return False
+        return self._append(seq, sampled[seq.seq_id], eos_token_ids) is not None
 
     def stop_reason(
         self, seq: Sequence, token: int, eos: frozenset[int]

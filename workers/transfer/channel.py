@@ -35,7 +35,7 @@ state is the caller's cue to free (FAILED, TIMED_OUT) or commit (DONE) them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
@@ -58,6 +58,16 @@ class TransferConfig:
     for its offer (default, per expect). ``chunk_bytes`` sizes staged messages (sender);
     a receiver takes the direct framing when its messages average ``direct_min_bytes``.
 
+    ``auth_key`` (the cluster key, 32 bytes from the cluster secret): joins, offers and
+    byes must carry a MAC under it, fresh within ``auth_max_skew_s`` and never replayed
+    (at most ``auth_max_nonces`` remembered), and the decode side's accepts carry one
+    too (:mod:`workers.transfer.auth`); None: unauthenticated, as any store client
+    could then open a pair and offer KV. Both ends must agree. Decode-side bounds:
+    ``max_pairs`` pairs open (at the bound a join replaces the pair idle longest, or is
+    refused while all are busy), ``max_parked_offers`` offers waiting for their
+    reservation, ``max_reservations`` reservations waiting for KV (``expect`` raises
+    beyond: the caller computes the prompt itself).
+
     ``fault_drop_midway`` is fault injection for tests: a sender stops every transfer
     whose request id contains it after half its payload and closes the pair, as a link
     that dies mid-transfer would. Empty (the default) disables it.
@@ -78,6 +88,12 @@ class TransferConfig:
     max_payload_bytes: int = 16 << 30
     housekeeping_interval_s: float = 0.05
     idle_wait_s: float = 600.0
+    auth_key: bytes | None = field(default=None, repr=False)
+    auth_max_skew_s: float = 30.0
+    auth_max_nonces: int = 65536
+    max_pairs: int = 256
+    max_parked_offers: int = 1024
+    max_reservations: int = 4096
     fault_drop_midway: str = ""
 
     def __post_init__(self) -> None:
@@ -85,15 +101,19 @@ class TransferConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"TransferConfig.port {self.port} outside [0, 65536)")
         for name in ("connect_timeout_s", "offer_timeout_s", "data_timeout_s",
-                     "expect_timeout_s", "housekeeping_interval_s", "idle_wait_s"):
+                     "expect_timeout_s", "housekeeping_interval_s", "idle_wait_s",
+                     "auth_max_skew_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0")
         if self.staging_pool_bytes < 0:
             raise ValueError("TransferConfig.staging_pool_bytes must be >= 0")
         for name in ("chunk_bytes", "direct_min_bytes", "recv_window",
-                     "max_inflight_per_pair", "max_payload_bytes"):
+                     "max_inflight_per_pair", "max_payload_bytes", "auth_max_nonces",
+                     "max_pairs", "max_parked_offers", "max_reservations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TransferConfig.{name} must be >= 1")
+        if self.auth_key is not None and len(self.auth_key) < 16:
+            raise ValueError("TransferConfig.auth_key must have at least 16 bytes")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"TransferConfig.device must be 'cpu' or 'cuda[:N]', "
                              f"got {self.device!r}")

@@ -15,6 +15,13 @@ Threads, all daemons:
   reserved for.
 
 Every reservation ends in DONE, FAILED or TIMED_OUT; none is left behind by a dead peer.
+
+Trust (with ``TransferConfig.auth_key``; :mod:`workers.transfer.auth`): a join, offer or
+bye whose MAC, timestamp or nonce fails is logged, counted (``stats().refused``) and
+dropped before it touches any state: no pair is opened, no offer is matched, no pair is
+closed for it. Accepts are MACed for the prefill side to check. Bounds: ``max_pairs``
+open pairs (at the bound a join replaces the pair idle longest), ``max_parked_offers``
+offers waiting for a reservation, ``max_reservations`` reservations.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from workers.transfer.auth import STAMP_BYTES, AuthError, ChannelAuth, Stamp
 from workers.transfer.blocks import KVDestination
 from workers.transfer.channel import TransferConfig
 from workers.transfer.header import (
@@ -46,11 +54,13 @@ from workers.transfer.rendezvous import (
     JOIN_PREFIX,
     REFUSE_PREFIX,
     ROOT,
+    SIGNED_OFFER_PREFIX,
     STOP,
     is_timeout,
     listen_store,
     new_process_group,
     pair_store,
+    rendezvous_store,
     td,
 )
 from workers.transfer.state import (
@@ -85,21 +95,30 @@ class _RecvPair:
     """Rank 1 of one pair. Its store calls are quick ones on the receiver's client."""
 
     def __init__(self, owner: KVReceiver, pair_id: int, name: str, pg: dist.ProcessGroup,
-                 pg_client: dist.Store):
+                 pg_client: dist.Store, session: bytes = b""):
         self.owner, self.pair_id, self.name, self.pg = owner, pair_id, name, pg
+        self.session = session  # the join's nonce: what this pair's MACs are bound to
         self._pg_client = pg_client  # lives as long as the group
         self.store = pair_store(owner._root, pair_id)
         self.slots = threading.BoundedSemaphore(owner.config.pair_concurrency)
         self.closed: str | None = None
+        self.last_used = time.monotonic()
+        self.receiving = 0  # receive threads on this pair (owner's lock)
         self._lock = threading.Lock()
 
-    def decide(self, seq: int, answer: bytes) -> bytes:
-        """Set the transfer's decision unless the sender already cancelled, and wake the
-        sender; returns the decision that holds."""
-        held = self.store.compare_set(f"decision/{seq}", "", answer)
-        if held == answer:
+    def decide(self, seq: int, answer: bytes) -> bool:
+        """Set the transfer's decision unless the sender already cancelled (or anyone
+        else wrote one), and wake the sender; True when ours holds. An accept carries
+        its MAC when the channel is keyed."""
+        auth = self.owner._auth
+        value = answer
+        if auth is not None and answer in (ACCEPT, ACCEPT_DIRECT):
+            value += auth.tag("decision", self.owner.address, self.session, self.pair_id, seq,
+                              answer)
+        held = self.store.compare_set(f"decision/{seq}", "", value)
+        if held == value:
             self.store.queue_push("replies", str(seq).encode())
-        return held
+        return held == value
 
     @staticmethod
     def refuse_unknown(root: dist.Store, pair_id: int, seq: int, why: str) -> None:
@@ -143,8 +162,11 @@ class KVReceiver:
     def __init__(self, name: str, config: TransferConfig | None = None):
         self.name = name
         self.config = cfg = config or TransferConfig()
+        self._auth = (ChannelAuth(cfg.auth_key, cfg.auth_max_skew_s, cfg.auth_max_nonces)
+                      if cfg.auth_key is not None else None)
         self._counters = StateCounters()
         self._lock = threading.Lock()
+        self._opening = 0  # joins accepted whose process group is not up yet
         self._live: dict[int, _Reservation] = {}
         self._parked: dict[int, _Offer] = {}
         self._pairs: dict[int, _RecvPair] = {}
@@ -156,6 +178,11 @@ class KVReceiver:
                                                           cfg.connect_timeout_s)
         self.address = f"{cfg.host}:{self._master.port}"
         self._root = dist.PrefixStore(ROOT, self._master.clone())
+        if self._auth is None:
+            log.warning("KV receiver %s at %s: no cluster secret, so joins and offers are not "
+                        "authenticated: any process that reaches this port can open a pair "
+                        "and offer KV (give --cluster-secret-file or --cluster-tls-dir)",
+                        name, self.address)
         for target, tname in ((self._inbox_loop, "kvx-inbox"), (self._house_loop, "kvx-house")):
             t = threading.Thread(target=target, daemon=True, name=tname)
             t.start()
@@ -179,6 +206,10 @@ class KVReceiver:
             if self._stop.is_set():
                 handle.advance(TransferState.FAILED, "receiver closed")
                 raise RuntimeError(f"KVReceiver {self.name!r} is closed")
+            if len(self._live) >= self.config.max_reservations:
+                handle.advance(TransferState.FAILED, "too many reservations")
+                raise RuntimeError(f"KVReceiver {self.name!r} holds max_reservations="
+                                   f"{self.config.max_reservations} reservations already")
             if rid in self._live:
                 handle.advance(TransferState.FAILED, "duplicate reservation")
                 raise ValueError(f"request {request_id!r} already has a live KV reservation")
@@ -255,50 +286,136 @@ class KVReceiver:
             # starts with its version byte (1), little-endian
             try:
                 if msg == STOP:
-                    return
-                if msg.startswith(JOIN_PREFIX):
+                    if self._stop.is_set():
+                        return
+                    self._refuse("stop", "a STOP this receiver did not send")
+                elif msg.startswith(JOIN_PREFIX):
                     self._on_join(msg.removeprefix(JOIN_PREFIX))
                 elif msg.startswith(BYE_PREFIX):
-                    with self._lock:
-                        pair = self._pairs.get(int(msg.removeprefix(BYE_PREFIX) or b"0"))
-                    if pair is not None:
-                        pair.close("the prefill worker closed the pair")
+                    self._on_bye(msg.removeprefix(BYE_PREFIX))
+                elif msg.startswith(SIGNED_OFFER_PREFIX):
+                    stamp = Stamp.from_bytes(msg[1:1 + STAMP_BYTES])
+                    self._on_offer(msg[1 + STAMP_BYTES:], stamp)
                 else:
-                    self._on_offer(msg)
+                    self._on_offer(msg, None)
+            except AuthError as e:
+                self._refuse(e.kind, f"message {msg[:24]!r}: {e}")
             except Exception:  # noqa: BLE001 - one bad message must not stop the inbox
                 log.exception("transfer inbox: cannot handle message %r", msg[:64])
 
-    def _on_join(self, msg: bytes) -> None:
-        parts = msg.decode(errors="replace").split(" ", 3)
-        if len(parts) != 4 or parts[0] != "v1" or not parts[1].isdigit():
-            log.warning("ignoring malformed join request %r", msg[:80])
-            return
-        pair_id, backend, name = int(parts[1]), parts[2], parts[3]
-        if backend != self.config.backend:
-            self._root.set(f"join/{pair_id}", REFUSE_PREFIX + f"backend {backend}, this decode "
-                                              f"worker uses {self.config.backend}".encode())
-            return
-        self._root.set(f"join/{pair_id}", ACCEPT)
-        threading.Thread(target=self._open_pair, args=(pair_id, name), daemon=True,
-                         name=f"kvx-open-{pair_id}").start()
+    def _refuse(self, why: str, what: str) -> None:
+        """Count and log a control message that is dropped unacted on."""
+        self._counters.refuse(why)
+        log.warning("decode receiver %s refused %s (%s)", self.name, what, why)
 
-    def _open_pair(self, pair_id: int, name: str) -> None:
-        cfg = self.config
-        try:
-            # its own client: the rendezvous blocks it for as long as the joiner takes
-            pg_client = self._root.clone()
-            keys = dist.PrefixStore("pg", pair_store(pg_client, pair_id))
-            pg = new_process_group(cfg.backend, keys, 1, cfg.host, cfg.connect_timeout_s)
-        except Exception as e:  # noqa: BLE001 - the joiner died or gave up: no pair
-            log.warning("transfer pair %d from %s did not open: %s", pair_id, name, e)
+    def _on_bye(self, msg: bytes) -> None:
+        parts = msg.decode(errors="replace").split(" ")
+        if not parts[0].isdigit():
+            raise AuthError("malformed", "bye without a pair id")
+        with self._lock:
+            pair = self._pairs.get(int(parts[0]))
+        if pair is None:
             return
-        pair = _RecvPair(self, pair_id, name, pg, pg_client)
+        if self._auth is not None:
+            if len(parts) != 4:
+                raise AuthError("unauthenticated", f"unsigned bye for pair {parts[0]}")
+            self._auth.verify(Stamp.from_text(*parts[1:]), "bye", self.address, pair.session,
+                              parts[0].encode())
+        pair.close("the prefill worker closed the pair")
+
+    def _on_join(self, msg: bytes) -> None:
+        """``v1 <id> <backend> <name>`` (no key), or ``v2 <id> <backend> <ts> <nonce>
+        <mac> <name>`` (keyed; the nonce becomes the pair's session). Verified before
+        anything is allocated for it."""
+        version, _, rest = msg.decode(errors="replace").partition(" ")
+        parts = rest.split(" ", 2 if version == "v1" else 5)
+        if version not in ("v1", "v2") or len(parts) != (3 if version == "v1" else 6) or (
+                not parts[0].isdigit()):
+            raise AuthError("malformed", f"malformed join request {msg[:80]!r}")
+        pair_id, backend, name = int(parts[0]), parts[1], parts[-1]
+        keyed = self._auth is not None
+        if (version == "v2") != keyed:
+            self._refuse("unauthenticated" if keyed else "unexpected_auth",
+                         f"a {version} join for pair {pair_id} from {name!r}")
+            self._answer_join(pair_id, None, REFUSE_PREFIX + (
+                b"this decode worker accepts only joins authenticated with the cluster secret;"
+                b" give the prefill worker the same --cluster-secret-file or --cluster-tls-dir"
+                if keyed else b"this decode worker has no cluster secret; give both ends the "
+                              b"same --cluster-secret-file or --cluster-tls-dir"))
+            return
+        session = b""
+        if self._auth is not None:
+            stamp = Stamp.from_text(*parts[2:5])
+            try:
+                self._auth.verify(stamp, "join", self.address, b"",
+                                  f"{pair_id} {backend} {name}".encode())
+            except AuthError as e:  # counted before the joiner can learn of it
+                self._refuse(e.kind, f"join of pair {pair_id} from {name!r}: {e}")
+                self._answer_join(pair_id, None, REFUSE_PREFIX + f"authentication: {e}".encode())
+                return
+            session = stamp.nonce
+        if backend != self.config.backend:
+            self._answer_join(pair_id, session, REFUSE_PREFIX + f"backend {backend}, this "
+                              f"decode worker uses {self.config.backend}".encode())
+            return
+        victim = None
         with self._lock:
             if self._stop.is_set():
                 return
-            old = self._by_name.get(name)
-            self._pairs[pair_id] = pair
-            self._by_name[name] = pair
+            full = False
+            if name not in self._by_name and (  # a rejoin replaces its own pair: no growth
+                    len(self._pairs) + self._opening >= self.config.max_pairs):
+                parked = {o.pair for o in self._parked.values()}
+                idle = [p for p in self._pairs.values() if not p.receiving and p not in parked]
+                victim = min(idle, key=lambda p: p.last_used, default=None)
+                if victim is None:
+                    full = True
+                else:
+                    del self._pairs[victim.pair_id]  # its slot is the new pair's
+            if not full:
+                self._opening += 1
+        if full:
+            self._refuse("pairs_full", f"join of pair {pair_id} from {name!r}")
+            self._answer_join(pair_id, session, REFUSE_PREFIX + f"this decode worker has "
+                              f"max_pairs={self.config.max_pairs} transfer pairs open, all "
+                              "busy".encode())
+            return
+        if victim is not None:
+            victim.close(f"idle longest while {self.config.max_pairs} pairs are open; "
+                         f"replaced by pair {pair_id}")
+        self._answer_join(pair_id, session, ACCEPT)
+        threading.Thread(target=self._open_pair, args=(pair_id, name, session), daemon=True,
+                         name=f"kvx-open-{pair_id}").start()
+
+    def _answer_join(self, pair_id: int, session: bytes | None, answer: bytes) -> None:
+        """Accept (with its MAC, keyed) or refuse; never over an answer already there (a
+        replayed join must not overwrite the answer to the original)."""
+        if answer == ACCEPT and self._auth is not None and session is not None:
+            answer += self._auth.tag("join-accept", self.address, session, pair_id)
+        self._root.compare_set(f"join/{pair_id}", "", answer)
+
+    def _open_pair(self, pair_id: int, name: str, session: bytes) -> None:
+        cfg = self.config
+        try:
+            try:
+                # its own client: the rendezvous blocks it for as long as the joiner takes
+                pg_client = self._root.clone()
+                keys = rendezvous_store(pair_store(pg_client, pair_id), self._auth,
+                                        self.address, session, pair_id)
+                pg = new_process_group(cfg.backend, keys, 1, cfg.host, cfg.connect_timeout_s)
+            except Exception as e:  # noqa: BLE001 - the joiner died or gave up: no pair
+                log.warning("transfer pair %d from %s did not open: %s", pair_id, name, e)
+                return
+            pair = _RecvPair(self, pair_id, name, pg, pg_client, session)
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                old = self._by_name.get(name)
+                self._pairs[pair_id] = pair
+                self._by_name[name] = pair
+        finally:
+            with self._lock:
+                self._opening -= 1
         if old is not None:
             old.close(f"replaced by pair {pair_id} from the same prefill worker {name!r}")
         pair.store.set("ready", b"1")
@@ -322,7 +439,10 @@ class KVReceiver:
 
     # --- offers -----------------------------------------------------------------------
 
-    def _on_offer(self, msg: bytes) -> None:
+    def _on_offer(self, msg: bytes, stamp: Stamp | None) -> None:
+        """Parse (integers only), find the pair, verify (keyed: before anything is done
+        for it but an unsigned refusal, which can only stop a transfer), then match it
+        with its reservation or park it."""
         try:
             header, block_ids = decode_offer(msg)
         except HeaderError as e:
@@ -337,12 +457,21 @@ class KVReceiver:
             _RecvPair.refuse_unknown(self._root, header.pair_id, header.seq,
                                      "pair unknown or closed on this decode worker")
             return
+        if self._auth is not None:
+            if stamp is None:
+                raise AuthError("unauthenticated", f"unsigned offer on pair {header.pair_id}")
+            self._auth.verify(stamp, "offer", self.address, pair.session, msg)
+        pair.last_used = time.monotonic()
         offer = _Offer(pair, header, block_ids)
         rid = header.request_id64
         with self._lock:
             res = self._live.get(rid)
             displaced = None
-            if res is None:
+            full = res is None and rid not in self._parked and (
+                len(self._parked) >= self.config.max_parked_offers)
+            if full:
+                pass
+            elif res is None:
                 displaced = self._parked.get(rid)
                 self._parked[rid] = offer
             elif res.matched:
@@ -350,6 +479,12 @@ class KVReceiver:
                 displaced = offer
             else:
                 res.matched = True
+        if full:
+            self._counters.refuse("parked_full")
+            pair.refuse(header.seq, f"no reservation yet, and max_parked_offers="
+                                    f"{self.config.max_parked_offers} offers already wait for "
+                                    "theirs")
+            return
         if displaced is not None:
             displaced.pair.refuse(displaced.header.seq,
                                   "another offer for this request is already being received "
@@ -358,8 +493,17 @@ class KVReceiver:
             self._start_receive(offer, res)
 
     def _start_receive(self, offer: _Offer, res: _Reservation) -> None:
-        threading.Thread(target=self._serve, args=(offer, res), daemon=True,
+        with self._lock:
+            offer.pair.receiving += 1
+        threading.Thread(target=self._serve_counted, args=(offer, res), daemon=True,
                          name=f"kvx-recv-{res.handle.request_id}").start()
+
+    def _serve_counted(self, offer: _Offer, res: _Reservation) -> None:
+        try:
+            self._serve(offer, res)
+        finally:
+            with self._lock:
+                offer.pair.receiving -= 1
 
     def _serve(self, offer: _Offer, res: _Reservation) -> None:
         pair, header, handle = offer.pair, offer.header, res.handle
@@ -385,8 +529,7 @@ class KVReceiver:
             if (direct and not handle.seal()) or not handle.advance(TransferState.RECEIVING):
                 pair.refuse(header.seq, f"reservation already {handle.state.value}")
                 return
-            if pair.decide(header.seq, ACCEPT_DIRECT if direct else ACCEPT) not in (
-                    ACCEPT, ACCEPT_DIRECT):
+            if not pair.decide(header.seq, ACCEPT_DIRECT if direct else ACCEPT):
                 handle.advance(TransferState.FAILED,
                                f"prefill worker {pair.name!r} withdrew the offer (it timed out "
                                "waiting for the accept)")

@@ -19,6 +19,13 @@ Store keys (under :data:`ROOT`; pair keys through :func:`pair_store`)::
     pair/<id>/replies       queue of "<s>": decision s was set by the receiver
     pair/<id>/closed        set when the receiver closed the pair, with the reason
 
+With a cluster key (``TransferConfig.auth_key``; :mod:`workers.transfer.auth`) a join is
+``J v2 <id> <backend> <ts> <nonce> <mac> <name>``, an offer is ``S`` + stamp + header +
+block ids, a bye ``B<id> <ts> <nonce> <mac>``; accepts (``join/<id>``, decisions) are
+followed by their 32-byte MAC, and the values of ``pair/<id>/pg/...`` by theirs
+(:class:`SignedStore`). ``STOP`` is honoured only from the process itself (it is shutting
+down), never because a store client pushed one.
+
 A ``TCPStore`` client serialises its calls on one socket, so a blocking wait holds up
 every other call on that client: each blocking loop (the receiver's inbox, a sender
 pair's replies) owns a client, and everything else makes only quick calls on a shared
@@ -29,6 +36,7 @@ hosts (seen: 1 in ~10 torch TCPStore connects taking 5 s inside a gVisor sandbox
 from __future__ import annotations
 
 import datetime
+import hmac
 import logging
 import socket
 import threading
@@ -37,12 +45,14 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 
+from workers.transfer.auth import MAC_BYTES, ChannelAuth
 from workers.transfer.state import TransferHandle
 
 log = logging.getLogger(__name__)
 
 ROOT = "pdserve/kvx/v1"
 JOIN_PREFIX = b"J"
+SIGNED_OFFER_PREFIX = b"S"
 BYE_PREFIX = b"B"
 STOP = b"STOP"
 ACCEPT = b"A"  # staged framing
@@ -118,6 +128,60 @@ def new_process_group(backend: str, store: dist.Store, rank: int, host: str,
         opts.is_high_priority_stream = False
         return nccl(store, rank, 2, opts)
     raise ValueError(f"unknown transfer backend {backend!r}; use 'gloo' or 'nccl'")
+
+
+class SignedStore(dist.Store):
+    """A pair's rendezvous keys with every value followed by its MAC, bound to the pair's
+    session: the process group connects only to an address one of the two ends wrote.
+    Implements what gloo's (and NCCL's) rendezvous calls: set, get, wait, add, check."""
+
+    def __init__(self, inner: dist.Store, auth: ChannelAuth, audience: str, session: bytes,
+                 pair_id: int) -> None:
+        super().__init__()
+        self._inner, self._auth = inner, auth
+        self._scope = (audience, session, pair_id)
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        audience, session, pair_id = self._scope
+        return self._auth.tag("rendezvous", audience, session, pair_id, key, value)
+
+    def set(self, key: str, value: bytes | str) -> None:
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        self._inner.set(key, raw + self._tag(key, raw))
+
+    def get(self, key: str) -> bytes:
+        raw = self._inner.get(key)
+        value, mac = raw[:-MAC_BYTES], raw[-MAC_BYTES:]
+        if len(raw) < MAC_BYTES or not hmac.compare_digest(mac, self._tag(key, value)):
+            raise RuntimeError(f"rendezvous value {key!r} of pair {self._scope[2]} failed "
+                               "authentication: written by a process without the cluster "
+                               "secret")
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if timeout is None:
+            self._inner.wait(keys)
+        else:
+            self._inner.wait(keys, timeout)
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._inner.set_timeout(timeout)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+
+def rendezvous_store(pair_keys: dist.Store, auth: ChannelAuth | None, audience: str,
+                     session: bytes, pair_id: int) -> dist.Store:
+    """The store a pair's process group meets on (signed when there is a key)."""
+    keys = dist.PrefixStore("pg", pair_keys)
+    return keys if auth is None else SignedStore(keys, auth, audience, session, pair_id)
 
 
 def is_timeout(exc: BaseException) -> bool:

@@ -11,6 +11,10 @@ A send runs on its own daemon thread:
 4. on accept, send the payload messages in the framing the receiver chose, each wait
    bounded by ``data_timeout_s``.
 
+With a cluster key the join, every offer and the bye are stamped and MACed, and the
+decode side's accepts must carry its MAC (:mod:`workers.transfer.auth`): KV goes only to
+a peer that holds the key, whatever address a caller named.
+
 A transport error closes the pair; the next send to that address opens a fresh one (a
 new pair id, so nothing stale can match). A pair the receiver closed before anything was
 offered is replaced at once.
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from workers.transfer.auth import MAC_BYTES, ChannelAuth
 from workers.transfer.blocks import PagedSource, TensorSource, gather_blocks
 from workers.transfer.channel import ChannelError, TransferConfig
 from workers.transfer.header import (
@@ -44,12 +49,14 @@ from workers.transfer.rendezvous import (
     JOIN_PREFIX,
     REFUSE_PREFIX,
     ROOT,
+    SIGNED_OFFER_PREFIX,
     STOP,
     connect_store,
     is_timeout,
     new_process_group,
     pair_store,
     parse_address,
+    rendezvous_store,
     settle_when_resolved,
     td,
     wait_key,
@@ -68,8 +75,10 @@ class _SendPair:
     """Rank 0 of one pair: its process group, its store calls, its reply thread."""
 
     def __init__(self, address: str, pair_id: int, pg: dist.ProcessGroup, root: dist.Store,
-                 config: TransferConfig):
+                 config: TransferConfig, auth: ChannelAuth | None = None,
+                 session: bytes = b""):
         self.address, self.pair_id, self.pg, self.config = address, pair_id, pg, config
+        self.auth, self.session = auth, session
         self.root = root  # quick calls only (one shared client)
         self.store = pair_store(root, pair_id)
         self.slots = threading.BoundedSemaphore(config.pair_concurrency)
@@ -103,10 +112,34 @@ class _SendPair:
         for ev in waiters:
             ev.set()
         try:
-            self.root.queue_push("inbox", BYE_PREFIX + str(self.pair_id).encode())
+            self.root.queue_push("inbox", self.signed(BYE_PREFIX, "bye", str(self.pair_id)))
             self.store.queue_push("replies", STOP)
         except Exception:  # noqa: BLE001 - the peer's store may be dead; nothing to tell
             pass
+
+    def signed(self, prefix: bytes, kind: str, body: str) -> bytes:
+        """``prefix + body``, and its stamp when the channel is keyed."""
+        if self.auth is None:
+            return prefix + body.encode()
+        stamp = self.auth.stamp(kind, self.address, self.session, body.encode())
+        return prefix + f"{body} {stamp.to_text()}".encode()
+
+    def offer(self, body: bytes) -> bytes:
+        if self.auth is None:
+            return body
+        stamp = self.auth.stamp("offer", self.address, self.session, body)
+        return SIGNED_OFFER_PREFIX + stamp.to_bytes() + body
+
+    def accepted(self, seq: int, answer: bytes) -> bytes | None:
+        """ACCEPT or ACCEPT_DIRECT when ``answer`` is the receiver's accept of transfer
+        ``seq`` (with its MAC, when keyed); None otherwise."""
+        if self.auth is None:
+            return answer if answer in (ACCEPT, ACCEPT_DIRECT) else None
+        value, mac = answer[:-MAC_BYTES], answer[-MAC_BYTES:]
+        if value in (ACCEPT, ACCEPT_DIRECT) and self.auth.check_tag(
+                mac, "decision", self.address, self.session, self.pair_id, seq, value):
+            return value
+        return None
 
     def join_and_shutdown(self, timeout_s: float) -> None:
         """After :meth:`close`: wait for the reply thread, then shut the process group
@@ -133,9 +166,16 @@ class _SendPair:
                 self.close(f"decode worker's store unreachable: {e}")
                 return
             if msg == STOP:
-                return
+                if self.broken is not None:
+                    return
+                continue  # not ours: any store client can push one
+            try:
+                seq = int(msg)
+            except ValueError:
+                log.warning("pair %d: ignoring reply %r", self.pair_id, msg[:32])
+                continue
             with self._lock:
-                ev = self._waiters.get(int(msg))
+                ev = self._waiters.get(seq)
             if ev is not None:
                 ev.set()
 
@@ -149,7 +189,9 @@ class KVSender:
 
     def __init__(self, name: str, config: TransferConfig | None = None):
         self.name = name
-        self.config = config or TransferConfig()
+        self.config = cfg = config or TransferConfig()
+        self._auth = (ChannelAuth(cfg.auth_key, cfg.auth_max_skew_s, cfg.auth_max_nonces)
+                      if cfg.auth_key is not None else None)
         self._counters = StateCounters()
         self._lock = threading.Lock()
         self._pairs: dict[str, _SendPair] = {}
@@ -293,7 +335,7 @@ class KVSender:
             header = TransferHeader(request_id64(handle.request_id), seq, pair.pair_id, n,
                                     layout, layout.payload_bytes(n), chunk_planes)
             key = f"decision/{seq}"
-            pair.root.queue_push("inbox", encode_offer(header, block_ids))
+            pair.root.queue_push("inbox", pair.offer(encode_offer(header, block_ids)))
             if decided.wait(max(deadline - time.monotonic(), 0.0)) and pair.broken is None:
                 answer = pair.store.get(key)
             else:
@@ -311,11 +353,14 @@ class KVSender:
                            f"decode worker at {pair.address} refused {handle.request_id!r}: "
                            + answer.removeprefix(REFUSE_PREFIX).decode(errors="replace"))
             return True
-        if answer not in (ACCEPT, ACCEPT_DIRECT):
-            raise ChannelError(f"unknown decision {answer[:16]!r} for transfer {seq}")
+        decision = pair.accepted(seq, answer)
+        if decision is None:  # the pair is closed by the caller: nothing is sent on it
+            raise ChannelError(f"decision {answer[:16]!r} for transfer {seq} is neither a "
+                               "refusal nor an accept from the decode worker"
+                               + (" (its MAC does not verify)" if pair.auth else ""))
         handle.advance(TransferState.SENDING)
         on_wire = (lambda t: t) if self.config.backend == "nccl" else (lambda t: t.cpu())
-        plan = message_plan(header, block_ids, direct=answer == ACCEPT_DIRECT)
+        plan = message_plan(header, block_ids, direct=decision == ACCEPT_DIRECT)
         drop = bool(self.config.fault_drop_midway) and (
             self.config.fault_drop_midway in handle.request_id)
         if drop:  # fault injection: the link goes away after half the payload
@@ -384,19 +429,39 @@ class KVSender:
         host, port = parse_address(address)
         root = dist.PrefixStore(ROOT, connect_store(host, port, cfg.connect_timeout_s))
         pair_id = root.add("pair_seq", 1)
-        root.queue_push("inbox", JOIN_PREFIX + f"v1 {pair_id} {cfg.backend} {self.name}".encode())
+        session, join = self.join_message(address, pair_id)
+        root.queue_push("inbox", join)
         answer = wait_key(root, f"join/{pair_id}", cfg.connect_timeout_s)
         if answer is None:
             raise ChannelError(f"decode worker did not answer join {pair_id} within "
                                f"{cfg.connect_timeout_s}s (timeout)")
-        if answer != ACCEPT:
-            raise ChannelError(f"join refused: {answer.removeprefix(REFUSE_PREFIX).decode()}")
+        if answer.startswith(REFUSE_PREFIX):
+            raise ChannelError("join refused: "
+                               + answer.removeprefix(REFUSE_PREFIX).decode(errors="replace"))
+        expected = ACCEPT if self._auth is None else ACCEPT + self._auth.tag(
+            "join-accept", address, session, pair_id)
+        if answer != expected:
+            raise ChannelError(f"the answer to join {pair_id} from {address} is not an accept "
+                               + ("signed with this cluster's secret; sending nothing there"
+                                  if self._auth else f"({answer[:16]!r})"))
         # The client is ours alone until the pair exists, so the rendezvous may block it.
         keys = pair_store(root, pair_id)
-        pg = new_process_group(cfg.backend, dist.PrefixStore("pg", keys), 0, cfg.host,
-                               cfg.connect_timeout_s)
+        pg = new_process_group(cfg.backend,
+                               rendezvous_store(keys, self._auth, address, session, pair_id),
+                               0, cfg.host, cfg.connect_timeout_s)
         if wait_key(keys, "ready", cfg.connect_timeout_s) is None:
             raise ChannelError(f"decode worker did not register pair {pair_id} (timeout)")
         log.info("transfer pair %d open: %s -> %s (%s)", pair_id, self.name, address,
                  cfg.backend)
-        return _SendPair(address, pair_id, pg, root, cfg)
+        return _SendPair(address, pair_id, pg, root, cfg, self._auth, session)
+
+    def join_message(self, address: str, pair_id: int) -> tuple[bytes, bytes]:
+        """(session, the inbox message asking the decode worker at ``address`` for pair
+        ``pair_id``): ``J v1 <id> <backend> <name>``, or with a key ``J v2 <id> <backend>
+        <stamp> <name>``, whose nonce is the pair's session."""
+        backend = self.config.backend
+        if self._auth is None:
+            return b"", JOIN_PREFIX + f"v1 {pair_id} {backend} {self.name}".encode()
+        stamp = self._auth.stamp("join", address, b"", f"{pair_id} {backend} {self.name}".encode())
+        return stamp.nonce, JOIN_PREFIX + (f"v2 {pair_id} {backend} {stamp.to_text()} "
+                                           f"{self.name}").encode()

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class TransferState(enum.Enum):
@@ -67,6 +67,9 @@ class ChannelStats:
     pairs_open: int
     busy_s: float = 0.0
     """Sum over done transfers of KV ready -> landed (the sender measures it)."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """Control messages not acted on, by why: ``bad_mac``, ``stale``, ``replay``,
+    ``unauthenticated``, ``pairs_full``, ``parked_full``, ... (see the receiver)."""
 
     @property
     def in_flight(self) -> int:
@@ -82,6 +85,7 @@ class StateCounters:
         self._current = dict.fromkeys(TransferState, 0)
         self._bytes = 0
         self._busy = 0.0
+        self._refused: dict[str, int] = {}
 
     def record(self, old: TransferState | None, new: TransferState) -> None:
         with self._lock:
@@ -98,11 +102,15 @@ class StateCounters:
         with self._lock:
             self._busy += seconds
 
+    def refuse(self, why: str) -> None:
+        with self._lock:
+            self._refused[why] = self._refused.get(why, 0) + 1
+
     def snapshot(self, pairs_open: int) -> ChannelStats:
         with self._lock:
             return ChannelStats({s.value: n for s, n in self._entered.items()},
                                 {s.value: n for s, n in self._current.items()},
-                                self._bytes, pairs_open, self._busy)
+                                self._bytes, pairs_open, self._busy, dict(self._refused))
 
 
 @dataclass(frozen=True)

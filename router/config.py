@@ -1,0 +1,48 @@
+"""The router's typed configuration: checked once at construction, never mutated.
+
+Its own module so every part of the router (the pool, the lifecycle, the server) can
+take it without importing the lifecycle that composes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .limits import TenantLimits
+from .policies import make_policy
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    workers: tuple[str, ...]
+    model_path: str  # tokenizer and chat template come from here
+    model_name: str
+    max_in_flight: int = 256
+    connect_timeout_s: float = 120.0
+    down_s: float = 5.0
+    """How long a worker that failed a call is passed over (unless all are)."""
+    redis_url: str | None = None
+    """The shared prefix index and worker registry; workers found there join the pools
+    (beside any given in ``workers``) and leave when their heartbeat expires."""
+    policy: str = "cache_aware"
+    """How prefill (or mixed) workers are chosen: see :mod:`router.policies`."""
+    discovery_interval_s: float = 1.0
+    migration_limit: int = 3
+    """How many times a request may move to another worker after its worker failed."""
+    tenant_max_concurrency: int = 0
+    """Requests a tenant may have in flight (0: unlimited), unless its key line says."""
+    tenant_tokens_per_minute: int = 0
+    """Tokens (prompt + max_tokens, settled to what was used) a tenant may spend per
+    minute (0: unlimited), unless its key line says; see :mod:`router.limits`."""
+
+    def __post_init__(self) -> None:
+        if not self.workers and not self.redis_url:
+            raise ValueError("the router needs worker addresses or a registry (redis_url)")
+        make_policy(self.policy)  # validates the name
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        self.tenant_limits()  # validates them
+
+    def tenant_limits(self) -> TenantLimits:
+        """Every tenant's limits unless its key line overrides them."""
+        return TenantLimits(self.tenant_max_concurrency, self.tenant_tokens_per_minute)
