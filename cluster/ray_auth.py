@@ -12,7 +12,22 @@ answers UNAUTHENTICATED; one that answers the call lets anyone in.
 
 from __future__ import annotations
 
+import os
+
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
+
+
+def use_token_auth() -> None:
+    """Token authentication for this process and the Ray daemons it starts. Ray takes
+    the mode from ``RAY_AUTH_MODE`` only, and reads it into its config once, on import;
+    setting the variable later needs the config re-read, which is what Ray does itself
+    when it turns token auth on for a fresh cluster (``_enable_token_auth``)."""
+    os.environ[AUTH_MODE_ENV] = "token"
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:  # another Ray: the GCS probe after ray.init still checks the result
+        return
+    _enable_token_auth()
 
 
 class RayAuthError(RuntimeError):

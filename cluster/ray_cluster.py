@@ -53,7 +53,7 @@ from ray.util.scheduling_strategies import (
 from common.redis_url import password_of, without_password
 
 from .deployment import ROLES, DeploymentConfig
-from .ray_auth import AUTH_MODE_ENV, RayAuthError, require_token_auth
+from .ray_auth import RayAuthError, require_token_auth, use_token_auth
 
 log = logging.getLogger(__name__)
 
@@ -361,9 +361,7 @@ def connect(address: str | None, host: str = "127.0.0.1", dashboard: bool = True
     authentication, and the cluster (fresh or joined) must refuse calls without the
     token, else :class:`~cluster.ray_auth.RayAuthError` (after disconnecting)."""
     if require_token:
-        # Ray takes its auth mode from the environment only, read by ray.init and
-        # inherited by the daemons a fresh cluster starts (ray._private.authentication).
-        os.environ[AUTH_MODE_ENV] = "token"
+        use_token_auth()
         if address and re.fullmatch(r"[\w.-]+:\d+", address):
             require_token_auth(address)  # before ray.init asks for a token it needs not
     if address:

@@ -38,11 +38,12 @@ class GrpcBackend:
 
     name = "grpc"
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, api_key: str | None = None,
+                 tls_ca: str | None = None) -> None:
         from router.client import AsyncClient
 
         self.target = target
-        self._client = AsyncClient(target)
+        self._client = AsyncClient(target, tls_ca, api_key=api_key)
 
     async def __aenter__(self) -> GrpcBackend:
         await self._client.__aenter__()
@@ -79,14 +80,17 @@ class OpenAIBackend:
 
     name = "openai"
 
-    def __init__(self, base_url: str, model: str | None = None) -> None:
+    def __init__(self, base_url: str, model: str | None = None,
+                 api_key: str | None = None) -> None:
         self.base_url, self.model = base_url.rstrip("/"), model
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session = None
 
     async def __aenter__(self) -> OpenAIBackend:
         import aiohttp
 
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                              headers=self._headers)
         if self.model is None:  # the server's first model, as the peers' clients do
             async with self._session.get(f"{self.base_url}/v1/models") as r:
                 r.raise_for_status()

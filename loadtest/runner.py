@@ -43,6 +43,10 @@ class RunOptions:
     """Multi-turn: pause between a reply and the conversation's next turn."""
     model: str | None = None
     """OpenAI backend: the model name to send (default: the server's first)."""
+    api_key: str | None = None
+    """Sent as ``Authorization: Bearer`` (both backends) when the server wants keys."""
+    tls_ca: str | None = None
+    """gRPC backend: the CA that signed a TLS router's certificate."""
     queue_interval_s: float = 0.5
 
 
@@ -53,8 +57,8 @@ def _is_http(target: str) -> bool:
 def backend_for(opts: RunOptions) -> Backend:
     """Build inside the event loop that will use it (gRPC's aio channel binds to it)."""
     if _is_http(opts.target):
-        return OpenAIBackend(opts.target, opts.model)
-    return GrpcBackend(opts.target)
+        return OpenAIBackend(opts.target, opts.model, opts.api_key)
+    return GrpcBackend(opts.target, opts.api_key, opts.tls_ca)
 
 
 class _Progress:

@@ -9,7 +9,7 @@ import sys
 
 from workers.engine.params import DTYPES
 
-from .options import EXIT_INVALID, cache_dir
+from .options import EXIT_INVALID, add_api_key_flag, cache_dir, client_api_key
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -101,6 +101,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--target", default="127.0.0.1:50051",
                    help="router gRPC HOST:PORT, or http://HOST:PORT of any OpenAI-compatible "
                         "server (pdserve's HTTP front, vLLM, ...)")
+    b.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="gRPC target serves TLS: trust this CA certificate")
+    add_api_key_flag(b)
     b.add_argument("--model", default=None,
                    help="OpenAI target: the model name to send (default: its first model)")
     b.add_argument("--num-requests", type=int, default=100,
@@ -227,7 +230,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"target {args.target}", file=sys.stderr)
     opts = RunOptions(args.target, tuple(requests), tuple(times), args.max_concurrency, slo,
                       progress=not args.no_progress, think_time_s=args.think_time_s,
-                      model=args.model)
+                      model=args.model, api_key=client_api_key(args), tls_ca=args.tls_ca)
     if args.sweep_rates:
         try:
             rates = [float(r) for r in args.sweep_rates.split(",")]

@@ -10,7 +10,14 @@ import time
 
 from workers.engine.params import InvalidRequestError
 
-from .options import EXIT_INVALID, add_engine_flags, cache_dir, engine_options
+from .options import (
+    EXIT_INVALID,
+    add_api_key_flag,
+    add_engine_flags,
+    cache_dir,
+    client_api_key,
+    engine_options,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +58,7 @@ def _add_tls_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-server-name", default=None, metavar="NAME",
                    help="with --tls-ca: the name to check in the router's certificate "
                         "(default: the target's host)")
+    add_api_key_flag(p)
 
 
 def _client(args: argparse.Namespace):  # noqa: ANN202 - router.client.Client
@@ -58,7 +66,8 @@ def _client(args: argparse.Namespace):  # noqa: ANN202 - router.client.Client
     from router.client import Client
 
     try:
-        return Client(args.target, args.tls_ca, args.tls_server_name)
+        return Client(args.target, args.tls_ca, args.tls_server_name,
+                      api_key=client_api_key(args))
     except TLSError as e:
         print(f"pdserve {args.command}: {e}", file=sys.stderr)
         raise SystemExit(EXIT_INVALID) from None

@@ -153,3 +153,24 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "num_threads": args.threads,
         "device": args.device,
     }
+
+
+def add_api_key_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="the router wants API keys: send the key on this file's first line "
+                        "(default: $PDSERVE_API_KEY, else no key); never a key on the "
+                        "command line")
+
+
+def client_api_key(args: argparse.Namespace) -> str | None:
+    """The key a client command sends: ``--api-key-file``'s first line, else
+    ``$PDSERVE_API_KEY``; read here, once, at the edge."""
+    if getattr(args, "api_key_file", None):
+        try:
+            lines = Path(args.api_key_file).read_text().split()
+        except OSError as e:
+            raise SystemExit(f"pdserve: cannot read --api-key-file: {e.strerror}") from None
+        if not lines:
+            raise SystemExit(f"pdserve: --api-key-file {args.api_key_file} is empty")
+        return lines[0]
+    return os.environ.get("PDSERVE_API_KEY") or None
