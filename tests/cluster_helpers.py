@@ -24,11 +24,13 @@ def start(model: Path, log_dir: Path, **kw: object) -> LocalCluster:
     return cluster
 
 
-def assert_cluster_idle(cluster: LocalCluster, timeout: float = 15.0) -> None:
+def assert_cluster_idle(cluster: LocalCluster, timeout: float = 15.0,
+                        api_key: str | None = None) -> None:
     """No request running, waiting or reserved, every KV block free and no transfer in
-    flight, on every worker still serving (a test may have killed some)."""
+    flight, on every worker still serving (a test may have killed some). With API keys,
+    ``api_key`` must be an admin's (GetStatus is admin-only)."""
     deadline = time.monotonic() + timeout
-    with Client(cluster.target) as client:
+    with Client(cluster.target, cluster.config.client_tls_ca, api_key=api_key) as client:
         while True:
             status = client.status()
             busy = [w for w in status.workers if w.serving and (
