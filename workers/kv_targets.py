@@ -7,9 +7,10 @@ registry computes nothing and sends nothing for a target that no live decode wor
 registered as its ``kv_address``.
 
 A Prefill to a known address never waits for the registry: the view is refreshed in the
-background once it is older than ``refresh_s``. An address not in the view waits for one
-refresh (at most one read every ``miss_refresh_s``, shared by concurrent misses): a
-decode worker that joined a moment ago is found on its first request. An address stays
+background once it is older than ``refresh_s``. An address not in the view waits for a read
+that began after it was asked for (at most one read every ``miss_refresh_s``, shared by
+the misses waiting meanwhile): a decode worker that joined a moment ago is found on its
+first request, even when a read was already in flight. An address stays
 allowed for ``grace_s`` after it was last listed: a draining decode worker leaves the
 registry while it still serves what was routed to it, and a registry outage must not
 fail every transfer at once. While the registry does not answer, the last view holds
@@ -49,36 +50,46 @@ class KVTargets:
     async def allowed(self, address: str) -> bool:
         """Whether a live (or lately listed) decode worker registered ``address``. Waits
         for the registry (one round trip, off the event loop) only for an address it
-        does not know."""
-        since = self._clock() - self._attempted
+        does not know: for a read that began after this call did (a read already in
+        flight may predate the worker's registration), no sooner than ``miss_refresh_s``
+        after the previous one, shared by the misses waiting meanwhile."""
         if self._listed(address):
+            since = self._clock() - self._attempted
             if since > self.refresh_s and (self._background is None
                                            or self._background.done()):
                 self._background = asyncio.create_task(self.refresh())
             return True
-        if since > self.miss_refresh_s:
-            await self.refresh()
+        arrived = self._clock()
+        async with self._lock:  # behind a read in flight, which may list it
+            if not self._listed(address) and self._attempted < arrived:
+                wait = self._attempted + self.miss_refresh_s - self._clock()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                await self._read()
         return self._listed(address)
 
     async def refresh(self) -> None:
         """Read the registry once (unless another read has just been made)."""
-        async with self._lock:  # concurrent misses share one read
-            if self._clock() - self._attempted <= self.miss_refresh_s:
-                return
-            self._attempted = self._clock()
-            try:
-                entries = await asyncio.to_thread(self._live)
-            except Exception as e:  # noqa: BLE001 - Redis down: keep the last view
-                if not self._warned:
-                    log.warning("worker registry unreachable (%s); KV targets are checked "
-                                "against the last view", e)
-                    self._warned = True
-                return
-            self._warned = False
-            now = self._clock()
-            for w in entries:
-                if w.info.role == "decode" and w.info.kv_address:
-                    self._seen[w.info.kv_address] = now
-            for address, seen in list(self._seen.items()):
-                if now - seen > self.grace_s:
-                    del self._seen[address]
+        async with self._lock:
+            if self._clock() - self._attempted > self.miss_refresh_s:
+                await self._read()
+
+    async def _read(self) -> None:
+        """One registry read; the caller holds the lock."""
+        self._attempted = self._clock()
+        try:
+            entries = await asyncio.to_thread(self._live)
+        except Exception as e:  # noqa: BLE001 - Redis down: keep the last view
+            if not self._warned:
+                log.warning("worker registry unreachable (%s); KV targets are checked "
+                            "against the last view", e)
+                self._warned = True
+            return
+        self._warned = False
+        now = self._clock()
+        for w in entries:
+            if w.info.role == "decode" and w.info.kv_address:
+                self._seen[w.info.kv_address] = now
+        for address, seen in list(self._seen.items()):
+            if now - seen > self.grace_s:
+                del self._seen[address]

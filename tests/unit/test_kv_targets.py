@@ -70,3 +70,32 @@ def test_a_known_target_never_waits_and_expires_after_the_grace() -> None:
         assert not await targets.allowed("d:2")  # listed nowhere: refused
 
     asyncio.run(run())
+
+
+def test_a_miss_during_a_read_in_flight_waits_for_it_instead_of_being_refused() -> None:
+    """Found by test_disagg_e2e under load: a Prefill naming the second decode worker
+    arrived while the first decode worker's miss was still reading the registry and was
+    refused (the read in flight lists both). It now waits behind that read."""
+    async def run() -> None:
+        reg, clock = Registry(), Clock()
+        reg.add("decode", "a:1", "a:2")
+        reg.add("decode", "b:1", "b:2")
+        targets = KVTargets(reg.live, clock=clock)
+        assert await asyncio.gather(targets.allowed("a:2"), targets.allowed("b:2")) == [
+            True, True]
+        assert reg.reads == 1  # one read served both
+
+    asyncio.run(run())
+
+
+def test_a_decode_worker_registered_just_after_a_read_is_found_after_the_throttle() -> None:
+    async def run() -> None:
+        reg, clock = Registry(), Clock()
+        reg.add("decode", "a:1", "a:2")
+        targets = KVTargets(reg.live, miss_refresh_s=0.05, clock=clock)
+        assert await targets.allowed("a:2") and reg.reads == 1
+        reg.add("decode", "b:1", "b:2")  # joined just after that read
+        clock.t += 0.01  # asked within the throttle: waits it out, then reads
+        assert await targets.allowed("b:2") and reg.reads == 2
+
+    asyncio.run(run())
