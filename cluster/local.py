@@ -70,14 +70,18 @@ def banner(c: DeploymentConfig, threads: int, target: str, http_url: str | None,
     tls, cacert = (f" --tls-ca {ca}", f" --cacert {ca}") if ca else ("", "")
     if ca and http_url and http_url.startswith("http://"):
         http_url = "https://" + http_url.removeprefix("http://")
+    key_env, key_header = ("PDSERVE_API_KEY=YOUR_KEY ",
+                           " -H 'Authorization: Bearer YOUR_KEY'") if c.api_keys else ("", "")
     pools = ", ".join(f"{n} {role}" for role, n in c.pool_sizes().items() if n)
     lines = [f"pdserve is serving {os.path.basename(c.model)} with {pools} worker(s) "
              f"({threads} threads each).",
-             f"  gRPC:    pdserve generate --target {target}{tls} \"Hello\"",
-             f"           pdserve status --target {target}{tls}"]
+             f"  gRPC:    {key_env}pdserve generate --target {target}{tls} \"Hello\"",
+             f"           {key_env}pdserve status --target {target}{tls}"
+             + ("  (an admin key)" if key_env else "")]
     if http_url:
         lines.append(
-            f"  HTTP:    curl{cacert} {http_url}/v1/chat/completions -H 'Content-Type: "
+            f"  HTTP:    curl{cacert} {http_url}/v1/chat/completions{key_header} -H "
+            "'Content-Type: "
             "application/json' -d '{\"messages\": [{\"role\": \"user\", \"content\": "
             "\"Hello\"}], \"max_tokens\": 32}'")
     if metrics_url:
