@@ -74,3 +74,21 @@ def cluster(tiny_checkpoints, tmp_path_factory):
     c = start(tiny_checkpoints["llama"], tmp_path_factory.mktemp("cluster-logs"))
     yield c
     c.stop()
+
+
+async def on_engine(loop, fn, timeout: float):  # noqa: ANN001, ANN201 - EngineLoop, any
+    """``fn()`` on the engine loop's thread, after every command posted before this call;
+    its result (or exception) comes back to the awaiting test."""
+    import asyncio
+
+    aloop = asyncio.get_running_loop()
+    fut: asyncio.Future = aloop.create_future()
+
+    def call() -> None:
+        try:
+            aloop.call_soon_threadsafe(fut.set_result, fn())
+        except Exception as e:  # noqa: BLE001 - back to the test
+            aloop.call_soon_threadsafe(fut.set_exception, e)
+
+    loop.call_soon(call)
+    return await asyncio.wait_for(fut, timeout)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from conftest import assert_no_leaks
+from conftest import on_engine as on_engine_within
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import workers.engine.llm_engine as llm_engine_module
@@ -93,17 +94,7 @@ def bench(tiny_checkpoints) -> Iterator[Bench]:
 
 async def on_engine(loop: EngineLoop, fn: Callable[[], object]) -> object:
     """``fn()`` on the engine thread, after every command posted before this call."""
-    aloop = asyncio.get_running_loop()
-    fut: asyncio.Future = aloop.create_future()
-
-    def call() -> None:
-        try:
-            aloop.call_soon_threadsafe(fut.set_result, fn())
-        except Exception as e:  # noqa: BLE001 - back to the test
-            aloop.call_soon_threadsafe(fut.set_exception, e)
-
-    loop.call_soon(call)
-    return await asyncio.wait_for(fut, WAIT_S)
+    return await on_engine_within(loop, fn, WAIT_S)  # type: ignore[no-any-return]
 
 
 async def _victims_and(loop: EngineLoop, prompts: list[list[int]], strike: Strike | None

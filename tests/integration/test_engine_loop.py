@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import pytest
 from conftest import assert_no_leaks
+from conftest import on_engine as on_engine_within
 
 from common.request import Request
 from workers.engine.llm_engine import LLMEngine
@@ -120,17 +121,7 @@ async def until(check: Callable[[], bool | Awaitable[bool]], what: str) -> None:
 
 async def on_engine(loop: EngineLoop, fn: Callable[[], R]) -> R:
     """``fn()`` on the engine thread, after every command posted before this call."""
-    aloop = asyncio.get_running_loop()
-    fut: asyncio.Future[R] = aloop.create_future()
-
-    def call() -> None:
-        try:
-            aloop.call_soon_threadsafe(fut.set_result, fn())
-        except Exception as e:  # noqa: BLE001 - back to the test
-            aloop.call_soon_threadsafe(fut.set_exception, e)
-
-    loop.call_soon(call)
-    return await asyncio.wait_for(fut, WAIT_S)
+    return await on_engine_within(loop, fn, WAIT_S)  # type: ignore[no-any-return]
 
 
 async def idle(loop: EngineLoop) -> None:
