@@ -30,7 +30,9 @@ def assert_cluster_idle(cluster: LocalCluster, timeout: float = 15.0,
     flight, on every worker still serving (a test may have killed some). With API keys,
     ``api_key`` must be an admin's (GetStatus is admin-only)."""
     deadline = time.monotonic() + timeout
-    with Client(cluster.target, cluster.config.client_tls_ca, api_key=api_key) as client:
+    config = getattr(cluster, "config", None)  # a LocalCluster; Ray tests pass a target
+    tls_ca = config.client_tls_ca if config is not None else None
+    with Client(cluster.target, tls_ca, api_key=api_key) as client:
         while True:
             status = client.status()
             busy = [w for w in status.workers if w.serving and (
