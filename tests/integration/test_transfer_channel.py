@@ -465,7 +465,9 @@ def test_cancel_while_receiving_stops_writes_and_keeps_the_pair(
     it = item("cancel-me", [1, 2], seed=21, layers=12)
     lay = layout_of(it)
     cache = new_cache(lay)
-    dest = SlowDestination(cache, [1, 2], 16, delay_s=0.1)
+    # 0.3 s a write: the cancel below must land before the payload ends, even when this
+    # thread is descheduled for a while on a loaded machine (0.1 s flaked once in CI).
+    dest = SlowDestination(cache, [1, 2], 16, delay_s=0.3)
     h = decode.expect("cancel-me", lay, [1, 2], dest)
     agents["prefill-a"].submit("send", address=decode.address, items=[it],
                                config={**TEST_CFG, "chunk_bytes": 1})  # 12 messages
