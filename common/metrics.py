@@ -97,6 +97,10 @@ CATALOG: tuple[Spec, ...] = (
          "KV transfers that reached a terminal state, by state "
          "(done, failed, timed_out, cancelled)", ("state",)),
     Spec("kv_transfers_in_flight", "gauge", "KV transfers not yet in a terminal state"),
+    Spec("kv_transfer_refused_total", "counter",
+         "KV-channel control messages a decode worker refused unacted on, by reason "
+         "(bad_mac, stale, replay, unauthenticated, pairs_full, parked_full, ...)",
+         ("reason",)),
     Spec("kv_transfer_busy_seconds_total", "counter",
          "KV ready -> landed, summed over done transfers (bytes / this = transfer rate)"),
 )

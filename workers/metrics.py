@@ -56,6 +56,8 @@ class WorkerMetrics:
             self._advance(f"xfer/{state}", stats.entered.get(state, 0), "kv_transfers_total",
                           state=state)
         m.set("kv_transfers_in_flight", stats.in_flight)
+        for reason, n in list(stats.refused.items()):  # reasons: a fixed set in the receiver
+            self._advance(f"refused/{reason}", n, "kv_transfer_refused_total", reason=reason)
 
     async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
         while not stop.is_set():
