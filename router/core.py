@@ -258,11 +258,13 @@ class Router:
             edge.check_request_id(req.request_id)
         try:
             sampling = sampling_from_proto(req.sampling)
-            kind = req.WhichOneof("prompt")
-            if kind == "token_ids":  # the length first, before copying up to millions of ids
+            if req.WhichOneof("prompt") == "token_ids":
+                # Checked before copying (up to millions of ids), and only once.
                 check_prompt(req.token_ids.ids, self.max_model_len, len(self.tokenizer))
-            ids = await self.tokenize(req)
-            check_prompt(ids, self.max_model_len, len(self.tokenizer))
+                ids = list(req.token_ids.ids)
+            else:
+                ids = await self.tokenize(req)
+                check_prompt(ids, self.max_model_len, len(self.tokenizer))
             request = Request(req.request_id or self.new_request_id(), tuple(ids), sampling,
                               req.cache_salt or None)  # checks the client's salt
         except InvalidRequestError as e:
