@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
 from router.client import Client
 
@@ -42,3 +44,16 @@ def assert_cluster_idle(cluster: LocalCluster, timeout: float = 15.0,
                 return
             assert time.monotonic() < deadline, f"KV blocks or requests leaked: {status}"
             time.sleep(0.05)
+
+
+def _interfaces() -> list[str]:
+    """Network interfaces of this process's namespace (/sys/class/net may be the host's)."""
+    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
+    return sorted(line.split(":", 1)[0].strip() for line in lines)
+
+
+needs_private_netns = pytest.mark.skipif(
+    _interfaces() != ["lo"],
+    reason="starts Ray, which binds every interface: run inside a private network namespace "
+           "(`make test` does: unshare -n with lo up)")
+"""For a module that starts Ray: ``pytestmark = needs_private_netns``."""

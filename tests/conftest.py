@@ -92,3 +92,19 @@ async def on_engine(loop, fn, timeout: float):  # noqa: ANN001, ANN201 - EngineL
 
     loop.call_soon(call)
     return await asyncio.wait_for(fut, timeout)
+
+
+async def engine_idle(loop, timeout: float) -> None:  # noqa: ANN001 - EngineLoop
+    """Wait (bounded) until the loop publishes nothing queued, running or reserved and
+    every block free; ``assert_no_leaks`` then reads the engine while its thread waits,
+    and reports a leak itself."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        load = loop.load()
+        if (load.running == load.waiting == load.reserved == 0
+                and load.free_blocks == load.total_blocks):
+            return
+        await asyncio.sleep(0.01)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-from conftest import assert_no_leaks
+from conftest import assert_no_leaks, engine_idle
 from conftest import on_engine as on_engine_within
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -155,13 +155,7 @@ async def _error_of(stream: AsyncIterator[object]) -> BaseException:
 
 
 async def _idle(loop: EngineLoop) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        load = loop.load()
-        if (load.running == load.waiting == load.reserved == 0
-                and load.free_blocks == load.total_blocks):
-            return
-        await asyncio.sleep(0.01)
+    await engine_idle(loop, WAIT_S)
 
 
 def _attacked(bench: Bench, strike: Strike,

@@ -11,7 +11,7 @@ from contextlib import suppress
 from typing import TypeVar
 
 import pytest
-from conftest import assert_no_leaks
+from conftest import assert_no_leaks, engine_idle
 from conftest import on_engine as on_engine_within
 
 from common.request import Request
@@ -125,16 +125,7 @@ async def on_engine(loop: EngineLoop, fn: Callable[[], R]) -> R:
 
 
 async def idle(loop: EngineLoop) -> None:
-    """Wait (bounded) until the loop publishes nothing queued, running or reserved and
-    every block free; ``assert_no_leaks`` then reads the engine while its thread waits,
-    and reports a leak itself."""
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        load = loop.load()
-        if (load.running == load.waiting == load.reserved == 0
-                and load.free_blocks == load.total_blocks):
-            return
-        await asyncio.sleep(0.01)
+    await engine_idle(loop, WAIT_S)
 
 
 async def greedy(loop: EngineLoop, ids: list[int]) -> list[int]:

@@ -13,22 +13,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
+from cluster_helpers import needs_private_netns
 
 from cluster.ray_auth import token_auth_enforced
 
-
-def _interfaces() -> list[str]:
-    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
-    return sorted(line.split(":", 1)[0].strip() for line in lines)
-
-
-pytestmark = pytest.mark.skipif(
-    _interfaces() != ["lo"],
-    reason="starts Ray, which binds every interface: run inside a private network namespace "
-           "(`make test` does: unshare -n with lo up)")
+pytestmark = needs_private_netns
 
 DRIVER = """
 import sys, ray

@@ -27,24 +27,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from cluster_helpers import assert_cluster_idle
+from cluster_helpers import assert_cluster_idle, needs_private_netns
 from conftest import hf_greedy
 from transformers import AutoTokenizer
 
 from cluster.local import free_port
 from router.client import AsyncClient, Client
 
-
-def _interfaces() -> list[str]:
-    """Network interfaces of this process's namespace (/sys/class/net may be the host's)."""
-    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
-    return sorted(line.split(":", 1)[0].strip() for line in lines)
-
-
-pytestmark = pytest.mark.skipif(
-    _interfaces() != ["lo"],
-    reason="starts Ray, which binds every interface: run inside a private network namespace "
-           "(`make test` does: unshare -n with lo up)")
+pytestmark = needs_private_netns
 
 PDSERVE = [sys.executable, "-m", "cluster.cli"]
 MAX_TOKENS = 16
