@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 
 from protos.pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
-from router.client import build_request
+from router.client import auth_metadata, build_request
 
 from .fuzz_checks import EndpointReport, Failure, FuzzReport, check_grpc, check_http
 from .fuzz_inputs import GrpcExample, HttpExample, grpc_examples, http_examples
@@ -127,8 +127,8 @@ class _Fuzzer:
 
     def __init__(self, config: FuzzConfig) -> None:
         self.config = config
-        self.metadata = _bearer(config.api_key)
-        self.status_metadata = _bearer(config.status_api_key or config.api_key)
+        self.metadata = auth_metadata(config.api_key)
+        self.status_metadata = auth_metadata(config.status_api_key or config.api_key)
         self.reference: list[int] = []
         self._nonce = uuid.uuid4().hex[:8]
         self._victim_runs = 0
@@ -306,10 +306,6 @@ class _Fuzzer:
         if status.requests_in_flight:
             report.settle_problems.append(
                 f"the router still has {status.requests_in_flight} requests in flight")
-
-
-def _bearer(key: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {key}"),) if key else ()
 
 
 def _strategy(endpoint: str, vocab: int, model: str) -> Any:

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .options import EXIT_INVALID
+from .options import EXIT_INVALID, read_key_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -38,22 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="OUT",
                    help="also write the report here, every distinct failure with an example")
     p.set_defaults(func=cmd_fuzz)
-
-
-def read_key_file(path: str) -> tuple[str, str]:
-    """(first key, first admin key or else the first key) of a ``KEY TENANT [admin]`` file."""
-    first: str | None = None
-    admin: str | None = None
-    for line in Path(path).read_text().splitlines():
-        words = line.split("#", 1)[0].split()
-        if not words:
-            continue
-        first = first or words[0]
-        if admin is None and "admin" in words[2:]:
-            admin = words[0]
-    if first is None:
-        raise ValueError(f"{path} holds no key (one `KEY TENANT [admin]` per line)")
-    return first, admin or first
 
 
 def cmd_fuzz(args: argparse.Namespace) -> int:

@@ -157,20 +157,36 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
 
 def add_api_key_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="the router wants API keys: send the key on this file's first line "
-                        "(default: $PDSERVE_API_KEY, else no key); never a key on the "
-                        "command line")
+                   help="the router wants API keys: send the first key of this file (the "
+                        "key alone, or `KEY TENANT ...` lines; default: $PDSERVE_API_KEY, "
+                        "else no key); never a key on the command line")
 
 
 def client_api_key(args: argparse.Namespace) -> str | None:
-    """The key a client command sends: ``--api-key-file``'s first line, else
-    ``$PDSERVE_API_KEY``; read here, once, at the edge."""
+    """The key a client command sends: the first key of ``--api-key-file`` (a file with
+    just the key, or a router's key file), else ``$PDSERVE_API_KEY``; read here, once, at
+    the edge."""
     if getattr(args, "api_key_file", None):
         try:
-            lines = Path(args.api_key_file).read_text().split()
+            return read_key_file(args.api_key_file)[0]
         except OSError as e:
             raise SystemExit(f"pdserve: cannot read --api-key-file: {e.strerror}") from None
-        if not lines:
-            raise SystemExit(f"pdserve: --api-key-file {args.api_key_file} is empty")
-        return lines[0]
+        except ValueError as e:
+            raise SystemExit(f"pdserve: --api-key-file: {e}") from None
     return os.environ.get("PDSERVE_API_KEY") or None
+
+
+def read_key_file(path: str) -> tuple[str, str]:
+    """(first key, first admin key or else the first key) of a ``KEY TENANT [admin]`` file."""
+    first: str | None = None
+    admin: str | None = None
+    for line in Path(path).read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        first = first or words[0]
+        if admin is None and "admin" in words[2:]:
+            admin = words[0]
+    if first is None:
+        raise ValueError(f"{path} holds no key (one `KEY TENANT [admin]` per line)")
+    return first, admin or first
