@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 import time
 from collections import Counter
@@ -29,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from benchmarks.machine import cpu_name
 from workers.engine.llm import LLM
 from workers.engine.params import SamplingParams
 from workers.models.decoder import DecoderModel
@@ -50,15 +50,7 @@ class BenchOptions:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    return f"{cpu_name()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

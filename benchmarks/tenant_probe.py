@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import tempfile
 import time
@@ -36,6 +35,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.machine import cpu_name
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
 
 VICTIM_KEY = "sk-probe-victim-" + "v" * 24
@@ -93,16 +93,6 @@ def _attack(url: str, victim_key: str | None, attacker_key: str | None,
             "attacker_cached_tokens_on_fresh": cached["miss"]}
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _prompts(rng: random.Random, n: int, length: int) -> list[list[int]]:
     # Ids from a range every supported tokenizer has as ordinary tokens; distinct first
     # tokens so no two prompts share a cached block.
@@ -116,7 +106,7 @@ def run(o: TenantProbeOptions) -> dict:
         "workload": f"{o.secrets} secret + {o.secrets} fresh prompts of {o.prompt_tokens} "
                     "tokens, max_tokens 1, one request at a time, 1 prefill + 1 decode",
         "model": Path(o.model).name,
-        "machine": f"{_cpu()}, {os.cpu_count()} cpus",
+        "machine": f"{cpu_name()}, {os.cpu_count()} cpus",
         "modes": {},
     }
     with tempfile.TemporaryDirectory(prefix="pdserve-probe-") as tmp:
