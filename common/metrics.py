@@ -62,6 +62,11 @@ CATALOG: tuple[Spec, ...] = (
     Spec("request_migrations_total", "counter",
          "Requests moved to another worker after theirs failed mid-stream"),
     Spec("workers", "gauge", "Workers the router routes to, by role", ("role",)),
+    Spec("stream_messages_total", "counter",
+         "Stream messages through the router, by hop: worker (received from workers), "
+         "grpc (sent to gRPC clients), http (SSE events written)", ("hop",)),
+    Spec("stream_bytes_total", "counter",
+         "Bytes of those messages, by hop (serialized protobuf; SSE event bytes)", ("hop",)),
     # the prefix index, as its user sees it (common/prefix_index: InstrumentedIndex)
     Spec("prefix_index_lookups_total", "counter",
          "Prefix-index lookups, by backend (redis, memory, ...)", ("backend",)),
@@ -89,6 +94,13 @@ CATALOG: tuple[Spec, ...] = (
     Spec("prefix_cache_hits_total", "counter",
          "Prompt tokens found in this worker's prefix cache"),
     Spec("engine_generation_tokens_total", "counter", "Tokens this engine generated"),
+    Spec("engine_forward_seconds_total", "counter",
+         "Wall time in the model's forward (the engine thread), summed over steps"),
+    Spec("engine_forward_cpu_seconds_total", "counter",
+         "CPU time the engine thread itself spent in the forward (its intra-op helper "
+         "threads not included)"),
+    Spec("engine_thread_cpu_seconds_total", "counter",
+         "CPU time of the engine thread: forward, scheduling, bookkeeping, hand-offs"),
     Spec("engine_requests_finished_total", "counter",
          "Requests this engine finished, by reason (stop, length, abort, remote)",
          ("finished_reason",)),

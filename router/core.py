@@ -61,6 +61,7 @@ from common.redis_url import connect as connect_redis
 from common.registry import WorkerRegistry
 from common.request import Request
 from common.sampling import InvalidRequestError, check_prompt
+from common.threads import TOKENIZER, name_native_thread
 from common.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
 
@@ -144,7 +145,9 @@ class Router:
         self.tokenizer = tokenizer
         # One thread: tokenizing is CPU work that must not stall the event loop, and a
         # Hugging Face tokenizer is not safe to call from several threads at once.
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenize")
+        self._tokenizer_thread = ThreadPoolExecutor(
+            1, thread_name_prefix="pdserve-tokenize", initializer=name_native_thread,
+            initargs=(TOKENIZER,))
         self.limiter = TenantLimiter(config.tenant_limits())
         self._in_flight = 0
         self._ids = itertools.count()
@@ -276,6 +279,12 @@ class Router:
 
     # -- the request lifecycle -------------------------------------------------------------
 
+    def count_sent(self, hop: str, nbytes: int) -> None:
+        """One stream message of ``nbytes`` on ``hop`` (``grpc``, ``http``; the router
+        counts ``worker`` itself): messages and bytes per token, per hop."""
+        self.metrics.inc("stream_messages_total", hop=hop)
+        self.metrics.inc("stream_bytes_total", nbytes, hop=hop)
+
     async def generate(
         self, req: api_pb2.GenerateRequest, timeout: float | None = None,
         caller: Principal | None = None,
@@ -317,6 +326,7 @@ class Router:
                                                 timeout, routing)
                 try:
                     async for msg in source:
+                        self.count_sent("worker", msg.ByteSize())
                         if msg.token_ids:
                             now = time.monotonic()
                             if generated:

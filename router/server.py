@@ -103,6 +103,7 @@ class PDServeServicer(api_pb2_grpc.PDServeServicer):
         try:
             async for msg in self._router.generate(request, context.time_remaining(),
                                                    caller=current_caller()):
+                self._router.count_sent("grpc", msg.ByteSize())
                 yield msg
         except Exception as e:  # noqa: BLE001 - every failure leaves through _abort
             await _abort(context, e, request.request_id)

@@ -41,11 +41,13 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.request import Request
 from common.sampling import InvalidRequestError
+from common.threads import ENGINE, name_native_thread
 
 from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput
 from .engine.surface import EngineLoad
@@ -68,6 +70,9 @@ class EngineCounters:
     prompt_tokens: int = 0  # of finished requests
     cached_prompt_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
+    thread_cpu_s: float = 0.0  # the engine thread's CPU time, after the last step
+    forward_s: float = 0.0  # wall time in the model's forward
+    forward_cpu_s: float = 0.0  # the engine thread's CPU time in the forward
 
     def count(self, output: RequestOutput) -> None:
         self.generation_tokens += len(output.new_token_ids)
@@ -219,6 +224,7 @@ class EngineLoop:
         return dataclasses.replace(load, reserved=load.reserved + len(self._pending))
 
     def _run(self) -> None:
+        name_native_thread(ENGINE)  # before the first forward: its helpers inherit it
         try:
             self._serve()
             return
@@ -268,6 +274,9 @@ class EngineLoop:
                 self._load = self._snapshot()
                 for output in outputs:
                     self._emit(output)
+                c = self.counters
+                c.forward_s, c.forward_cpu_s = engine.runner.forward_s, engine.runner.forward_cpu_s
+                c.thread_cpu_s = time.thread_time()
             self._reserve_pending()
             self._load = self._snapshot()
             if self._runnable() and engine.last_step_empty:

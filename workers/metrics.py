@@ -42,6 +42,9 @@ class WorkerMetrics:
         used = load.total_blocks - load.free_blocks
         m.set("kv_cache_usage_perc", used / load.total_blocks if load.total_blocks else 0.0)
         self._advance("gen", c.generation_tokens, "engine_generation_tokens_total")
+        self._advance("fwd", c.forward_s, "engine_forward_seconds_total")
+        self._advance("fwd_cpu", c.forward_cpu_s, "engine_forward_cpu_seconds_total")
+        self._advance("thread_cpu", c.thread_cpu_s, "engine_thread_cpu_seconds_total")
         self._advance("queries", c.prompt_tokens, "prefix_cache_queries_total")
         self._advance("hits", c.cached_prompt_tokens, "prefix_cache_hits_total")
         for reason, n in list(c.finished.items()):

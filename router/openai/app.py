@@ -285,7 +285,9 @@ class OpenAIFront:
                 while True:
                     chunk = renderer.chunk(msg)
                     if chunk is not None:
-                        await resp.write(sse(chunk))
+                        event = sse(chunk)
+                        self.router.count_sent("http", len(event))
+                        await resp.write(event)
                     if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                         break
                     msg = await _next_message(gen, call.id)

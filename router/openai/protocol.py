@@ -84,6 +84,9 @@ class RouterLike(Protocol):
         caller: Principal | None = None,
     ) -> AsyncIterator[api_pb2.GenerateResponse]: ...
 
+    def count_sent(self, hop: str, nbytes: int) -> None:
+        """Count one stream message of ``nbytes`` sent to a client on ``hop``."""
+
 
 class ApiError(Exception):
     """An error answered with an HTTP status that has no gRPC code (413, 404 route, 401,

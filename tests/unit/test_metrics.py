@@ -54,6 +54,7 @@ def test_worker_sampler_turns_totals_into_counter_increments() -> None:
     sampler = WorkerMetrics(m, loop, lambda: stats)  # type: ignore[arg-type]
     counters.generation_tokens, counters.prompt_tokens, counters.cached_prompt_tokens = 10, 64, 32
     counters.finished["stop"] = 2
+    counters.forward_s, counters.forward_cpu_s, counters.thread_cpu_s = 2.0, 1.5, 2.5
     sampler.sample()
     counters.generation_tokens += 5
     counters.finished["stop"] += 1
@@ -63,6 +64,9 @@ def test_worker_sampler_turns_totals_into_counter_increments() -> None:
     sampler.sample()
     text = m.text()
     assert sample(text, 'pdserve:engine_generation_tokens_total{role="prefill"}') == 15
+    assert sample(text, 'pdserve:engine_forward_seconds_total{role="prefill"}') == 2.0
+    assert sample(text, 'pdserve:engine_forward_cpu_seconds_total{role="prefill"}') == 1.5
+    assert sample(text, 'pdserve:engine_thread_cpu_seconds_total{role="prefill"}') == 2.5
     assert sample(text, 'pdserve:prefix_cache_hits_total{role="prefill"}') == 32
     assert sample(text, 'pdserve:engine_requests_finished_total{finished_reason="stop"') == 3
     assert sample(text, 'pdserve:kv_transfers_total{role="prefill",state="done"}') == 6

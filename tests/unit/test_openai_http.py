@@ -70,6 +70,10 @@ class ScriptedRouter:
         self.callers: list[Principal | None] = []
         self.exit: str | None = None
         self.closed = asyncio.Event()
+        self.sent: list[tuple[str, int]] = []
+
+    def count_sent(self, hop: str, nbytes: int) -> None:
+        self.sent.append((hop, nbytes))
 
     async def generate(self, req: api_pb2.GenerateRequest, timeout: float | None = None,
                        caller: Principal | None = None
@@ -352,6 +356,9 @@ def test_completion_stream_concatenates_and_ends_with_done() -> None:
         assert "usage" not in c
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["stop"]
     assert router.exit in ("done", "GeneratorExit")
+    # Every content event is counted on the http hop, with its bytes (the profile's input).
+    events_bytes = [len(b"data: " + e.encode() + b"\n\n") for e in events[:-1]]
+    assert router.sent == [("http", n) for n in events_bytes]
 
 
 def test_chat_stream_with_include_usage() -> None:

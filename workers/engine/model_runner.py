@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,11 @@ class ModelRunner:
             dtype=self.dtype, device=self.device,
         )
         self.sampler = Sampler()
+        self.forward_s = 0.0
+        """Wall seconds in :meth:`DecoderModel.forward`, summed (read anywhere)."""
+        self.forward_cpu_s = 0.0
+        """CPU seconds the calling (engine) thread spent there; intra-op helpers not
+        included (see :mod:`common.threads`)."""
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
@@ -126,10 +132,13 @@ class ModelRunner:
         dev = self.device
         if dev.type != "cpu":
             batch, positions = batch.to(dev), positions.to(dev)
+        wall, cpu = time.perf_counter(), time.thread_time()
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev), positions, batch, self.kv_cache,
             torch.tensor(sample_rows, dtype=torch.long, device=dev), self.block_size,
         )
+        self.forward_cpu_s += time.thread_time() - cpu
+        self.forward_s += time.perf_counter() - wall
         if dev.type != "cpu":
             logits = logits.cpu()  # the sampler and its per-request generators live here
         seq_ids = [c.seq.seq_id for c in sampling]
