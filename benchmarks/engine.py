@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.machine import cpu_name
 from workers.engine.llm import LLM
@@ -77,11 +76,11 @@ def gemm_floor_seconds(model: DecoderModel, shapes: list[tuple[int, int]]) -> fl
             start = time.perf_counter()
             for _ in range(reps):
                 for lw in model.layers:
-                    F.linear(x, lw.qkv, lw.qkv_bias)
-                    F.linear(a, lw.o, lw.o_bias)
-                    F.linear(x, lw.gate_up)
-                    F.linear(m, lw.down)
-                F.linear(h, model.lm_head)
+                    model.linear(x, lw.qkv, lw.qkv_bias)
+                    model.linear(a, lw.o, lw.o_bias)
+                    model.linear(x, lw.gate_up, None)
+                    model.linear(m, lw.down, None)
+                model.linear(h, model.lm_head, None)
             total += (time.perf_counter() - start) / reps * count
     return total
 
@@ -174,10 +173,12 @@ def run_bench(opts: BenchOptions) -> int:
     host = machine()
     print(f"machine: {host}\nmodel: {model_path}\nload: {os.getloadavg()[0]:.2f} (1-min avg)")
     results: list[dict] = []
-    for dtype_name in opts.dtypes:
+    for asked in opts.dtypes:
+        llm = LLM(model_path, dtype=asked, kv_cache_memory_gb=4.0, num_threads=opts.threads)
+        dtype_name = llm.engine.dtype  # "auto" resolved for this machine
+        if asked == "auto":
+            print(f"dtype auto -> {dtype_name}", file=sys.stderr)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-        llm = LLM(model_path, dtype=dtype_name, kv_cache_memory_gb=4.0,
-                  num_threads=opts.threads)
         for w in opts.workloads:
             n, n_in, n_out = workloads[w]
             prompts = random_prompts(n, n_in, llm.engine.runner.vocab_size, seed=0)

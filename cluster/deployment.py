@@ -74,7 +74,9 @@ class DeploymentConfig:
         "decode workers prefill a prompt themselves when its uncached part is shorter "
         "than this many tokens; 0: always on a prefill worker"))
     # -- engine, per worker ----------------------------------------------------------------
-    dtype: str = field(default="float32", metadata=setting("weights and KV cache dtype"))
+    dtype: str = field(default="auto", metadata=setting(
+        "weights and KV cache dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 "
+        "(AMX, AVX512-BF16), else float32, decided by each worker on its own machine"))
     kv_cache_gb: float = field(default=1.0, metadata=setting(
         "GiB preallocated for each worker's paged KV cache"))
     block_size: int = field(default=16, metadata=setting("tokens per KV cache block"))

@@ -13,6 +13,7 @@ from router.client import Client
 
 def start(model: Path, log_dir: Path, **kw: object) -> LocalCluster:
     kw.setdefault("kv_cache_gb", 0.05)
+    kw.setdefault("dtype", "float32")  # tests compare tokens with HF's fp32, not "auto"
     kw.setdefault("metrics_port", 0)
     cfg = LocalClusterConfig(model=str(model), port=free_port(), http_port=free_port(),
                              log_dir=str(log_dir), **kw)  # type: ignore[arg-type]

@@ -49,7 +49,7 @@ from common.request import Request
 from common.sampling import InvalidRequestError
 from common.threads import ENGINE, name_native_thread
 
-from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput
+from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput, coalesce
 from .engine.surface import EngineLoad
 from .reservation import Actions, Reservation, ReservationMachine, ReservationState
 from .transfer import TransferHandle, TransferResult
@@ -203,9 +203,18 @@ class EngineLoop:
     async def _stream(self, add: _Add) -> AsyncIterator[Reservation | RequestOutput]:
         self._commands.put(add)
         finished = False
+        held = None  # taken from the queue while coalescing, not yet handed out
         try:
             while True:
-                item = await add.out.get()
+                item, held = (held if held is not None else await add.out.get()), None
+                # Outputs that piled up while the consumer was busy leave as one.
+                while (isinstance(item, RequestOutput) and not item.finished
+                       and not add.out.empty()):
+                    later = add.out.get_nowait()
+                    if not isinstance(later, RequestOutput):
+                        held = later
+                        break
+                    item = coalesce(item, later)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

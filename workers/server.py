@@ -350,7 +350,7 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_watch = asyncio.create_task(_not_serving_once_failed(loop, health_servicer))
     print(f"pdserve worker ({config.role}) serving {config.model_name} on {address} "
-          f"({capacity.num_blocks} KV blocks"
+          f"({engine.dtype}, {capacity.num_blocks} KV blocks"
           + (f"; metrics on :{metrics_port}" if metrics_port else "") + ")",
           file=sys.stderr, flush=True)
     if stop is None:

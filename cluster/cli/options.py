@@ -16,11 +16,12 @@ from pathlib import Path
 from cluster.deployment import DeploymentConfig, flag_of
 from common.redis_url import PASSWORD_ENV
 from router.policies import POLICIES
-from workers.engine.params import DTYPES
+from workers.engine.params import DTYPE_CHOICES
 
 EXIT_INVALID = 2
 
-CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPES, "policy": tuple(sorted(POLICIES))}
+CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPE_CHOICES,
+                                        "policy": tuple(sorted(POLICIES))}
 """Choices of settings whose valid values live with the component that checks them (the
 engine, the router), not in the deployment file's module."""
 

@@ -69,8 +69,8 @@ class Bench:
 
 
 def _start(tiny: dict, num_blocks: int = 256) -> tuple[LLMEngine, EngineLoop, Handles]:
-    engine = LLMEngine(EngineConfig(model=str(tiny["llama"]), num_blocks=num_blocks,
-                                    block_size=4))
+    engine = LLMEngine(EngineConfig(model=str(tiny["llama"]), dtype="float32",
+                                    num_blocks=num_blocks, block_size=4))
     handles: Handles = {}
 
     def expect(rid: str, block_ids: list[int]) -> TransferHandle:
@@ -428,7 +428,8 @@ def test_worker_answers_attackers_invalid_argument_and_a_failed_engine_unavailab
 
     monkeypatch.setattr(ModelRunner, "execute", execute)
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_checkpoints["llama"]),
-                                              num_blocks=128, block_size=4, num_threads=1),
+                                              dtype="float32", num_blocks=128, block_size=4,
+                                              num_threads=1),
                           model_name="llama", port=0)
     ready: list[object] = []
     stop_box: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []

@@ -27,8 +27,8 @@ CFG = TransferConfig(connect_timeout_s=20.0, offer_timeout_s=10.0, data_timeout_
 
 
 def engine(path, **kw) -> LLMEngine:  # noqa: ANN001
-    return LLMEngine(EngineConfig(model=str(path), num_blocks=96, block_size=4,
-                                  max_num_batched_tokens=23, **kw))
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", num_blocks=96,
+                                  block_size=4, max_num_batched_tokens=23, **kw))
 
 
 @pytest.fixture(scope="module")

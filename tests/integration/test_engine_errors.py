@@ -12,8 +12,8 @@ from workers.engine.params import EngineConfig, InvalidRequestError, SamplingPar
 
 @pytest.fixture()
 def engine(tiny_checkpoints) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), num_blocks=64,
-                                  block_size=4))
+    return LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32",
+                                  num_blocks=64, block_size=4))
 
 
 def test_bad_requests_are_refused_and_others_keep_running(engine: LLMEngine) -> None:
@@ -56,7 +56,7 @@ def test_abort_frees_blocks_mid_generation(engine: LLMEngine) -> None:
 
 
 def test_stop_strings_and_sampling_through_the_engine(tiny_checkpoints) -> None:
-    llm = LLM(tiny_checkpoints["qwen3"], num_blocks=64, block_size=4)
+    llm = LLM(tiny_checkpoints["qwen3"], dtype="float32", num_blocks=64, block_size=4)
     [free] = llm.generate(["Once upon"], SamplingParams(max_tokens=30, temperature=0,
                                                         ignore_eos=True))
     stop = free.text[5:8]

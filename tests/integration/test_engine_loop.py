@@ -29,7 +29,8 @@ R = TypeVar("R")
 def test_closing_a_finished_stream_never_aborts_a_newer_request_with_its_id(
     tiny_checkpoints,
 ) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), num_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32",
+                                    num_blocks=64))
     loop = EngineLoop(engine)
     ids = engine.tokenize("same id twice")
 
@@ -52,7 +53,8 @@ def test_closing_a_finished_stream_never_aborts_a_newer_request_with_its_id(
 
 
 def test_cancelled_consumer_frees_blocks(tiny_checkpoints) -> None:
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), num_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32",
+                                    num_blocks=64))
     loop = EngineLoop(engine)
 
     async def run() -> None:
@@ -67,6 +69,35 @@ def test_cancelled_consumer_frees_blocks(tiny_checkpoints) -> None:
 
     try:
         asyncio.run(run())
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
+
+
+def test_outputs_a_slow_consumer_missed_arrive_coalesced_and_complete(tiny_checkpoints) -> None:
+    """A consumer that blocks its event loop for a while gets the steps it missed as one
+    output: every token, the text whole, fewer messages than tokens."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32",
+                                    num_blocks=64))
+    loop = EngineLoop(engine)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.0)
+    ids = engine.tokenize("coalesce me")
+
+    async def run() -> list:
+        outs = []
+        async for out in loop.generate(Request("slow", ids, params)):
+            outs.append(out)
+            if len(outs) == 1:
+                time.sleep(0.3)  # blocks the event loop: the engine thread runs ahead
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(run(), timeout=30))
+        final = outs[-1]
+        assert final.finished and len(final.token_ids) == 24
+        assert [t for o in outs for t in o.new_token_ids] == final.token_ids
+        assert "".join(o.delta_text for o in outs) == final.text
+        assert len(outs) < 24
         assert_no_leaks(engine)
     finally:
         loop.close()
@@ -89,8 +120,8 @@ def start(tiny: dict, num_blocks: int = 64, commit_wait_s: float = 10.0
           ) -> tuple[LLMEngine, EngineLoop, Handles]:
     """A decode engine loop (blocks of 4 tokens) whose KV receiver is the test:
     ``handles[rid]`` is the handle and the target blocks of each placed reservation."""
-    engine = LLMEngine(EngineConfig(model=str(tiny["llama"]), num_blocks=num_blocks,
-                                    block_size=4))
+    engine = LLMEngine(EngineConfig(model=str(tiny["llama"]), dtype="float32",
+                                    num_blocks=num_blocks, block_size=4))
     handles: Handles = {}
 
     def expect(rid: str, block_ids: list[int]) -> TransferHandle:

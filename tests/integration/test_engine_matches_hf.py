@@ -26,7 +26,7 @@ def test_batched_greedy_matches_hf(arch: str, kernel: bool, tiny_checkpoints) ->
     """``kernel=False`` checks the torch fallback of the native kernels (no C++ compiler)."""
     path = tiny_checkpoints[arch]
     # Small blocks and budget: prompts span several blocks and prefill is chunked.
-    llm = LLM(path, num_blocks=128, block_size=4, max_num_batched_tokens=23,
+    llm = LLM(path, dtype="float32", num_blocks=128, block_size=4, max_num_batched_tokens=23,
               use_native_kernels=kernel)
     prompts = prompts_for(llm)
     outs = llm.generate(prompts, GREEDY)
@@ -37,7 +37,7 @@ def test_batched_greedy_matches_hf(arch: str, kernel: bool, tiny_checkpoints) ->
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prefix_cache_hit_gives_the_same_tokens(arch: str, tiny_checkpoints) -> None:
     path = tiny_checkpoints[arch]
-    llm = LLM(path, num_blocks=128, block_size=4)
+    llm = LLM(path, dtype="float32", num_blocks=128, block_size=4)
     shared = llm.tokenizer("A long shared system prompt that many requests start with.").input_ids
     first, second = shared + [11, 12, 13], shared + [21, 22]
     [a] = llm.generate([first], GREEDY)
@@ -51,7 +51,7 @@ def test_prefix_cache_hit_gives_the_same_tokens(arch: str, tiny_checkpoints) -> 
 def test_preemption_under_memory_pressure_keeps_output_exact(tiny_checkpoints) -> None:
     path = tiny_checkpoints["mistral"]
     # 16 blocks of 4 tokens cannot hold 6 sequences of ~30 tokens: some are preempted.
-    llm = LLM(path, num_blocks=16, block_size=4, max_num_batched_tokens=64)
+    llm = LLM(path, dtype="float32", num_blocks=16, block_size=4, max_num_batched_tokens=64)
     prompts = [llm.tokenizer(f"Request number {i} asks for a story").input_ids for i in range(6)]
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 20)
@@ -71,7 +71,7 @@ def test_bf16_runs_and_tracks_hf_bf16(tiny_checkpoints) -> None:
 
 @pytest.mark.slow
 def test_smollm2_chat_greedy_matches_hf(smollm2_path: Path) -> None:
-    llm = LLM(smollm2_path, kv_cache_memory_gb=0.25)
+    llm = LLM(smollm2_path, dtype="float32", kv_cache_memory_gb=0.25)
     tok = llm.tokenizer
     questions = ["What is the capital of France?", "Name three colors.",
                  "Write one sentence about the sea."]

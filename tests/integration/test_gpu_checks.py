@@ -67,8 +67,8 @@ def test_cuda_kv_through_the_channel_lands_bit_exact() -> None:
 
 
 def cuda_engine(path) -> LLMEngine:  # noqa: ANN001
-    return LLMEngine(EngineConfig(model=str(path), num_blocks=64, block_size=4,
-                                  max_num_batched_tokens=23, device="cuda"))
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", num_blocks=64,
+                                  block_size=4, max_num_batched_tokens=23, device="cuda"))
 
 
 def finish(eng: LLMEngine, rid: str):  # noqa: ANN201

@@ -25,7 +25,7 @@ def test_index_mirrors_the_engine_through_evictions_and_an_outage(tiny_checkpoin
         index = RedisPrefixIndex(client, "llama")
         publisher = KVEventPublisher(index, "w1", retry_s=0.05)
         # 12 blocks of 4 tokens: later prompts evict earlier ones.
-        llm = LLM(tiny_checkpoints["llama"], num_blocks=12, block_size=4,
+        llm = LLM(tiny_checkpoints["llama"], dtype="float32", num_blocks=12, block_size=4,
                   kv_listeners=[publisher])
         try:
             llm.generate([list(range(10, 30))], GREEDY)

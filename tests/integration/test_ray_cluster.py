@@ -59,7 +59,8 @@ class RayUp:
         self.proc = subprocess.Popen(
             [*PDSERVE, "up", "--prefill", "2", "--decode", "2", "--model", str(model),
              "--port", port, "--http-port", "0", "--metrics-port", metrics_port,
-             "--kv-cache-gb", "0.1", "--max-model-len", "384", "--local-prefill-threshold", "0",
+             "--dtype", "float32", "--kv-cache-gb", "0.1", "--max-model-len", "384",
+             "--local-prefill-threshold", "0",
              "--transfer-timeout-s", "5"],
             stdout=self._out, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + 240

@@ -28,7 +28,7 @@ def test_greedy_through_router_equals_offline_engine_and_hf(cluster, tiny_checkp
     prompts = ["Hello there", "The quick brown fox", "def main():\n"]
     with Client(cluster.target) as client:
         served = [client.generate(p, **GREEDY) for p in prompts]
-    llm = LLM(path, num_blocks=64)
+    llm = LLM(path, dtype="float32", num_blocks=64)
     offline = llm.generate(prompts, SamplingParams(**GREEDY))
     ids = [s.prompt_token_ids for s in served]
     assert ids == [o.prompt_token_ids for o in offline]

@@ -267,7 +267,8 @@ def test_cluster_serves_over_tls_and_workers_refuse_strangers(tls_cluster, pki: 
         served = [client.generate(p, max_tokens=6, temperature=0.0, ignore_eos=True)
                   for p in prompts]
         status = client.status()
-    offline = LLM(tiny_checkpoints["llama"], block_size=4, num_threads=1).generate(
+    offline = LLM(tiny_checkpoints["llama"], dtype="float32", block_size=4,
+                  num_threads=1).generate(
         prompts, EngineParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert [s.token_ids for s in served] == [o.token_ids for o in offline]
     decode_status = next(w for w in status.workers if w.role == "decode")

@@ -34,8 +34,8 @@ def wait_for(cond, timeout: float, what: str) -> None:  # noqa: ANN001
 def start_worker(model, port: int, url: str, log, *extra: str) -> subprocess.Popen:  # noqa: ANN001
     return subprocess.Popen(
         [sys.executable, "-m", "cluster.cli", "worker", "--model", str(model), "--port",
-         str(port), "--threads", "1", "--kv-cache-gb", "0.01", "--block-size", "4",
-         "--redis-url", url, *extra], stdout=log, stderr=log)
+         str(port), "--threads", "1", "--dtype", "float32", "--kv-cache-gb", "0.01",
+         "--block-size", "4", "--redis-url", url, *extra], stdout=log, stderr=log)
 
 
 def test_worker_registers_publishes_and_vanishes(tiny_checkpoints, tmp_path) -> None:

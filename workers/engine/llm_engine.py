@@ -34,6 +34,7 @@ transfer reads and writes), never its scheduler, block manager or model runner.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -61,7 +62,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestOutput:
-    """Cumulative state of one request after a step, plus what is new since the last."""
+    """Cumulative state of one request after a step, plus what is new since the last.
+    ``prompt_token_ids`` is the same list in every output of a request: read it only."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -81,6 +83,13 @@ class RequestOutput:
     docstring): it was aborted and its blocks freed; hand this to its caller."""
 
 
+def coalesce(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: ``later``'s state with both steps'
+    new tokens and text (a consumer that fell behind sends one message, not two)."""
+    return dataclasses.replace(later, new_token_ids=first.new_token_ids + later.new_token_ids,
+                               delta_text=first.delta_text + later.delta_text)
+
+
 OnPrefilled = Callable[[list[int], Callable[[], None]], None]
 """(block table, release) -> None; ``release`` must be called on the engine thread. A
 callback that raises is taken to hold nothing: the engine releases the blocks itself and
@@ -95,6 +104,7 @@ class _Tracked:
     first_token_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     on_prefilled: OnPrefilled | None = None
+    prompt_ids: list[int] | None = None  # copied once, shared by every output
 
 
 def model_identity(model_path: Path, dtype: str) -> str:
@@ -107,7 +117,15 @@ class LLMEngine:
     def __init__(
         self, config: EngineConfig, kv_listeners: Iterable[KVEventListener] = ()
     ) -> None:
+        # ``auto`` becomes a concrete dtype here, on the machine that runs the model (a
+        # worker may sit on another node than its launcher); the hash root needs it.
+        requested = config.dtype
+        config, why = config.resolved()
         self.config = config
+        self.dtype = config.dtype
+        """The dtype the model and KV cache run in (never ``auto``)."""
+        log.info("dtype %s (%s)", f"auto -> {self.dtype}" if requested == "auto"
+                 else self.dtype, why)
         path = Path(config.model)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         context = model_context_len(path)
@@ -412,9 +430,11 @@ class LLMEngine:
         self, t: _Tracked, new_ids: list[int], delta: str, now: float
     ) -> RequestOutput:
         seq = t.seq
+        if t.prompt_ids is None:  # not per step: a long prompt would cost every token
+            t.prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
         return RequestOutput(
             request_id=seq.seq_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            prompt_token_ids=t.prompt_ids,
             token_ids=seq.output_token_ids,
             new_token_ids=new_ids,
             text=t.detok.text,

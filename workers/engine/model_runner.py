@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from workers.models.attention import build_attention_batch
 from workers.models.decoder import TORCH_OPS, DecoderModel, ElementwiseOps
+from workers.models.linear import TORCH_LINEAR, onednn_linear
 
 from . import kernels
 from .params import EngineConfig
@@ -78,11 +79,16 @@ class ModelRunner:
         hf.eval().to(self.device)
         native = (self.device.type == "cpu" and config.use_native_kernels
                   and kernels.load(config.kernel_cache_dir) is not None)
+        linear = None
+        if self.device.type == "cpu" and config.prepacked_weights:
+            linear = onednn_linear()
         self.model = DecoderModel(
             hf, max_model_len,
             decode_op=kernels.paged_decode_attention if native else None,
             ops=NATIVE_OPS if native else TORCH_OPS,
+            linear=linear or TORCH_LINEAR,
         )
+        del hf  # its weights now live in the model's own (fused, reordered) tensors
         self.vocab_size = self.model.shape.vocab_size
         self.block_size = config.block_size
         s = self.model.shape

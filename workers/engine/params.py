@@ -6,12 +6,16 @@ router validates them too; they are re-exported here as part of the engine's API
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 from common.sampling import InvalidRequestError, SamplingParams
 
-__all__ = ["DTYPES", "EngineConfig", "InvalidRequestError", "SamplingParams", "SchedulerConfig"]
+from .dtype_choice import DTYPE_CHOICES, DTYPES, resolve_dtype
+
+__all__ = ["DTYPES", "DTYPE_CHOICES", "EngineConfig", "InvalidRequestError", "SamplingParams",
+           "SchedulerConfig"]
 
 
 @dataclass(frozen=True)
@@ -44,9 +48,6 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} out of range: {getattr(self, name)}")
 
 
-DTYPES = ("float32", "bfloat16")
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything one engine needs; the CLI reads flags and environment into it once.
@@ -56,7 +57,10 @@ class EngineConfig:
     """
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """``float32``, ``bfloat16``, or ``auto``: bfloat16 where the hardware computes in it
+    natively, else float32 (:func:`~workers.engine.dtype_choice.resolve_dtype`), decided
+    by the engine on the machine it runs on (:meth:`resolved`)."""
     block_size: int = 16
     kv_cache_memory_gb: float = 2.0
     num_blocks: int | None = None
@@ -69,6 +73,9 @@ class EngineConfig:
     """Fused native decode attention and elementwise ops, compiled on first use; falls
     back to torch ops (with a logged warning) where no C++ compiler is found."""
     kernel_cache_dir: str | None = None  # None: ~/.cache/pdserve/kernels
+    prepacked_weights: bool = True
+    """CPU: GEMM weights reordered once into oneDNN's blocked layout (faster small-batch
+    GEMMs, same memory; :mod:`workers.models.linear`); False: plain ``F.linear``."""
     device: str = "cpu"
     """Where weights, the KV cache and the forward live: ``cpu`` or ``cuda[:N]``. The
     native kernels are CPU-only (CUDA runs the torch ops); sampling stays on the CPU."""
@@ -76,11 +83,18 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device)):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, "
+                             f"got {self.dtype!r}")
         if self.kv_cache_memory_gb <= 0 and self.num_blocks is None:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+    def resolved(self) -> tuple[EngineConfig, str]:
+        """(this config with ``dtype`` concrete for this machine, why that dtype). Reads
+        the CPU's flags when ``dtype`` is ``auto``; call it where the engine runs."""
+        dtype, reason = resolve_dtype(self.dtype, self.device)
+        return dataclasses.replace(self, dtype=dtype), reason

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.models.attention import AttentionBatch, paged_attention
+from workers.models.linear import TORCH_LINEAR, LinearOps
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -111,9 +112,11 @@ class DecoderModel:
         max_positions: int,
         decode_op: Callable | None = None,
         ops: ElementwiseOps = TORCH_OPS,
+        linear: LinearOps = TORCH_LINEAR,
     ) -> None:
         self.decode_op = decode_op  # fused paged decode attention; None: the torch path
         self.ops = ops
+        self.linear = linear.apply  # on weights already in linear.prepare's form
         cfg = hf_model.config
         arch = (cfg.architectures or [type(hf_model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -137,8 +140,9 @@ class DecoderModel:
         self.dtype = inner.embed_tokens.weight.dtype
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
-        self.lm_head = hf_model.lm_head.weight.detach()  # tied: the same tensor as embed
-        self.layers = [self._layer_weights(layer) for layer in inner.layers]
+        # Often tied to embed; prepared, it is its own copy in the GEMM's layout.
+        self.lm_head = linear.prepare(hf_model.lm_head.weight.detach())
+        self.layers = [self._layer_weights(layer, linear.prepare) for layer in inner.layers]
         # RoPE tables for every position, computed by the model's own rotary module.
         with torch.no_grad():
             device = self.embed.device
@@ -149,7 +153,8 @@ class DecoderModel:
         self.sin = sin[0].unsqueeze(1).contiguous()
 
     @staticmethod
-    def _layer_weights(layer: torch.nn.Module) -> LayerWeights:
+    def _layer_weights(layer: torch.nn.Module,
+                       prepare: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases = [p.bias for p in projections]
@@ -161,15 +166,16 @@ class DecoderModel:
 
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=torch.cat([p.weight.detach() for p in projections]).contiguous(),
+            qkv=prepare(torch.cat([p.weight.detach() for p in projections]).contiguous()),
             qkv_bias=None if biases[0] is None else torch.cat([b.detach() for b in biases]),
             q_norm=w(getattr(attn, "q_norm", None) and attn.q_norm.weight),
             k_norm=w(getattr(attn, "k_norm", None) and attn.k_norm.weight),
-            o=attn.o_proj.weight.detach(),
+            o=prepare(attn.o_proj.weight.detach()),
             o_bias=w(attn.o_proj.bias),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=torch.cat([mlp.gate_proj.weight.detach(), mlp.up_proj.weight.detach()]),
-            down=mlp.down_proj.weight.detach(),
+            gate_up=prepare(torch.cat([mlp.gate_proj.weight.detach(),
+                                       mlp.up_proj.weight.detach()])),
+            down=prepare(mlp.down_proj.weight.detach()),
         )
 
     def weight_bytes(self) -> int:
@@ -194,7 +200,7 @@ class DecoderModel:
 
         ``kv_cache``: [layers, 2, slots, kv_heads, head_dim], written in place.
         """
-        s, ops, eps = self.shape, self.ops, self.shape.rms_eps
+        s, ops, eps, linear = self.shape, self.ops, self.shape.rms_eps, self.linear
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         heads = s.num_heads + s.num_kv_heads
         cos, sin = self.cos[positions], self.sin[positions]
@@ -207,7 +213,7 @@ class DecoderModel:
                 h = ops.rms_norm(x, lw.input_norm, eps)
             else:
                 h = ops.add_rms_norm(x, mlp_out, lw.input_norm, eps)
-            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            qkv = linear(h, lw.qkv, lw.qkv_bias)
             # Queries and keys are adjacent in the fused projection: rotate them together.
             qk = qkv[:, : q_size + kv_size].view(n, heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
@@ -217,8 +223,8 @@ class DecoderModel:
                 k.copy_(ops.rms_norm(k, lw.k_norm, eps))
             q, k = ops.rope_(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
             attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op)
-            h = ops.add_rms_norm(x, F.linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
-            mlp_out = F.linear(ops.silu_mul(F.linear(h, lw.gate_up)), lw.down)
+            h = ops.add_rms_norm(x, linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
+            mlp_out = linear(ops.silu_mul(linear(h, lw.gate_up, None)), lw.down, None)
         x.add_(mlp_out)
         h = ops.rms_norm(x[sample_rows], self.final_norm, eps)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head, None).float()
