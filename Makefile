@@ -48,6 +48,7 @@ bench: install
 	$(VENV)/bin/pdserve bench-disagg
 	$(VENV)/bin/pdserve bench-routing
 	$(VENV)/bin/pdserve bench-headline
+	$(VENV)/bin/pdserve bench-serving  # vLLM too when PDSERVE_VLLM_PYTHON names its venv
 
 lint: install
 	$(VENV)/bin/ruff check .

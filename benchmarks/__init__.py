@@ -9,5 +9,7 @@ runs our path and its baseline in the same run and prints workload, machine and 
 - :mod:`benchmarks.disagg`: disaggregated TTFT against colocated;
 - :mod:`benchmarks.router`: the router's overhead per request;
 - :mod:`benchmarks.routing`: cache-aware routing against round robin;
-- :mod:`benchmarks.headline`: 1 prefill + 1 decode against 2 mixed under load.
+- :mod:`benchmarks.headline`: 1 prefill + 1 decode against 2 mixed under load;
+- :mod:`benchmarks.serving`: pdserve against vLLM on one OpenAI workload, and where
+  pdserve's CPU time per token goes (:mod:`benchmarks.serving_profile`).
 """

