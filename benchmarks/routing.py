@@ -15,7 +15,9 @@ One run, real processes on loopback, the default model:
    of ``--workers`` registered workers, and score them with the cache-aware policy:
    p50/p99 over 300 runs, for a typical index (4 workers hold prefixes of the prompt, the
    rest other prompts) and the worst case (every worker holds a prefix of it, of every
-   length). Target: under 1 ms p50.
+   length). Target: under 1 ms p50. Reported with each phase's p50 (hash, lookup, score)
+   and, as the floor of the same run, a Redis round trip (``PING``). ``--overhead-only``
+   runs this part alone (seconds, no model).
 
 Prints the workload, the machine and a table; ``--out`` writes the JSON.
 """
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import redis
 
+from benchmarks.machine import cpu_name
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
 from cluster.redis_server import RedisServer
 from common.hashing import block_hashes
@@ -53,6 +56,7 @@ class RoutingBenchOptions:
     concurrency: int = 2
     workers: int = 64
     overhead_tokens: int = 2048
+    overhead_only: bool = False
     out: str | None = None
 
 
@@ -114,6 +118,7 @@ def routing_overhead(o: RoutingBenchOptions) -> dict:
                     other = [rng.randrange(1000, 40000) for _ in range(1024)]
                     index.publish(w, block_hashes(other, 16, "bench-model", None))
             out[scenario] = _time_decision(index, prompt, workers)
+        out["redis_round_trip"] = _time_round_trip(client)
         client.close()
         return out
     finally:
@@ -122,20 +127,53 @@ def routing_overhead(o: RoutingBenchOptions) -> dict:
 
 def _time_decision(index: RedisPrefixIndex, prompt: list[int], workers: list[str]) -> dict:
     policy = CacheAware()
-    times = []
+    times, phases = [], []
     for _ in range(300 + 20):
         t0 = time.perf_counter()
         h = block_hashes(prompt, 16, "bench-model", None)
+        t1 = time.perf_counter()
         counts = index.lookup(h)
+        t2 = time.perf_counter()
         policy.choose([Candidate(w, 0, 0, counts.get(w, 0) * 16) for w in workers],
                       len(prompt))
+        t3 = time.perf_counter()
+        times.append(t3 - t0)
+        phases.append((t1 - t0, t2 - t1, t3 - t2))
+    times, phases = times[20:], phases[20:]
+    out = {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3,
+           "mean_ms": statistics.mean(times) * 1e3}
+    for i, phase in enumerate(("hash", "lookup", "score")):
+        out[f"{phase}_p50_ms"] = percentile([p[i] for p in phases], 50) * 1e3
+    return out
+
+
+def _time_round_trip(client: redis.Redis) -> dict:
+    """The floor under any lookup: one ``PING`` to the same Redis, through redis-py."""
+    times = []
+    for _ in range(300 + 20):
+        t0 = time.perf_counter()
+        client.ping()
         times.append(time.perf_counter() - t0)
-    times = times[20:]
-    return {"p50_ms": percentile(times, 50) * 1e3, "p99_ms": percentile(times, 99) * 1e3,
-            "mean_ms": statistics.mean(times) * 1e3}
+    return {"p50_ms": percentile(times[20:], 50) * 1e3}
+
+
+def _print_overhead(o: RoutingBenchOptions, overhead: dict) -> None:
+    floor = overhead["redis_round_trip"]["p50_ms"]
+    for scenario in ("typical", "worst"):
+        t = overhead[scenario]
+        print(f"routing overhead (hash + lookup + score), {o.overhead_tokens}-token prompt, "
+              f"{o.workers} registered workers, {scenario} index: p50 {t['p50_ms']:.3f} ms, "
+              f"p99 {t['p99_ms']:.3f} ms (target p50 < 1 ms); p50 by phase: hash "
+              f"{t['hash_p50_ms']:.3f}, lookup {t['lookup_p50_ms']:.3f}, score "
+              f"{t['score_p50_ms']:.3f} ms; {t['p50_ms'] / floor:.1f}x a Redis round trip")
+    print(f"  Redis round trip (PING, redis-py) p50 {floor:.3f} ms; typical: 4 workers hold "
+          f"1/4..all of the prompt, {o.workers - 4} hold other prompts; worst: all "
+          f"{o.workers} hold a prefix of it, of every length")
 
 
 def run(o: RoutingBenchOptions) -> dict:
+    if o.overhead_only:
+        return run_overhead(o)
     prompts = workload(o)
     load0 = os.getloadavg()
     n = len(prompts)
@@ -145,8 +183,7 @@ def run(o: RoutingBenchOptions) -> dict:
           f"shuffled), {o.concurrency} at a time, max_tokens 4, 2 prefill + 1 decode workers "
           f"(1 thread each), model {Path(o.model).name} float32; best possible hit rate "
           f"{best:.1%}")
-    print(f"machine: {platform.machine()} {os.cpu_count()} cpus, python "
-          f"{platform.python_version()}, loadavg {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
+    _print_machine(load0)
     results = []
     for policy in ("round_robin", "cache_aware"):
         r = run_policy(o, policy, prompts)
@@ -163,20 +200,42 @@ def run(o: RoutingBenchOptions) -> dict:
     speedup = rr["ttft_p50_s"] / ca["ttft_p50_s"]
     print(f"cache-aware TTFT p50 is {speedup:.2f}x lower than round-robin (target >= 2x); "
           f"hit rate {ca['hit_rate'] / best:.0%} of the best possible (target >= 90%)")
-    for scenario, t in overhead.items():
-        print(f"routing overhead (hash + lookup + score), {o.overhead_tokens}-token prompt, "
-              f"{o.workers} registered workers, {scenario} index: p50 {t['p50_ms']:.3f} ms, "
-              f"p99 {t['p99_ms']:.3f} ms (target p50 < 1 ms)")
-    print("  typical: 4 workers hold 1/4..all of the prompt, 60 hold other prompts; worst: "
-          "all 64 hold a prefix of it, of every length")
+    _print_overhead(o, overhead)
     load1 = os.getloadavg()
     print(f"loadavg after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
     result = {"workload": {k: v for k, v in vars(o).items() if k not in ("model", "out")},
               "model": Path(o.model).name, "best_hit_rate": best, "policies": results,
               "ttft_p50_speedup": speedup, "routing_overhead": overhead,
-              "machine": {"cpus": os.cpu_count(), "loadavg_before": load0,
+              "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg_before": load0,
                           "loadavg_after": load1}}
+    _write(o, result)
+    return result
+
+
+def run_overhead(o: RoutingBenchOptions) -> dict:
+    """Part 2 alone: the routing decision's cost, no cluster and no model."""
+    load0 = os.getloadavg()
+    print(f"workload: routing decisions for one {o.overhead_tokens}-token prompt, "
+          f"{o.workers} registered workers, 300 timed runs per index")
+    _print_machine(load0)
+    overhead = routing_overhead(o)
+    _print_overhead(o, overhead)
+    load1 = os.getloadavg()
+    print(f"loadavg after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
+    result = {"workload": {k: getattr(o, k) for k in ("workers", "overhead_tokens")},
+              "routing_overhead": overhead,
+              "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg_before": load0,
+                          "loadavg_after": load1}}
+    _write(o, result)
+    return result
+
+
+def _print_machine(load: tuple[float, float, float]) -> None:
+    print(f"machine: {cpu_name()}, {platform.machine()} {os.cpu_count()} cpus, python "
+          f"{platform.python_version()}, loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+def _write(o: RoutingBenchOptions, result: dict) -> None:
     if o.out:
         Path(o.out).parent.mkdir(parents=True, exist_ok=True)
         Path(o.out).write_text(json.dumps(result, indent=2))
-    return result

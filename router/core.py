@@ -67,7 +67,7 @@ from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
 
 from . import edge
 from .auth import OPEN, Principal, tenant_salt
-from .choice import Chooser
+from .choice import Chooser, PromptHashes
 from .config import RouterConfig
 from .dispatch import Dispatcher
 from .errors import RouterError, WorkerFailed
@@ -315,6 +315,7 @@ class Router:
         request_id, ids = request.request_id, list(request.prompt_token_ids)
         relay = _Relay(request_id, ids, received)
         generated: list[int] = []
+        hashes = PromptHashes()  # hashed once, for every attempt
         migrations = 0
         last_token_at = received
         self._in_flight += 1
@@ -323,7 +324,7 @@ class Router:
             while True:
                 routing = api_pb2.Routing()
                 source = self.dispatcher.stream(self._worker_request(request, generated),
-                                                timeout, routing)
+                                                timeout, routing, hashes)
                 try:
                     async for msg in source:
                         self.count_sent("worker", msg.ByteSize())

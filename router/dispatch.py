@@ -36,7 +36,7 @@ from common.request import Request
 from common.wire import request_to_proto
 from protos.pdserve.v1 import api_pb2, worker_pb2
 
-from .choice import Chooser
+from .choice import Chooser, PromptHashes
 from .errors import RouterError, WorkerFailed
 from .policies import Decision
 from .pool import Worker, WorkerPool
@@ -51,19 +51,21 @@ class Dispatcher:
         self.pool = pool
         self.chooser = chooser
 
-    def stream(self, request: Request, timeout: float | None,
-               routing: api_pb2.Routing) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
+    def stream(self, request: Request, timeout: float | None, routing: api_pb2.Routing,
+               hashes: PromptHashes | None = None
+               ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         """One attempt, disaggregated when both pools serve; fills ``routing`` in. The
-        typed request becomes its wire form here, once, for every call of the attempt."""
+        typed request becomes its wire form here, once, for every call of the attempt;
+        ``hashes`` are the request's block hashes, kept across its attempts."""
         wreq = request_to_proto(request)
         if self.pool.disaggregated:
-            return self.disaggregated(wreq, timeout, routing)
-        return self.mixed(wreq, timeout, routing)
+            return self.disaggregated(wreq, timeout, routing, hashes)
+        return self.mixed(wreq, timeout, routing, hashes)
 
     async def mixed(self, wreq: worker_pb2.WorkerGenerateRequest, timeout: float | None,
-                    routing: api_pb2.Routing
+                    routing: api_pb2.Routing, hashes: PromptHashes | None = None
                     ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
-        worker, decision = await self.chooser.choose("mixed", wreq)
+        worker, decision = await self.chooser.choose("mixed", wreq, hashes)
         _record(routing, decision)
         queued = decision.estimated_tokens - worker.queued_tokens
         worker.in_flight += 1
@@ -87,7 +89,8 @@ class Dispatcher:
             worker.queued_tokens -= queued
 
     async def disaggregated(self, wreq: worker_pb2.WorkerGenerateRequest,
-                            timeout: float | None, routing: api_pb2.Routing
+                            timeout: float | None, routing: api_pb2.Routing,
+                            hashes: PromptHashes | None = None
                             ) -> AsyncIterator[worker_pb2.WorkerGenerateResponse]:
         deadline = None if timeout is None else time.monotonic() + timeout
         decode, call, reservation = await self._reserve(wreq, deadline)
@@ -100,7 +103,8 @@ class Dispatcher:
                                                   worker=decode.address))
                 self.chooser.decided(policy, "local")
             else:
-                prefilled = await self._prefill(wreq, reservation.target, deadline, routing)
+                prefilled = await self._prefill(wreq, reservation.target, deadline, routing,
+                                                hashes)
                 if prefilled is None:  # compute the whole prompt on the decode worker
                     await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
                 else:
@@ -167,10 +171,11 @@ class Dispatcher:
 
     async def _prefill(self, wreq: worker_pb2.WorkerGenerateRequest,
                        target: worker_pb2.KVTarget, deadline: float | None,
-                       routing: api_pb2.Routing) -> worker_pb2.PrefillResponse | None:
+                       routing: api_pb2.Routing, hashes: PromptHashes | None
+                       ) -> worker_pb2.PrefillResponse | None:
         """The first token from the prefill worker the policy picks; None when it failed
         (the caller recomputes on the decode worker). Bad input raises."""
-        worker, decision = await self.chooser.choose("prefill", wreq)
+        worker, decision = await self.chooser.choose("prefill", wreq, hashes)
         _record(routing, decision)
         timeout = _left(deadline)
         queued = decision.estimated_tokens - worker.queued_tokens

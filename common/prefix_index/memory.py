@@ -15,6 +15,7 @@ still too many, the blocks first inserted. Dropping a live entry only costs a ca
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -66,19 +67,47 @@ class MemoryPrefixIndex:
     # -- readers -------------------------------------------------------------------------
 
     def lookup(self, block_hashes: Sequence[int]) -> dict[str, int]:
-        """Per worker, its leading blocks of ``block_hashes`` among unexpired entries."""
+        """Per worker, its leading blocks of ``block_hashes`` among unexpired entries.
+
+        On the router's path for every request, so the work per block runs in C: while
+        several workers are in the running, one subset test and one ``min`` per block
+        (Python looks at each worker only at the block where it drops out); once one is
+        left (the usual case: a prefix is routed to one worker), its run is found by a
+        scan over its own set of hashes."""
+        if not block_hashes:
+            return {}
         now = self.clock()
         counts: dict[str, int] = {}
-        alive: set[str] | None = None
         with self._lock:
-            for i, h in enumerate(block_hashes):
-                here = {w for w, t in self._blocks.get(h, {}).items() if t > now}
-                alive = here if alive is None else alive & here
-                if not alive:
+            blocks = self._blocks
+            alive = {w for w, t in blocks.get(block_hashes[0], {}).items() if t > now}
+            i = 1
+            while len(alive) > 1 and i < len(block_hashes):
+                holders = blocks.get(block_hashes[i])
+                if holders is None:
                     break
-                for w in alive:
-                    counts[w] = i + 1
+                if not (holders.keys() >= alive and min(holders.values()) > now):
+                    kept = {w for w in alive if holders.get(w, now) > now}
+                    for w in alive - kept:
+                        counts[w] = i
+                    alive = kept
+                i += 1
+            for w in alive:
+                counts[w] = i + self._run(w, block_hashes[i:], now)
         return counts
+
+    def _run(self, worker: str, block_hashes: Sequence[int], now: float) -> int:
+        """How many leading blocks of ``block_hashes`` ``worker`` holds unexpired; scans
+        in C (it is called under the lock)."""
+        held = self._held.get(worker, ())
+        try:
+            run = list(map(held.__contains__, block_hashes)).index(False)
+        except ValueError:
+            run = len(block_hashes)
+        expiry = operator.itemgetter(worker)
+        if run and min(map(expiry, map(self._blocks.__getitem__, block_hashes[:run]))) <= now:
+            run = next(j for j, h in enumerate(block_hashes) if self._blocks[h][worker] <= now)
+        return run
 
     def blocks_of(self, worker: str) -> set[int]:
         now = self.clock()

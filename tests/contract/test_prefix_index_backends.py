@@ -60,6 +60,31 @@ def test_memory_entries_expire_per_worker_and_block() -> None:
     assert index.purge("a") == 0  # expired entries are not counted as held
 
 
+def test_memory_lookup_ends_each_run_at_its_first_expired_block() -> None:
+    """lookup walks blocks while several workers are in the running and scans the last
+    one's run alone: an entry expiring mid-run ends the run in both phases, whoever
+    else still holds that block."""
+    clock = Clock()
+    index = MemoryPrefixIndex(ttl_s=10, clock=clock)
+    h = hashes(40)
+    alone = hashes(20, seed=999)  # d alone holds it
+    for w in ("a", "b", "c"):
+        index.publish(w, h)
+    index.publish("d", alone)
+    clock.now = 5
+    index.publish("a", h)  # a's whole run is fresher
+    index.publish("b", h[:6] + h[7:])  # b's block 6 keeps the old expiry
+    index.publish("c", h[:30] + h[31:])  # c's block 30 too
+    index.publish("d", alone[:13] + alone[14:])  # d's block 13 too
+    assert index.lookup(h) == {"a": 40, "b": 40, "c": 40}
+    clock.now = 12  # b, c and d keep only the blocks refreshed at 5
+    assert index.lookup(h) == {"a": 40, "b": 6, "c": 30}
+    assert index.lookup(h[7:]) == {"a": 33, "b": 33, "c": 23}
+    assert index.lookup(alone) == {"d": 13}
+    clock.now = 15
+    assert index.lookup(h) == {}
+
+
 def test_memory_bound_drops_expired_entries_first() -> None:
     clock = Clock()
     index = MemoryPrefixIndex(ttl_s=10, max_blocks=4, clock=clock)

@@ -9,6 +9,7 @@ The Redis key layout itself is pinned in ``tests/integration/test_prefix_index.p
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -116,6 +117,25 @@ def test_the_walk_goes_on_while_any_worker_holds_the_prefix(index_for: IndexFor)
     index.publish("b", [h[0], h[1], h[3]])
     assert index.lookup(h) == {"a": 4, "b": 2}
     assert index.lookup([h[0], h[3]]) == {"a": 2, "b": 2}  # hashes chain; lookups take any
+
+
+def test_each_worker_gets_its_own_leading_run_on_random_layouts(index_for: IndexFor) -> None:
+    """Many workers, long prompts, runs of every length, some with holes after them and
+    some with blocks of other prompts: the Redis script checks runs of blocks at once and
+    walks block by block only where workers drop out, so this covers every branch."""
+    rng = random.Random(7)
+    for trial in range(12):
+        index = index_for(f"m{trial}")
+        h = hashes(rng.choice([1, 2, 9, 40, 100]), seed=10_000 * trial)
+        expected = {}
+        for w in range(rng.randrange(1, 24)):
+            run = rng.randrange(len(h) + 1)
+            held = h[:run] + [x for x in h[run + 1:] if rng.random() < 0.3]  # h[run]: missing
+            held += hashes(3, seed=10_000 * trial + 5_000 + 100 * w)  # another prompt's blocks
+            index.publish(f"w{w}", held)
+            if run:
+                expected[f"w{w}"] = run
+        assert index.lookup(h) == expected, trial
 
 
 def test_evicted_blocks_are_removed_from_the_index(index_for: IndexFor) -> None:

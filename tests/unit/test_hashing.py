@@ -1,9 +1,11 @@
 import hashlib
+import random
 import struct
 
 import pytest
 
-from common.hashing import block_hashes, hash_block, root_hash
+from common import hashing
+from common.hashing import BlockHashChain, block_hashes, hash_block, root_hash
 
 
 def test_block_hash_values_are_pinned() -> None:
@@ -80,3 +82,57 @@ def test_token_ids_outside_uint32_raise_a_value_error_naming_the_id() -> None:
     for bad in (-1, 2**32):
         with pytest.raises(ValueError, match=f"token id {bad} "):
             block_hashes([1, 2, 3, bad], 4, "m")
+
+
+def _v1_reference(tokens: list[int], block_size: int, model_id: str, salt: bytes) -> list[int]:
+    """The v1 chain as first written: one ``struct.pack`` of every field, per block."""
+    out, h = [], root_hash(model_id)
+    for i in range(len(tokens) // block_size):
+        block = tokens[i * block_size : (i + 1) * block_size]
+        extra = salt if i == 0 else b""
+        payload = struct.pack(f"<QI{len(block)}IH", h, len(block), *block, len(extra))
+        h = int.from_bytes(hashlib.blake2b(payload + extra, digest_size=8).digest(), "little")
+        out.append(h)
+    return out
+
+
+def test_the_one_pack_per_prompt_encoding_is_the_v1_encoding() -> None:
+    """block_hashes packs the whole prompt once (the router's hot path); the bytes each
+    block hashes, and so every value in a running cluster, are those of v1."""
+    rng = random.Random(3)
+    for block_size in (1, 4, 16, 33):
+        for salt in ("", "tenant-a", "é"):
+            tokens = [rng.randrange(2**32) for _ in range(block_size * 7 + 3)]
+            want = _v1_reference(tokens, block_size, "m", salt.encode())
+            assert block_hashes(tokens, block_size, "m", salt or None) == want
+            assert block_hashes(tuple(tokens), block_size, "m", salt or None) == want
+            assert block_hashes(tokens, block_size, "m", salt or None, parent=want[2],
+                                start_block=3) == want[3:]
+            assert hash_block(want[0], tokens[block_size : 2 * block_size]) == want[1]
+
+
+def test_a_chain_hashes_each_block_once_as_its_sequence_grows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    hashed: list[int] = []  # tokens handed to block_hashes, per call
+    real = hashing.block_hashes
+    monkeypatch.setattr(hashing, "block_hashes",
+                        lambda tokens, *a, **k: hashed.append(len(tokens)) or real(tokens, *a, **k))
+    prompt, generated = list(range(40)), list(range(100, 130))
+    chain = BlockHashChain(8, "m", "tenant")
+    assert chain.update(prompt) == real(prompt, 8, "m", "tenant") and hashed == [40]
+    assert chain.update(prompt) == real(prompt, 8, "m", "tenant") and hashed == [40]  # a retry
+    grown = prompt + generated  # a migration: the prompt continued by the tokens so far
+    assert chain.update(grown) == real(grown, 8, "m", "tenant") and hashed == [40, 24]
+    assert chain.update(prompt[:17]) == real(prompt, 8, "m", "tenant")[:2]
+    assert hashed == [40, 24]
+
+
+def test_a_chain_given_other_tokens_starts_over() -> None:
+    chain = BlockHashChain(4, "m")
+    chain.update([1, 2, 3, 4, 5, 6, 7, 8])
+    assert chain.update([1, 2, 3, 9, 5, 6, 7, 8, 9]) == block_hashes([1, 2, 3, 9, 5, 6, 7, 8], 4,
+                                                                      "m")
+    assert chain.update((1, 2, 3, 9)) == block_hashes([1, 2, 3, 9], 4, "m")  # any sequence type
+    assert chain.update([1, 2, 3]) == []
+    with pytest.raises(ValueError, match="block_size"):
+        BlockHashChain(0, "m")

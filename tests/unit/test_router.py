@@ -29,9 +29,11 @@ from fake_workers import (
     expected_tokens,
 )
 
-from protos.pdserve.v1 import api_pb2, common_pb2
+from common import hashing
+from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
 from router import edge
 from router.auth import Principal, tenant_salt
+from router.choice import PromptHashes
 from router.errors import RouterError, WorkerFailed
 from router.prefix_lookup import PrefixLookup
 
@@ -655,6 +657,24 @@ def test_cache_aware_choice_follows_the_index_and_what_this_router_routed() -> N
             assert msgs[-1].routing.indexed_cached_tokens == 16
 
     run(body)
+
+
+def test_a_request_is_hashed_once_and_a_migration_hashes_only_its_new_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    hashed: list[int] = []  # tokens handed to block_hashes, per call
+    real = hashing.block_hashes
+    monkeypatch.setattr(hashing, "block_hashes",
+                        lambda tokens, *a, **k: hashed.append(len(tokens)) or real(tokens, *a, **k))
+    prompt = list(range(10, 30))
+    wreq = worker_pb2.WorkerGenerateRequest(prompt_token_ids=prompt, cache_salt="t")
+    hashes = PromptHashes()
+    assert hashes.of(wreq, 4, "m") == real(prompt, 4, "m", "t") and hashed == [20]
+    assert hashes.of(wreq, 4, "m") == real(prompt, 4, "m", "t") and hashed == [20]  # a retry
+    wreq.prompt_token_ids.extend([7] * 9)  # migrated after 9 tokens: 2 more full blocks
+    assert hashes.of(wreq, 4, "m") == real(prompt + [7] * 9, 4, "m", "t")
+    assert hashed == [20, 8]
+    assert hashes.of(wreq, 8, "m") == real(prompt + [7] * 9, 8, "m", "t")  # another pool
+    assert hashed == [20, 8, 24]
 
 
 def test_prefix_lookup_merges_by_max_and_backs_off_while_redis_is_down() -> None:
