@@ -279,24 +279,31 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return stats_to_proto(self.channel_stats())
 
 
-def channel_ends(config: WorkerConfig, engine: LLMEngine
+def channel_ends(config: WorkerConfig, build: Callable[[], LLMEngine]
                  ) -> tuple[EngineLoop, KVSender | None, KVReceiver | None]:
-    """The engine loop with the role's end of the KV channel wired in."""
+    """The engine loop (its engine built by ``build`` on the engine thread) with the
+    role's end of the KV channel wired in."""
     name = f"{config.role}@{config.host}:{config.port}"
-    kv = engine.kv_view()
     if config.role == "prefill":
-        return EngineLoop(engine), KVSender(name, config.transfer), None
+        return EngineLoop(build), KVSender(name, config.transfer), None
     if config.role != "decode":
-        return EngineLoop(engine), None, None
+        return EngineLoop(build), None, None
     receiver = KVReceiver(name, config.transfer)
-    layout = KVLayout.of_cache(kv.cache, kv.block_size)
+    layout: list[KVLayout] = []  # the cache's, once the engine exists
 
     def expect(request_id: str, block_ids: list[int]):  # noqa: ANN202 - TransferHandle
-        return receiver.expect(request_id, layout, block_ids,
+        kv = loop.engine.kv_view()
+        if not layout:
+            layout.append(KVLayout.of_cache(kv.cache, kv.block_size))
+        return receiver.expect(request_id, layout[0], block_ids,
                                PagedCacheDestination(kv.cache, block_ids, kv.block_size),
                                timeout_s=config.reservation_timeout_s)
 
-    loop = EngineLoop(engine, expect, receiver.address, config.transfer.offer_timeout_s)
+    try:
+        loop = EngineLoop(build, expect, receiver.address, config.transfer.offer_timeout_s)
+    except BaseException:
+        receiver.close()
+        raise
     return loop, None, receiver
 
 
@@ -328,8 +335,10 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     presence = None
     if config.redis_url:
         presence = Presence(config.redis_url, config.model_name, address, config.registry_ttl_s)
-    engine = LLMEngine(config.engine, [presence.publisher] if presence else ())
-    loop, sender, receiver = channel_ends(config, engine)
+    # Built on the engine thread: the only thread with an intra-op team (EngineLoop).
+    loop, sender, receiver = channel_ends(
+        config, lambda: LLMEngine(config.engine, [presence.publisher] if presence else ()))
+    engine = loop.engine
     capacity = engine.capacity()
     targets = None
     if sender is not None and presence is not None:

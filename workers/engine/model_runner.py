@@ -9,6 +9,7 @@ request gets blocks from the block manager, never new tensors.
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -47,6 +48,15 @@ def model_context_len(model_path: Path) -> int:
         # Full attention inside the window is exact; beyond it we would need masking.
         limit = min(limit, window)
     return int(limit)
+
+
+def default_intra_op_threads() -> int:
+    """Intra-op threads an engine gets when its config names none: ``OMP_NUM_THREADS``,
+    else every core (what torch itself would pick)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "")))
+    except ValueError:
+        return os.cpu_count() or 1
 
 
 def keep_freed_memory() -> None:
