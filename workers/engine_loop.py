@@ -23,15 +23,9 @@ leaves the registry), new requests are refused with the same error, and transfer
 in flight are waited for so their blocks come back.
 
 Disaggregated decode (:meth:`EngineLoop.reserve`): the first item of the stream is a
-:class:`~workers.reservation.Reservation`. Unless the uncached part of the prompt is
-under the local-prefill threshold (then the request simply runs here), the engine holds
-blocks for the prompt and ``kv_expect`` registers them with the KV receiver. Each
-reserve has a :class:`~workers.reservation.ReservationMachine`, which decides what the
-transfer's end, the router's ``commit`` and aborts lead to (see
-:mod:`workers.reservation`); this module carries its decisions out on the engine
-thread: cancel the transfer, arm the offer timeout, settle (commit into the running
-batch, recompute, or free; blocks a failed transfer may still write into go back to
-the pool only once it is quiesced).
+:class:`~workers.reservation.Reservation`; :mod:`workers.engine_reservations` carries the
+reservations out on the engine thread. The commands, counters and errors are in
+:mod:`workers.engine_commands`.
 
 Threads. Servers pass a function that builds the engine, run on the engine thread.
 With GNU OpenMP (torch's CPU builds) every thread that runs a parallel op gets a team of
@@ -55,7 +49,6 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -66,93 +59,29 @@ from common.threads import ENGINE, name_native_thread
 from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput, coalesce
 from .engine.model_runner import default_intra_op_threads
 from .engine.surface import EngineLoad
-from .reservation import Actions, Reservation, ReservationMachine, ReservationState
-from .transfer import TransferHandle, TransferResult
+from .engine_commands import (
+    STOP,
+    Abort,
+    Add,
+    Call,
+    Commit,
+    EngineCounters,
+    EngineUnavailableError,
+    KVExpect,
+    Reserve,
+    TransferDone,
+    call_logged,
+    request_error,
+)
+from .engine_reservations import ReservationDriver
+from .reservation import Reservation, ReservationMachine
+
+__all__ = ["EngineCounters", "EngineLoop", "EngineUnavailableError", "KVExpect"]
 
 log = logging.getLogger(__name__)
 
 
-class EngineUnavailableError(RuntimeError):
-    """The engine cannot serve (it failed, or the worker is shutting down): not about
-    the request, which may succeed on another worker (servers answer UNAVAILABLE)."""
-
-
-@dataclass
-class EngineCounters:
-    """Totals since start, updated on the engine thread (read anywhere: plain ints)."""
-
-    generation_tokens: int = 0
-    prompt_tokens: int = 0  # of finished requests
-    cached_prompt_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)  # by finish reason
-    thread_cpu_s: float = 0.0  # the engine thread's CPU time, after the last step
-    forward_s: float = 0.0  # wall time in the model's forward
-    forward_cpu_s: float = 0.0  # the engine thread's CPU time in the forward
-
-    def count(self, output: RequestOutput) -> None:
-        self.generation_tokens += len(output.new_token_ids)
-        if output.finished:
-            self.prompt_tokens += len(output.prompt_token_ids)
-            self.cached_prompt_tokens += output.num_cached_tokens
-            reason = output.finish_reason or "unknown"
-            self.finished[reason] = self.finished.get(reason, 0) + 1
-
-
-KVExpect = Callable[[str, list[int]], TransferHandle]
-"""(request id, target block ids) -> the receiver's handle for that reservation."""
-
-
-@dataclass
-class _Add:
-    request: Request
-    loop: asyncio.AbstractEventLoop
-    out: asyncio.Queue
-    on_prefilled: OnPrefilled | None = None
-    local_threshold: int | None = None  # set: a reserve (decode side of disaggregation)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-@dataclass
-class _Abort:
-    add: _Add  # the very request to stop: a later request may reuse its id
-
-
-@dataclass
-class _Commit:
-    add: _Add
-    first_token: int | None
-
-
-@dataclass
-class _Call:
-    fn: Callable[[], None]
-
-
-@dataclass
-class _TransferDone:
-    add: _Add
-    result: TransferResult
-
-
-@dataclass
-class _Reserve:
-    """One reserve on the engine thread: its machine, and what carrying it out holds."""
-
-    add: _Add
-    machine: ReservationMachine
-    handle: TransferHandle | None = None  # once placed
-    committed: bool = False  # the machine takes one commit; a repeat is ignored
-    timers: list[threading.Timer] = field(default_factory=list)
-
-
-_STOP = object()
-
-
-
-class EngineLoop:
+class EngineLoop(ReservationDriver):
     """``engine``: an engine, or (what servers pass) a function that builds one, which
     then runs on the engine thread: the model loads there, and that thread is the only
     one with an intra-op team (see the module docstring). The constructor returns once
@@ -165,9 +94,9 @@ class EngineLoop:
         self._kv_expect, self._kv_address = kv_expect, kv_address
         self._commit_wait_s = commit_wait_s
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, _Add] = {}
-        self._remote: dict[str, _Reserve] = {}  # placed, not settled
-        self._pending: list[_Reserve] = []  # QUEUED: waiting for free blocks, in order
+        self._streams: dict[str, Add] = {}
+        self._remote: dict[str, Reserve] = {}  # placed, not settled
+        self._pending: list[Reserve] = []  # QUEUED: waiting for free blocks, in order
         self.counters = EngineCounters()
         self.failure: str | None = None
         """Why the loop stopped serving (see the module docstring); None while it serves.
@@ -199,21 +128,21 @@ class EngineLoop:
         registered while the loop fails, it may run twice. Exceptions are logged."""
         self._failure_callbacks.append(callback)
         if self.failure is not None:
-            _call_logged(callback, self.failure)
+            call_logged(callback, self.failure)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine thread between steps (from any thread)."""
-        self._commands.put(_Call(fn))
+        self._commands.put(Call(fn))
 
     def close(self) -> None:
-        self._commands.put(_STOP)
+        self._commands.put(STOP)
         self._thread.join(timeout=10)
 
     async def generate(
         self, request: Request, on_prefilled: OnPrefilled | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Run a request here; ``on_prefilled`` makes it prefill-only (see LLMEngine)."""
-        add = _Add(request, asyncio.get_running_loop(), asyncio.Queue(), on_prefilled)
+        add = Add(request, asyncio.get_running_loop(), asyncio.Queue(), on_prefilled)
         async for item in self._stream(add):
             yield item  # type: ignore[misc]
 
@@ -226,11 +155,11 @@ class EngineLoop:
         the reservation is local. Waits (in order) while the KV pool is full."""
         if self._kv_expect is None:
             raise RuntimeError("this worker has no KV receiver (role is not decode)")
-        add = _Add(request, asyncio.get_running_loop(), asyncio.Queue(),
+        add = Add(request, asyncio.get_running_loop(), asyncio.Queue(),
                    local_threshold=max(local_threshold, 0))
-        return (lambda token: self._commands.put(_Commit(add, token))), self._stream(add)
+        return (lambda token: self._commands.put(Commit(add, token))), self._stream(add)
 
-    async def _stream(self, add: _Add) -> AsyncIterator[Reservation | RequestOutput]:
+    async def _stream(self, add: Add) -> AsyncIterator[Reservation | RequestOutput]:
         self._commands.put(add)
         finished = False
         held = None  # taken from the queue while coalescing, not yet handed out
@@ -254,7 +183,7 @@ class EngineLoop:
                     return
         finally:
             if not finished:
-                self._commands.put(_Abort(add))
+                self._commands.put(Abort(add))
 
     # -- engine thread -----------------------------------------------------------------
 
@@ -284,8 +213,8 @@ class EngineLoop:
             except Exception:  # noqa: BLE001
                 log.exception("failing the requests left after the engine thread failed")
         # Nothing here can be trusted now; answer every new request until close().
-        while (cmd := self._commands.get()) is not _STOP:
-            if isinstance(cmd, _Add):
+        while (cmd := self._commands.get()) is not STOP:
+            if isinstance(cmd, Add):
                 self._deliver(cmd, self._unavailable())
 
     def _runnable(self) -> bool:
@@ -303,7 +232,7 @@ class EngineLoop:
                 except queue.Empty:
                     cmd = None
             while cmd is not None:
-                if cmd is _STOP:
+                if cmd is STOP:
                     self._fail_all(EngineUnavailableError("the worker is shutting down"))
                     return
                 self._apply_guarded(cmd)
@@ -336,14 +265,6 @@ class EngineLoop:
                 except queue.Empty:
                     cmd = None
 
-    def _reserve_pending(self) -> None:
-        """Reserves that waited for room, in arrival order, while they fit."""
-        while self._pending:
-            rec = self._pending.pop(0)  # out before its answer goes: a failed one aborts
-            if not self._try_reserve(rec):
-                self._pending.insert(0, rec)
-                return
-
     def _emit(self, output: RequestOutput) -> None:
         """Hand an output to its stream; a request that failed on its own (``error``)
         gets the error instead, and is already aborted."""
@@ -355,25 +276,25 @@ class EngineLoop:
             del self._streams[output.request_id]
         self._deliver(stream, output if output.error is None else output.error)
 
-    def _apply_guarded(self, cmd: _Add | _Abort | _Commit | _TransferDone | _Call) -> None:
+    def _apply_guarded(self, cmd: Add | Abort | Commit | TransferDone | Call) -> None:
         """A command about one request that raises fails that request alone; any other
-        (a ``_Call``: a release, a probe) leaves the engine in doubt: stop serving."""
+        (a ``Call``: a release, a probe) leaves the engine in doubt: stop serving."""
         try:
             self._apply(cmd)
             return
         except Exception as e:  # noqa: BLE001 - a bug: contain it, loudly
             log.exception("engine loop command %s failed", type(cmd).__name__)
             error = e
-        add = cmd if isinstance(cmd, _Add) else getattr(cmd, "add", None)
+        add = cmd if isinstance(cmd, Add) else getattr(cmd, "add", None)
         if add is not None:
             try:
-                self._fail_request(add, _request_error(add.request_id, error))
+                self._fail_request(add, request_error(add.request_id, error))
                 return
             except Exception:  # noqa: BLE001
                 log.exception("aborting request %s after its command failed", add.request_id)
         self._stop_serving(f"engine command {type(cmd).__name__} failed: {error!r}")
 
-    def _fail_request(self, add: _Add, error: Exception) -> None:
+    def _fail_request(self, add: Add, error: Exception) -> None:
         """End one request with ``error``: abort it (freeing its blocks, or once its
         transfer can no longer write into them) and raise ``error`` from its stream."""
         self._abort(add)
@@ -390,19 +311,19 @@ class EngineLoop:
             self.failure = reason
             log.error("the engine loop no longer serves: %s", reason)
             for callback in self._failure_callbacks:
-                _call_logged(callback, reason)
+                call_logged(callback, reason)
         self._fail_all(EngineUnavailableError(f"the engine failed ({reason}); send the "
                                               "request to another worker"))
         # Requests without a stream (none should be) must not keep the loop stepping.
         self.engine.abort_all(keep=self._remote.keys())
         self._load = self._snapshot()
 
-    def _apply(self, cmd: _Add | _Abort | _Commit | _TransferDone | _Call) -> None:
-        if isinstance(cmd, _Call):
+    def _apply(self, cmd: Add | Abort | Commit | TransferDone | Call) -> None:
+        if isinstance(cmd, Call):
             cmd.fn()
-        elif isinstance(cmd, _Abort):
+        elif isinstance(cmd, Abort):
             self._abort(cmd.add)
-        elif isinstance(cmd, _Commit):
+        elif isinstance(cmd, Commit):
             rec = self._remote.get(cmd.add.request_id)
             if rec is not None and rec.add is cmd.add and not rec.committed:
                 rec.committed = True
@@ -413,14 +334,14 @@ class EngineLoop:
                         self._fail_request(rec.add, e)
                         return
                 self._carry_out(rec, rec.machine.commit(cmd.first_token))
-        elif isinstance(cmd, _TransferDone):
+        elif isinstance(cmd, TransferDone):
             rec = self._remote.get(cmd.add.request_id)
             if rec is not None and rec.add is cmd.add:
                 self._carry_out(rec, rec.machine.transfer_ended(cmd.result.ok))
         elif self.failure is not None:
             self._deliver(cmd, self._unavailable())
         elif cmd.local_threshold is not None:
-            rec = _Reserve(cmd, ReservationMachine(cmd.request_id))
+            rec = Reserve(cmd, ReservationMachine(cmd.request_id))
             if self._pending or not self._try_reserve(rec):
                 self._pending.append(rec)
         else:
@@ -429,11 +350,11 @@ class EngineLoop:
                 self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.sampling,
                                         r.cache_salt, cmd.on_prefilled)
             except Exception as e:  # noqa: BLE001 - the request's own: back to its caller
-                self._deliver(cmd, _request_error(cmd.request_id, e))
+                self._deliver(cmd, request_error(cmd.request_id, e))
                 return
             self._streams[cmd.request_id] = cmd
 
-    def _abort(self, add: _Add) -> None:
+    def _abort(self, add: Add) -> None:
         rid, reason = add.request_id, "the request was cancelled"
         queued = next((rec for rec in self._pending if rec.add is add), None)
         if queued is not None:  # holds nothing yet
@@ -449,87 +370,7 @@ class EngineLoop:
         else:  # freed once the transfer can no longer write
             self._carry_out(rec, rec.machine.abort(reason))
 
-    def _try_reserve(self, rec: _Reserve) -> bool:
-        """Reserve now; False when there is no room yet (it stays QUEUED)."""
-        add, machine, rid = rec.add, rec.machine, rec.add.request_id
-        try:
-            r = add.request
-            kv = self.engine.reserve_request(rid, list(r.prompt_token_ids), r.sampling,
-                                             r.cache_salt)
-        except Exception as e:  # noqa: BLE001 - the request's own: back to its caller
-            machine.reject()
-            self._deliver(add, _request_error(rid, e))
-            return True
-        if kv is None:
-            return False
-        self._streams[rid] = add
-        handle = None
-        if kv.uncached_tokens >= (add.local_threshold or 0):  # else: conditional disagg.
-            assert self._kv_expect is not None
-            try:
-                handle = self._kv_expect(rid, list(kv.target_block_ids))
-            except Exception:  # noqa: BLE001 - receiver closed: compute here
-                handle = None
-        if handle is None:
-            machine.go_local()
-            self.engine.recompute_request(rid, None)
-            self._deliver(add, Reservation(True, kv.cached_tokens))
-            return True
-        machine.place()
-        rec.handle = handle
-        self._remote[rid] = rec
-        handle.add_done_callback(lambda r: self._commands.put(_TransferDone(add, r)))
-        self._deliver(add, Reservation(False, kv.cached_tokens, self._kv_address,
-                                       kv.skip_blocks, kv.target_block_ids))
-        return True
-
-    def _carry_out(self, rec: _Reserve, actions: Actions) -> None:
-        """Do what the machine decided for a placed reservation."""
-        assert rec.handle is not None
-        if actions.cancel_transfer is not None:
-            rec.handle.cancel(actions.cancel_transfer)
-        if actions.arm_offer_timeout:
-            self._cancel_later(rec, "no KV offer came within the commit wait")
-        if actions.settle:
-            self._settle(rec)
-
-    def _cancel_later(self, rec: _Reserve, reason: str) -> None:
-        """A committed reservation whose offer never arrives is given up (the prefill
-        worker died after sampling). Only while PENDING: a receive in flight is bounded
-        by the channel's data timeout and must not be cut off for being long."""
-        assert rec.handle is not None
-        timer = threading.Timer(self._commit_wait_s, rec.handle.cancel_pending, args=(reason,))
-        timer.daemon = True
-        timer.start()
-        rec.timers.append(timer)
-
-    def _settle(self, rec: _Reserve) -> None:
-        """The transfer ended and the machine settled: commit, recompute or free."""
-        assert rec.handle is not None
-        rid = rec.add.request_id
-        del self._remote[rid]
-        for timer in rec.timers:
-            timer.cancel()
-        if not rec.handle.quiesced:  # failed with receives still posted: not these blocks
-            release = self.engine.quarantine_request(rid)
-            rec.handle.add_quiesced_callback(lambda: self.call_soon(release))
-        state, token = rec.machine.state, rec.machine.first_token
-        if state is ReservationState.ABORTED:
-            self.engine.abort_request(rid)
-            return
-        try:
-            if state is ReservationState.RUNNING:
-                assert token is not None
-                final = self.engine.commit_request(rid, token)
-            else:
-                final = self.engine.recompute_request(rid, token)
-        except InvalidRequestError as e:  # checked when the commit came; in case
-            self._fail_request(rec.add, e)
-            return
-        if final is not None:
-            self._emit(final)
-
-    def _deliver(self, stream: _Add, item: Reservation | RequestOutput | Exception) -> None:
+    def _deliver(self, stream: Add, item: Reservation | RequestOutput | Exception) -> None:
         """Hand an item to the consumer's event loop; a closed loop aborts the request."""
         try:
             stream.loop.call_soon_threadsafe(stream.out.put_nowait, item)
@@ -550,21 +391,3 @@ class EngineLoop:
         for rec in pending:
             rec.machine.abort(reason)
             self._deliver(rec.add, error)
-
-
-def _request_error(request_id: str, e: Exception) -> InvalidRequestError:
-    """What one request's own failure tells its caller: INVALID_ARGUMENT, never a worker
-    failure (the router would mark the worker down and carry the request, and whatever
-    in it failed here, to the next one)."""
-    if isinstance(e, InvalidRequestError):
-        return e
-    log.error("request %s failed on its own; aborted", request_id, exc_info=e)
-    return InvalidRequestError("request", f"failed on this worker ({type(e).__name__}: "
-                               f"{e}); it was aborted, the other requests were not affected")
-
-
-def _call_logged(callback: Callable[[str], None], reason: str) -> None:
-    try:
-        callback(reason)
-    except Exception:  # noqa: BLE001 - a failure callback must not stop the others
-        log.exception("engine failure callback %r failed", callback)
