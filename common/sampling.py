@@ -13,6 +13,7 @@ per-step scan can afford.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -55,6 +56,23 @@ STOP_TOKEN_ID_MAX = 2**32 - 1
 MAX_LOGPROBS = 20
 """OpenAI's (and vLLM's default) limit on ``top_logprobs``."""
 
+PENALTY_MIN, PENALTY_MAX = -2.0, 2.0
+"""OpenAI's range for ``frequency_penalty`` and ``presence_penalty``."""
+
+MAX_LOGIT_BIAS = 300
+"""OpenAI's limit on ``logit_bias`` entries; each is written into the logits every step."""
+
+LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0
+"""OpenAI's range for one ``logit_bias`` value (-100 bans a token, 100 all but forces it)."""
+
+MAX_ALLOWED_TOKEN_IDS = 2**16
+"""``allowed_token_ids`` builds a vocabulary mask every step; 65536 ids is more than a
+constrained-choice prompt needs and well under any 8 MiB message."""
+
+TOKEN_ID_MAX = 2**32 - 1
+"""Token ids (``logit_bias`` keys, ``allowed_token_ids``) are uint32 on the wire; the
+vocabulary bound is checked where it is known (:func:`check_sampling_vocab`)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -65,6 +83,15 @@ class SamplingParams:
     ``seed`` makes a request's samples independent of whatever else shares its batch.
     ``logprobs=n`` returns the sampled token's log-probability and the ``n`` most likely
     ones (of the raw model distribution).
+
+    Before any filter, the logits are changed in this order: ``repetition_penalty``
+    (vLLM: > 0, 1 is off; a logit of a token seen in the prompt or the output is
+    divided by it when positive, multiplied when not), ``frequency_penalty`` and
+    ``presence_penalty`` (OpenAI: over output tokens only, ``logit -= frequency * count
+    + presence * (count > 0)``), ``logit_bias`` (token id -> value added), then only
+    ``allowed_token_ids`` may be sampled (when given), and EOS and ``stop_token_ids``
+    cannot be sampled, nor end the request (nor can stop strings), before ``min_tokens``
+    output tokens.
     """
 
     max_tokens: int = 16
@@ -78,6 +105,14 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs sorted by id; a mapping is accepted and converted."""
+    min_tokens: int = 0
+    allowed_token_ids: tuple[int, ...] = ()
+    """Empty: every token may be sampled."""
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
@@ -98,6 +133,60 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self._check_stops()
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, Mapping) else bias
+        try:
+            pairs = tuple(sorted((k, v) for k, v in pairs))
+        except (TypeError, ValueError):
+            raise InvalidRequestError(
+                "logit_bias", "must map token ids to numbers") from None
+        object.__setattr__(self, "logit_bias", pairs)
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        # Finite and > 0; a tiny penalty may push a logit past float32, which the sampler
+        # clamps, so any positive value is safe (vLLM's range).
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise InvalidRequestError(
+                "repetition_penalty", f"must be finite and > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not PENALTY_MIN <= v <= PENALTY_MAX:  # rejects NaN
+                raise InvalidRequestError(
+                    name, f"must be in [{PENALTY_MIN}, {PENALTY_MAX}], got {v}")
+        if len(pairs) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(
+                "logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(pairs)}")
+        for token, value in pairs:
+            _check_int("logit_bias", token, 0, TOKEN_ID_MAX)
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not LOGIT_BIAS_MIN <= value <= LOGIT_BIAS_MAX):
+                raise InvalidRequestError(
+                    "logit_bias", f"each bias must be in [{LOGIT_BIAS_MIN}, "
+                    f"{LOGIT_BIAS_MAX}], got {value!r} for token {token}")
+        if len(pairs) != len({t for t, _ in pairs}):
+            raise InvalidRequestError("logit_bias", "a token id appears twice")
+        object.__setattr__(self, "logit_bias", tuple((t, float(v)) for t, v in pairs))
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise InvalidRequestError(
+                "allowed_token_ids", f"at most {MAX_ALLOWED_TOKEN_IDS} ids, got "
+                f"{len(self.allowed_token_ids)}")
+        for t in self.allowed_token_ids:
+            _check_int("allowed_token_ids", t, 0, TOKEN_ID_MAX)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty applies (the sampler then needs the token history)."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler must change this request's logits before sampling."""
+        return (self.penalized or bool(self.logit_bias) or bool(self.allowed_token_ids)
+                or self.min_tokens > 0)
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -136,6 +225,18 @@ def _check_int(field_name: str, value: object, low: int, high: int) -> None:
             field_name, f"must be an integer >= {low} and <= {high}, got {value!r}")
     if not low <= value <= high:
         raise InvalidRequestError(field_name, f"must be >= {low} and <= {high}, got {value}")
+
+
+def check_sampling_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids in ``logit_bias`` and ``allowed_token_ids`` must be in the vocabulary;
+    checked where it is known (the router, the engine). Raises
+    :class:`InvalidRequestError` naming the field and the limit."""
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                      ("allowed_token_ids", params.allowed_token_ids)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

@@ -24,7 +24,8 @@ FINISH_REASONS = {
 }
 FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
 
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs")
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
+             "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -35,6 +36,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     return SamplingParams(
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
+        logit_bias=dict(msg.logit_bias), allowed_token_ids=tuple(msg.allowed_token_ids),
         **kwargs,  # type: ignore[arg-type]
     )
 
@@ -44,7 +46,17 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         max_tokens=p.max_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
         min_p=p.min_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
+        logit_bias=dict(p.logit_bias), allowed_token_ids=list(p.allowed_token_ids),
     )
+    # Off values stay unset: the message of a plain request does not grow.
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
+    if p.frequency_penalty != 0.0:
+        msg.frequency_penalty = p.frequency_penalty
+    if p.presence_penalty != 0.0:
+        msg.presence_penalty = p.presence_penalty
+    if p.min_tokens:
+        msg.min_tokens = p.min_tokens
     if p.seed is not None:
         msg.seed = p.seed
     if p.logprobs is not None:

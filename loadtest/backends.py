@@ -13,11 +13,21 @@ with ``--use-server-token-count`` semantics), prompt and cached tokens. Greedy,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Protocol
 
 from .metrics import RequestRecord
+
+
+class TargetError(RuntimeError):
+    """The target cannot be used at all (nothing answers there, it refuses the harness's
+    questions): one line saying what was tried and what to do; the run does not start."""
+
+
+def is_http(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
 
 
 class Backend(Protocol):
@@ -92,9 +102,17 @@ class OpenAIBackend:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                               headers=self._headers)
         if self.model is None:  # the server's first model, as the peers' clients do
-            async with self._session.get(f"{self.base_url}/v1/models") as r:
-                r.raise_for_status()
-                self.model = (await r.json())["data"][0]["id"]
+            url = f"{self.base_url}/v1/models"
+            try:
+                async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=10)
+                                             ) as r:
+                    r.raise_for_status()
+                    self.model = (await r.json())["data"][0]["id"]
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, LookupError,
+                    TypeError) as e:
+                await self._session.close()
+                raise TargetError(f"cannot list the models at {url}: "
+                                  f"{e or type(e).__name__}") from None
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .backends import Backend, GrpcBackend, OpenAIBackend
+from .backends import Backend, GrpcBackend, OpenAIBackend, is_http
 from .metrics import SLO, RequestRecord, compute_metrics
 from .workloads import Request
 
@@ -50,13 +50,9 @@ class RunOptions:
     queue_interval_s: float = 0.5
 
 
-def _is_http(target: str) -> bool:
-    return target.startswith(("http://", "https://"))
-
-
 def backend_for(opts: RunOptions) -> Backend:
     """Build inside the event loop that will use it (gRPC's aio channel binds to it)."""
-    if _is_http(opts.target):
+    if is_http(opts.target):
         return OpenAIBackend(opts.target, opts.model, opts.api_key)
     return GrpcBackend(opts.target, opts.api_key, opts.tls_ca)
 
@@ -112,7 +108,7 @@ async def drive(opts: RunOptions) -> Trace:
                 try:
                     await backend.send(req.prompt, req.output_len, rec, opts.timeout_s)
                 except Exception as e:  # noqa: BLE001 - every failure counts; the run goes on
-                    rec.error = f"{type(e).__name__}: {e}"
+                    rec.error = _describe_error(e)
                 progress.tick(rec.ok)
 
         async def session(turns: list[Request], at: float) -> None:
@@ -137,6 +133,15 @@ async def drive(opts: RunOptions) -> Trace:
         trace.duration = time.monotonic() - start
         sampler.cancel()
     return trace
+
+
+def _describe_error(e: Exception) -> str:
+    """A failed request's error in one line: a gRPC status as ``CODE: details`` (its
+    ``str`` is a multi-line dump), anything else as ``Type: message``."""
+    code, details = getattr(e, "code", None), getattr(e, "details", None)
+    if callable(code) and callable(details):
+        return f"{getattr(code(), 'name', code())}: {details()}"
+    return f"{type(e).__name__}: {e}"
 
 
 def group_sessions(requests: tuple[Request, ...] | list[Request]) -> list[list[Request]]:
@@ -192,13 +197,14 @@ def run(opts: RunOptions, out: str | None = None, extra: dict | None = None) -> 
     and the per-request ``details``) and, when ``out`` is given, its plots beside it."""
     trace = asyncio.run(drive(opts))
     metrics = compute_metrics(trace.records, trace.duration, opts.slo)
+    metrics["first_error"] = next((r.error for r in trace.records if r.error), None)
     print(report(metrics))
     errors = sorted({r.error for r in trace.records if r.error})
     if errors:
         print(f"errors ({len(errors)} kinds): {errors[:3]}", file=sys.stderr)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        result = {**(extra or {}), "backend": "openai" if _is_http(opts.target) else "grpc",
+        result = {**(extra or {}), "backend": "openai" if is_http(opts.target) else "grpc",
                   **metrics,
                   "details": details(trace)}
         Path(out).write_text(json.dumps(result, indent=1))
@@ -207,6 +213,20 @@ def run(opts: RunOptions, out: str | None = None, extra: dict | None = None) -> 
         png = plot_run(result, Path(out).with_suffix(".png"))
         print(f"wrote {out} and {png}", file=sys.stderr)
     return metrics
+
+
+def failed_verdict(points: list[dict], max_failed_fraction: float) -> str | None:
+    """Why a run (its points: one, or a sweep's) failed, in one line; None when no more
+    than ``max_failed_fraction`` of its requests failed (0: any failure fails it)."""
+    failed = sum(p["failed"] for p in points)
+    total = failed + sum(p["completed"] for p in points)
+    if failed == 0 or failed <= max_failed_fraction * total:
+        return None
+    first = next((p["first_error"] for p in points if p.get("first_error")), None)
+    allowed = f", more than --max-failed-fraction {max_failed_fraction:g}" \
+        if max_failed_fraction else ""
+    return (f"{failed} of {total} requests failed{allowed} (first error: "
+            f"{' '.join(str(first).split())[:300]})")
 
 
 def sweep(opts: RunOptions, rates: list[float],

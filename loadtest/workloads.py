@@ -14,6 +14,9 @@ Workloads yield :class:`Request` (prompt token ids, output length):
   on its own schedule), ``input_length``, ``output_length``, ``prefix_group``
   (optional: requests of a group share a prompt prefix of half the shortest input).
 
+Every workload draws its token ids from ``token_ids``: ordinary (not special) ids of
+the served model's vocabulary, which the caller finds out (:mod:`loadtest.vocab`).
+
 Arrivals: an open loop at ``rate`` requests/s, Poisson (``burstiness`` 1) or gamma
 (``burstiness`` < 1 is burstier, > 1 more regular; shape = burstiness, mean 1/rate, as
 ``vllm bench serve``), or ``inf`` (all at once; then the harness's concurrency bounds
@@ -25,10 +28,13 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-MAX_TOKEN_ID = 30000  # random ids stay below: ordinary tokens in common vocabularies
+DEFAULT_TOKEN_IDS: Sequence[int] = range(1000, 30000)
+"""Library callers that start a known model (``benchmarks/``: SmolLM2, 49,152 ids) may
+rely on this; ``pdserve bench`` never does: it asks the server (:mod:`loadtest.vocab`)."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +46,10 @@ class Request:
     """Multi-turn: the turns of a conversation are sent one after another, in order."""
 
 
-def _ids(rng: random.Random, n: int, high: int = MAX_TOKEN_ID) -> list[int]:
-    """Random token ids in [high / 30, high): clear of the special ids at the start."""
-    return [rng.randrange(high // 30, high) for _ in range(n)]
+def _ids(rng: random.Random, n: int, token_ids: Sequence[int]) -> list[int]:
+    """``n`` ids drawn uniformly from ``token_ids`` (ordinary tokens of the served
+    vocabulary; for a ``range`` this is ``randrange`` over it, the same stream)."""
+    return [rng.choice(token_ids) for _ in range(n)]
 
 
 def _length(rng: random.Random, n: int, ratio: float) -> int:
@@ -50,24 +57,24 @@ def _length(rng: random.Random, n: int, ratio: float) -> int:
 
 
 def random_workload(num: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                    seed: int = 0, max_token_id: int = MAX_TOKEN_ID) -> list[Request]:
+                    seed: int = 0, token_ids: Sequence[int] = DEFAULT_TOKEN_IDS) -> list[Request]:
     rng = random.Random(seed)
-    return [Request(_ids(rng, _length(rng, input_len, range_ratio), max_token_id),
+    return [Request(_ids(rng, _length(rng, input_len, range_ratio), token_ids),
                     _length(rng, output_len, range_ratio)) for _ in range(num)]
 
 
 def shared_prefix_workload(num: int, groups: int, prefix_len: int, input_len: int,
-                           output_len: int, seed: int = 0, max_token_id: int = MAX_TOKEN_ID
-                           ) -> list[Request]:
+                           output_len: int, seed: int = 0,
+                           token_ids: Sequence[int] = DEFAULT_TOKEN_IDS) -> list[Request]:
     rng = random.Random(seed)
-    prefixes = [_ids(rng, prefix_len, max_token_id) for _ in range(groups)]
-    return [Request(prefixes[rng.randrange(groups)] + _ids(rng, input_len, max_token_id),
+    prefixes = [_ids(rng, prefix_len, token_ids) for _ in range(groups)]
+    return [Request(prefixes[rng.randrange(groups)] + _ids(rng, input_len, token_ids),
                     output_len) for _ in range(num)]
 
 
 def mixed_workload(num: int, input_len: int, output_len: int, long_fraction: float,
                    long_input_len: int, long_output_len: int, range_ratio: float = 0.0,
-                   seed: int = 0, max_token_id: int = MAX_TOKEN_ID) -> list[Request]:
+                   seed: int = 0, token_ids: Sequence[int] = DEFAULT_TOKEN_IDS) -> list[Request]:
     """Long prompts among ongoing decodes (DistServe's interference case): a
     ``long_fraction`` of requests have ``long_input_len``-token prompts and
     ``long_output_len`` outputs, the rest ``input_len`` -> ``output_len``; lengths vary
@@ -79,13 +86,14 @@ def mixed_workload(num: int, input_len: int, output_len: int, long_fraction: flo
     for _ in range(num):
         long = rng.random() < long_fraction
         n_in, n_out = (long_input_len, long_output_len) if long else (input_len, output_len)
-        out.append(Request(_ids(rng, _length(rng, n_in, range_ratio), max_token_id),
+        out.append(Request(_ids(rng, _length(rng, n_in, range_ratio), token_ids),
                            _length(rng, n_out, range_ratio)))
     return out
 
 
 def multi_turn_workload(conversations: int, turns: int, input_len: int, output_len: int,
-                        seed: int = 0, max_token_id: int = MAX_TOKEN_ID) -> list[Request]:
+                        seed: int = 0, token_ids: Sequence[int] = DEFAULT_TOKEN_IDS
+                        ) -> list[Request]:
     """Conversations that grow: turn k's prompt is turn k-1's prompt, a stand-in for its
     reply (``output_len`` seeded ids: the workload stays the same whatever a server
     answers) and a new ``input_len``-token user message. Turns of a conversation are
@@ -97,13 +105,13 @@ def multi_turn_workload(conversations: int, turns: int, input_len: int, output_l
         history: list[int] = []
         for t in range(turns):
             if t:
-                history = history + _ids(rng, output_len, max_token_id)
-            history = history + _ids(rng, input_len, max_token_id)
+                history = history + _ids(rng, output_len, token_ids)
+            history = history + _ids(rng, input_len, token_ids)
             out.append(Request(list(history), output_len, conversation=c))
     return out
 
 
-def trace_workload(path: str | Path, seed: int = 0, max_token_id: int = MAX_TOKEN_ID
+def trace_workload(path: str | Path, seed: int = 0, token_ids: Sequence[int] = DEFAULT_TOKEN_IDS
                    ) -> list[Request]:
     rng = random.Random(seed)
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -112,13 +120,13 @@ def trace_workload(path: str | Path, seed: int = 0, max_token_id: int = MAX_TOKE
         if r.get("prefix_group") is not None:
             g = str(r["prefix_group"])
             shortest[g] = min(shortest.get(g, r["input_length"]), r["input_length"])
-    prefixes = {g: _ids(rng, n // 2, max_token_id) for g, n in shortest.items()}
+    prefixes = {g: _ids(rng, n // 2, token_ids) for g, n in shortest.items()}
     out = []
     for r in rows:
         n = int(r["input_length"])
         prefix = prefixes.get(str(r.get("prefix_group")), []) if r.get("prefix_group") \
             is not None else []
-        out.append(Request(prefix + _ids(rng, n - len(prefix), max_token_id),
+        out.append(Request(prefix + _ids(rng, n - len(prefix), token_ids),
                            int(r["output_length"]),
                            r.get("timestamp")))
     return out

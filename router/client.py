@@ -199,3 +199,10 @@ class AsyncClient:
     async def status(self, timeout: float = 5.0) -> api_pb2.GetStatusResponse:
         return await self._stub.GetStatus(api_pb2.GetStatusRequest(), timeout=timeout,
                                           metadata=self._metadata)
+
+    async def tokenize(self, text: str, timeout: float = 5.0) -> list[int]:
+        """``text`` as the router's tokenizer encodes a text prompt (special tokens it
+        adds, such as BOS, included)."""
+        answer = await self._stub.Tokenize(api_pb2.TokenizeRequest(text=text), timeout=timeout,
+                                           metadata=self._metadata)
+        return list(answer.token_ids)

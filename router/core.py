@@ -60,7 +60,7 @@ from common.prefix_index import PrefixIndexBackend, RedisPrefixIndex
 from common.redis_url import connect as connect_redis
 from common.registry import WorkerRegistry
 from common.request import Request
-from common.sampling import InvalidRequestError, check_prompt
+from common.sampling import InvalidRequestError, check_prompt, check_sampling_vocab
 from common.threads import TOKENIZER, name_native_thread
 from common.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
@@ -261,6 +261,7 @@ class Router:
             edge.check_request_id(req.request_id)
         try:
             sampling = sampling_from_proto(req.sampling)
+            check_sampling_vocab(sampling, len(self.tokenizer))
             if req.WhichOneof("prompt") == "token_ids":
                 # Checked before copying (up to millions of ids), and only once.
                 check_prompt(req.token_ids.ids, self.max_model_len, len(self.tokenizer))
@@ -379,6 +380,40 @@ class Router:
         lease = self.limiter.admit(caller.tenant, caller.limits)
         try:
             return await self.tokenize(req)
+        finally:
+            lease.settle(0)
+
+    async def encode_as(self, text: str, add_special_tokens: bool,
+                        caller: Principal | None = None) -> list[int]:
+        """HTTP ``/tokenize`` of a text: as :meth:`tokenize_as`, but the client chooses
+        whether the tokenizer adds its special tokens (BOS, ...)."""
+        if add_special_tokens:
+            return await self.tokenize_as(api_pb2.TokenizeRequest(text=text), caller)
+        edge.check_text_prompt(text)
+        caller = caller or OPEN
+        lease = self.limiter.admit(caller.tenant, caller.limits)
+        try:
+            return list(await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_thread,
+                lambda: self.tokenizer(text, add_special_tokens=False).input_ids))
+        finally:
+            lease.settle(0)
+
+    async def detokenize_as(self, ids: list[int], caller: Principal | None = None) -> str:
+        """HTTP ``/detokenize``: ``ids`` as text (special tokens written out), on the
+        tokenizer's thread, within the caller's concurrency limit. An id outside the
+        vocabulary is INVALID_ARGUMENT naming ``tokens``."""
+        vocab = len(self.tokenizer)
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"tokens[{bad}]: {ids[bad]} is not in the vocabulary of "
+                              f"{self.model_name!r} (ids 0 to {vocab - 1})", "tokens")
+        caller = caller or OPEN
+        lease = self.limiter.admit(caller.tenant, caller.limits)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_thread, self.tokenizer.decode, ids)
         finally:
             lease.settle(0)
 

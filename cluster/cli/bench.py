@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 
 from workers.engine.params import DTYPE_CHOICES, DTYPES
 
@@ -30,6 +31,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="where to write the JSON results")
     b.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
     b.add_argument("--quick", action="store_true", help="a small run to check the harness")
+    b.add_argument("--profile-only", action="store_true",
+                   help="only the decode step profile (where a step's time goes at batch "
+                        "1, 32, 256, beside its floors; about a minute)")
+    b.add_argument("--profile-steps", type=int, default=8,
+                   help="timed decode steps per batch size in the step profile")
     b.set_defaults(func=cmd_bench_engine)
 
     bd = sub.add_parser("bench-disagg", help="KV transfer rate vs raw TCP, and disaggregated "
@@ -182,8 +188,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--slo-ttft-ms", type=float, default=None)
     b.add_argument("--slo-tpot-ms", type=float, default=None)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--max-token-id", type=int, default=30000,
-                   help="random prompt ids stay below this (keep it under the vocabulary)")
+    ids = b.add_mutually_exclusive_group()
+    ids.add_argument("--max-token-id", type=int, default=None,
+                     help="random prompt ids in [N/30, N) (default: ordinary ids of the "
+                          "served vocabulary, from the server's tokenize API)")
+    ids.add_argument("--tokenizer", default=None, metavar="PATH",
+                     help="random prompt ids from this tokenizer's vocabulary, special "
+                          "tokens excepted (instead of asking the server)")
+    b.add_argument("--max-failed-fraction", type=float, default=0.0,
+                   help="exit 1 when more than this share of requests fail (default 0: "
+                        "any failure fails the run)")
     b.add_argument("--no-progress", action="store_true")
     b.add_argument("--out", default=None,
                    help="write the JSON here (with --sweep-rates: the files' prefix)")
@@ -200,7 +214,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     return run_bench(BenchOptions(
         model=args.model, cache_dir=cache_dir(args), workloads=tuple(args.workload),
         dtypes=tuple(args.dtype), threads=args.threads, out=args.out,
-        skip_hf=args.skip_hf, quick=args.quick,
+        skip_hf=args.skip_hf, quick=args.quick, profile_only=args.profile_only,
+        profile_steps=args.profile_steps,
     ))
 
 
@@ -217,6 +232,7 @@ def cmd_bench_disagg(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import math
 
+    from loadtest.backends import TargetError
     from loadtest.metrics import SLO
     from loadtest.runner import RunOptions, group_sessions, run, sweep
     from loadtest.workloads import (
@@ -243,22 +259,34 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.workload == "trace" and not args.trace:
         print("pdserve bench: --workload trace needs --trace FILE.jsonl", file=sys.stderr)
         return EXIT_INVALID
+    if not 0.0 <= args.max_failed_fraction <= 1.0:
+        print(f"pdserve bench: --max-failed-fraction must be in [0, 1], got "
+              f"{args.max_failed_fraction}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        token_ids = _token_ids(args)
+    except ValueError as e:
+        print(f"pdserve bench: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    except TargetError as e:
+        print(f"pdserve bench: {e}; exit 1", file=sys.stderr)
+        return 1
 
     def build(seed: int) -> list:
         if args.workload == "trace":
-            return trace_workload(args.trace, seed, args.max_token_id)
+            return trace_workload(args.trace, seed, token_ids)
         if args.workload == "shared-prefix":
             return shared_prefix_workload(n, args.groups, args.prefix_len, args.input_len,
-                                          args.output_len, seed, args.max_token_id)
+                                          args.output_len, seed, token_ids)
         if args.workload == "mixed":
             return mixed_workload(n, args.input_len, args.output_len, args.long_fraction,
                                   args.long_input_len, args.long_output_len, args.range_ratio,
-                                  seed, args.max_token_id)
+                                  seed, token_ids)
         if args.workload == "multi-turn":
             return multi_turn_workload(n, args.turns, args.input_len, args.output_len, seed,
-                                       args.max_token_id)
+                                       token_ids)
         return random_workload(n, args.input_len, args.output_len, args.range_ratio, seed,
-                               args.max_token_id)
+                               token_ids)
 
     requests = build(args.seed)
     sessions = len(group_sessions(requests))
@@ -297,11 +325,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
             n = len(group_sessions(reqs))
             return reqs, arrival_times(n, rate, args.burstiness, args.seed + i)
 
-        sweep(opts, rates, point, args.out or "bench-results/sweep")
+        try:
+            points = sweep(opts, rates, point, args.out or "bench-results/sweep")
+        except TargetError as e:
+            print(f"pdserve bench: {e}; exit 1", file=sys.stderr)
+            return 1
+        return _verdict(points, args.max_failed_fraction)
+    try:
+        metrics = run(opts, args.out, {"workload": args.workload,
+                                       "request_rate": args.request_rate,
+                                       "burstiness": args.burstiness,
+                                       "max_concurrency": args.max_concurrency})
+    except TargetError as e:
+        print(f"pdserve bench: {e}; exit 1", file=sys.stderr)
+        return 1
+    return _verdict([metrics], args.max_failed_fraction)
+
+
+def _token_ids(args: argparse.Namespace) -> Sequence[int]:
+    """The ids random prompts are drawn from (``loadtest/vocab.py``): ``--max-token-id``,
+    else ``--tokenizer``, else the served model's, asked of the server. Raises
+    ValueError (a bad flag) or TargetError (the server cannot tell)."""
+    from loadtest import vocab
+
+    if args.max_token_id is not None:
+        return vocab.from_max_token_id(args.max_token_id)
+    if args.tokenizer:
+        ids = vocab.from_tokenizer(args.tokenizer)
+        source = f"tokenizer {args.tokenizer}"
+    else:
+        ids = vocab.server_token_ids(args.target, model=args.model,
+                                     api_key=client_api_key(args), tls_ca=args.tls_ca)
+        source = f"{args.target}'s tokenizer"
+    print(f"pdserve bench: prompt ids from {len(ids)} ordinary tokens of {source}",
+          file=sys.stderr)
+    return ids
+
+
+def _verdict(points: list[dict], max_failed_fraction: float) -> int:
+    from loadtest.runner import failed_verdict
+
+    why = failed_verdict(points, max_failed_fraction)
+    if why is None:
         return 0
-    run(opts, args.out, {"workload": args.workload, "request_rate": args.request_rate,
-                         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency})
-    return 0
+    print(f"pdserve bench: {why}; exit 1", file=sys.stderr)
+    return 1
 
 
 def cmd_bench_headline(args: argparse.Namespace) -> int:

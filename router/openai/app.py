@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import logging
 import time
 import uuid
@@ -65,6 +66,7 @@ from .responses import (
     sse,
     token_strings_of,
 )
+from .tokenization import TokenizingRouter, parse_detokenize, parse_tokenize
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,13 @@ CALLER_KEY = web.RequestKey("pdserve_caller", object)
 REQUEST_ID_KEY = web.RequestKey("pdserve_request_id", str)
 """The id a failure of this HTTP request is logged under (the generation's id, once
 known)."""
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a tree that is not installed
+        return "unknown"
 
 
 def _request_id(request: web.Request) -> str:
@@ -176,6 +185,34 @@ class OpenAIFront:
         if name != self.router.model_name:
             raise ApiError(404, f"The model `{name}` does not exist", "model", "model_not_found")
         return web.json_response(self._model_card(), dumps=dumps)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": _package_version()}, dumps=dumps)
+
+    # -- tokenizer endpoints (vLLM's shapes; router/openai/tokenization.py)
+
+    def _caller(self, request: web.Request) -> Principal | None:
+        caller = request.get(CALLER_KEY)
+        return caller if isinstance(caller, Principal) else None
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        assert isinstance(self.router, TokenizingRouter)
+        call = parse_tokenize(await self._read_body(request), self.router.model_name)
+        if call.messages is not None:
+            ids = await self.router.tokenize_as(
+                api_pb2.TokenizeRequest(messages=call.messages), self._caller(request))
+        else:
+            assert call.text is not None
+            ids = await self.router.encode_as(call.text, call.add_special_tokens,
+                                              self._caller(request))
+        return web.json_response({"tokens": ids, "count": len(ids),
+                                  "max_model_len": self.router.max_model_len}, dumps=dumps)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        assert isinstance(self.router, TokenizingRouter)
+        ids = parse_detokenize(await self._read_body(request), self.router.model_name)
+        text = await self.router.detokenize_as(ids, self._caller(request))
+        return web.json_response({"prompt": text}, dumps=dumps)
 
     # -- generation
 
@@ -376,7 +413,9 @@ def create_app(router: RouterLike, max_body_bytes: int = MAX_MESSAGE_BYTES, *,
     ``request_timeout`` is passed to every ``router.generate`` call; ``disconnect_poll_s``
     is how often a waiting request checks that its client is still connected. ``keys``
     None: no authentication. ``metrics_text`` (the Prometheus exposition) adds
-    ``GET /metrics``: admin keys only, unless ``metrics_public``.
+    ``GET /metrics``: admin keys only, unless ``metrics_public``. ``GET /version`` and,
+    when the router tokenizes (:class:`.tokenization.TokenizingRouter`), ``POST
+    /tokenize`` and ``POST /detokenize`` need a key like every route but ``/health``.
     """
     front = OpenAIFront(router, max_body_bytes=max_body_bytes, request_timeout=request_timeout,
                         disconnect_poll_s=disconnect_poll_s, metrics_text=metrics_text)
@@ -393,6 +432,10 @@ def create_app(router: RouterLike, max_body_bytes: int = MAX_MESSAGE_BYTES, *,
         app.router.add_get(METRICS_PATH, front.metrics)
     app.router.add_get("/v1/models", front.list_models)
     app.router.add_get("/v1/models/{model}", front.get_model)
+    app.router.add_get("/version", front.version)
+    if isinstance(router, TokenizingRouter):  # the real router; test stand-ins may lack it
+        app.router.add_post("/tokenize", front.tokenize)
+        app.router.add_post("/detokenize", front.detokenize)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_post("/v1/chat/completions", front.chat_completions)
     return app

@@ -4,8 +4,8 @@
    strings are all Unicode (a lone surrogate, ``"\\ud800"``, is a 400 naming where it is,
    e.g. ``messages[0].content``). Each field
    this front knows is type-checked here; a wrong type is a 400 naming the field. Fields
-   that ask for something pdserve does not do (``n`` > 1, ``echo``, penalties, tools, ...)
-   are refused with a 400 saying so, unless they carry their neutral value. Unknown fields
+   that ask for something pdserve does not do (``n`` > 1, ``echo``, beam search, tools,
+   ...) are refused with a 400 saying so, unless they carry their neutral value. Unknown fields
    are ignored (see *Fields* below). ``model``, when present, must be the served model
    (else 404, ``code: "model_not_found"``).
 3. **Translate.** One ``GenerateRequest``: ``request_id`` is the response id
@@ -22,7 +22,11 @@ Fields
 Both endpoints: ``model``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
 ``min_p``, ``seed``, ``stop`` (string or list), ``stop_token_ids``, ``ignore_eos``,
 ``include_stop_str_in_output``, ``cache_salt``, ``stream``, ``stream_options``
-(``include_usage``; ignored without ``stream: true``).
+(``include_usage``; ignored without ``stream: true``), ``repetition_penalty`` (vLLM),
+``frequency_penalty``, ``presence_penalty``, ``logit_bias`` (an object of token ids as
+strings to numbers), ``min_tokens`` and ``allowed_token_ids`` (vLLM). Their ranges are
+checked by :class:`~common.sampling.SamplingParams` in the router, like every other
+sampling field's.
 
 ``/v1/completions``: ``prompt`` (a string, a list of token ids, or a list holding exactly
 one of those: several prompts per request are refused, send one request each),
@@ -35,8 +39,7 @@ one of those: several prompts per request are refused, send one request each),
 of the context), ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs: true``).
 
 Accepted only at their neutral value (anything else is a 400 naming the field): ``n`` 1,
-``best_of`` 1, ``echo`` false, ``suffix`` "", ``repetition_penalty`` 1, ``frequency_penalty``
-0, ``presence_penalty`` 0, ``logit_bias`` {}, ``min_tokens`` 0, ``use_beam_search`` false,
+``best_of`` 1, ``echo`` false, ``suffix`` "", ``use_beam_search`` false,
 ``prompt_logprobs`` null, ``tools``/``functions`` empty, ``tool_choice`` "none"/"auto",
 ``response_format`` ``{"type": "text"}``, ``continue_final_message`` false, the vLLM
 ``guided_*`` fields and ``structured_outputs`` null.
@@ -140,11 +143,11 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     if why is not None:
         raise ApiError(400, f"request body is not valid JSON: {why}", None, "invalid_json")
     if not isinstance(body, dict):
-        raise ApiError(400, f"request body must be a JSON object, got {_describe(body)}",
+        raise ApiError(400, f"request body must be a JSON object, got {describe(body)}",
                        None, "invalid_json")
     where = unencodable_path(body)
     if where is not None:
-        raise _bad(where, f"{where}: not valid Unicode text (a lone surrogate such as "
+        raise bad(where, f"{where}: not valid Unicode text (a lone surrogate such as "
                           "\\ud800 has no UTF-8 form); send text as UTF-8 or as escaped "
                           "surrogate pairs")
     return body
@@ -153,7 +156,7 @@ def decode_body(raw: bytes) -> dict[str, Any]:
 # --------------------------------------------------------------------------- fields
 
 
-def _bad(param: str, message: str) -> RouterError:
+def bad(param: str, message: str) -> RouterError:
     return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
 
 
@@ -165,7 +168,15 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _describe(v: Any) -> str:
+def _as_float(v: int | float) -> float:
+    """A JSON number as a float; an integer too large for one reads as infinity."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf if v > 0 else -math.inf
+
+
+def describe(v: Any) -> str:
     kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
             dict: "object"}.get(type(v), type(v).__name__)
     text = json.dumps(v) if not isinstance(v, (list, dict)) else ""
@@ -177,12 +188,12 @@ def _describe(v: Any) -> str:
 def _token_ids(v: list[Any], name: str, lo: int = 0, hi: int = UINT32_MAX) -> list[int]:
     for i, t in enumerate(v):
         if not _is_int(t) or not lo <= t <= hi:
-            raise _bad(name, f"{name}[{i}] must be an integer in [{lo}, {hi}], got "
-                             f"{_describe(t)}")
+            raise bad(name, f"{name}[{i}] must be an integer in [{lo}, {hi}], got "
+                             f"{describe(t)}")
     return list(v)
 
 
-class _Fields:
+class Fields:
     """Typed reads of the JSON body. JSON ``null`` reads as absent; failures name the field."""
 
     def __init__(self, body: dict[str, Any]) -> None:
@@ -196,9 +207,9 @@ class _Fields:
         if v is None:
             return None
         if not _is_int(v):
-            raise _bad(name, f"{name} must be an integer, got {_describe(v)}")
+            raise bad(name, f"{name} must be an integer, got {describe(v)}")
         if not lo <= v <= hi:
-            raise _bad(name, f"{name} must be in [{lo}, {hi}], got {v}")
+            raise bad(name, f"{name} must be in [{lo}, {hi}], got {v}")
         return v
 
     def number(self, name: str) -> float | None:
@@ -206,15 +217,15 @@ class _Fields:
         if v is None:
             return None
         if not _is_number(v):
-            raise _bad(name, f"{name} must be a number, got {_describe(v)}")
-        return float(v)
+            raise bad(name, f"{name} must be a number, got {describe(v)}")
+        return _as_float(v)
 
     def bool_(self, name: str) -> bool | None:
         v = self.body.get(name)
         if v is None:
             return None
         if not isinstance(v, bool):
-            raise _bad(name, f"{name} must be true or false, got {_describe(v)}")
+            raise bad(name, f"{name} must be true or false, got {describe(v)}")
         return v
 
     def str_(self, name: str) -> str | None:
@@ -222,7 +233,7 @@ class _Fields:
         if v is None:
             return None
         if not isinstance(v, str):
-            raise _bad(name, f"{name} must be a string, got {_describe(v)}")
+            raise bad(name, f"{name} must be a string, got {describe(v)}")
         return v
 
     def str_list(self, name: str) -> list[str]:
@@ -233,14 +244,14 @@ class _Fields:
             return [v]
         if isinstance(v, list) and all(isinstance(s, str) for s in v):
             return list(v)
-        raise _bad(name, f"{name} must be a string or a list of strings, got {_describe(v)}")
+        raise bad(name, f"{name} must be a string or a list of strings, got {describe(v)}")
 
     def int_list(self, name: str, lo: int, hi: int) -> list[int]:
         v = self.body.get(name)
         if v is None:
             return []
         if not isinstance(v, list):
-            raise _bad(name, f"{name} must be a list of integers, got {_describe(v)}")
+            raise bad(name, f"{name} must be a list of integers, got {describe(v)}")
         return _token_ids(v, name, lo, hi)
 
 
@@ -269,11 +280,6 @@ NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (_eq(1), "only best_of=1 is supported"),
     "echo": (_eq(False), "echo is not supported"),
     "suffix": (_empty, "suffix is not supported"),
-    "repetition_penalty": (_eq(1), "repetition_penalty is not supported (only 1.0 or absent)"),
-    "frequency_penalty": (_eq(0), "frequency_penalty is not supported (only 0 or absent)"),
-    "presence_penalty": (_eq(0), "presence_penalty is not supported (only 0 or absent)"),
-    "logit_bias": (_empty, "logit_bias is not supported"),
-    "min_tokens": (_eq(0), "min_tokens is not supported (only 0 or absent)"),
     "use_beam_search": (_eq(False), "beam search is not supported"),
     "prompt_logprobs": (_never, "prompt_logprobs is not supported"),
     "tools": (_empty, "tools are not supported"),
@@ -290,19 +296,19 @@ NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _check_neutral(f: _Fields) -> None:
+def _check_neutral(f: Fields) -> None:
     for name, (accepts, why) in NEUTRAL_ONLY.items():
         v = f.get(name)
         if v is not None and not accepts(v):
             # allow_nan: the value is only shown (1e400 parses to inf; dumps refuses it)
             shown = json.dumps(v, ensure_ascii=False, allow_nan=True)
-            raise _bad(name, f"{why}; got {name}={shown}")
+            raise bad(name, f"{why}; got {name}={shown}")
 
 
 # --------------------------------------------------------------------------- translation
 
 
-def _sampling(f: _Fields, *, chat: bool, max_model_len: int) -> common_pb2.SamplingParams:
+def _sampling(f: Fields, *, chat: bool, max_model_len: int) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams()
     max_tokens = f.int_("max_tokens", 1, UINT32_MAX)
     if chat:
@@ -314,11 +320,12 @@ def _sampling(f: _Fields, *, chat: bool, max_model_len: int) -> common_pb2.Sampl
             max_tokens = max_model_len
     if max_tokens is not None:
         s.max_tokens = max_tokens
-    for name in ("temperature", "top_p", "min_p"):
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty"):
         v = f.number(name)
         if v is not None:
             if not math.isfinite(v):
-                raise _bad(name, f"{name} must be finite, got {v}")
+                raise bad(name, f"{name} must be finite, got {v}")
             setattr(s, name, v)
     top_k = f.int_("top_k", INT32_MIN, INT32_MAX)
     if top_k is not None:
@@ -328,13 +335,19 @@ def _sampling(f: _Fields, *, chat: bool, max_model_len: int) -> common_pb2.Sampl
         s.seed = seed
     s.stop.extend(f.str_list("stop"))
     s.stop_token_ids.extend(f.int_list("stop_token_ids", 0, UINT32_MAX))
+    min_tokens = f.int_("min_tokens", 0, UINT32_MAX)
+    if min_tokens is not None:
+        s.min_tokens = min_tokens
+    for token, bias in _logit_bias(f.get("logit_bias")).items():
+        s.logit_bias[token] = bias
+    s.allowed_token_ids.extend(f.int_list("allowed_token_ids", 0, UINT32_MAX))
     s.ignore_eos = bool(f.bool_("ignore_eos"))
     s.include_stop_str_in_output = bool(f.bool_("include_stop_str_in_output"))
     if chat:
         want = f.bool_("logprobs")
         top = f.int_("top_logprobs", 0, MAX_LOGPROBS)
         if top is not None and not want:
-            raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+            raise bad("top_logprobs", "top_logprobs needs logprobs: true")
         if want:
             s.logprobs = top or 0
     else:
@@ -344,65 +357,87 @@ def _sampling(f: _Fields, *, chat: bool, max_model_len: int) -> common_pb2.Sampl
     return s
 
 
+def _logit_bias(v: Any) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: token ids (JSON keys, so strings) to finite numbers; the
+    count and the ranges are :class:`~common.sampling.SamplingParams`' to check."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("logit_bias", f"logit_bias must be an object mapping token ids to "
+                                 f"numbers, got {describe(v)}")
+    out = {}
+    for key, bias in v.items():
+        # At most 10 digits before int(): a huge digit string is a ValueError there.
+        if not (key.isascii() and key.isdigit() and len(key) <= 10
+                and int(key) <= UINT32_MAX):
+            raise bad("logit_bias", f"logit_bias keys must be token ids in [0, "
+                                     f"{UINT32_MAX}], got {key[:40]!r}")
+        if not _is_number(bias) or not math.isfinite(_as_float(bias)):
+            raise bad("logit_bias", f"logit_bias[{key!r}] must be a finite number, got "
+                                     f"{describe(bias)}")
+        out[int(key)] = float(bias)
+    return out
+
+
 def _completion_prompt(v: Any) -> str | list[int]:
     if v is None:
-        raise _bad("prompt", "prompt is required")
+        raise bad("prompt", "prompt is required")
     if isinstance(v, str):
         return v
     if isinstance(v, list):
         if not v:
-            raise _bad("prompt", "prompt must not be an empty list")
+            raise bad("prompt", "prompt must not be an empty list")
         if all(_is_int(t) for t in v):
             return _token_ids(v, "prompt")
         if len(v) == 1 and isinstance(v[0], (str, list)):
             if isinstance(v[0], list) and not v[0]:
-                raise _bad("prompt", "prompt[0] must not be an empty list")
+                raise bad("prompt", "prompt[0] must not be an empty list")
             if isinstance(v[0], list) and not all(_is_int(t) for t in v[0]):
-                raise _bad("prompt", "prompt[0] must be a list of token ids")
+                raise bad("prompt", "prompt[0] must be a list of token ids")
             return _completion_prompt(v[0])
         if all(isinstance(p, (str, list)) for p in v):
-            raise _bad("prompt", f"batched prompts (a list of {len(v)} prompts) are not "
+            raise bad("prompt", f"batched prompts (a list of {len(v)} prompts) are not "
                                  "supported: send one request per prompt")
-    raise _bad("prompt", "prompt must be a string, a list of token ids, or a list holding "
-                         f"one of those; got {_describe(v)}")
+    raise bad("prompt", "prompt must be a string, a list of token ids, or a list holding "
+                         f"one of those; got {describe(v)}")
 
 
-def _chat_messages(v: Any) -> api_pb2.ChatMessages:
+def chat_messages(v: Any) -> api_pb2.ChatMessages:
     if not isinstance(v, list) or not v:
-        raise _bad("messages", "messages must be a non-empty list of {role, content} objects")
+        raise bad("messages", "messages must be a non-empty list of {role, content} objects")
     out = api_pb2.ChatMessages()
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise _bad(where, f"{where} must be an object with role and content")
+            raise bad(where, f"{where} must be an object with role and content")
         role = m.get("role")
         if not isinstance(role, str):
-            raise _bad(f"{where}.role", f"{where}.role must be a string")
+            raise bad(f"{where}.role", f"{where}.role must be a string")
         if role not in CHAT_ROLES:
-            raise _bad(f"{where}.role", f"{where}.role {role!r} is not supported; use system, "
+            raise bad(f"{where}.role", f"{where}.role {role!r} is not supported; use system, "
                                         "developer, user or assistant")
         if m.get("tool_calls") or m.get("function_call"):
-            raise _bad(f"{where}.tool_calls", "tool calls are not supported")
+            raise bad(f"{where}.tool_calls", "tool calls are not supported")
         content = m.get("content")
         if content is None:
             if role != "assistant":
-                raise _bad(f"{where}.content", f"{where}.content is required")
+                raise bad(f"{where}.content", f"{where}.content is required")
             content = ""
         elif isinstance(content, list):
             texts = []
             for j, part in enumerate(content):
                 pwhere = f"{where}.content[{j}]"
                 if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else _describe(part)
-                    raise _bad(pwhere, f"{pwhere}: only text parts are supported, got {kind!r}")
+                    kind = part.get("type") if isinstance(part, dict) else describe(part)
+                    raise bad(pwhere, f"{pwhere}: only text parts are supported, got {kind!r}")
                 text = part.get("text")
                 if not isinstance(text, str):
-                    raise _bad(f"{pwhere}.text", f"{pwhere}.text must be a string")
+                    raise bad(f"{pwhere}.text", f"{pwhere}.text must be a string")
                 texts.append(text)
             content = CHAT_TEXT_PART_SEPARATOR.join(texts)
         elif not isinstance(content, str):
-            raise _bad(f"{where}.content", f"{where}.content must be a string or a list of "
-                                           f"text parts, got {_describe(content)}")
+            raise bad(f"{where}.content", f"{where}.content must be a string or a list of "
+                                           f"text parts, got {describe(content)}")
         out.messages.add(role=CHAT_ROLES[role], content=content)
     return out
 
@@ -424,7 +459,7 @@ class Call:
 
 def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool) -> Call:
     """Validate an OpenAI request body and translate it; raises RouterError/ApiError."""
-    f = _Fields(body)
+    f = Fields(body)
     model = f.str_("model")
     if model is not None and model != router.model_name:
         raise RouterError(grpc.StatusCode.NOT_FOUND,
@@ -434,13 +469,13 @@ def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool) -> Ca
     stream = bool(f.bool_("stream"))
     options = f.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise _bad("stream_options", f"stream_options must be an object, got {_describe(options)}")
+        raise bad("stream_options", f"stream_options must be an object, got {describe(options)}")
     include_usage = False
     if options:
         v = options.get("include_usage")
         if v is not None and not isinstance(v, bool):
-            raise _bad("stream_options.include_usage",
-                       f"stream_options.include_usage must be true or false, got {_describe(v)}")
+            raise bad("stream_options.include_usage",
+                       f"stream_options.include_usage must be true or false, got {describe(v)}")
         include_usage = bool(v) and stream
     cache_salt = f.str_("cache_salt")
     sampling = _sampling(f, chat=chat, max_model_len=router.max_model_len)
@@ -448,7 +483,7 @@ def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool) -> Ca
     req = api_pb2.GenerateRequest(request_id=prefix + uuid.uuid4().hex, model=model or "",
                                   sampling=sampling, cache_salt=cache_salt or "")
     if chat:
-        req.messages.CopyFrom(_chat_messages(f.get("messages")))
+        req.messages.CopyFrom(chat_messages(f.get("messages")))
     else:
         prompt = _completion_prompt(f.get("prompt"))
         if isinstance(prompt, str):

@@ -143,3 +143,44 @@ def test_bench_multi_turn_conversations_reuse_their_history(cluster, tmp_path) -
     assert m["completed"] == 6 and m["failed"] == 0
     # turn k's prompt holds turn k-1's whole prompt: the prefix cache serves part of it
     assert m["cached_token_ratio"] > 0.2
+
+
+def test_bench_draws_prompt_ids_from_the_served_vocabulary(cluster, tmp_path) -> None:
+    """The tiny model's vocabulary is 384 ids: the harness asks the server which ids are
+    ordinary tokens (gRPC Tokenize, HTTP /tokenize) and every request succeeds; with
+    ids past the vocabulary every request fails, and so does the run, in one line."""
+    for name, target in (("grpc", cluster.target), ("http", cluster.http_url)):
+        out = tmp_path / f"{name}.json"
+        r = pdserve("bench", "--target", target, "--num-requests", "4", "--input-len", "16",
+                    "--output-len", "3", "--no-progress", "--out", str(out))
+        assert r.returncode == 0, r.stderr
+        assert "ordinary tokens of" in r.stderr
+        m = json.loads(out.read_text())
+        assert m["completed"] == 4 and m["failed"] == 0 and m["total_input_tokens"] == 64
+    r = pdserve("bench", "--target", cluster.target, "--num-requests", "3", "--input-len", "8",
+                "--output-len", "2", "--max-token-id", "30000", "--no-progress")
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdserve bench: 3 of 3 requests failed (first error: ")
+    assert last.endswith("; exit 1") and "Traceback" not in r.stderr
+    r = pdserve("bench", "--target", cluster.target, "--num-requests", "3", "--input-len", "8",
+                "--output-len", "2", "--max-token-id", "30000", "--max-failed-fraction", "1",
+                "--no-progress")
+    assert r.returncode == 0, r.stderr
+
+
+def test_bench_against_a_dead_port_fails_fast_in_one_line() -> None:
+    import time
+
+    from cluster.local import free_port
+
+    port = free_port()
+    for target, extra in ((f"127.0.0.1:{port}", ()), (f"http://127.0.0.1:{port}", ()),
+                          (f"http://127.0.0.1:{port}", ("--max-token-id", "300"))):
+        started = time.monotonic()
+        r = pdserve("bench", "--target", target, "--num-requests", "2", "--no-progress", *extra)
+        assert r.returncode == 1, (target, r.stderr)
+        assert time.monotonic() - started < 30
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("pdserve bench: ") and last.endswith("; exit 1"), r.stderr
+        assert f"127.0.0.1:{port}" in last and "Traceback" not in r.stderr

@@ -101,6 +101,28 @@ def test_prefill_transfer_decode_equals_hf(arch: str, tiny_checkpoints, channel)
     assert_no_leaks(d)
 
 
+@pytest.mark.parametrize("drop", [False, True])
+def test_penalties_and_min_tokens_agree_across_the_split(tiny_checkpoints, channel,
+                                                         drop: bool) -> None:
+    """The first token (prefill side) and the rest (decode side, after a transfer or a
+    recompute) are penalized from the same history: the tokens of one local run."""
+    path = tiny_checkpoints["llama"]
+    p, d, local = engine(path), engine(path), engine(path)
+    eos = min(local.eos_token_ids)
+    params = SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.5,
+                            frequency_penalty=1.0, presence_penalty=0.5,
+                            logit_bias={eos: 100.0}, min_tokens=6)
+    ids = p.tokenizer("The quick brown fox jumps over the lazy dog").input_ids
+    local.add_request("local", ids, params)
+    want = run_until_done(local, "local")
+    assert len(want.token_ids) == 7 and want.token_ids[-1] == eos
+    first, out, _ = disaggregated(p, d, channel, f"pen-{drop}", ids, params, drop=drop)
+    assert first.token_ids + out.token_ids[1:] == out.token_ids == want.token_ids
+    assert out.finish_reason == want.finish_reason == "stop"
+    for eng in (p, d, local):
+        assert_no_leaks(eng)
+
+
 def test_prefix_hits_on_either_side_and_failed_transfer_recomputes(tiny_checkpoints,
                                                                     channel) -> None:
     path = tiny_checkpoints["qwen3"]

@@ -52,6 +52,29 @@ def test_openai_client_completes_and_streams(cluster) -> None:
     assert_cluster_idle(cluster)
 
 
+def test_penalties_and_logit_bias_change_greedy_output_on_both_apis(cluster) -> None:
+    client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused")
+    [model] = [m.id for m in client.models.list().data]
+    kw = {"model": model, "prompt": "A A A A A A", "max_tokens": 8, "temperature": 0}
+    extra = {"ignore_eos": True, "repetition_penalty": 1.0}  # what `vllm bench serve` sends
+    with Client(cluster.target) as grpc_client:
+        plain = grpc_client.generate(kw["prompt"], max_tokens=8, temperature=0.0,
+                                     ignore_eos=True)
+        first = plain.token_ids[0]
+        controls = {"frequency_penalty": 2.0, "logit_bias": {first: -100.0}}
+        ref = grpc_client.generate(kw["prompt"], max_tokens=8, temperature=0.0,
+                                   ignore_eos=True, **controls)
+    assert first not in ref.token_ids and ref.text != plain.text
+    assert client.completions.create(**kw, extra_body=extra).choices[0].text == plain.text
+    done = client.completions.create(**kw, frequency_penalty=2.0,
+                                     logit_bias={str(first): -100}, extra_body=extra)
+    assert done.choices[0].text == ref.text
+    code, payload = post(cluster, "/v1/completions", {**kw, "frequency_penalty": 3})
+    assert code == 400 and payload["error"]["param"] == "frequency_penalty"
+    assert "[-2.0, 2.0]" in payload["error"]["message"]
+    assert_cluster_idle(cluster)
+
+
 @pytest.mark.parametrize(
     ("body", "status", "text"),
     [

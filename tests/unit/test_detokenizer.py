@@ -36,6 +36,14 @@ def test_stop_string_cuts_the_text_even_across_tokens(tok) -> None:
     assert d.text == " one two STOP" and "".join(deltas) == d.text
 
 
+def test_stop_strings_are_ignored_before_min_tokens(tok) -> None:
+    n_early = len(tok(" STOP", add_special_tokens=False).input_ids)
+    _, d = stream(tok, " STOP one STOP two", stop=("STOP",), min_tokens=n_early)
+    assert d.text == " STOP one " and d.stopped_by == "STOP"
+    _, d = stream(tok, " STOP one STOP two", stop=("STOP",), min_tokens=n_early - 1)
+    assert d.text == " " and d.stopped_by == "STOP"
+
+
 def test_flush_keeps_an_incomplete_final_character(tok) -> None:
     ids = tok(" ok 🙂", add_special_tokens=False).input_ids
     assert len(ids) > 2

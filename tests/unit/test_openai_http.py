@@ -20,6 +20,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from common.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2
 from router.auth import Principal
 from router.errors import RouterError
@@ -234,13 +235,35 @@ def test_completion_shape_usage_and_request_translation() -> None:
     assert req.cache_salt == "tenant-a"
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_sampling_controls_reach_the_generate_request(chat: bool) -> None:
+    router = ScriptedRouter()
+    prompt = ({"messages": [{"role": "user", "content": "hi"}]} if chat
+              else {"prompt": "hi"})
+    body = {**prompt, "repetition_penalty": 1.25, "frequency_penalty": 0.5,
+            "presence_penalty": -1, "logit_bias": {"50256": -100, "7": 2.5},
+            "min_tokens": 3, "allowed_token_ids": [7, 8, 50256]}
+    status, out = serve(router, post_json("/v1/chat/completions" if chat
+                                          else "/v1/completions", body))
+    assert status == 200, out
+    s = router.requests[0].sampling
+    assert s.repetition_penalty == pytest.approx(1.25)
+    assert s.frequency_penalty == pytest.approx(0.5) and s.presence_penalty == -1.0
+    assert dict(s.logit_bias) == {50256: -100.0, 7: 2.5}
+    assert s.min_tokens == 3 and list(s.allowed_token_ids) == [7, 8, 50256]
+    p = sampling_from_proto(s)  # what the router core builds from it
+    assert p.logit_bias == ((7, 2.5), (50256, -100.0)) and p.min_tokens == 3
+
+
 def test_completion_defaults_leave_sampling_unset() -> None:
     router = ScriptedRouter()
     status, _ = serve(router, post_json("/v1/completions", {"prompt": "x", "stop": "END"}))
     assert status == 200
     s = router.requests[0].sampling
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
+                 "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens"):
         assert not s.HasField(name), name
+    assert not s.logit_bias and not s.allowed_token_ids
     assert list(s.stop) == ["END"]
     assert router.requests[0].model == "" and router.timeouts == [None]
 
@@ -495,9 +518,16 @@ def test_unknown_model_is_404_in_openai_shape() -> None:
     ("extra", "param", "contains"),
     [
         ({"n": 2}, "n", "n=1"),
-        ({"repetition_penalty": 1.3}, "repetition_penalty", "not supported"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty", "not supported"),
-        ({"presence_penalty": -1}, "presence_penalty", "not supported"),
+        ({"repetition_penalty": "high"}, "repetition_penalty", "number"),
+        ({"frequency_penalty": 10**400}, "frequency_penalty", "finite"),
+        ({"presence_penalty": True}, "presence_penalty", "number"),
+        ({"logit_bias": [[5, 1]]}, "logit_bias", "object"),
+        ({"logit_bias": {"a5": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"-5": 1}}, "logit_bias", "token ids"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias", "finite number"),
+        ({"logit_bias": {"5": 10**400}}, "logit_bias", "finite number"),
+        ({"min_tokens": -1}, "min_tokens", "[0, "),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids", "allowed_token_ids[1]"),
         ({"echo": True}, "echo", "echo"),
         ({"best_of": 3}, "best_of", "best_of"),
         ({"n": True}, "n", "n=1"),

@@ -8,18 +8,26 @@ from common.request import (
     check_cache_salt,
 )
 from common.sampling import (
+    LOGIT_BIAS_MAX,
+    LOGIT_BIAS_MIN,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKENS_LIMIT,
+    PENALTY_MAX,
+    PENALTY_MIN,
     SEED_MAX,
     SEED_MIN,
     STOP_TOKEN_ID_MAX,
+    TOKEN_ID_MAX,
     TOP_K_MAX,
     TOP_K_MIN,
+    check_sampling_vocab,
 )
-from common.wire import request_from_proto, request_to_proto
+from common.wire import request_from_proto, request_to_proto, sampling_from_proto, sampling_to_proto
 from workers.engine.params import InvalidRequestError, SamplingParams, SchedulerConfig
 
 INF, NAN = float("inf"), float("nan")
@@ -57,6 +65,27 @@ INF, NAN = float("inf"), float("nan")
         ({"stop_token_ids": [-1]}, "stop_token_ids", f"[0, {STOP_TOKEN_ID_MAX}]"),
         ({"stop_token_ids": [STOP_TOKEN_ID_MAX + 1]}, "stop_token_ids",
          f"[0, {STOP_TOKEN_ID_MAX}]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty", "> 0"),
+        ({"repetition_penalty": NAN}, "repetition_penalty", "finite"),
+        ({"repetition_penalty": INF}, "repetition_penalty", "finite"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty", f"[{PENALTY_MIN}, {PENALTY_MAX}]"),
+        ({"frequency_penalty": NAN}, "frequency_penalty", f"[{PENALTY_MIN}, {PENALTY_MAX}]"),
+        ({"presence_penalty": -2.01}, "presence_penalty", f"[{PENALTY_MIN}, {PENALTY_MAX}]"),
+        ({"presence_penalty": INF}, "presence_penalty", f"[{PENALTY_MIN}, {PENALTY_MAX}]"),
+        ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias",
+         f"at most {MAX_LOGIT_BIAS}"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias", f"[{LOGIT_BIAS_MIN}, {LOGIT_BIAS_MAX}]"),
+        ({"logit_bias": {5: NAN}}, "logit_bias", f"[{LOGIT_BIAS_MIN}, {LOGIT_BIAS_MAX}]"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias", ">= 0"),
+        ({"logit_bias": {TOKEN_ID_MAX + 1: 1.0}}, "logit_bias", f"<= {TOKEN_ID_MAX}"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias", "integer"),
+        ({"min_tokens": -1}, "min_tokens", ">= 0"),
+        ({"min_tokens": 17, "max_tokens": 16}, "min_tokens", "<= 16"),
+        ({"min_tokens": 1.0}, "min_tokens", "integer"),
+        ({"allowed_token_ids": [0] * (MAX_ALLOWED_TOKEN_IDS + 1)}, "allowed_token_ids",
+         f"at most {MAX_ALLOWED_TOKEN_IDS}"),
+        ({"allowed_token_ids": [-3]}, "allowed_token_ids", ">= 0"),
     ],
 )
 def test_invalid_sampling_params_name_the_field_and_limit(kwargs, field, limit) -> None:
@@ -64,6 +93,27 @@ def test_invalid_sampling_params_name_the_field_and_limit(kwargs, field, limit) 
         SamplingParams(**kwargs)
     assert err.value.field == field
     assert str(err.value).startswith(f"{field}:") and limit in str(err.value)
+
+
+def test_sampling_controls_admit_their_limits_and_survive_the_wire() -> None:
+    p = SamplingParams(repetition_penalty=2.0**-20, frequency_penalty=PENALTY_MIN,
+                       presence_penalty=PENALTY_MAX, min_tokens=16, max_tokens=16,
+                       logit_bias={i: LOGIT_BIAS_MAX if i % 2 else LOGIT_BIAS_MIN
+                                   for i in range(MAX_LOGIT_BIAS)},
+                       allowed_token_ids=[TOKEN_ID_MAX] * MAX_ALLOWED_TOKEN_IDS)
+    assert sampling_from_proto(sampling_to_proto(p)) == p
+    plain = sampling_to_proto(SamplingParams())
+    assert not plain.HasField("repetition_penalty") and not plain.HasField("min_tokens")
+    assert sampling_from_proto(plain) == SamplingParams()
+
+
+def test_logit_bias_and_allowed_ids_must_be_in_the_vocabulary() -> None:
+    check_sampling_vocab(SamplingParams(logit_bias={99: 1}, allowed_token_ids=[99]), 100)
+    for kwargs, field in (({"logit_bias": {100: 1.0}}, "logit_bias"),
+                          ({"allowed_token_ids": [3, 100]}, "allowed_token_ids")):
+        with pytest.raises(InvalidRequestError) as err:
+            check_sampling_vocab(SamplingParams(**kwargs), 100)
+        assert err.value.field == field and "[0, 100)" in str(err.value)
 
 
 def test_every_bound_admits_its_limit() -> None:

@@ -1,7 +1,9 @@
 """Sampler logic on hand-made logits (torch, but no model)."""
 
 import math
+from dataclasses import dataclass
 
+import pytest
 import torch
 
 from workers.engine.params import SamplingParams
@@ -72,3 +74,154 @@ def test_tiny_positive_temperature_is_greedy_not_nan() -> None:
     logits = torch.tensor([[1.0, 5.0, 3.0, 9.0, 2.0]])
     for t in (1e-6, 1e-30, 1e-39):
         assert Sampler().sample(logits, ["r"], [SamplingParams(temperature=t)]).token_ids == [3]
+
+
+# -- penalties, logit_bias, allowed_token_ids, min_tokens ------------------------------
+
+
+@dataclass
+class History:
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+
+def reference(logits: torch.Tensor, p: SamplingParams, h: History,
+              eos: frozenset[int] = frozenset()) -> torch.Tensor:
+    """The processed logits of one row, element by element, straight from the definitions."""
+    out = logits.clone().tolist()
+    prompt, output = h.token_ids[: h.num_prompt_tokens], h.token_ids[h.num_prompt_tokens:]
+    for t in range(len(out)):
+        if t in prompt or t in output:
+            r = p.repetition_penalty
+            out[t] = out[t] / r if out[t] > 0 else out[t] * r
+        n = output.count(t)
+        out[t] -= p.frequency_penalty * n + p.presence_penalty * (n > 0)
+    for t, b in p.logit_bias:
+        out[t] += b
+    for t in range(len(out)):
+        if p.allowed_token_ids and t not in p.allowed_token_ids:
+            out[t] = -math.inf
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
+        if len(output) < p.min_tokens and t in stops:
+            out[t] = -math.inf
+    return torch.tensor(out)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits() -> None:
+    logits = torch.tensor([[2.0, -1.0, 1.5, 0.5]])
+    h = History([0, 3, 1], num_prompt_tokens=2)  # prompt 0, 3; output 1
+    plain = Sampler().sample(logits, ["a"], [SamplingParams(temperature=0)], [h])
+    assert plain.token_ids == [0]
+    out = Sampler().sample(logits, ["a"], [SamplingParams(temperature=0,
+                                                          repetition_penalty=2.0)], [h])
+    assert out.token_ids == [2]  # 2.0 / 2 = 1.0 < 1.5, unseen
+    low = Sampler().sample(torch.tensor([[1.0, -1.0, 1.5, 0.5]]), ["a"],
+                           [SamplingParams(temperature=0, repetition_penalty=0.5)], [h])
+    assert low.token_ids == [0]  # 1.0 / 0.5 = 2.0 > 1.5
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only() -> None:
+    logits = torch.tensor([[3.0, 2.5, 0.0, 0.0]])
+    in_prompt = History([0, 0, 0, 2], num_prompt_tokens=4)
+    freq = SamplingParams(temperature=0, frequency_penalty=1.0)
+    assert Sampler().sample(logits, ["a"], [freq], [in_prompt]).token_ids == [0]
+    twice = History([2, 0, 0], num_prompt_tokens=1)  # output: 0 twice
+    assert Sampler().sample(logits, ["a"], [freq], [twice]).token_ids == [1]  # 3 - 2 < 2.5
+    once = History([2, 0], num_prompt_tokens=1)
+    assert Sampler().sample(logits, ["a"], [SamplingParams(temperature=0, frequency_penalty=0.4)],
+                            [once]).token_ids == [0]  # 3 - 0.4 > 2.5
+    assert Sampler().sample(logits, ["a"], [SamplingParams(temperature=0, presence_penalty=0.6)],
+                            [once]).token_ids == [1]  # 3 - 0.6 < 2.5
+    assert Sampler().sample(logits, ["a"], [SamplingParams(temperature=0, presence_penalty=-2)],
+                            [History([2, 1], 1)]).token_ids == [1]  # 2.5 + 2 > 3
+
+
+def test_logit_bias_moves_the_argmax_and_logprobs_stay_raw() -> None:
+    logits = torch.tensor([[3.0, 2.5, 0.0, 0.0]])
+    p = SamplingParams(temperature=0, logit_bias={0: -100, 3: 2.9}, logprobs=1)
+    out = Sampler().sample(logits, ["a"], [p], [History([1], 1)])
+    assert out.token_ids == [3]
+    raw = torch.log_softmax(logits[0], dim=-1)
+    lp = out.logprobs[0]
+    assert lp is not None and lp.logprob == pytest.approx(float(raw[3]))
+    assert lp.top[0][0] == 0  # the raw distribution's most likely token
+
+
+def test_allowed_token_ids_restrict_greedy_and_random_sampling() -> None:
+    p = SamplingParams(allowed_token_ids=[2, 3])
+    s = Sampler(0)
+    drawn = {s.sample(LOGITS, ["r"], [p], [History([1], 1)]).token_ids[0] for _ in range(300)}
+    assert drawn == {2, 3}
+    greedy = SamplingParams(temperature=0, allowed_token_ids=[1, 3])
+    assert Sampler().sample(LOGITS, ["r"], [greedy], [History([1], 1)]).token_ids == [1]
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0]])  # 0 is EOS, 1 a stop token id
+    s = Sampler(eos_token_ids=frozenset({0}))
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
+    assert s.sample(logits, ["a"], [p], [History([3], 1)]).token_ids == [2]
+    assert s.sample(logits, ["a"], [p], [History([3, 2], 1)]).token_ids == [2]
+    assert s.sample(logits, ["a"], [p], [History([3, 2, 2], 1)]).token_ids == [0]
+    no_eos = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)
+    assert s.sample(logits, ["a"], [no_eos], [History([3], 1)]).token_ids == [0]
+    random_p = SamplingParams(min_tokens=1, stop_token_ids=[1], seed=3)
+    assert all(s.sample(logits, ["b"], [random_p], [History([3], 1)]).token_ids[0] >= 2
+               for _ in range(200))
+
+
+def test_batched_processing_matches_the_definitions_row_by_row() -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab, eos = 40, frozenset({7})
+    logits = torch.randn(8, vocab, generator=gen) * 3
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, repetition_penalty=1.7, frequency_penalty=0.8,
+                       presence_penalty=-0.5),
+        SamplingParams(temperature=0, repetition_penalty=0.6, logit_bias={3: 5.5, 9: -100}),
+        SamplingParams(temperature=0, frequency_penalty=2.0, allowed_token_ids=[1, 2, 3, 4, 7]),
+        SamplingParams(temperature=0, min_tokens=10, stop_token_ids=[5, 6]),
+        SamplingParams(temperature=0, presence_penalty=2.0, min_tokens=1),
+        SamplingParams(temperature=0, repetition_penalty=1.3, logit_bias={0: 3.0}),
+        SamplingParams(temperature=0, frequency_penalty=-1.0, logit_bias={11: 1.0, 12: -1.0}),
+    ]
+    histories = []
+    for i in range(8):
+        tokens = torch.randint(0, vocab, (12,), generator=gen).tolist()
+        histories.append(History(tokens, num_prompt_tokens=4 + i % 3))
+    s = Sampler(eos_token_ids=eos)
+    ids = [f"r{i}" for i in range(8)]
+    processed = s._process(logits, ids, params, histories)
+    for i, (p, h) in enumerate(zip(params, histories, strict=True)):
+        assert torch.allclose(processed[i], reference(logits[i], p, h, eos), atol=1e-5), i
+    got = s.sample(logits, ids, params, histories).token_ids
+    want = [int(reference(logits[i], p, h, eos).argmax())
+            for i, (p, h) in enumerate(zip(params, histories, strict=True))]
+    assert got == want
+
+
+def test_processing_leaves_the_callers_logits_alone_and_stays_finite() -> None:
+    logits = torch.tensor([[50.0, -50.0, 1.0, 0.0]])
+    before = logits.clone()
+    p = SamplingParams(repetition_penalty=2.0**-126, logit_bias={2: 1.0})  # 50 / p > fp32
+    s = Sampler(0)
+    out = s.sample(logits, ["a"], [p], [History([0, 1], 2)])
+    assert torch.equal(logits, before)
+    assert torch.isfinite(s._process(logits, ["a"], [p], [History([0, 1], 2)])).all()
+    assert out.token_ids == [0]
+
+
+def test_min_tokens_never_leaves_a_row_with_nothing_to_sample() -> None:
+    """allowed_token_ids naming only stop tokens, before min_tokens: the row keeps them
+    (the request ends) instead of sampling from all -inf (NaN probabilities)."""
+    from workers.engine.sampler import Sampler
+
+    sampler = Sampler(eos_token_ids=frozenset({3}))
+    logits = torch.randn(2, 8)
+    params = [SamplingParams(max_tokens=8, min_tokens=4, allowed_token_ids=(3,), temperature=1.0,
+                             seed=1),
+              SamplingParams(max_tokens=8, min_tokens=4, temperature=0.0)]
+    histories = [History([1, 2], 2), History([1, 2], 2)]
+    out = sampler.sample(logits, ["a", "b"], params, histories)
+    assert out.token_ids[0] == 3  # the only token it may sample
+    assert out.token_ids[1] != 3  # the other row still holds EOS back

@@ -161,6 +161,16 @@ def test_stop_conditions_finish_and_free() -> None:
     assert_empty(s)
 
 
+def test_eos_and_stop_token_ids_do_not_finish_before_min_tokens() -> None:
+    s = make()
+    q = s.add("a", [1, 2], SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=(7,)))
+    for token in (0, 7):  # EOS, then a stop token id: outputs 1 and 2, not yet past 2
+        assert not s.update(s.schedule(), {"a": token}, frozenset({0}))
+    finished = s.update(s.schedule(), {"a": 7}, frozenset({0}))
+    assert finished == [q] and q.finish_reason.value == "stop" and q.num_output_tokens == 3
+    assert_empty(s)
+
+
 def test_context_limit_finishes_with_length() -> None:
     s = Scheduler(SchedulerConfig(num_blocks=16, block_size=BS, max_model_len=6, model_id="m"))
     q = s.add("a", [1, 2, 3, 4], SamplingParams(max_tokens=100))

@@ -8,6 +8,7 @@ U+FFFD (an incomplete UTF-8 sequence) is held back until the next token complete
 Stop strings are searched in the new text plus enough held-over characters to catch a
 stop string split across steps; up to ``len(stop) - 1`` characters are held back while
 they could still begin a stop string, and text after a stop string is never emitted.
+Stop strings are not searched until more than ``min_tokens`` tokens were added (vLLM).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: tuple[str, ...] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._tok = tokenizer
         self._ids: list[int] = list(prompt_token_ids[-_WINDOW:])
@@ -32,6 +34,8 @@ class IncrementalDetokenizer:
         self._stop = stop
         self._include_stop = include_stop_str_in_output
         self._max_stop = max((len(s) for s in stop), default=0)
+        self._min_tokens = min_tokens
+        self._num_added = 0  # generated tokens fed to add()
         self.text = ""  # everything decided so far (cut at a stop string)
         self._emitted = 0  # characters of ``text`` returned by add()/flush()
         self.stopped_by: str | None = None
@@ -43,6 +47,7 @@ class IncrementalDetokenizer:
         """Feed one generated token; returns the newly stable text (may be empty)."""
         if self.stopped_by is not None:
             return ""
+        self._num_added += 1
         self._ids.append(token_id)
         prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full = self._decode(self._ids[self._prefix_offset :])
@@ -57,7 +62,7 @@ class IncrementalDetokenizer:
         return self._append(delta)
 
     def _append(self, delta: str) -> str:
-        if self._stop:
+        if self._stop and self._num_added > self._min_tokens:
             start = max(0, len(self.text) - self._max_stop + 1)
             self.text += delta
             window = self.text[start:]

@@ -46,7 +46,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, GenerationConfig
 
 from common.request import check_cache_salt
-from common.sampling import check_prompt
+from common.sampling import check_prompt, check_sampling_vocab
 
 from .block_manager import KVEventListener
 from .detokenizer import IncrementalDetokenizer
@@ -130,11 +130,11 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         context = model_context_len(path)
         max_len = min(config.max_model_len or context, context)
-        self.runner = ModelRunner(config, max_len)
+        self.eos_token_ids = _eos_token_ids(path, self.tokenizer)
+        self.runner = ModelRunner(config, max_len, self.eos_token_ids)
         # A sequence must always fit in the whole cache, or it could never be scheduled.
         self.max_model_len = min(max_len, self.runner.num_blocks * config.block_size)
         self.model_id = model_identity(path, config.dtype)
-        self.eos_token_ids = _eos_token_ids(path, self.tokenizer)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.runner.num_blocks,
@@ -198,14 +198,15 @@ class LLMEngine:
         With ``on_prefilled`` the request is prefill-only (see the module docstring);
         the callback is skipped when the first token ends the request by itself."""
         ids = self.tokenize(prompt)
-        self._validate(request_id, ids, cache_salt)
+        self._validate(request_id, ids, params, cache_salt)
         seq = self.scheduler.add(request_id, ids, params, cache_salt)
         self._track(seq, on_prefilled)
 
     def _track(self, seq: Sequence, on_prefilled: OnPrefilled | None = None) -> None:
         try:
             detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop,
-                                           seq.params.include_stop_str_in_output)
+                                           seq.params.include_stop_str_in_output,
+                                           seq.params.min_tokens)
         except Exception:  # an untracked sequence would fail the next step: none
             self.scheduler.abort(seq.seq_id)
             raise
@@ -224,7 +225,7 @@ class LLMEngine:
         ``target_block_ids``). None when there is no room now (retry after a step);
         raises :class:`InvalidRequestError` like ``add_request``."""
         ids = self.tokenize(prompt)
-        self._validate(request_id, ids, cache_salt)
+        self._validate(request_id, ids, params, cache_salt)
         seq = self.scheduler.reserve(request_id, ids, params, cache_salt)
         if seq is None:
             return None
@@ -294,10 +295,12 @@ class LLMEngine:
         self.runner.sampler.release(seq.seq_id)
         return self._output(tracked, [], tracked.detok.flush(), now)
 
-    def _validate(self, request_id: str, ids: list[int], cache_salt: str | None) -> None:
+    def _validate(self, request_id: str, ids: list[int], params: SamplingParams,
+                  cache_salt: str | None) -> None:
         if request_id in self._requests or request_id in self.scheduler.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running")
         check_prompt(ids, self.max_model_len, self.runner.vocab_size)
+        check_sampling_vocab(params, self.runner.vocab_size)
         check_cache_salt(cache_salt)  # it is hashed again each time a block fills
 
     def abort_request(self, request_id: str) -> bool:

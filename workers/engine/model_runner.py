@@ -79,7 +79,8 @@ def keep_freed_memory() -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, max_model_len: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         keep_freed_memory()
@@ -119,7 +120,7 @@ class ModelRunner:
             s.num_layers, 2, self.num_blocks * config.block_size, s.num_kv_heads, s.head_dim,
             dtype=self.dtype, device=self.device,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=eos_token_ids)
         self.forward_s = 0.0
         """Wall seconds in :meth:`DecoderModel.forward`, summed (read anywhere)."""
         self.forward_cpu_s = 0.0
@@ -158,5 +159,6 @@ class ModelRunner:
         if dev.type != "cpu":
             logits = logits.cpu()  # the sampler and its per-request generators live here
         seq_ids = [c.seq.seq_id for c in sampling]
-        sample = self.sampler.sample(logits, seq_ids, [c.seq.params for c in sampling])
+        sample = self.sampler.sample(logits, seq_ids, [c.seq.params for c in sampling],
+                                     [c.seq for c in sampling])
         return StepResult(seq_ids, sample)

@@ -6,11 +6,20 @@ is a draw from ``p``), which needs no sort and lets each seeded request draw its
 from its own generator: a seeded request's tokens do not depend on its batch-mates.
 Log-probabilities, when asked for, are of the raw model distribution (before any
 temperature or filter), as in vLLM.
+
+Before either, the rows of requests that ask for it are processed, batched over the
+vocabulary (one index operation per kind, over all such rows): repetition, frequency
+and presence penalties from each row's token history, ``logit_bias``, then the
+``allowed_token_ids`` mask and the ``min_tokens`` mask of EOS and stop token ids. Each
+row's history is the sequence's own tokens, so a prefill worker (first token) and a
+decode worker (the rest) penalize alike.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -30,15 +39,28 @@ class SampleResult:
     logprobs: list[TokenLogprobs | None]
 
 
-class Sampler:
-    """Keeps one generator per seeded request; call :meth:`release` when it ends."""
+class TokenHistory(Protocol):
+    """What the sampler reads of a sequence (the engine's ``Sequence`` is one): its
+    tokens so far, prompt first. Read during :meth:`Sampler.sample` only, never kept."""
 
-    def __init__(self, seed: int = 0) -> None:
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+
+class Sampler:
+    """Keeps one generator per seeded request (and the prompt tokens of a request with
+    a repetition penalty); call :meth:`release` when it ends."""
+
+    def __init__(self, seed: int = 0, eos_token_ids: frozenset[int] = frozenset()) -> None:
         self._default = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._prompts: dict[str, torch.Tensor] = {}
+        self.eos_token_ids = eos_token_ids
+        """Masked (with ``stop_token_ids``) before a request's ``min_tokens``."""
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
+        self._prompts.pop(seq_id, None)
 
     def skip(self, seq_id: str, p: SamplingParams, vocab_size: int) -> None:
         """Advance a seeded request's generator past one draw made elsewhere (the first
@@ -47,14 +69,17 @@ class Sampler:
             torch.empty(vocab_size).exponential_(generator=self._generator(seq_id, p))
 
     def sample(
-        self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams]
+        self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams],
+        histories: Sequence[TokenHistory] | None = None,
     ) -> SampleResult:
-        """logits: fp32 [rows, vocab]. Does not modify ``logits``."""
-        tokens = logits.argmax(dim=-1)
+        """logits: fp32 [rows, vocab]. Does not modify ``logits``. ``histories`` (one per
+        row) are needed when a row's params process its logits (penalties, min_tokens)."""
+        processed = self._process(logits, seq_ids, params, histories)
+        tokens = processed.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             idx = torch.tensor(random_rows)
-            drawn = self._draw(logits[idx], [seq_ids[i] for i in random_rows],
+            drawn = self._draw(processed[idx], [seq_ids[i] for i in random_rows],
                                [params[i] for i in random_rows])
             tokens[idx] = drawn
         token_list = tokens.tolist()
@@ -71,6 +96,90 @@ class Sampler:
                     tuple(zip(top_i.tolist(), top_v.tolist(), strict=True)),
                 )
         return SampleResult(token_list, logprobs)
+
+    def _process(
+        self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams],
+        histories: Sequence[TokenHistory] | None,
+    ) -> torch.Tensor:
+        """The logits sampling sees: ``logits`` itself when no row asks for processing,
+        else a processed copy."""
+        rows = [i for i, p in enumerate(params) if p.processes_logits]
+        if not rows:
+            return logits
+        if histories is None:
+            raise ValueError("penalties and min_tokens need each row's token history")
+        logits = logits.clone()
+        penalized = [i for i in rows if params[i].penalized]
+        if penalized:
+            idx = torch.tensor(penalized)
+            logits[idx] = self._penalize(logits[idx], [seq_ids[i] for i in penalized],
+                                         [params[i] for i in penalized],
+                                         [histories[i] for i in penalized])
+        vocab = logits.shape[-1]
+        bias_at: list[tuple[int, int]] = []
+        bias: list[float] = []
+        for i in rows:
+            for token, value in params[i].logit_bias:
+                bias_at.append((i, token))
+                bias.append(value)
+        if bias:
+            logits.index_put_(_index(bias_at), torch.tensor(bias), accumulate=True)
+        allowed_rows = [i for i in rows if params[i].allowed_token_ids]
+        if allowed_rows:
+            banned = torch.ones(len(allowed_rows), vocab, dtype=torch.bool)
+            at = [(r, t) for r, i in enumerate(allowed_rows)
+                  for t in params[i].allowed_token_ids]
+            banned.index_put_(_index(at), torch.tensor(False))
+            idx = torch.tensor(allowed_rows)
+            logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+        early = [(i, t) for i in rows if _before_min_tokens(params[i], histories[i])
+                 for t in self._stop_ids(params[i]) if t < vocab]
+        if early:
+            held = torch.tensor(sorted({i for i, _ in early}))
+            before = logits[held]
+            logits.index_put_(_index(early), torch.tensor(float("-inf")))
+            # A row whose allowed tokens are all stop tokens would have nothing left to
+            # sample: it keeps them (and ends) rather than sampling from no tokens.
+            empty = torch.isneginf(logits[held]).all(dim=-1)
+            if bool(empty.any()):
+                logits[held[empty]] = before[empty]
+        return logits
+
+    def _stop_ids(self, p: SamplingParams) -> set[int]:
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+
+    def _penalize(
+        self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams],
+        histories: list[TokenHistory],
+    ) -> torch.Tensor:
+        """Repetition, frequency and presence penalties on ``logits`` [rows, vocab]: counts
+        of each row's output tokens by one ``index_put_``, the prompt's tokens marked
+        row by row (a tensor kept per request), then elementwise over the batch."""
+        at = [(r, t) for r, h in enumerate(histories)
+              for t in h.token_ids[h.num_prompt_tokens:]]
+        counts = torch.zeros_like(logits)
+        if at:
+            counts.index_put_(_index(at), torch.ones(len(at)), accumulate=True)
+        seen = counts > 0
+        for r, (seq_id, p, h) in enumerate(zip(seq_ids, params, histories, strict=True)):
+            if p.repetition_penalty != 1.0:
+                seen[r, self._prompt(seq_id, h)] = True
+        rep = torch.tensor([p.repetition_penalty for p in params]).unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        freq = torch.tensor([p.frequency_penalty for p in params]).unsqueeze(1)
+        presence = torch.tensor([p.presence_penalty for p in params]).unsqueeze(1)
+        logits = logits - freq * counts - presence * (counts > 0)
+        # A tiny repetition penalty may overflow float32; softmax needs finite logits.
+        info = torch.finfo(logits.dtype)
+        return logits.clamp(info.min, info.max)
+
+    def _prompt(self, seq_id: str, h: TokenHistory) -> torch.Tensor:
+        prompt = self._prompts.get(seq_id)
+        if prompt is None:  # built once: a long prompt is not re-read every step
+            prompt = torch.tensor(sorted(set(h.token_ids[: h.num_prompt_tokens])),
+                                  dtype=torch.long)
+            self._prompts[seq_id] = prompt
+        return prompt
 
     def _draw(
         self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams]
@@ -107,3 +216,12 @@ class Sampler:
         if gen is None:
             gen = self._generators[seq_id] = torch.Generator().manual_seed(p.seed)
         return gen
+
+
+def _index(at: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token) pairs as the index tensors ``index_put_`` takes."""
+    return tuple(torch.tensor(at, dtype=torch.long).T)  # type: ignore[return-value]
+
+
+def _before_min_tokens(p: SamplingParams, h: TokenHistory) -> bool:
+    return p.min_tokens > 0 and len(h.token_ids) - h.num_prompt_tokens < p.min_tokens

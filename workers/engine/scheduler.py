@@ -343,7 +343,10 @@ class Scheduler:
         self, seq: Sequence, token: int, eos: frozenset[int]
     ) -> FinishReason | None:
         p = seq.params
-        if (token in eos and not p.ignore_eos) or token in p.stop_token_ids:
+        # Before min_tokens the sampler masks these; a token that got through anyway (the
+        # first token from a prefill worker, say) still does not end the request early.
+        stops = (token in eos and not p.ignore_eos) or token in p.stop_token_ids
+        if stops and seq.num_output_tokens > p.min_tokens:
             return FinishReason.STOP
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
