@@ -12,6 +12,9 @@ For each dtype and workload, in one process and one run:
 
 Then single-stream decode against the memory-bandwidth floor (weight bytes / measured
 copy bandwidth) and the TTFT of a lone 512-token prompt against one HF forward pass.
+First of all, per dtype, the decode step profile (:mod:`benchmarks.step_profile`): where
+a step's time goes at batch 1, 32 and 256, beside that step's GEMM and bandwidth floors,
+with the GEMM backend and the CPU (``profile_only`` runs just this: ~25 s on 2 cores).
 Everything prints as tables with the workload and machine, and lands in a JSON file.
 """
 
@@ -28,6 +31,14 @@ from pathlib import Path
 import torch
 
 from benchmarks.machine import cpu_name
+from benchmarks.step_profile import (
+    BATCHES,
+    PROMPT_LEN,
+    backend_report,
+    print_backend,
+    print_profile,
+    profile_decode,
+)
 from workers.engine.llm import LLM
 from workers.engine.params import SamplingParams
 from workers.models.decoder import DecoderModel
@@ -46,6 +57,14 @@ class BenchOptions:
     out: str | None = None
     skip_hf: bool = False
     quick: bool = False
+    profile_only: bool = False
+    profile_batches: tuple[int, ...] = BATCHES
+    profile_steps: int = 8
+
+    def __post_init__(self) -> None:
+        if self.profile_steps < 1 or not all(b >= 1 for b in self.profile_batches):
+            raise ValueError(f"profile_steps ({self.profile_steps}) and every profile batch "
+                             f"({self.profile_batches}) must be at least 1")
 
 
 def machine() -> str:
@@ -163,6 +182,31 @@ def single_stream(llm: LLM, model_path: str, dtype: torch.dtype, quick: bool) ->
     }
 
 
+def step_profile(llm: LLM, batches: tuple[int, ...], steps: int) -> dict:
+    """The decode step profile at each batch size, with that step's floors: the GEMM
+    floor of its shape, and the bytes it must read (weights, and the KV of every context)
+    at the measured copy bandwidth."""
+    engine = llm.engine
+    model = engine.runner.model
+    backend = backend_report(model)
+    bw = copy_bandwidth_gbs()
+    s, kv = model.shape, engine.kv_view().cache
+    kv_token_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * kv.element_size()
+    rows = []
+    for b in batches:
+        print(f"  step profile: batch {b}", file=sys.stderr)
+        prompts = random_prompts(b, PROMPT_LEN, engine.runner.vocab_size, seed=1000 + b)
+        prof = profile_decode(engine, prompts, steps=steps)
+        gemm_floor_seconds(model, [(b, b)])  # warm the shape once, then time it 3 times
+        floor = gemm_floor_seconds(model, [(b, b)] * 3) / 3
+        kv_bytes = b * prof.context_len * kv_token_bytes
+        rows.append(prof.as_json() | {
+            "gemm_floor_ms": floor * 1e3, "weight_bytes": model.weight_bytes(),
+            "kv_read_bytes": kv_bytes,
+            "bandwidth_floor_ms": (model.weight_bytes() + kv_bytes) / (bw * 1e9) * 1e3})
+    return {"backend": backend, "copy_bandwidth_gbs": bw, "steps": steps, "rows": rows}
+
+
 def run_bench(opts: BenchOptions) -> int:
     from workers.model_store import resolve_model
 
@@ -179,6 +223,14 @@ def run_bench(opts: BenchOptions) -> int:
         if asked == "auto":
             print(f"dtype auto -> {dtype_name}", file=sys.stderr)
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+        profile = step_profile(llm, (1, 4) if opts.quick else opts.profile_batches,
+                               2 if opts.quick else opts.profile_steps)
+        results.append({"dtype": dtype_name, "step_profile": profile})
+        print_backend(profile["backend"])
+        print_profile(dtype_name, profile["rows"])
+        if opts.profile_only:
+            del llm
+            continue
         for w in opts.workloads:
             n, n_in, n_out = workloads[w]
             prompts = random_prompts(n, n_in, llm.engine.runner.vocab_size, seed=0)

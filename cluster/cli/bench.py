@@ -33,9 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--quick", action="store_true", help="a small run to check the harness")
     b.add_argument("--profile-only", action="store_true",
                    help="only the decode step profile (where a step's time goes at batch "
-                        "1, 32, 256, beside its floors; about a minute)")
-    b.add_argument("--profile-steps", type=int, default=8,
-                   help="timed decode steps per batch size in the step profile")
+                        "1, 32, 256, beside its floors; under a minute)")
+    b.add_argument("--profile-steps", type=int, default=8, metavar="N",
+                   help="timed decode steps per batch size in the step profile (>= 1)")
     b.set_defaults(func=cmd_bench_engine)
 
     bd = sub.add_parser("bench-disagg", help="KV transfer rate vs raw TCP, and disaggregated "
@@ -211,6 +211,9 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
     args.workload = args.workload or ["a", "b"]
     args.dtype = args.dtype or list(DTYPES)
+    if args.profile_steps < 1:
+        print(f"--profile-steps must be at least 1, got {args.profile_steps}", file=sys.stderr)
+        return EXIT_INVALID
     return run_bench(BenchOptions(
         model=args.model, cache_dir=cache_dir(args), workloads=tuple(args.workload),
         dtypes=tuple(args.dtype), threads=args.threads, out=args.out,
