@@ -96,6 +96,10 @@ class Request:
         if len(generated) >= self.sampling.max_tokens:
             raise ValueError(f"request {self.request_id} already has its {len(generated)} "
                              f"tokens (max_tokens {self.sampling.max_tokens})")
-        return Request(request_id, self.prompt_token_ids + tuple(generated),
-                       replace(self.sampling, max_tokens=self.sampling.max_tokens
-                               - len(generated)), self.cache_salt)
+        sampling = replace(self.sampling, max_tokens=self.sampling.max_tokens - len(generated))
+        structured = self.sampling.structured
+        if structured is not None:  # the next worker re-derives the grammar's state
+            sampling = replace(sampling, structured=replace(
+                structured, prior_tokens=structured.prior_tokens + len(generated)))
+        return Request(request_id, self.prompt_token_ids + tuple(generated), sampling,
+                       self.cache_salt)

@@ -12,6 +12,7 @@ per-step scan can afford.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -74,6 +75,76 @@ TOKEN_ID_MAX = 2**32 - 1
 vocabulary bound is checked where it is known (:func:`check_sampling_vocab`)."""
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
+"""What a grammar may constrain output to: any JSON object, a JSON schema (OpenAI's
+``json_schema``, vLLM's ``guided_json``), a regular expression, one of some strings."""
+
+MAX_STRUCTURED_SPEC_BYTES = 64 * 2**10
+"""A schema, pattern or choice list is compiled into a grammar on the worker (once per
+distinct spec, then cached); 64 KiB of UTF-8 covers real schemas and bounds that work."""
+
+MAX_CHOICES = 1024
+"""``choice`` strings; each is an alternative of the compiled grammar."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Output constrained by a grammar (the engine compiles ``spec`` on the worker, where
+    the tokenizer is; a spec that does not compile fails the request, naming
+    ``structured``). ``spec``: the schema's JSON text (``json_schema``), the pattern
+    (``regex``), a JSON list of strings (``choice``), empty (``json_object``).
+
+    ``prior_tokens``: the last this many prompt tokens were generated under this grammar
+    already (a request migrated after some output): the engine advances the grammar over
+    them before sampling, so the state is re-derived from the tokens alone."""
+
+    kind: str
+    spec: str = ""
+    prior_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError(
+                "structured", f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got "
+                f"{self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise InvalidRequestError("structured", f"spec must be a string, got "
+                                                    f"{type(self.spec).__name__}")
+        size = len(self.spec.encode("utf-8", "surrogatepass"))
+        if size > MAX_STRUCTURED_SPEC_BYTES:
+            raise InvalidRequestError(
+                "structured", f"the {self.kind} spec is {size} bytes; at most "
+                f"{MAX_STRUCTURED_SPEC_BYTES} are accepted")
+        _check_int("structured.prior_tokens", self.prior_tokens, 0, MAX_TOKENS_LIMIT)
+        if self.kind == "json_object":
+            if self.spec:
+                raise InvalidRequestError("structured", "json_object takes no spec")
+        elif self.kind == "regex":
+            if not self.spec:
+                raise InvalidRequestError("structured", "regex needs a non-empty pattern")
+        else:
+            self._check_json()
+
+    def _check_json(self) -> None:
+        """Syntax here (the router refuses a malformed spec before any worker sees it);
+        whether the schema compiles is the worker's to find out."""
+        try:
+            value = json.loads(self.spec)
+        except (ValueError, RecursionError):
+            raise InvalidRequestError(
+                "structured", f"the {self.kind} spec is not valid JSON") from None
+        if self.kind == "json_schema" and not isinstance(value, dict):
+            raise InvalidRequestError("structured", "a JSON schema must be an object")
+        if self.kind == "choice":
+            if (not isinstance(value, list) or not value
+                    or not all(isinstance(c, str) and c for c in value)):
+                raise InvalidRequestError(
+                    "structured", "choice must be a non-empty list of non-empty strings")
+            if len(value) > MAX_CHOICES:
+                raise InvalidRequestError(
+                    "structured", f"at most {MAX_CHOICES} choices, got {len(value)}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request (OpenAI / vLLM semantics).
@@ -113,6 +184,9 @@ class SamplingParams:
     min_tokens: int = 0
     allowed_token_ids: tuple[int, ...] = ()
     """Empty: every token may be sampled."""
+    structured: StructuredOutput | None = None
+    """None: unconstrained. Else only tokens its grammar allows may be sampled, and the
+    request ends (``stop``) when the grammar is complete."""
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
@@ -134,6 +208,8 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self._check_stops()
         self._check_logits_processing()
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequestError("structured", "must be a StructuredOutput")
 
     def _check_logits_processing(self) -> None:
         bias = self.logit_bias

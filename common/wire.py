@@ -10,7 +10,7 @@ from __future__ import annotations
 from protos.pdserve.v1 import common_pb2, worker_pb2
 
 from .request import Request
-from .sampling import SamplingParams
+from .sampling import InvalidRequestError, SamplingParams, StructuredOutput
 
 MAX_MESSAGE_BYTES = 8 * 2**20
 """The largest gRPC message any pdserve endpoint sends or receives: the router's public
@@ -23,6 +23,14 @@ FINISH_REASONS = {
     "abort": common_pb2.FINISH_REASON_ABORT,
 }
 FINISH_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+
+_KINDS = {
+    "json_object": common_pb2.StructuredOutput.KIND_JSON_OBJECT,
+    "json_schema": common_pb2.StructuredOutput.KIND_JSON_SCHEMA,
+    "regex": common_pb2.StructuredOutput.KIND_REGEX,
+    "choice": common_pb2.StructuredOutput.KIND_CHOICE,
+}
+_KIND_NAMES = {v: k for k, v in _KINDS.items()}
 
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs",
              "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
@@ -37,8 +45,18 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
         logit_bias=dict(msg.logit_bias), allowed_token_ids=tuple(msg.allowed_token_ids),
+        structured=_structured_from_proto(msg.structured) if msg.HasField("structured")
+        else None,
         **kwargs,  # type: ignore[arg-type]
     )
+
+
+def _structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    kind = _KIND_NAMES.get(msg.kind)
+    if kind is None:
+        raise InvalidRequestError(
+            "structured", f"kind must be one of {', '.join(_KINDS)}, got enum value {msg.kind}")
+    return StructuredOutput(kind, msg.spec, msg.prior_tokens)
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -61,6 +79,10 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
+    if p.structured is not None:
+        msg.structured.CopyFrom(common_pb2.StructuredOutput(
+            kind=_KINDS[p.structured.kind], spec=p.structured.spec,
+            prior_tokens=p.structured.prior_tokens))
     return msg
 
 

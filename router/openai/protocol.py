@@ -24,7 +24,10 @@ Both endpoints: ``model``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``
 ``include_stop_str_in_output``, ``cache_salt``, ``stream``, ``stream_options``
 (``include_usage``; ignored without ``stream: true``), ``repetition_penalty`` (vLLM),
 ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` (an object of token ids as
-strings to numbers), ``min_tokens`` and ``allowed_token_ids`` (vLLM). Their ranges are
+strings to numbers), ``min_tokens`` and ``allowed_token_ids`` (vLLM), and structured
+output: ``response_format`` (``text``, ``json_object``, ``json_schema``), vLLM's
+``guided_json``, ``guided_regex``, ``guided_choice`` and ``structured_outputs`` (one of
+them per request; see :mod:`router.openai.structured`). Their ranges are
 checked by :class:`~common.sampling.SamplingParams` in the router, like every other
 sampling field's.
 
@@ -41,8 +44,7 @@ of the context), ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logpro
 Accepted only at their neutral value (anything else is a 400 naming the field): ``n`` 1,
 ``best_of`` 1, ``echo`` false, ``suffix`` "", ``use_beam_search`` false,
 ``prompt_logprobs`` null, ``tools``/``functions`` empty, ``tool_choice`` "none"/"auto",
-``response_format`` ``{"type": "text"}``, ``continue_final_message`` false, the vLLM
-``guided_*`` fields and ``structured_outputs`` null.
+``continue_final_message`` false, ``guided_grammar`` null.
 
 Ignored: ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``,
 ``reasoning_effort``, ``stream_options.continuous_usage_stats``, ``skip_special_tokens``,
@@ -66,6 +68,8 @@ from protos.pdserve.v1 import api_pb2, common_pb2
 from router.auth import Principal
 from router.edge import unencodable_path
 from router.errors import RouterError
+
+from .structured import structured_output
 
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -285,14 +289,9 @@ NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tools": (_empty, "tools are not supported"),
     "functions": (_empty, "functions are not supported"),
     "tool_choice": (lambda v: v in ("none", "auto"), "tool_choice is not supported"),
-    "response_format": (lambda v: isinstance(v, dict) and v.get("type") == "text",
-                        "response_format other than {\"type\": \"text\"} is not supported"),
     "continue_final_message": (_eq(False), "continue_final_message is not supported"),
-    "guided_json": (_never, "guided decoding is not supported"),
-    "guided_regex": (_never, "guided decoding is not supported"),
-    "guided_choice": (_never, "guided decoding is not supported"),
-    "guided_grammar": (_never, "guided decoding is not supported"),
-    "structured_outputs": (_never, "structured outputs are not supported"),
+    "guided_grammar": (_never, "guided_grammar is not supported; use guided_json, "
+                               "guided_regex or guided_choice"),
 }
 
 
@@ -341,6 +340,9 @@ def _sampling(f: Fields, *, chat: bool, max_model_len: int) -> common_pb2.Sampli
     for token, bias in _logit_bias(f.get("logit_bias")).items():
         s.logit_bias[token] = bias
     s.allowed_token_ids.extend(f.int_list("allowed_token_ids", 0, UINT32_MAX))
+    structured = structured_output(f.body)
+    if structured is not None:
+        s.structured.CopyFrom(structured)
     s.ignore_eos = bool(f.bool_("ignore_eos"))
     s.include_stop_str_in_output = bool(f.bool_("include_stop_str_in_output"))
     if chat:

@@ -7,10 +7,13 @@ recompute after a failed transfer, prefix hits on either side, and no leaked blo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import assert_no_leaks, hf_greedy
 from tiny_models import ARCHS
 
+from common.sampling import StructuredOutput
 from workers.engine.llm_engine import LLMEngine, RequestOutput
 from workers.engine.params import EngineConfig, SamplingParams
 from workers.transfer import (
@@ -172,3 +175,29 @@ def test_seeded_sampling_continues_the_same_random_stream(tiny_checkpoints, chan
     assert got.token_ids == want
     for e in (p, d, local):
         assert_no_leaks(e)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_structured_output_agrees_across_the_split(tiny_checkpoints, channel,
+                                                   drop: bool) -> None:
+    """The prefill side samples the first token under the grammar; the decode side
+    re-derives the grammar's state from it (after a transfer or a recompute): the output
+    is a local run's, and it follows the schema."""
+    path = tiny_checkpoints["llama"]
+    p, d, local = engine(path), engine(path), engine(path)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "tag": {"enum": ["red", "green"]}},
+              "required": ["ok", "tag"], "additionalProperties": False,
+              "x-guidance": {"whitespace_flexible": False}}
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredOutput(
+        "json_schema", json.dumps(schema)))
+    ids = p.tokenizer("The quick brown fox jumps over the lazy dog").input_ids
+    local.add_request("local", ids, params)
+    want = run_until_done(local, "local")
+    assert want.finish_reason == "stop" and want.error is None
+    assert json.loads(want.text)["tag"] in ("red", "green")
+    first, out, _ = disaggregated(p, d, channel, f"json-{drop}", ids, params, drop=drop)
+    assert first.token_ids + out.token_ids[1:] == out.token_ids == want.token_ids
+    assert out.finish_reason == "stop" and out.text == want.text
+    for eng in (p, d, local):
+        assert_no_leaks(eng)

@@ -577,7 +577,20 @@ def test_completion_rejections_name_the_field(extra: dict[str, Any], param: str,
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
          "tools"),
         ({"messages": [{"role": "user", "content": "x"}],
-          "response_format": {"type": "json_object"}}, "response_format"),
+          "response_format": {"type": "xml"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "guided_choice": []},
+         "guided_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "guided_regex": 5}, "guided_regex"),
+        ({"messages": [{"role": "user", "content": "x"}], "guided_json": [1]}, "guided_json"),
+        ({"messages": [{"role": "user", "content": "x"}], "guided_grammar": "start: x"},
+         "guided_grammar"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "structured_outputs": {"grammar": "start: x"}}, "structured_outputs"),
+        ({"messages": [{"role": "user", "content": "x"}], "guided_regex": "a+",
+          "response_format": {"type": "json_object"}}, "guided_regex"),
     ],
 )
 def test_chat_rejections_name_the_field(body: dict[str, Any], param: str) -> None:
@@ -733,3 +746,44 @@ def test_disconnect_before_first_token_non_streaming() -> None:
 
 def test_app_is_an_aiohttp_application() -> None:
     assert isinstance(create_app(ScriptedRouter()), web.Application)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize(
+    ("fields", "kind", "spec"),
+    [
+        ({"response_format": {"type": "json_object"}}, "json_object", ""),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "s", "schema": SCHEMA, "strict": True}}},
+         "json_schema", SCHEMA),
+        ({"guided_json": SCHEMA}, "json_schema", SCHEMA),
+        ({"guided_json": json.dumps(SCHEMA)}, "json_schema", SCHEMA),
+        ({"guided_regex": "[0-9]{3}"}, "regex", "[0-9]{3}"),
+        ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", ["yes", "no"]),
+        ({"structured_outputs": {"json": SCHEMA}}, "json_schema", SCHEMA),
+        ({"structured_outputs": {"json_object": True}}, "json_object", ""),
+    ],
+)
+def test_structured_output_fields_reach_the_generate_request(
+        chat: bool, fields: dict[str, Any], kind: str, spec: Any) -> None:
+    router = ScriptedRouter()
+    prompt = ({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"})
+    status, out = serve(router, post_json("/v1/chat/completions" if chat
+                                          else "/v1/completions", {**prompt, **fields}))
+    assert status == 200, out
+    structured = sampling_from_proto(router.requests[0].sampling).structured
+    assert structured is not None and structured.kind == kind
+    as_json = structured.spec and kind != "regex"
+    assert (json.loads(structured.spec) if as_json else structured.spec) == spec
+
+
+def test_response_format_text_leaves_output_unconstrained() -> None:
+    router = ScriptedRouter()
+    status, _ = serve(router, post_json("/v1/completions", {
+        "prompt": "x", "response_format": {"type": "text"}}))
+    assert status == 200
+    assert not router.requests[0].sampling.HasField("structured")

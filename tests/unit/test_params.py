@@ -16,6 +16,7 @@ from common.sampling import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_STRUCTURED_SPEC_BYTES,
     MAX_TOKENS_LIMIT,
     PENALTY_MAX,
     PENALTY_MIN,
@@ -25,6 +26,7 @@ from common.sampling import (
     TOKEN_ID_MAX,
     TOP_K_MAX,
     TOP_K_MIN,
+    StructuredOutput,
     check_sampling_vocab,
 )
 from common.wire import request_from_proto, request_to_proto, sampling_from_proto, sampling_to_proto
@@ -177,3 +179,40 @@ def test_the_smallest_top_p_still_samples_the_most_likely_token() -> None:
     for top_p in (1e-300, 1e-9):
         p = SamplingParams(top_p=top_p, seed=1)
         assert Sampler().sample(logits, ["r"], [p]).token_ids == [1], top_p
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec"),
+    [
+        ("xml", ""),  # unknown kind
+        ("json_object", "{}"),  # takes no spec
+        ("regex", ""),
+        ("json_schema", "{not json"),
+        ("json_schema", "[1, 2]"),  # a schema is an object
+        ("choice", "[]"),
+        ("choice", '["a", 3]'),
+        ("choice", '[""]'),
+        ("json_schema", '{"description": "' + "x" * MAX_STRUCTURED_SPEC_BYTES + '"}'),
+    ],
+)
+def test_structured_output_refuses_bad_specs_naming_the_field(kind: str, spec: str) -> None:
+    with pytest.raises(InvalidRequestError) as e:
+        StructuredOutput(kind, spec)
+    assert e.value.field == "structured"
+
+
+def test_structured_output_bounds_prior_tokens() -> None:
+    with pytest.raises(InvalidRequestError, match="prior_tokens"):
+        StructuredOutput("regex", "a+", prior_tokens=-1)
+
+
+def test_structured_output_round_trips_the_wire_and_migration_counts_prior_tokens() -> None:
+    s = StructuredOutput("json_schema", '{"type": "object"}')
+    p = SamplingParams(max_tokens=10, structured=s)
+    assert sampling_from_proto(sampling_to_proto(p)) == p
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())).structured is None
+    moved = Request("r", (1, 2), p).continued([3, 4], "r2").continued([], "r3")
+    assert moved.sampling.structured == StructuredOutput("json_schema", s.spec, 2)
+    again = Request("r", (1, 2), p).continued([3, 4, 5], "r4")
+    assert again.sampling.structured.prior_tokens == 3
+    assert request_from_proto(request_to_proto(moved)) == moved

@@ -55,6 +55,7 @@ from .params import EngineConfig, InvalidRequestError, SamplingParams, Scheduler
 from .sampler import TokenLogprobs
 from .scheduler import Scheduler
 from .sequence import FinishReason, Sequence
+from .structured import Grammars
 from .surface import EngineLoad, KVCapacity, KVReservation, KVView
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,8 @@ class LLMEngine:
             ),
             kv_listeners,
         )
+        self.grammars = Grammars(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+        """Structured output: compiled grammars and each constrained request's matcher."""
         self._capacity = KVCapacity(self.runner.num_blocks, config.block_size,
                                     self.max_model_len, self.model_id)
         self._requests: dict[str, _Tracked] = {}
@@ -199,8 +202,10 @@ class LLMEngine:
         the callback is skipped when the first token ends the request by itself."""
         ids = self.tokenize(prompt)
         self._validate(request_id, ids, params, cache_salt)
+        matcher = self.grammars.start(params, ids)
         seq = self.scheduler.add(request_id, ids, params, cache_salt)
         self._track(seq, on_prefilled)
+        self.grammars.bind(seq.seq_id, matcher)
 
     def _track(self, seq: Sequence, on_prefilled: OnPrefilled | None = None) -> None:
         try:
@@ -226,10 +231,12 @@ class LLMEngine:
         raises :class:`InvalidRequestError` like ``add_request``."""
         ids = self.tokenize(prompt)
         self._validate(request_id, ids, params, cache_salt)
+        matcher = self.grammars.start(params, ids)
         seq = self.scheduler.reserve(request_id, ids, params, cache_salt)
         if seq is None:
             return None
         self._track(seq)
+        self.grammars.bind(seq.seq_id, matcher)
         return KVReservation(tuple(seq.block_table), seq.num_computed_tokens, seq.num_tokens,
                              self.config.block_size)
 
@@ -286,13 +293,14 @@ class LLMEngine:
         tracked.first_token_time = now
         tracked.detok.add(token)  # may raise: the callers fail this request alone
         seq = tracked.seq
+        complete = self.grammars.advance(seq.seq_id, token)  # may raise, likewise
         self.runner.sampler.skip(seq.seq_id, seq.params, self.runner.vocab_size)
-        if tracked.detok.stopped_by is not None and reason is None:
+        if (tracked.detok.stopped_by is not None or complete) and reason is None:
             self.scheduler.finish(seq, FinishReason.STOP)
         if not seq.is_finished:
             return None
         del self._requests[seq.seq_id]
-        self.runner.sampler.release(seq.seq_id)
+        self._release(seq.seq_id)
         return self._output(tracked, [], tracked.detok.flush(), now)
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams,
@@ -309,8 +317,13 @@ class LLMEngine:
         if tracked is None:
             return False
         self.scheduler.abort(request_id)
-        self.runner.sampler.release(request_id)
+        self._release(request_id)
         return True
+
+    def _release(self, seq_id: str) -> None:
+        """Forget a request's per-request sampling state (generator, grammar)."""
+        self.runner.sampler.release(seq_id)
+        self.grammars.release(seq_id)
 
     def abort_all(self, keep: Collection[str] = ()) -> int:
         """Abort every request but those in ``keep`` (after an engine failure); returns
@@ -337,7 +350,7 @@ class LLMEngine:
         self.last_step_empty = out.is_empty
         if out.is_empty:
             return []
-        result = self.runner.execute(out.chunks)
+        result = self.runner.execute(out.chunks, self.grammars or None)
         if self.step_shapes is not None:
             self.step_shapes.append((out.num_batched_tokens, len(result.seq_ids)))
         sampled = dict(zip(result.seq_ids, result.sample.token_ids, strict=True))
@@ -374,7 +387,8 @@ class LLMEngine:
         if lp is not None:
             tracked.logprobs.append(lp)
         delta = tracked.detok.add(token)
-        if tracked.detok.stopped_by is not None:
+        # A grammar that is complete ends the request like a stop string.
+        if self.grammars.advance(seq.seq_id, token) or tracked.detok.stopped_by is not None:
             if seq.is_finished:  # the same token also hit a length limit or EOS
                 seq.finish_reason = FinishReason.STOP
             else:
@@ -386,7 +400,7 @@ class LLMEngine:
             delta += tracked.detok.flush()
         if seq.is_finished:
             del self._requests[seq.seq_id]
-            self.runner.sampler.release(seq.seq_id)
+            self._release(seq.seq_id)
         return self._output(tracked, [token], delta, now)
 
     def _fail(self, tracked: _Tracked, phase: str, error: Exception, now: float
@@ -404,7 +418,7 @@ class LLMEngine:
                 "aborted, the other requests on this worker were not affected")
         self._requests.pop(seq.seq_id, None)
         self.scheduler.finish(seq, FinishReason.ABORT)  # idempotent
-        self.runner.sampler.release(seq.seq_id)
+        self._release(seq.seq_id)
         out = self._output(tracked, [], "", now)
         out.error = error
         return out

@@ -24,7 +24,7 @@ from workers.models.linear import TORCH_LINEAR, onednn_linear
 
 from . import kernels
 from .params import EngineConfig
-from .sampler import Sampler, SampleResult
+from .sampler import Sampler, SampleResult, TokenMasks
 from .scheduler import ScheduledChunk
 
 NATIVE_OPS = ElementwiseOps(kernels.rms_norm, kernels.add_rms_norm, kernels.rope_, kernels.silu_mul)
@@ -128,7 +128,9 @@ class ModelRunner:
         included (see :mod:`common.threads`)."""
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
+    def execute(self, chunks: list[ScheduledChunk], masks: TokenMasks | None = None
+                ) -> StepResult:
+        """One forward over ``chunks``, then sampling (``masks``: structured output)."""
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
         ordered = decode + prefill
@@ -160,5 +162,5 @@ class ModelRunner:
             logits = logits.cpu()  # the sampler and its per-request generators live here
         seq_ids = [c.seq.seq_id for c in sampling]
         sample = self.sampler.sample(logits, seq_ids, [c.seq.params for c in sampling],
-                                     [c.seq for c in sampling])
+                                     [c.seq for c in sampling], masks)
         return StepResult(seq_ids, sample)

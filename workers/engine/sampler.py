@@ -10,7 +10,8 @@ temperature or filter), as in vLLM.
 Before either, the rows of requests that ask for it are processed, batched over the
 vocabulary (one index operation per kind, over all such rows): repetition, frequency
 and presence penalties from each row's token history, ``logit_bias``, then the
-``allowed_token_ids`` mask and the ``min_tokens`` mask of EOS and stop token ids. Each
+``allowed_token_ids`` mask, the grammar mask of structured-output rows (one bitmask for
+all of them) and the ``min_tokens`` mask of EOS and stop token ids. Each
 row's history is the sequence's own tokens, so a prefill worker (first token) and a
 decode worker (the rest) penalize alike.
 """
@@ -47,6 +48,13 @@ class TokenHistory(Protocol):
     num_prompt_tokens: int
 
 
+class TokenMasks(Protocol):
+    """Which tokens constrained rows may sample (the engine's ``Grammars`` is one)."""
+
+    def allowed(self, seq_ids: list[str]) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, bool [len(rows), vocab] of allowed tokens), or None: no row is."""
+
+
 class Sampler:
     """Keeps one generator per seeded request (and the prompt tokens of a request with
     a repetition penalty); call :meth:`release` when it ends."""
@@ -70,11 +78,13 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams],
-        histories: Sequence[TokenHistory] | None = None,
+        histories: Sequence[TokenHistory] | None = None, masks: TokenMasks | None = None,
     ) -> SampleResult:
         """logits: fp32 [rows, vocab]. Does not modify ``logits``. ``histories`` (one per
-        row) are needed when a row's params process its logits (penalties, min_tokens)."""
-        processed = self._process(logits, seq_ids, params, histories)
+        row) are needed when a row's params process its logits (penalties, min_tokens).
+        ``masks`` (structured output) bans what each constrained row's grammar forbids."""
+        processed = self._process(logits, seq_ids, params, histories,
+                                  masks.allowed(seq_ids) if masks else None)
         tokens = processed.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
@@ -100,12 +110,15 @@ class Sampler:
     def _process(
         self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams],
         histories: Sequence[TokenHistory] | None,
+        grammar: tuple[list[int], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The logits sampling sees: ``logits`` itself when no row asks for processing,
         else a processed copy."""
         rows = [i for i, p in enumerate(params) if p.processes_logits]
         if not rows:
-            return logits
+            if grammar is None:
+                return logits
+            return _mask_grammar(logits.clone(), grammar)
         if histories is None:
             raise ValueError("penalties and min_tokens need each row's token history")
         logits = logits.clone()
@@ -132,6 +145,8 @@ class Sampler:
             banned.index_put_(_index(at), torch.tensor(False))
             idx = torch.tensor(allowed_rows)
             logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+        if grammar is not None:
+            logits = _mask_grammar(logits, grammar)
         early = [(i, t) for i in rows if _before_min_tokens(params[i], histories[i])
                  for t in self._stop_ids(params[i]) if t < vocab]
         if early:
@@ -216,6 +231,15 @@ class Sampler:
         if gen is None:
             gen = self._generators[seq_id] = torch.Generator().manual_seed(p.seed)
         return gen
+
+
+def _mask_grammar(logits: torch.Tensor, grammar: tuple[list[int], torch.Tensor]
+                  ) -> torch.Tensor:
+    """Ban, in place, what each constrained row's grammar forbids (one batched op)."""
+    rows, allowed = grammar
+    idx = torch.tensor(rows)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+    return logits
 
 
 def _index(at: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
