@@ -327,10 +327,10 @@ def test_a_failing_forward_fails_every_request_and_the_loop_stops_serving(
     boom = threading.Event()
     forward = engine.runner.execute
 
-    def execute(chunks):  # noqa: ANN001, ANN202 - engine thread
+    def execute(chunks, *rest):  # noqa: ANN001, ANN002, ANN202 - engine thread
         if boom.is_set():
             raise RuntimeError("injected: the device fell off the bus")
-        return forward(chunks)
+        return forward(chunks, *rest)
 
     engine.runner.execute = execute  # type: ignore[method-assign]
     reasons: list[str] = []
@@ -421,10 +421,10 @@ def test_worker_answers_attackers_invalid_argument_and_a_failed_engine_unavailab
     boom = threading.Event()
     forward = ModelRunner.execute
 
-    def execute(self, chunks):  # noqa: ANN001, ANN202
+    def execute(self, chunks, *rest):  # noqa: ANN001, ANN002, ANN202
         if boom.is_set():
             raise RuntimeError("injected: the device fell off the bus")
-        return forward(self, chunks)
+        return forward(self, chunks, *rest)
 
     monkeypatch.setattr(ModelRunner, "execute", execute)
     config = WorkerConfig(engine=EngineConfig(model=str(tiny_checkpoints["llama"]),
