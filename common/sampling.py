@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -307,12 +307,17 @@ def check_sampling_vocab(params: SamplingParams, vocab_size: int) -> None:
     """Token ids in ``logit_bias`` and ``allowed_token_ids`` must be in the vocabulary;
     checked where it is known (the router, the engine). Raises
     :class:`InvalidRequestError` naming the field and the limit."""
-    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
-                      ("allowed_token_ids", params.allowed_token_ids)):
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+    check_in_vocab("logit_bias", [t for t, _ in params.logit_bias], vocab_size)
+    check_in_vocab("allowed_token_ids", params.allowed_token_ids, vocab_size)
+
+
+def check_in_vocab(field_name: str, token_ids: Iterable[int], vocab_size: int) -> None:
+    """Every id in ``[0, vocab_size)``, else :class:`InvalidRequestError` naming
+    ``field_name``, the first id outside and the limit."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequestError(
+            field_name, f"token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
@@ -328,8 +333,4 @@ def check_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> N
             f"{len(token_ids)} tokens leave no room to generate: the limit is "
             f"{max_model_len - 1} prompt tokens (max_model_len {max_model_len})",
         )
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequestError(
-            "prompt_token_ids", f"token id {bad} is outside the vocabulary [0, {vocab_size})"
-        )
+    check_in_vocab("prompt_token_ids", token_ids, vocab_size)

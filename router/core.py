@@ -42,12 +42,13 @@ tokens, routing decisions by policy and reason, migrations.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -230,9 +231,11 @@ class Router:
         edge.check_chat(messages)
         return list(await loop.run_in_executor(self._tokenizer_thread, self._render, messages))
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """On the tokenizer's thread."""
-        return list(self.tokenizer(text).input_ids)
+        if add_special_tokens:  # the tokenizer's own default
+            return list(self.tokenizer(text).input_ids)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _render(self, messages: list[dict[str, str]]) -> list[int]:
         """On the tokenizer's thread. A template that raises (``raise_exception`` in
@@ -372,16 +375,24 @@ class Router:
             self.metrics.set("requests_in_flight", self._in_flight)
             self.metrics.inc("requests_total", status=status)
 
-    async def tokenize_as(self, req: api_pb2.TokenizeRequest,
-                          caller: Principal | None = None) -> list[int]:
-        """The public ``Tokenize``: :meth:`tokenize` within the caller's tenant's
-        concurrency limit (tokenizing is the router's own CPU work)."""
+    @contextlib.contextmanager
+    def _tokenizer_work(self, caller: Principal | None) -> Iterator[None]:
+        """Tokenizer work for a client outside a request (``Tokenize``, ``/tokenize``,
+        ``/detokenize``): it is the router's own CPU work, so it holds one of the
+        caller's tenant's concurrency slots while it runs."""
         caller = caller or OPEN
         lease = self.limiter.admit(caller.tenant, caller.limits)
         try:
-            return await self.tokenize(req)
+            yield
         finally:
             lease.settle(0)
+
+    async def tokenize_as(self, req: api_pb2.TokenizeRequest,
+                          caller: Principal | None = None) -> list[int]:
+        """The public ``Tokenize``: :meth:`tokenize` within the caller's tenant's
+        concurrency limit."""
+        with self._tokenizer_work(caller):
+            return await self.tokenize(req)
 
     async def encode_as(self, text: str, add_special_tokens: bool,
                         caller: Principal | None = None) -> list[int]:
@@ -390,14 +401,9 @@ class Router:
         if add_special_tokens:
             return await self.tokenize_as(api_pb2.TokenizeRequest(text=text), caller)
         edge.check_text_prompt(text)
-        caller = caller or OPEN
-        lease = self.limiter.admit(caller.tenant, caller.limits)
-        try:
-            return list(await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_thread,
-                lambda: self.tokenizer(text, add_special_tokens=False).input_ids))
-        finally:
-            lease.settle(0)
+        with self._tokenizer_work(caller):
+            return await asyncio.get_running_loop().run_in_executor(
+                self._tokenizer_thread, self._encode, text, False)
 
     async def detokenize_as(self, ids: list[int], caller: Principal | None = None) -> str:
         """HTTP ``/detokenize``: ``ids`` as text (special tokens written out), on the
@@ -409,13 +415,9 @@ class Router:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT,
                               f"tokens[{bad}]: {ids[bad]} is not in the vocabulary of "
                               f"{self.model_name!r} (ids 0 to {vocab - 1})", "tokens")
-        caller = caller or OPEN
-        lease = self.limiter.admit(caller.tenant, caller.limits)
-        try:
+        with self._tokenizer_work(caller):
             return await asyncio.get_running_loop().run_in_executor(
                 self._tokenizer_thread, self.tokenizer.decode, ids)
-        finally:
-            lease.settle(0)
 
     def _reserve(self, request: Request) -> int:
         """What a request may cost at most, in tokens: its prompt and the output the

@@ -459,14 +459,21 @@ class Call:
         self.logprobs = logprobs
 
 
+def check_model(f: Fields, served: str) -> str | None:
+    """The ``model`` field, which when present must name the served model (else
+    NOT_FOUND)."""
+    model = f.str_("model")
+    if model is not None and model != served:
+        raise RouterError(grpc.StatusCode.NOT_FOUND,
+                          f"The model `{model}` does not exist: this server serves "
+                          f"`{served}` (see GET /v1/models)", "model")
+    return model
+
+
 def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool) -> Call:
     """Validate an OpenAI request body and translate it; raises RouterError/ApiError."""
     f = Fields(body)
-    model = f.str_("model")
-    if model is not None and model != router.model_name:
-        raise RouterError(grpc.StatusCode.NOT_FOUND,
-                          f"The model `{model}` does not exist: this server serves "
-                          f"`{router.model_name}` (see GET /v1/models)", "model")
+    model = check_model(f, router.model_name)
     _check_neutral(f)
     stream = bool(f.bool_("stream"))
     options = f.get("stream_options")

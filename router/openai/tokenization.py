@@ -13,15 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-import grpc
-
 from protos.pdserve.v1 import api_pb2
 from router.auth import Principal
-from router.errors import RouterError
 
-from .protocol import Fields, bad, chat_messages, describe
-
-UINT32_MAX = 2**32 - 1
+from .protocol import UINT32_MAX, Fields, bad, chat_messages, check_model, describe
 
 
 @runtime_checkable
@@ -47,18 +42,10 @@ class TokenizeCall:
     add_special_tokens: bool
 
 
-def _check_model(f: Fields, served: str) -> None:
-    model = f.str_("model")
-    if model is not None and model != served:
-        raise RouterError(grpc.StatusCode.NOT_FOUND,
-                          f"The model `{model}` does not exist: this server serves "
-                          f"`{served}` (see GET /v1/models)", "model")
-
-
 def parse_tokenize(body: dict[str, Any], served: str) -> TokenizeCall:
     """The ``/tokenize`` body; raises RouterError naming the field."""
     f = Fields(body)
-    _check_model(f, served)
+    check_model(f, served)
     if ("prompt" in body) == ("messages" in body):
         raise bad("prompt", "send one of prompt (a string) or messages (a list of "
                              "{role, content} objects)")
@@ -82,7 +69,7 @@ def parse_detokenize(body: dict[str, Any], served: str) -> list[int]:
     """The ``/detokenize`` body's ids (the router checks them against its vocabulary);
     raises RouterError naming the field."""
     f = Fields(body)
-    _check_model(f, served)
+    check_model(f, served)
     if body.get("tokens") is None:
         raise bad("tokens", "tokens is required: a list of token ids")
     return f.int_list("tokens", 0, UINT32_MAX)

@@ -118,7 +118,7 @@ class Sampler:
         if not rows:
             if grammar is None:
                 return logits
-            return _mask_grammar(logits.clone(), grammar)
+            return _keep_only(logits.clone(), grammar)
         if histories is None:
             raise ValueError("penalties and min_tokens need each row's token history")
         logits = logits.clone()
@@ -139,14 +139,13 @@ class Sampler:
             logits.index_put_(_index(bias_at), torch.tensor(bias), accumulate=True)
         allowed_rows = [i for i in rows if params[i].allowed_token_ids]
         if allowed_rows:
-            banned = torch.ones(len(allowed_rows), vocab, dtype=torch.bool)
+            allowed = torch.zeros(len(allowed_rows), vocab, dtype=torch.bool)
             at = [(r, t) for r, i in enumerate(allowed_rows)
                   for t in params[i].allowed_token_ids]
-            banned.index_put_(_index(at), torch.tensor(False))
-            idx = torch.tensor(allowed_rows)
-            logits[idx] = logits[idx].masked_fill(banned, float("-inf"))
+            allowed.index_put_(_index(at), torch.tensor(True))
+            _keep_only(logits, (allowed_rows, allowed))
         if grammar is not None:
-            logits = _mask_grammar(logits, grammar)
+            _keep_only(logits, grammar)
         early = [(i, t) for i in rows if _before_min_tokens(params[i], histories[i])
                  for t in self._stop_ids(params[i]) if t < vocab]
         if early:
@@ -233,10 +232,12 @@ class Sampler:
         return gen
 
 
-def _mask_grammar(logits: torch.Tensor, grammar: tuple[list[int], torch.Tensor]
-                  ) -> torch.Tensor:
-    """Ban, in place, what each constrained row's grammar forbids (one batched op)."""
-    rows, allowed = grammar
+def _keep_only(logits: torch.Tensor, allowed_rows: tuple[list[int], torch.Tensor]
+               ) -> torch.Tensor:
+    """Ban, in place, every token the given rows may not sample: ``(rows, allowed)``
+    with ``allowed`` a bool [len(rows), vocab] (one batched op; ``allowed_token_ids``
+    and grammars alike)."""
+    rows, allowed = allowed_rows
     idx = torch.tensor(rows)
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
     return logits
