@@ -1,0 +1,251 @@
+"""A machine's cost model: how long an engine step, a KV transfer take. Pure; numpy only.
+
+``pdserve profile`` (:mod:`benchmarks.profile`) measures one machine + model + dtype at
+one or more thread counts and hands the raw points to :func:`fit_profile`; the planner's
+simulator (:mod:`planner.sim`) reads the fitted :class:`Profile` back with
+:func:`load_profile` and asks it, for every simulated step, :meth:`StepModel.seconds`.
+
+**Step time.** One engine step runs a batch of chunks; chunk *i* computes ``n_i`` new
+tokens of a sequence whose first ``start_i`` tokens are already in the KV cache (cached
+prefix, earlier chunks, or the decoded context). Decode is ``n_i = 1``; prefill of a
+prompt with a cached prefix is ``n_i = new, start_i = cached``. The model is linear in
+three features of the batch, with a piecewise-linear term in the batched tokens:
+
+- ``T = sum n_i``: weight GEMMs and elementwise work. Piecewise linear (a linear spline
+  with knots :data:`KNOTS`): a step of 1-16 tokens is bound by reading the weights, one
+  of hundreds by compute, and the slope between differs;
+- ``A = sum n_i * (start_i + (n_i + 1) / 2)``: query x key pairs of causal attention
+  (prefill over its prefix and itself, decode over its context);
+- ``S``: sequences in the batch (per-sequence bookkeeping, sampling, the LM head's rows
+  are already in T).
+
+Fitted by least squares on measured steps; :func:`fit_profile` holds out a seeded share
+of the points and reports the fit's error on them (mean and p90 absolute percentage
+error), which ``pdserve profile`` prints and stores.
+
+**Transfer time** of ``b`` bytes between a prefill and a decode worker: ``latency_s +
+b / bytes_per_s``, fitted the same way on measured transfers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PROFILE_VERSION = 1
+KNOTS: tuple[int, ...] = (16, 64, 256, 1024)
+"""Where the batched-token slope may change (a linear spline's knots)."""
+
+Chunk = tuple[int, int]
+"""``(num_new_tokens, start)``: one sequence's part of a step."""
+
+
+def features(chunks: Iterable[Chunk]) -> list[float]:
+    """The regression row of one step: ``[1, T, (T - k)+ for k in KNOTS, A, S]``."""
+    t = a = 0.0
+    s = 0
+    for n, start in chunks:
+        t += n
+        a += n * (start + (n + 1) / 2)
+        s += 1
+    return [1.0, t, *(max(0.0, t - k) for k in KNOTS), a, float(s)]
+
+
+@dataclass(frozen=True)
+class FitError:
+    """Absolute percentage error of a fit on points it was not fitted on."""
+
+    held_out: int
+    mean_pct: float
+    p90_pct: float
+    max_pct: float
+
+    @classmethod
+    def of(cls, predicted: Sequence[float], measured: Sequence[float]) -> FitError:
+        errs = sorted(abs(p - m) / m * 100 for p, m in zip(predicted, measured, strict=True)
+                      if m > 0)
+        if not errs:
+            return cls(0, math.nan, math.nan, math.nan)
+        p90 = errs[min(len(errs) - 1, math.ceil(0.9 * len(errs)) - 1)]
+        return cls(len(errs), sum(errs) / len(errs), p90, errs[-1])
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """Step seconds of one engine at one thread count; see the module docstring."""
+
+    coef: tuple[float, ...]
+    floor_s: float
+    """The fastest step measured: predictions never go below it (an empty-ish batch)."""
+    error: FitError | None = None
+
+    def seconds(self, chunks: Iterable[Chunk]) -> float:
+        row = features(chunks)
+        return max(self.floor_s, sum(c * x for c, x in zip(self.coef, row, strict=True)))
+
+    def decode_seconds(self, batch: int, context: int) -> float:
+        """A decode-only step of ``batch`` sequences of ``context`` tokens each."""
+        return self.seconds([(1, context)] * batch)
+
+    def prefill_seconds(self, new: int, cached: int = 0) -> float:
+        """A lone prefill of ``new`` tokens after ``cached`` cached ones (one chunk)."""
+        return self.seconds([(new, cached)])
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    latency_s: float
+    bytes_per_s: float
+    error: FitError | None = None
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured step."""
+
+    chunks: tuple[Chunk, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What ``pdserve profile --out FILE`` writes and ``pdserve plan --profile FILE``
+    reads: step models per thread count, the transfer model, and the engine limits the
+    simulated workers use (so the simulator schedules like the real engine)."""
+
+    model: str
+    dtype: str
+    machine: dict
+    block_size: int
+    kv_bytes_per_token: int
+    num_blocks: int
+    """KV blocks of one worker (at the profiled ``kv_cache_memory_gb``)."""
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    steps: dict[int, StepModel]
+    """Threads per worker -> its step model."""
+    transfer: TransferModel
+    points: dict = field(default_factory=dict)
+    """The raw measurements (``steps``: threads -> [[chunks, seconds]], ``transfer``:
+    [[bytes, seconds]]), kept so a profile can be refitted or inspected."""
+
+    def step(self, threads: int) -> StepModel:
+        if threads not in self.steps:
+            raise KeyError(f"the profile has no step model for {threads} thread(s); it has "
+                           f"{sorted(self.steps)} (pdserve profile --threads ...)")
+        return self.steps[threads]
+
+
+def _lstsq(rows: list[list[float]], ys: list[float]) -> tuple[float, ...]:
+    x = np.asarray(rows, dtype=np.float64)
+    y = np.asarray(ys, dtype=np.float64)
+    # Relative error matters, not absolute: weight each point by 1 / its time, so a
+    # 20 ms decode step counts as much as a 2 s prefill.
+    w = 1.0 / np.maximum(y, 1e-6)
+    coef, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    return tuple(float(c) for c in coef)
+
+
+def _split(n: int, held_out: float, seed: int) -> tuple[list[int], list[int]]:
+    idx = list(range(n))
+    random.Random(seed).shuffle(idx)
+    k = int(round(n * held_out)) if n >= 10 else 0
+    return sorted(idx[k:]), sorted(idx[:k])
+
+
+def fit_steps(points: Sequence[StepPoint], held_out: float = 0.2, seed: int = 0
+              ) -> StepModel:
+    """Fit on ``1 - held_out`` of the points, report the error on the rest, then refit
+    on all of them (the error stands for the final model's: it is no better fitted)."""
+    if len(points) < len(features([])):
+        raise ValueError(f"need at least {len(features([]))} measured steps, got {len(points)}")
+    rows = [features(p.chunks) for p in points]
+    ys = [p.seconds for p in points]
+    train, test = _split(len(points), held_out, seed)
+    floor = min(ys)
+    error = None
+    if test:
+        part = StepModel(_lstsq([rows[i] for i in train], [ys[i] for i in train]), floor)
+        error = FitError.of([part.seconds(points[i].chunks) for i in test],
+                            [ys[i] for i in test])
+    return StepModel(_lstsq(rows, ys), floor, error)
+
+
+def fit_transfer(points: Sequence[tuple[int, float]], held_out: float = 0.2, seed: int = 0
+                 ) -> TransferModel:
+    if len(points) < 2:
+        raise ValueError(f"need at least 2 measured transfers, got {len(points)}")
+
+    def fit(idx: list[int]) -> TransferModel:
+        lat, per_byte = _lstsq([[1.0, float(points[i][0])] for i in idx],
+                               [points[i][1] for i in idx])
+        return TransferModel(max(lat, 0.0), 1.0 / max(per_byte, 1e-15))
+
+    train, test = _split(len(points), held_out, seed)
+    error = None
+    if test:
+        part = fit(train)
+        error = FitError.of([part.seconds(points[i][0]) for i in test],
+                            [points[i][1] for i in test])
+    whole = fit(list(range(len(points))))
+    return TransferModel(whole.latency_s, whole.bytes_per_s, error)
+
+
+def _error_json(e: FitError | None) -> dict | None:
+    return None if e is None else asdict(e)
+
+
+def _error_of(d: dict | None) -> FitError | None:
+    return None if d is None else FitError(**d)
+
+
+def profile_to_json(p: Profile) -> dict:
+    return {
+        "version": PROFILE_VERSION, "model": p.model, "dtype": p.dtype, "machine": p.machine,
+        "block_size": p.block_size, "kv_bytes_per_token": p.kv_bytes_per_token,
+        "num_blocks": p.num_blocks, "max_num_batched_tokens": p.max_num_batched_tokens,
+        "max_num_seqs": p.max_num_seqs, "max_model_len": p.max_model_len, "knots": KNOTS,
+        "steps": {str(t): {"coef": m.coef, "floor_s": m.floor_s,
+                           "error": _error_json(m.error)} for t, m in p.steps.items()},
+        "transfer": {"latency_s": p.transfer.latency_s, "bytes_per_s": p.transfer.bytes_per_s,
+                     "error": _error_json(p.transfer.error)},
+        "points": p.points,
+    }
+
+
+def profile_from_json(d: dict) -> Profile:
+    if d.get("version") != PROFILE_VERSION:
+        raise ValueError(f"profile version {d.get('version')!r}; this pdserve reads "
+                         f"{PROFILE_VERSION}: rerun pdserve profile")
+    if tuple(d.get("knots", ())) != KNOTS:
+        raise ValueError(f"profile fitted with knots {d.get('knots')}, this pdserve uses "
+                         f"{KNOTS}: rerun pdserve profile")
+    steps = {int(t): StepModel(tuple(m["coef"]), m["floor_s"], _error_of(m.get("error")))
+             for t, m in d["steps"].items()}
+    tr = d["transfer"]
+    return Profile(d["model"], d["dtype"], d.get("machine", {}), d["block_size"],
+                   d["kv_bytes_per_token"], d["num_blocks"], d["max_num_batched_tokens"],
+                   d["max_num_seqs"], d["max_model_len"], steps,
+                   TransferModel(tr["latency_s"], tr["bytes_per_s"], _error_of(tr.get("error"))),
+                   d.get("points", {}))
+
+
+def save_profile(p: Profile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile_to_json(p), indent=1))
+
+
+def load_profile(path: str | Path) -> Profile:
+    try:
+        return profile_from_json(json.loads(Path(path).read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot read the profile {path}: {e}") from e

@@ -1,0 +1,90 @@
+"""The cost model: a linear spline in batched tokens plus attention pairs and sequences,
+fitted by least squares, its held-out error, and the profile file's round trip."""
+
+import random
+
+import pytest
+
+from planner.profile import (
+    KNOTS,
+    FitError,
+    Profile,
+    StepPoint,
+    features,
+    fit_steps,
+    fit_transfer,
+    load_profile,
+    save_profile,
+)
+
+
+def _true_step(chunks):
+    """A made-up machine: 20 ms floor for up to 16 tokens, then 0.5 ms/token, attention
+    2e-7 s per query x key pair, 0.1 ms per sequence."""
+    t = sum(n for n, _ in chunks)
+    a = sum(n * (s + (n + 1) / 2) for n, s in chunks)
+    return 0.020 + 0.0005 * max(0, t - 16) + 2e-7 * a + 1e-4 * len(chunks)
+
+
+def _points(n, seed=0, noise=0.0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            chunks = [(1, rng.randint(16, 1024))] * rng.randint(1, 64)
+        else:
+            chunks = [(rng.randint(16, 1024), rng.choice((0, 128, 512)))]
+        y = _true_step(chunks) * (1 + rng.uniform(-noise, noise))
+        out.append(StepPoint(tuple(chunks), y))
+    return out
+
+
+def test_features_count_tokens_attention_pairs_and_sequences():
+    row = features([(1, 99), (4, 0)])
+    assert row[0] == 1.0 and row[1] == 5.0
+    assert row[2:2 + len(KNOTS)] == [0.0] * len(KNOTS)
+    assert row[-2] == 1 * (99 + 1) + 4 * (0 + 2.5)
+    assert row[-1] == 2.0
+
+
+def test_fit_recovers_a_piecewise_linear_machine_and_reports_held_out_error():
+    m = fit_steps(_points(200, noise=0.0))
+    assert m.error is not None and m.error.held_out == 40
+    assert m.error.max_pct < 0.5
+    for chunks in ([(1, 300)] * 8, [(700, 256)], [(1, 100)] * 4 + [(200, 0)]):
+        assert m.seconds(chunks) == pytest.approx(_true_step(chunks), rel=0.01)
+
+
+def test_noise_shows_in_the_held_out_error():
+    m = fit_steps(_points(300, noise=0.1))
+    assert 1.0 < m.error.mean_pct < 10.0
+    assert m.error.p90_pct >= m.error.mean_pct
+
+
+def test_too_few_points_is_a_clear_error():
+    with pytest.raises(ValueError, match="at least"):
+        fit_steps(_points(3))
+
+
+def test_transfer_fit_is_latency_plus_bytes_over_bandwidth():
+    pts = [(b, 0.002 + b / 2.5e9) for b in (1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26) * 3]
+    t = fit_transfer(pts)
+    assert t.latency_s == pytest.approx(0.002, rel=0.01)
+    assert t.bytes_per_s == pytest.approx(2.5e9, rel=0.01)
+    assert t.seconds(1 << 25) == pytest.approx(0.002 + (1 << 25) / 2.5e9, rel=0.01)
+
+
+def test_profile_file_round_trip_and_version_check(tmp_path):
+    steps = {1: fit_steps(_points(60)), 2: fit_steps(_points(60, seed=1))}
+    p = Profile("m", "float32", {"cpu": "x"}, 16, 36864, 1000, 2048, 256, 2048, steps,
+                fit_transfer([(1 << 20, 0.001), (1 << 24, 0.008), (1 << 22, 0.003)]))
+    path = tmp_path / "p.json"
+    save_profile(p, path)
+    q = load_profile(path)
+    assert q.step(2).seconds([(5, 5)]) == p.step(2).seconds([(5, 5)])
+    assert q.step(1).error == p.step(1).error and isinstance(q.step(1).error, FitError)
+    with pytest.raises(KeyError, match="--threads"):
+        q.step(4)
+    path.write_text(path.read_text().replace('"version": 1', '"version": 99'))
+    with pytest.raises(ValueError, match="rerun pdserve profile"):
+        load_profile(path)
