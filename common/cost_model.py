@@ -2,7 +2,7 @@
 
 ``pdserve profile`` (:mod:`benchmarks.profile`) measures one machine + model + dtype at
 one or more thread counts and hands the raw points to :func:`fit_profile`; the planner's
-simulator (:mod:`planner.sim`) reads the fitted :class:`Profile` back with
+simulator (:mod:`planner.sim`) and the router's local-or-remote prefill rule (:mod:`router.adaptive`) read the fitted :class:`Profile` back with
 :func:`load_profile` and asks it, for every simulated step, :meth:`StepModel.seconds`.
 
 **Step time.** One engine step runs a batch of chunks; chunk *i* computes ``n_i`` new

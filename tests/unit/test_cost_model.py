@@ -1,11 +1,11 @@
-"""The cost model: a linear spline in batched tokens plus attention pairs and sequences,
+"""common.cost_model: a linear spline in batched tokens plus attention pairs and sequences,
 fitted by least squares, its held-out error, and the profile file's round trip."""
 
 import random
 
 import pytest
 
-from planner.profile import (
+from common.cost_model import (
     KNOTS,
     FitError,
     Profile,
