@@ -1,9 +1,11 @@
 """A machine's cost model: how long an engine step, a KV transfer take. Pure; numpy only.
 
 ``pdserve profile`` (:mod:`benchmarks.profile`) measures one machine + model + dtype at
-one or more thread counts and hands the raw points to :func:`fit_profile`; the planner's
-simulator (:mod:`planner.sim`) and the router's local-or-remote prefill rule (:mod:`router.adaptive`) read the fitted :class:`Profile` back with
-:func:`load_profile` and asks it, for every simulated step, :meth:`StepModel.seconds`.
+one or more thread counts and fits the raw points (:func:`fit_steps`,
+:func:`fit_transfer`) into a :class:`Profile`; the planner's simulator
+(:mod:`planner.sim`) and the router's local-or-remote prefill rule
+(:mod:`router.adaptive`) read it back with :func:`load_profile` and ask it what a step
+(:meth:`StepModel.seconds`) or a transfer costs.
 
 **Step time.** One engine step runs a batch of chunks; chunk *i* computes ``n_i`` new
 tokens of a sequence whose first ``start_i`` tokens are already in the KV cache (cached
