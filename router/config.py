@@ -35,6 +35,16 @@ class RouterConfig:
     """Tokens (prompt + max_tokens, settled to what was used) a tenant may spend per
     minute (0: unlimited), unless its key line says; see :mod:`router.limits`."""
 
+    placement_profile: str | None = None
+    """A machine profile (``pdserve profile --out FILE``): disaggregated prompts are then
+    placed (prefill worker or the decode worker itself) from live state by
+    :mod:`router.adaptive`; None: the decode workers' static threshold alone decides."""
+    decode_threads: int = 1
+    prefill_threads: int = 1
+    """Threads per worker of each pool: which of the profile's step models applies."""
+    itl_budget_ms: float = 200.0
+    """The longest step a local prefill may make running decodes wait through."""
+
     def __post_init__(self) -> None:
         if not self.workers and not self.redis_url:
             raise ValueError("the router needs worker addresses or a registry (redis_url)")
@@ -42,6 +52,8 @@ class RouterConfig:
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         self.tenant_limits()  # validates them
+        if self.itl_budget_ms <= 0:
+            raise ValueError(f"itl_budget_ms must be > 0, got {self.itl_budget_ms}")
 
     def tenant_limits(self) -> TenantLimits:
         """Every tenant's limits unless its key line overrides them."""

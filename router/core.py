@@ -56,6 +56,7 @@ import grpc
 import jinja2
 import redis
 
+from common.cost_model import load_profile
 from common.metrics import Metrics
 from common.prefix_index import PrefixIndexBackend, RedisPrefixIndex
 from common.redis_url import connect as connect_redis
@@ -67,6 +68,7 @@ from common.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
 
 from . import edge
+from .adaptive import PrefillPlacement
 from .auth import OPEN, Principal, tenant_salt
 from .choice import Chooser, PromptHashes
 from .config import RouterConfig
@@ -167,7 +169,7 @@ class Router:
         self.policy = make_policy(config.policy)
         self.chooser = Chooser(self.workers, self.policy, self.prefixes, self.metrics)
         self.decisions = self.chooser.decisions  # (policy, reason) -> count
-        self.dispatcher = Dispatcher(self.workers, self.chooser)
+        self.dispatcher = Dispatcher(self.workers, self.chooser, _placement(config))
 
     def pool(self, role: str) -> list[Worker]:
         return self.workers.serving(role)
@@ -460,3 +462,12 @@ class Router:
             prefix_index_up=self.prefixes.up)
         resp.workers.extend(await self.workers.statuses())
         return resp
+
+
+def _placement(config: RouterConfig) -> PrefillPlacement | None:
+    """The live prefill-placement rule when the router was given a machine profile."""
+    if config.placement_profile is None:
+        return None
+    profile = load_profile(config.placement_profile)
+    return PrefillPlacement(profile, config.decode_threads, config.prefill_threads,
+                            config.itl_budget_ms / 1000, static_threshold=0)

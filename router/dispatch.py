@@ -12,7 +12,12 @@ attempt, whichever protocol runs it (worker.proto gives the message order):
   uncached part is short) the decode worker prefills itself and no ``Prefill`` is sent.
   Otherwise the policy picks a prefill worker and ``Prefill`` returns the first token,
   which is relayed at once (TTFT never waits for the KV transfer) after being
-  ``commit``-ted to the decode worker; the rest streams from ``Decode``. A prefill that
+  ``commit``-ted to the decode worker; the rest streams from ``Decode``. With a
+  placement rule (:mod:`router.adaptive`, when the router has a machine profile) the
+  router may also keep a prompt the decode worker did not take locally on that worker,
+  from the live state (its running decodes, the prefill pool's queue): it commits
+  without a first token, as after a failed prefill, and the decode worker computes the
+  prompt in its own steps. A prefill that
   fails for the worker's sake (died, transport error) commits without a first token:
   the decode worker recomputes the prompt and the request still completes.
 
@@ -36,6 +41,7 @@ from common.request import Request
 from common.wire import request_to_proto
 from protos.pdserve.v1 import api_pb2, worker_pb2
 
+from .adaptive import PlacementInputs, PrefillPlacement
 from .choice import Chooser, PromptHashes
 from .errors import RouterError, WorkerFailed
 from .policies import Decision
@@ -47,9 +53,11 @@ CALLER_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEE
 
 
 class Dispatcher:
-    def __init__(self, pool: WorkerPool, chooser: Chooser) -> None:
+    def __init__(self, pool: WorkerPool, chooser: Chooser,
+                 placement: PrefillPlacement | None = None) -> None:
         self.pool = pool
         self.chooser = chooser
+        self.placement = placement
 
     def stream(self, request: Request, timeout: float | None, routing: api_pb2.Routing,
                hashes: PromptHashes | None = None
@@ -95,13 +103,19 @@ class Dispatcher:
         deadline = None if timeout is None else time.monotonic() + timeout
         decode, call, reservation = await self._reserve(wreq, deadline)
         routing.decode_worker = decode.address
+        context = len(wreq.prompt_token_ids)
+        decode.context_tokens += context
         try:
             prefilled = None
-            if reservation.local:
+            local = self._place(wreq, decode, reservation)
+            if local:
                 policy = self.chooser.policy.name
-                routing.MergeFrom(api_pb2.Routing(policy=policy, reason="local",
+                routing.MergeFrom(api_pb2.Routing(policy=policy, reason=local,
                                                   worker=decode.address))
-                self.chooser.decided(policy, "local")
+                self.chooser.decided(policy, local)
+                if not reservation.local:  # the rule kept it here: compute it here
+                    await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
+                    await _write(call, None)
             else:
                 prefilled = await self._prefill(wreq, reservation.target, deadline, routing,
                                                 hashes)
@@ -124,6 +138,8 @@ class Dispatcher:
                     self.pool.mark_down(decode)
                     raise WorkerFailed(f"decode worker {decode.address} ended the stream early")
                 out = msg.output
+                decode.context_tokens += len(out.token_ids)
+                context += len(out.token_ids)
                 if out.finish_reason and prefilled is not None:
                     # The prompt was computed (or reused) on the prefill worker.
                     out.usage.cached_tokens = prefilled.first.usage.cached_tokens
@@ -138,6 +154,26 @@ class Dispatcher:
         finally:
             call.cancel()  # no-op when finished; frees the reservation otherwise
             decode.in_flight -= 1
+            decode.context_tokens -= context
+
+    def _place(self, wreq: worker_pb2.WorkerGenerateRequest, decode: Worker,
+               reservation: worker_pb2.Reservation) -> str:
+        """Why the prompt is computed on the decode worker ("local" when the worker
+        chose so itself, else the rule's reason); "" when a prefill worker computes it."""
+        if reservation.local:
+            return "local"
+        prefill = self.pool.serving("prefill")
+        if self.placement is None or not prefill:
+            return ""
+        cached = reservation.cached_tokens
+        here, reason = self.placement.decide(PlacementInputs(
+            uncached_tokens=len(wreq.prompt_token_ids) - cached, cached_tokens=cached,
+            decode_running=decode.in_flight - 1,
+            decode_context_tokens=decode.context_tokens - len(wreq.prompt_token_ids),
+            prefill_queued_tokens=min(w.queued_tokens for w in prefill)))
+        self.chooser.metrics.inc("prefill_placement_total", where="local" if here else "remote",
+                                 reason=reason)
+        return f"local_{reason}" if here else ""
 
     async def _reserve(self, wreq: worker_pb2.WorkerGenerateRequest, deadline: float | None
                        ) -> tuple[Worker, grpc.aio.StreamStreamCall, worker_pb2.Reservation]:

@@ -1,0 +1,59 @@
+"""router.adaptive: the per-request local-or-remote prefill rule, on a made-up machine
+profile (pure; no model, no processes)."""
+
+import pytest
+
+from common.cost_model import Profile, StepModel, TransferModel, features
+from router.adaptive import PlacementInputs, PrefillPlacement
+
+
+def _profile() -> Profile:
+    """19 ms per step + 1 ms per batched token; attention and sequences free; KV moves
+    at 1 GB/s after 5 ms (1 KB per token)."""
+    n = len(features([]))
+    coef = [0.0] * n
+    coef[0], coef[1] = 0.019, 0.001  # 19 ms + 1 ms per batched token
+    step = StepModel(tuple(coef), 0.020)
+    return Profile("m", "float32", {}, 16, 1024, 4096, 2048, 256, 4096, {1: step, 2: step},
+                   TransferModel(0.005, 1e9))
+
+
+def test_without_a_profile_only_the_static_threshold_decides():
+    rule = PrefillPlacement(None, static_threshold=32)
+    assert rule.decide(PlacementInputs(uncached_tokens=31)) == (True, "short")
+    assert rule.decide(PlacementInputs(uncached_tokens=32, prefill_queued_tokens=10**6)) == (
+        False, "remote")
+
+
+def test_an_idle_decode_worker_takes_the_prompt_when_the_prefill_queue_is_long():
+    rule = PrefillPlacement(_profile(), static_threshold=0)
+    x = PlacementInputs(uncached_tokens=512, prefill_queued_tokens=4096)
+    assert rule.decide(x) == (True, "idle")
+    e = rule.estimate(x)
+    assert e.local_s < e.remote_s and e.stall_s == 0.0
+
+
+def test_with_an_idle_prefill_pool_remote_wins_unless_local_is_clearly_sooner():
+    rule = PrefillPlacement(_profile(), static_threshold=0)
+    # Same compute either way; remote adds only the transfer: local is not 20% sooner.
+    assert rule.decide(PlacementInputs(uncached_tokens=512)) == (False, "remote")
+    eager = PrefillPlacement(_profile(), static_threshold=0, local_gain=0.0)
+    assert eager.decide(PlacementInputs(uncached_tokens=512))[0] is True
+
+
+def test_running_decodes_keep_a_long_prompt_off_the_decode_worker_beyond_the_budget():
+    rule = PrefillPlacement(_profile(), static_threshold=0, itl_budget_s=0.1)
+    busy = dict(decode_running=8, decode_context_tokens=8 * 300, prefill_queued_tokens=8192)
+    # 1024 tokens in one step: ~1 s stall > 100 ms budget, though local would be sooner.
+    assert rule.decide(PlacementInputs(uncached_tokens=1024, **busy)) == (False, "queue")
+    # 40 tokens ride along within the budget (a ~50 ms step).
+    assert rule.decide(PlacementInputs(uncached_tokens=40, **busy)) == (True, "spare")
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="itl_budget_s"):
+        PrefillPlacement(_profile(), itl_budget_s=0)
+    with pytest.raises(ValueError, match="local_gain"):
+        PrefillPlacement(_profile(), local_gain=1.0)
+    with pytest.raises(KeyError, match="thread"):
+        PrefillPlacement(_profile(), decode_threads=4)
