@@ -64,6 +64,7 @@ from common.registry import WorkerRegistry
 from common.request import Request
 from common.sampling import InvalidRequestError, check_prompt, check_sampling_vocab
 from common.threads import TOKENIZER, name_native_thread
+from common.traffic import TrafficLog, TrafficRecord
 from common.wire import sampling_from_proto
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
 
@@ -164,6 +165,9 @@ class Router:
             registry = (registry if registry is not None
                         else WorkerRegistry(self._redis, self.model_name))
         self.prefixes = PrefixLookup(index, self.metrics)
+        self.traffic = TrafficLog(self._redis, self.model_name) if self._redis else None
+        """Finished requests' shapes for the live planner (common/traffic.py)."""
+        self._traffic_task: asyncio.Task | None = None
         self.workers = WorkerPool(config, self.metrics, connect=connect, registry=registry,
                                   on_redis=self.prefixes.note_redis)
         self.policy = make_policy(config.policy)
@@ -191,8 +195,23 @@ class Router:
         """Connect to every worker given and found in the registry, and wait until each
         answers (loading takes a while) and the pools can serve."""
         await self.workers.start()
+        if self.traffic is not None:
+            self._traffic_task = asyncio.create_task(self._flush_traffic())
+
+    async def _flush_traffic(self, every_s: float = 1.0) -> None:
+        """Write the finished requests' shapes to Redis every second (from a thread)."""
+        assert self.traffic is not None
+        while True:
+            await asyncio.sleep(every_s)
+            records = self.traffic.take()
+            try:
+                await asyncio.to_thread(self.traffic.flush, records)
+            except redis.RedisError as e:
+                log.debug("traffic log not written (%d requests): %s", len(records), e)
 
     async def close(self) -> None:
+        if self._traffic_task is not None:
+            self._traffic_task.cancel()
         await self.workers.close()
         if self._redis is not None:
             self._redis.close()
@@ -449,7 +468,11 @@ class Router:
                 routing.ClearField(name)
         out.routing.CopyFrom(routing)
         m = self.metrics
-        m.observe("e2e_request_latency_seconds", time.monotonic() - received)
+        took = time.monotonic() - received
+        if self.traffic is not None:
+            self.traffic.note(TrafficRecord(time.time() - took, len(ids),
+                                            out.usage.cached_tokens, len(generated)))
+        m.observe("e2e_request_latency_seconds", took)
         m.inc("prompt_tokens_total", len(ids))
         m.inc("generation_tokens_total", len(generated))
         m.inc("cached_prompt_tokens_total", out.usage.cached_tokens)
