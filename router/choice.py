@@ -66,6 +66,10 @@ class Chooser:
         prompt from the shared index (one round trip; none when Redis is down).
         ``hashes``: the request's, kept across its attempts (None: hash here)."""
         pool = self.pool.serving(role)
+        if not pool and role == "mixed":
+            # Pools that cannot split (a role change under way left prefill workers or
+            # decode workers alone): any worker runs a whole request (``Generate``).
+            pool = [w for r in ("prefill", "decode") for w in self.pool.serving(r)]
         if not pool:
             raise RouterError(grpc.StatusCode.UNAVAILABLE,
                               f"no {role} worker is serving right now; retry later")

@@ -3,8 +3,8 @@
 :meth:`Dispatcher.stream` yields the worker's ``WorkerGenerateResponse`` messages for one
 attempt, whichever protocol runs it (worker.proto gives the message order):
 
-- **mixed** (no prefill or no decode pool): the policy picks a mixed worker; one
-  ``Generate`` stream.
+- **mixed** (no prefill or no decode pool): the policy picks a mixed worker (with none,
+  while a role change is under way, any worker); one ``Generate`` stream.
 - **disaggregated**: open ``Decode`` on the least-loaded decode worker and send
   ``start``; it answers with a reservation. A decode worker that fails there is marked
   down for ``down_s`` and the next one tried; when none can take the request,
