@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from collections.abc import Mapping
@@ -101,6 +102,24 @@ class DeploymentConfig:
     theirs on free ports."""
     policy: str = field(default="cache_aware", metadata=setting(
         "how prefill (or mixed) workers are chosen"))
+    profile: str | None = field(default=None, metadata=setting(
+        "machine profile written by `pdserve profile`: the router then places each "
+        "disaggregated prompt (prefill worker or the decode worker) from live state, and "
+        "--autoscale plans with it", shown="none: the static --local-prefill-threshold"))
+    itl_budget_ms: float = field(default=200.0, metadata=setting(
+        "with --profile: the longest step a prompt computed on a decode worker may make "
+        "its running decodes wait through"))
+    autoscale: bool = field(default=False, metadata=setting(
+        "re-plan the pools from recent traffic (the planner's simulator on --profile) and "
+        "change workers' roles (drain, re-register; weights kept); process launcher"))
+    autoscale_interval_s: float = field(default=20.0, metadata=setting(
+        "--autoscale: seconds between decisions (each looks at 3 intervals of traffic)"))
+    slo_ttft_ms: float | None = field(default=None, metadata=setting(
+        "--autoscale: the TTFT target goodput counts against",
+        shown="5x the profile's unloaded TTFT of the traffic's mean prompt"))
+    slo_tpot_ms: float | None = field(default=None, metadata=setting(
+        "--autoscale: the TPOT target goodput counts against",
+        shown="2x the profile's unloaded decode step"))
     max_in_flight: int = field(default=256, metadata=setting(
         "requests the router admits at once; beyond it they are refused with "
         "RESOURCE_EXHAUSTED"))
@@ -178,6 +197,8 @@ class DeploymentConfig:
                                       f"{', '.join(choices)}")
         if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
             raise DeploymentError("cpus_per_worker and gpus_per_worker must be >= 0")
+        if self.itl_budget_ms <= 0 or self.autoscale_interval_s <= 0:
+            raise DeploymentError("itl_budget_ms and autoscale_interval_s must be > 0")
         if self.tenant_max_concurrency < 0 or self.tenant_tokens_per_minute < 0:
             raise DeploymentError("tenant_max_concurrency and tenant_tokens_per_minute must "
                                   "be >= 0 (0: unlimited)")
@@ -206,6 +227,16 @@ class DeploymentConfig:
             raise DeploymentError("the router serves TLS (tls_cert): give tls_ca, the CA "
                                   "certificate that signed it, so clients can check it")
         return self.tls_ca or str(Path(self.cluster_tls_dir or "") / "ca.pem")
+
+    def check_autoscale(self) -> None:
+        """What ``--autoscale`` needs besides itself (checked when a cluster starts, not
+        per field: a file may set the two keys in either order)."""
+        if self.autoscale and not self.profile:
+            raise DeploymentError("autoscale plans with a machine profile: give --profile "
+                                  "FILE (pdserve profile --out FILE writes one)")
+        if self.autoscale and self.launcher != "process":
+            raise DeploymentError("autoscale runs with --launcher process for now (on Ray, "
+                                  "`pdserve scale` resizes the pools)")
 
     def pool_sizes(self) -> dict[str, int]:
         return {"prefill": self.prefill, "decode": self.decode, "mixed": self.num_mixed}
@@ -265,6 +296,10 @@ class DeploymentConfig:
             args += ["--tenant-tokens-per-minute", str(self.tenant_tokens_per_minute)]
         if self.metrics_public:
             args.append("--metrics-public")
+        if self.profile:
+            t = self.threads(os.cpu_count() or 1)
+            args += ["--profile", self.profile, "--itl-budget-ms", str(self.itl_budget_ms),
+                     "--prefill-threads", str(t), "--decode-threads", str(t)]
         if self.metrics_port is not None:
             args += ["--metrics-port", str(self.metrics_port)]
         if self.model:

@@ -69,6 +69,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_setting(r, "tenant_max_concurrency")
     add_setting(r, "tenant_tokens_per_minute")
     add_setting(r, "metrics_public")
+    add_setting(r, "profile")
+    add_setting(r, "itl_budget_ms")
+    for role in ("prefill", "decode"):
+        r.add_argument(f"--{role}-threads", type=int, default=1,
+                       help=f"threads per {role} worker: which of --profile's step models "
+                            "applies (default: 1)")
     r.add_argument("--config", default=None,
                    help="deployment YAML: the router's settings come from it (flags win)")
     r.add_argument("--metrics-port", type=int, default=None,
@@ -169,7 +175,10 @@ def router_config(args: argparse.Namespace,  # noqa: ANN201 - ServerConfig
                                                     redis_password(args, password)),
                             policy=args.policy,
                             tenant_max_concurrency=args.tenant_max_concurrency,
-                            tenant_tokens_per_minute=args.tenant_tokens_per_minute),
+                            tenant_tokens_per_minute=args.tenant_tokens_per_minute,
+                            placement_profile=args.profile, itl_budget_ms=args.itl_budget_ms,
+                            prefill_threads=args.prefill_threads,
+                            decode_threads=args.decode_threads),
         host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port,
         metrics_port=args.metrics_port, cluster_tls=cluster_tls(args),
         api_keys_file=args.api_keys, metrics_public=args.metrics_public,
@@ -210,7 +219,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     try:
         check_api_keys(args.api_keys)
         config = router_config(args)
-    except ValueError as e:  # bad settings, an unreadable --redis-password-file or key file
+        if args.profile:  # read once up front too: a bad file is reported before serving
+            from common.cost_model import load_profile
+
+            load_profile(args.profile).step(args.prefill_threads)
+            load_profile(args.profile).step(args.decode_threads)
+    except (ValueError, KeyError) as e:  # bad settings, an unreadable file
         print(f"pdserve router: {e}", file=sys.stderr)
         return EXIT_INVALID
     asyncio.run(serve(config))

@@ -71,6 +71,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:  # bad pool sizes and files are reported before any model conversion
         config = deployment_config(args)
+        config.check_autoscale()
         password = redis_password(args)  # for --redis-url; a Redis started here gets its own
         config = trust_checked(config)
         config = api_keys_checked(config)

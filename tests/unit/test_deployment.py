@@ -172,7 +172,7 @@ ENGINE = ["model", "dtype", "kv_cache_gb", "block_size", "max_model_len"]
     ("worker", [*ENGINE, "local_prefill_threshold", "transfer_timeout_s", "drain_timeout_s",
                 "cluster_tls_dir", "cluster_secret_file"]),
     ("router", ["policy", "port", "http_port", "max_in_flight", "cluster_tls_dir", "tls_cert",
-                "tls_key"]),
+                "tls_key", "profile", "itl_budget_ms"]),
     ("generate", ENGINE),
 ])
 def test_components_share_the_deployment_defaults_and_help(command: str,
@@ -198,3 +198,11 @@ def test_a_file_without_pools_gives_components_the_pools_up_would_run(tmp_path: 
     assert up.pool_sizes() == {"prefill": 1, "decode": 1, "mixed": 0}
     w = build_parser().parse_args(expand_config(["worker", "--config", str(path)]))
     assert w.threads == up.threads(os.cpu_count() or 1) and w.kv_cache_gb == 0.5
+
+
+def test_autoscale_needs_a_profile_and_the_process_launcher() -> None:
+    with pytest.raises(DeploymentError, match="--profile"):
+        DeploymentConfig(autoscale=True, launcher="process").check_autoscale()
+    with pytest.raises(DeploymentError, match="launcher process"):
+        DeploymentConfig(autoscale=True, profile="p.json").check_autoscale()
+    DeploymentConfig(autoscale=True, profile="p.json", launcher="process").check_autoscale()
