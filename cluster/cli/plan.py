@@ -1,0 +1,159 @@
+"""``pdserve plan``: which pool configuration serves a workload best on given resources,
+predicted by the planner's simulator (``planner/``) from a machine profile
+(``pdserve profile --out FILE``); nothing is started.
+
+The workload is ``pdserve bench``'s (same flags: ``--workload``, lengths,
+``--num-requests``, ``--request-rate``, ``--burstiness``, ``--seed``, ``--trace``), a
+recorded run (``--details FILE``, what ``pdserve bench --out FILE`` wrote), or a
+stationary synthetic trace sized to the resources (``--workload synthetic``). Prints a
+table (the recommendation marked ``*``) or, with ``--json``, one JSON object on stdout;
+``--plot FILE.png`` draws goodput, TTFT p90 and ITL p90 per candidate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+from .options import EXIT_INVALID
+
+WORKLOAD_CHOICES = ("random", "shared-prefix", "mixed", "multi-turn", "trace", "synthetic")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predict TTFT/ITL/goodput/cost of every pool configuration "
+                                    "for a workload on some cores or GPUs, and recommend one")
+    p.add_argument("--profile", required=True, metavar="FILE",
+                   help="the machine profile (pdserve profile --out FILE)")
+    res = p.add_mutually_exclusive_group()
+    res.add_argument("--cores", type=int, default=None,
+                     help="CPU cores to spend: a worker of t threads takes t (default: this "
+                          "machine's)")
+    res.add_argument("--gpus", type=int, default=None,
+                     help="GPUs to spend: one worker each, on the profile's 1-thread model")
+    p.add_argument("--price-per-core-hour", type=float, default=0.05)
+    p.add_argument("--price-per-gpu-hour", type=float, default=2.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--thresholds", default="0,64,256,1024",
+                   help="local-prefill thresholds to try for disaggregated candidates")
+    p.add_argument("--policy", default="cache_aware",
+                   choices=("cache_aware", "least_loaded", "round_robin"))
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="leave out the adaptive (live placement) candidates")
+    p.add_argument("--itl-budget-ms", type=float, default=None,
+                   help="adaptive: the longest step a local prefill may cause (default: "
+                        "the TPOT SLO, else 200)")
+    p.add_argument("--max-slice-workers", type=int, default=4,
+                   help="larger configurations are simulated as a symmetric slice of this "
+                        "many workers")
+    p.add_argument("--max-requests", type=int, default=2000,
+                   help="synthetic trace: requests per simulation (a window of the trace)")
+    w = p.add_argument_group("workload (as pdserve bench)")
+    w.add_argument("--workload", choices=WORKLOAD_CHOICES, default="random")
+    w.add_argument("--num-requests", "--num-prompts", type=int, default=100,
+                   help="requests (multi-turn: conversations)")
+    w.add_argument("--request-rate", type=float, default=None,
+                   help="requests/s, open loop (default inf; synthetic: sized to the "
+                        "resources at --utilization)")
+    w.add_argument("--burstiness", type=float, default=1.0)
+    w.add_argument("--input-len", type=int, default=None, help="default 256 (synthetic 512)")
+    w.add_argument("--output-len", type=int, default=None, help="default 64 (synthetic 128)")
+    w.add_argument("--range-ratio", type=float, default=None)
+    w.add_argument("--long-fraction", type=float, default=None)
+    w.add_argument("--long-input-len", type=int, default=None)
+    w.add_argument("--long-output-len", type=int, default=None)
+    w.add_argument("--turns", type=int, default=4)
+    w.add_argument("--think-time-s", type=float, default=0.0)
+    w.add_argument("--prefix-len", type=int, default=512)
+    w.add_argument("--groups", type=int, default=8)
+    w.add_argument("--trace", default=None, help="JSONL: timestamp, input_length, "
+                                                 "output_length, prefix_group")
+    w.add_argument("--details", default=None, metavar="FILE",
+                   help="replay a recorded run (pdserve bench --out FILE) instead")
+    w.add_argument("--duration-s", type=float, default=3600.0, help="synthetic trace length")
+    w.add_argument("--utilization", type=float, default=0.6,
+                   help="synthetic: the rate as a share of the resources' estimated capacity")
+    w.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    p.set_defaults(func=cmd_plan)
+
+
+def _workload(args: argparse.Namespace, profile, resources):  # noqa: ANN001, ANN202
+    """The workload the flags describe, and notes about it (to stderr)."""
+    from planner import synthetic, workload
+
+    def given(name: str, default: object) -> object:
+        v = getattr(args, name)
+        return default if v is None else v
+
+    if args.details:
+        return workload.from_details(args.details, args.input_len, args.seed)
+    if args.workload == "synthetic":
+        base = synthetic.SyntheticTrace(
+            1.0, args.duration_s, given("input_len", 512), given("output_len", 128),
+            given("long_fraction", 0.1), given("long_input_len", 2048),
+            given("long_output_len", 64), given("range_ratio", 0.5), args.seed)
+        rate = args.request_rate
+        if rate is None:
+            workers = resources.units if resources.kind == "gpus" else resources.units // min(
+                profile.steps)
+            threads = 1 if resources.kind == "gpus" else min(profile.steps)
+            rate = synthetic.rate_for(profile, workers, base, args.utilization, threads)
+        trace = synthetic.SyntheticTrace(**{**base.__dict__, "rate": rate})
+        return workload.SyntheticWorkload(trace), []
+    spec = workload.WorkloadSpec(
+        args.workload, args.num_requests, math.inf if args.request_rate is None
+        else args.request_rate, args.burstiness, given("input_len", 256),
+        given("output_len", 64), given("range_ratio", 0.0), given("long_fraction", 0.25),
+        given("long_input_len", 1536), given("long_output_len", 16), args.turns,
+        args.prefix_len, args.groups, args.trace, args.seed)
+    return spec.build(), []
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from common.cost_model import load_profile
+    from loadtest.metrics import SLO
+    from planner.config import Resources
+    from planner.report import plot, table
+    from planner.search import plan_workload
+
+    try:
+        profile = load_profile(args.profile)
+        thresholds = tuple(int(t) for t in args.thresholds.split(",") if t.strip())
+        if args.gpus is not None:
+            resources = Resources(args.gpus, "gpus", args.price_per_gpu_hour)
+        else:
+            resources = Resources(args.cores or os.cpu_count() or 1, "cores",
+                                  args.price_per_core_hour)
+        work, notes = _workload(args, profile, resources)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"pdserve plan: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    slo = (SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+           if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None else None)
+    print(f"pdserve plan: {resources.units} {resources.kind}, profile {profile.model} "
+          f"({profile.dtype}, threads {sorted(profile.steps)}); {work.description}",
+          file=sys.stderr)
+    try:
+        result = plan_workload(profile, work, resources, slo, thresholds=thresholds,
+                               policy=args.policy, adaptive=not args.no_adaptive,
+                               itl_budget_ms=args.itl_budget_ms,
+                               max_slice_workers=args.max_slice_workers,
+                               max_requests=args.max_requests, think_time_s=args.think_time_s)
+    except ValueError as e:
+        print(f"pdserve plan: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    result.notes[:0] = notes
+    if args.plot:
+        png = plot(result, args.plot)
+        print(f"pdserve plan: wrote {png}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.as_json(), allow_nan=False))
+    else:
+        print(table(result))
+    return 0

@@ -1,0 +1,192 @@
+"""The live planner's decision: which pool configuration the running workers should
+take next, from recent traffic, with hysteresis. Pure: it is handed the traffic and a
+way to score a configuration on it; :mod:`cluster.autoscale` feeds it and carries out
+its decisions (role changes, ``SetRole``).
+
+Every ``interval_s`` the driver calls :meth:`Autoscaler.decide` with the requests that
+arrived in the last ``window_s`` (:mod:`common.traffic`). Each candidate (the
+configurations the workers can reach by changing roles, their threads fixed) is scored
+by ``score(config, records)``, in production the simulator's predicted goodput
+(:func:`simulate_goodput`). The current configuration is left only when all of these
+hold, else the decision says which did not (its ``reason``):
+
+1. ``few_requests``: the window has at least ``min_requests`` requests;
+2. ``current_best``: another candidate scores best;
+3. ``gain_below_threshold``: it beats the current one by at least ``min_gain``
+   (relative; against a current goodput of 0, any positive one counts);
+4. ``dwell``: the last change is at least ``min_dwell_s`` old;
+5. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
+
+Then ``switch``. Under a steady load the scores are steady, so (2)-(5) keep a planner
+from flapping: a candidate must win by a margin, twice, and not too soon after the
+last change.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from common.cost_model import Profile
+from common.traffic import TrafficRecord
+from loadtest.metrics import SLO
+from loadtest.workloads import DEFAULT_TOKEN_IDS, Request
+
+from .config import PoolConfig
+from .predict import simulate
+
+Score = Callable[[PoolConfig, Sequence[TrafficRecord]], float]
+
+
+@dataclass(frozen=True)
+class AutoscaleConfig:
+    interval_s: float = 20.0
+    window_s: float = 60.0
+    min_requests: int = 10
+    min_gain: float = 0.10
+    min_dwell_s: float = 60.0
+    confirmations: int = 2
+
+    def __post_init__(self) -> None:
+        checks = {"interval_s": self.interval_s > 0, "window_s": self.window_s > 0,
+                  "min_requests": self.min_requests >= 1, "min_gain": self.min_gain >= 0,
+                  "min_dwell_s": self.min_dwell_s >= 0, "confirmations": self.confirmations >= 1}
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"AutoscaleConfig.{name} out of range: {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    current: PoolConfig
+    target: PoolConfig | None
+    """The configuration to move to; None: stay."""
+    reason: str
+    scores: dict[str, float] = field(default_factory=dict)
+    """Every candidate's score, by its label."""
+
+    @property
+    def action(self) -> str:
+        return "switch" if self.target is not None else "stay"
+
+
+class Autoscaler:
+    """Keeps the hysteresis state between decisions; one per cluster, one thread."""
+
+    def __init__(self, candidates: Sequence[PoolConfig], score: Score,
+                 config: AutoscaleConfig | None = None) -> None:
+        if not candidates:
+            raise ValueError("the autoscaler needs at least one candidate configuration")
+        self.candidates = list(candidates)
+        self.score = score
+        self.config = config or AutoscaleConfig()
+        self.last_change: float | None = None
+        self._leader: PoolConfig | None = None
+        self._wins = 0
+
+    def decide(self, now: float, current: PoolConfig,
+               records: Sequence[TrafficRecord]) -> Decision:
+        c = self.config
+        if len(records) < c.min_requests:
+            self._leader, self._wins = None, 0
+            return Decision(now, current, None, "few_requests")
+        pool = self.candidates if current in self.candidates else [current, *self.candidates]
+        scores = {cand: self.score(cand, records) for cand in pool}
+        labels = {cand.label: s for cand, s in scores.items()}
+        best = max(pool, key=lambda cand: (scores[cand], cand == current))
+        if best == current:
+            self._leader, self._wins = None, 0
+            return Decision(now, current, None, "current_best", labels)
+        base = scores[current]
+        gain = (scores[best] - base) / base if base > 0 else float("inf")
+        if gain < c.min_gain:
+            self._leader, self._wins = None, 0
+            return Decision(now, current, None, "gain_below_threshold", labels)
+        self._wins = self._wins + 1 if best == self._leader else 1
+        self._leader = best
+        if self.last_change is not None and now - self.last_change < c.min_dwell_s:
+            return Decision(now, current, None, "dwell", labels)
+        if self._wins < c.confirmations:
+            return Decision(now, current, None, "confirming", labels)
+        self.last_change, self._leader, self._wins = now, None, 0
+        return Decision(now, current, best, "switch", labels)
+
+    def changed(self, now: float) -> None:
+        """A configuration change made outside the autoscaler (a user's) starts the
+        dwell time too."""
+        self.last_change = now
+
+
+def reachable(workers: int, threads: int, static_threshold: int,
+              adaptive_itl_budget_ms: float | None = None) -> list[PoolConfig]:
+    """The configurations ``workers`` workers of ``threads`` threads each reach by
+    changing roles: all mixed, or every P:D split (adaptive instead of static when the
+    router places prompts live)."""
+    out = [PoolConfig("mixed", mixed_workers=workers, mixed_threads=threads)]
+    kind = "adaptive" if adaptive_itl_budget_ms else "disaggregated"
+    for p in range(1, workers):
+        out.append(PoolConfig(kind, prefill_workers=p, decode_workers=workers - p,
+                              prefill_threads=threads, decode_threads=threads,
+                              local_prefill_threshold=static_threshold,
+                              itl_budget_ms=adaptive_itl_budget_ms))
+    return out
+
+
+def role_changes(roles: dict[str, str], target: PoolConfig) -> list[tuple[str, str]]:
+    """``(worker, new role)`` moves taking workers (``worker -> role`` now) to ``target``'s
+    pool sizes, fewest moves, in an order that never leaves the router without a way to
+    serve: a worker leaving the last mixed slot goes to decode first (the router serves
+    colocated on whatever workers remain while the others change)."""
+    want = {"mixed": target.mixed_workers, "prefill": target.prefill_workers,
+            "decode": target.decode_workers}
+    if sum(want.values()) != len(roles):
+        raise ValueError(f"{target.label} needs {sum(want.values())} workers, the cluster "
+                         f"has {len(roles)}")
+    have = {r: sorted(w for w, role in roles.items() if role == r) for r in want}
+    spare = [w for r in want for w in have[r][want[r]:]]  # beyond their role's target
+    missing = [r for r in ("decode", "prefill", "mixed")
+               for _ in range(max(0, want[r] - len(have[r])))]
+    return list(zip(spare, missing, strict=True))
+
+
+def current_config(roles: dict[str, str], threads: int,
+                   candidates: Sequence[PoolConfig]) -> PoolConfig | None:
+    """The candidate whose pool sizes the workers' roles (``worker -> role``) have now;
+    None when none does (a role change half done)."""
+    n = {r: sum(1 for role in roles.values() if role == r)
+         for r in ("mixed", "prefill", "decode")}
+    for c in candidates:
+        if (c.mixed_workers, c.prefill_workers, c.decode_workers) == (
+                n["mixed"], n["prefill"], n["decode"]):
+            return c
+    return None
+
+
+def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
+                      slo_tpot_ms: float | None = None, seed: int = 0) -> Score:
+    """The production score: the simulator's predicted goodput (requests/s meeting the
+    SLOs) of a configuration on the window's requests, replayed at their arrival times
+    with their prompt and output lengths. Prompts are fresh token ids: the window keeps
+    how many tokens were cached, not which, so the simulated prefix cache serves none
+    (a pessimistic reading of cache-heavy traffic, the same for every candidate).
+
+    SLOs not given are relative to the machine: TTFT 5x the unloaded prefill of the
+    window's mean prompt, TPOT 2x an unloaded decode step at that context."""
+    step = profile.step(threads)
+
+    def score(config: PoolConfig, records: Sequence[TrafficRecord]) -> float:
+        rng = random.Random(seed)
+        t0 = records[0].arrival
+        ids = DEFAULT_TOKEN_IDS
+        requests = [Request([rng.choice(ids) for _ in range(max(1, r.prompt_tokens))],
+                            max(1, r.output_tokens)) for r in records]
+        mean_prompt = sum(len(r.prompt) for r in requests) // len(requests)
+        ttft = slo_ttft_ms or 5000 * step.prefill_seconds(mean_prompt)
+        tpot = slo_tpot_ms or 2000 * step.decode_seconds(1, mean_prompt)
+        m = simulate(profile, config, requests, [r.arrival - t0 for r in records],
+                     SLO(ttft, tpot))
+        return float(m["goodput"])
+
+    return score

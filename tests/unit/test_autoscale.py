@@ -1,0 +1,77 @@
+"""planner.autoscale: the live planner's hysteresis (no flapping under steady load, a
+margin, a dwell time, confirmations) and the role moves it asks for. Pure."""
+
+import pytest
+
+from common.traffic import TrafficRecord
+from planner.autoscale import AutoscaleConfig, Autoscaler, reachable, role_changes
+from planner.config import PoolConfig
+
+MIXED, SPLIT = reachable(2, 1, 32)
+RECORDS = [TrafficRecord(float(i), 128, 0, 64) for i in range(20)]
+
+
+def _scaler(scores, **kw):
+    cfg = AutoscaleConfig(**{"min_dwell_s": 60, "confirmations": 2, "min_gain": 0.1, **kw})
+    return Autoscaler([MIXED, SPLIT], lambda c, r: scores[c.label], cfg)
+
+
+def test_reachable_configurations_of_two_one_thread_workers():
+    assert MIXED == PoolConfig("mixed", mixed_workers=2, mixed_threads=1)
+    assert (SPLIT.kind, SPLIT.prefill_workers, SPLIT.decode_workers) == ("disaggregated", 1, 1)
+    adaptive = reachable(3, 1, 0, adaptive_itl_budget_ms=150)
+    assert [c.kind for c in adaptive] == ["mixed", "adaptive", "adaptive"]
+    assert [(c.prefill_workers, c.decode_workers) for c in adaptive[1:]] == [(1, 2), (2, 1)]
+
+
+def test_steady_load_never_flaps():
+    """Scores that wobble around a tie under a steady load: no decision moves."""
+    wobble = iter([1.0, 1.05, 1.0, 0.97, 1.0, 1.08] * 20)
+    s = Autoscaler([MIXED, SPLIT], lambda c, r: next(wobble) if c == SPLIT else 1.0)
+    decisions = [s.decide(t * 20.0, MIXED, RECORDS) for t in range(50)]
+    assert all(d.target is None for d in decisions)
+    assert {d.reason for d in decisions} <= {"current_best", "gain_below_threshold"}
+
+
+def test_a_clear_winner_needs_two_wins_then_dwell_holds_the_next_move():
+    s = _scaler({MIXED.label: 1.0, SPLIT.label: 2.0})
+    first = s.decide(0.0, MIXED, RECORDS)
+    assert (first.target, first.reason) == (None, "confirming")
+    assert first.scores == {MIXED.label: 1.0, SPLIT.label: 2.0}
+    second = s.decide(20.0, MIXED, RECORDS)
+    assert (second.target, second.reason, second.action) == (SPLIT, "switch", "switch")
+    # The load turns: mixed now wins clearly, but not within the dwell time.
+    s.score = lambda c, r: {MIXED.label: 3.0, SPLIT.label: 1.0}[c.label]
+    assert s.decide(40.0, SPLIT, RECORDS).reason == "dwell"
+    assert s.decide(60.0, SPLIT, RECORDS).reason == "dwell"
+    third = s.decide(80.0, SPLIT, RECORDS)
+    assert (third.target, third.reason) == (MIXED, "switch")  # two wins and 60 s passed
+
+
+def test_too_little_traffic_and_a_small_gain_stay():
+    s = _scaler({MIXED.label: 1.0, SPLIT.label: 1.05})
+    assert s.decide(0.0, MIXED, RECORDS[:3]).reason == "few_requests"
+    assert s.decide(0.0, MIXED, RECORDS).reason == "gain_below_threshold"
+    s = _scaler({MIXED.label: 0.0, SPLIT.label: 0.5})  # anything beats nothing
+    s.decide(0.0, MIXED, RECORDS)
+    assert s.decide(20.0, MIXED, RECORDS).target == SPLIT
+
+
+def test_role_moves_are_fewest_and_keep_a_way_to_serve():
+    assert role_changes({"a": "mixed", "b": "mixed"}, SPLIT) == [("a", "decode"),
+                                                                ("b", "prefill")]
+    assert role_changes({"a": "prefill", "b": "decode"}, MIXED) == [("a", "mixed"),
+                                                                   ("b", "mixed")]
+    assert role_changes({"a": "prefill", "b": "decode"}, SPLIT) == []
+    three = reachable(3, 1, 0)
+    assert role_changes({"a": "prefill", "b": "decode", "c": "decode"}, three[2]) == [
+        ("c", "prefill")]  # the first decode worker (by name) keeps its role
+    with pytest.raises(ValueError, match="needs 2 workers"):
+        role_changes({"a": "mixed"}, SPLIT)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="min_gain"):
+        AutoscaleConfig(min_gain=-1)
+    with pytest.raises(ValueError, match="candidate"):
+        Autoscaler([], lambda c, r: 0.0)
