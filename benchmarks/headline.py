@@ -1,26 +1,30 @@
-"""``pdserve bench-headline``: disaggregated vs colocated serving under the same load.
+"""``pdserve bench-headline``: colocated vs static disaggregated vs adaptive, on the same
+cores, at loads relative to what this machine can serve.
 
-The experiment that justifies disaggregation (DistServe), sized to this machine: the
-same model and the same total resources, two ways.
+The experiment that justifies disaggregation (DistServe), sized to the machine it runs
+on rather than to one machine's absolute numbers. Three clusters, two workers of one
+thread each (the same model and cores):
 
-- **disaggregated**: 1 prefill + 1 decode worker, one thread (one core) each; every
-  prompt is prefilled on the prefill worker (``local_prefill_threshold`` 0);
-- **colocated**: 2 mixed workers, one thread each, the router balancing them.
+- **colocated**: 2 mixed workers, the router balancing them;
+- **static**: 1 prefill + 1 decode worker, every prompt prefilled on the prefill worker
+  (``local_prefill_threshold`` 0): the hand-set split;
+- **adaptive**: starts as 2 mixed workers; the live planner (:mod:`cluster.autoscale`)
+  re-plans every ``autoscale_interval_s`` from the traffic it sees and changes roles when
+  its simulator predicts more goodput; when split, the router places each prompt from
+  live state (:mod:`router.adaptive`). Both read the machine profile (``--profile``).
 
-Workload (``loadtest.workloads.mixed_workload``): long prompts among ongoing decodes:
-a ``long_fraction`` of requests bring ``long_input_len``-token prompts (short outputs),
-the rest ``input_len``-token prompts with ``output_len``-token outputs. Poisson
-arrivals at each rate of the sweep, ``duration_s`` worth of requests per point (at
-least 12), the same seeded requests for both clusters at a rate. Colocated, a long
-prefill chunk shares the batch with the decodes on that worker and stalls them;
-disaggregated, decodes never wait for a prefill, but the one prefill worker saturates
-first.
+For each workload (``mixed``: long prompts among decodes; ``chat``: multi-turn
+conversations whose turns extend the previous prompt), once, on the colocated cluster:
 
-Reports per rate and cluster: ITL, TPOT and TTFT percentiles, throughput and goodput
-at the SLOs given (``--slo-tpot-ms`` tight, ``--slo-ttft-ms`` loose), the ratio of ITL
-p99 (target: colocated / disaggregated >= 2) and of goodput; writes every run's JSON
-(with per-request details and its plot), both sweeps and ``headline.png`` (goodput,
-ITL p99, TPOT p99, TTFT p99 against rate) under ``--out``.
+1. **unloaded**: ``calibration_requests`` of the workload one at a time: TTFT p90 and
+   TPOT p50. The SLOs are ``ttft_x`` and ``tpot_x`` times those;
+2. **capacity**: the workload in a closed loop (``4 x workers`` in flight): requests/s.
+
+The sweep's rates are ``fractions`` of that capacity (conversations/s for ``chat``);
+each rate point has ``duration_s`` of Poisson arrivals with fresh prompts, the same
+requests for every cluster; every seed repeats the sweep with other prompts and
+arrivals. Everything absolute that was used (capacity, SLOs, rates) is printed and
+saved. :mod:`benchmarks.headline_report` tabulates, checks the targets and plots.
 """
 
 from __future__ import annotations
@@ -28,144 +32,166 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import torch
-
+from cluster.autoscale import AutoscaleLoop
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
-from loadtest.metrics import SLO
-from loadtest.plots import plot_sweeps
+from loadtest.metrics import SLO, percentile
 from loadtest.runner import RunOptions, run
-from loadtest.workloads import arrival_times, mixed_workload
+from loadtest.workloads import Request, arrival_times, mixed_workload, multi_turn_workload
+from planner.autoscale import AutoscaleConfig
 from router.client import Client
+
+from .headline_report import report
+from .machine import machine_line
+
+CLUSTERS = {
+    "colocated": {"mixed": 2},
+    "static": {"prefill": 1, "decode": 1, "local_prefill_threshold": 0},
+    "adaptive": {"mixed": 2},
+}
+WORKLOADS = ("mixed", "chat")
 
 
 @dataclass(frozen=True)
 class HeadlineOptions:
     model: str
-    rates: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
-    duration_s: float = 40.0
-    input_len: int = 128
-    output_len: int = 96
-    long_fraction: float = 0.25
-    long_input_len: int = 1536
-    long_output_len: int = 16
-    slo_ttft_ms: float = 10000.0
-    slo_tpot_ms: float = 100.0
-    seed: int = 0
+    profile: str
+    """``pdserve profile --out FILE`` of this machine and model (the adaptive cluster's)."""
+    workloads: tuple[str, ...] = WORKLOADS
+    seeds: tuple[int, ...] = (0, 1)
+    fractions: tuple[float, ...] = (0.25, 0.5, 0.85, 1.2)
+    duration_s: float = 30.0
+    ttft_x: float = 3.0
+    tpot_x: float = 2.0
+    calibration_requests: int = 8
+    autoscale_interval_s: float = 5.0
+    clusters: tuple[str, ...] = tuple(CLUSTERS)
+    dtype: str = "auto"
     out: str = "bench-results/headline"
 
 
-CLUSTERS = {
-    "disaggregated": {"prefill": 1, "decode": 1, "local_prefill_threshold": 0},
-    "colocated": {"mixed": 2},
-}
+def requests_of(workload: str, n: int, seed: int) -> list[Request]:
+    """``n`` sessions of ``workload`` (a ``chat`` session is a 3-turn conversation)."""
+    if workload == "mixed":  # 25% 1536 -> 16, the rest 128 -> 96, lengths +-20%
+        return mixed_workload(n, 128, 96, 0.25, 1536, 16, 0.2, seed)
+    if workload == "chat":  # turns of 192 new tokens, 64-token replies: 192, 448, 704
+        return multi_turn_workload(n, 3, 192, 64, seed)
+    raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
 
 
-def _workload(o: HeadlineOptions, rate: float, i: int) -> tuple[list, list[float]]:
-    """Point ``i``'s requests: seeded by the point, so no point reuses another's prompts
-    (the prefix cache would serve them), and the same for both clusters."""
-    n = max(12, math.ceil(rate * o.duration_s))
-    requests = mixed_workload(n, o.input_len, o.output_len, o.long_fraction,
-                              o.long_input_len, o.long_output_len, 0.2, o.seed + i)
-    return requests, arrival_times(n, rate, 1.0, o.seed + i)
+def _sessions(requests: list[Request]) -> int:
+    return len({r.conversation for r in requests}) if requests[0].conversation is not None \
+        else len(requests)
 
 
-def _sweep(o: HeadlineOptions, name: str, out: Path) -> list[dict]:
-    """Start ``name``'s cluster, warm it, run every rate; writes the sweep's JSON."""
-    cfg = LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
-                             kv_cache_gb=1.0, threads_per_worker=1,
-                             log_dir=str(out / f"{name}-logs"),
-                             **CLUSTERS[name])  # type: ignore[arg-type]
-    points = []
-    with LocalCluster(cfg) as cluster:
+def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None) -> LocalClusterConfig:
+    extra: dict = dict(CLUSTERS[name])
+    if name == "adaptive":
+        extra |= {"profile": o.profile, "autoscale": True,
+                  "autoscale_interval_s": o.autoscale_interval_s,
+                  "slo_ttft_ms": slo.ttft_ms if slo else None,
+                  "slo_tpot_ms": slo.tpot_ms if slo else None}
+    return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
+                              kv_cache_gb=1.0, threads_per_worker=1, dtype=o.dtype,
+                              launcher="process", log_dir=str(out / f"{name}-logs"), **extra)
+
+
+def _warm(cluster: LocalCluster) -> None:
+    with Client(cluster.target) as client:  # both workers' first forward
+        for i in range(4):
+            client.generate(list(range(1000 + i, 1064 + i)), max_tokens=4, ignore_eos=True,
+                            temperature=0.0)
+
+
+def calibrate(o: HeadlineOptions, workload: str, out: Path) -> dict:
+    """Unloaded latencies and closed-loop capacity of ``workload`` on the colocated
+    cluster; the SLOs and rates of every sweep come from them."""
+    with LocalCluster(_config(o, "colocated", out, None)) as cluster:
         cluster.wait_ready()
-        with Client(cluster.target) as client:  # warm both workers' first forward
-            for i in range(4):
-                client.generate(list(range(1000 + i, 1064 + i)), max_tokens=4,
-                                ignore_eos=True, temperature=0.0)
-        for i, rate in enumerate(o.rates):
-            requests, times = _workload(o, rate, i)
-            print(f"\n== {name}: {len(requests)} requests at {rate:g} req/s ==", flush=True)
-            opts = RunOptions(cluster.target, tuple(requests), tuple(times),
-                              slo=SLO(o.slo_ttft_ms, o.slo_tpot_ms), progress=True)
-            m = run(opts, str(out / f"{name}-rate{rate:g}.json"),
-                    {"cluster": name, "request_rate": rate})
-            if m["cached_token_ratio"] > 0.01:
-                print(f"warning: {m['cached_token_ratio']:.1%} of prompt tokens came from "
-                      "the prefix cache", flush=True)
-            points.append({"cluster": name, "request_rate": rate, **m})
-    (out / f"{name}-sweep.json").write_text(json.dumps(points, indent=2))
+        _warm(cluster)
+        reqs = requests_of(workload, o.calibration_requests, 10_000)
+        n = _sessions(reqs)
+        alone = run(RunOptions(cluster.target, tuple(reqs), (0.0,) * n, max_concurrency=1,
+                               progress=True), str(out / f"{workload}-unloaded.json"))
+        d = json.loads((out / f"{workload}-unloaded.json").read_text())["details"]
+        ttft_ms = percentile([t * 1e3 for t in d["ttfts"]], 90)
+        tpot_ms = percentile([t * 1e3 for t in d["tpots"] if t], 50)
+        reqs = requests_of(workload, 6 * o.calibration_requests, 20_000)
+        n = _sessions(reqs)
+        full = run(RunOptions(cluster.target, tuple(reqs), (0.0,) * n, max_concurrency=8,
+                              progress=True), str(out / f"{workload}-capacity.json"))
+    turns = len(reqs) / n
+    cal = {"workload": workload, "unloaded_ttft_p90_ms": ttft_ms,
+           "unloaded_tpot_p50_ms": tpot_ms, "unloaded_failed": alone["failed"],
+           "capacity_req_s": full["request_throughput"],
+           "capacity_sessions_s": full["request_throughput"] / turns,
+           "slo_ttft_ms": o.ttft_x * ttft_ms, "slo_tpot_ms": o.tpot_x * tpot_ms}
+    (out / f"{workload}-calibration.json").write_text(json.dumps(cal, indent=1))
+    return cal
+
+
+def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
+           out: Path) -> list[dict]:
+    slo = SLO(cal["slo_ttft_ms"], cal["slo_tpot_ms"])
+    points = []
+    with LocalCluster(_config(o, name, out, slo)) as cluster:
+        cluster.wait_ready()
+        _warm(cluster)
+        planner = None
+        if name == "adaptive":
+            i = o.autoscale_interval_s
+            planner = AutoscaleLoop(cluster, AutoscaleConfig(
+                interval_s=i, window_s=3 * i, min_dwell_s=3 * i, min_requests=6)).start()
+        try:
+            for k, fraction in enumerate(sorted(o.fractions)):
+                rate = fraction * cal["capacity_sessions_s"]
+                n = max(8, math.ceil(rate * o.duration_s))
+                point_seed = seed * 1000 + k
+                reqs = requests_of(workload, n, point_seed)
+                times = arrival_times(n, rate, 1.0, point_seed)
+                print(f"\n== {name}, {workload}, seed {seed}: {n} sessions at {rate:.3f}/s "
+                      f"({fraction:.0%} of capacity) ==", flush=True)
+                m = run(RunOptions(cluster.target, tuple(reqs), tuple(times), slo=slo,
+                                   progress=True),
+                        str(out / f"{workload}-s{seed}-{name}-f{fraction:g}.json"),
+                        {"cluster": name, "fraction": fraction, "rate": rate})
+                roles = [role for _, role in cluster.workers]
+                points.append({"cluster": name, "fraction": fraction, "rate": rate,
+                               "roles_after": roles, **m})
+        finally:
+            if planner is not None:
+                planner.stop()
+                decisions = [{"at": d.at, "action": d.action, "reason": d.reason,
+                              "current": d.current.label, "scores": d.scores,
+                              "target": d.target.label if d.target else None}
+                             for d in planner.decisions]
+                (out / f"{workload}-s{seed}-adaptive-decisions.json").write_text(
+                    json.dumps(decisions, indent=1))
+    (out / f"{workload}-s{seed}-{name}-sweep.json").write_text(json.dumps(points, indent=1))
     return points
 
 
-TPOT_SLOS_MS = (75.0, 100.0, 150.0, 200.0)
-
-
-def _goodput(run: dict, ttft_ms: float | None, tpot_ms: float) -> float:
-    """Requests/s of ``run`` that met the SLOs (from its per-request details)."""
-    d, slo = run["details"], SLO(ttft_ms, tpot_ms)
-    good = sum(slo.met(*latencies) for latencies in zip(d["ttfts"], d["tpots"], d["e2els"],
-                                                        strict=True))
-    return good / run["duration"]
-
-
 def run_headline(o: HeadlineOptions, report_only: bool = False) -> dict:
-    """Run both sweeps (unless ``report_only``: tabulate the files already in ``out``)."""
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
-    load0 = os.getloadavg()
-    print(f"pdserve bench-headline: {Path(o.model).name} fp32; 1 prefill + 1 decode vs 2 "
-          f"mixed workers, one thread each; workload: {o.long_fraction:.0%} of requests "
-          f"{o.long_input_len} -> {o.long_output_len} tokens, the rest {o.input_len} -> "
-          f"{o.output_len} (lengths +-20%), Poisson at {', '.join(f'{r:g}' for r in o.rates)}"
-          f" req/s, ~{o.duration_s:g} s of arrivals per point; SLOs: TTFT <= "
-          f"{o.slo_ttft_ms:g} ms, TPOT <= {o.slo_tpot_ms:g} ms")
-    print(f"machine: {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"loadavg {load0[0]:.2f} {load0[1]:.2f}")
+    print(f"pdserve bench-headline: {Path(o.model).name} ({o.dtype}); "
+          f"{', '.join(o.clusters)}; 2 workers x 1 thread each; workloads "
+          f"{', '.join(o.workloads)}; seeds {o.seeds}; rates {o.fractions} x capacity; "
+          f"~{o.duration_s:g} s of arrivals per point; SLOs: TTFT <= {o.ttft_x:g} x unloaded "
+          f"TTFT p90, TPOT <= {o.tpot_x:g} x unloaded TPOT p50")
+    print(f"machine: {machine_line()}, loadavg {os.getloadavg()[0]:.2f}", flush=True)
     if not report_only:
-        for name in CLUSTERS:
-            _sweep(o, name, out)
-    sweeps = {name: json.loads((out / f"{name}-sweep.json").read_text()) for name in CLUSTERS}
-    runs = {name: {p["request_rate"]: json.loads(
-        (out / f"{name}-rate{p['request_rate']:g}.json").read_text()) for p in pts}
-        for name, pts in sweeps.items()}
-    load1 = os.getloadavg()
-    rows = []
-    print(f"\n{'rate':>6} | {'ITL p99 ms (D / C)':>22} {'C/D':>6} | "
-          f"{'TPOT p99 ms (D / C)':>22} | {'TTFT p99 ms (D / C)':>22} | "
-          f"{'goodput req/s (D / C)':>22} | {'throughput (D / C)':>20}")
-    for d, c in zip(sweeps["disaggregated"], sweeps["colocated"], strict=True):
-        ratio = c["p99_itl_ms"] / d["p99_itl_ms"] if d["p99_itl_ms"] else float("nan")
-        rate = d["request_rate"]
-        rows.append({"request_rate": rate, "itl_p99_ms": [d["p99_itl_ms"], c["p99_itl_ms"]],
-                     "itl_p99_ratio_c_over_d": ratio,
-                     "tpot_p99_ms": [d["p99_tpot_ms"], c["p99_tpot_ms"]],
-                     "ttft_p99_ms": [d["p99_ttft_ms"], c["p99_ttft_ms"]],
-                     "goodput": {f"tpot<={t:g}" + ("" if ttft is None else f",ttft<={ttft:g}"):
-                                 [_goodput(runs[n][rate], ttft, t) for n in CLUSTERS]
-                                 for t in TPOT_SLOS_MS for ttft in (o.slo_ttft_ms, None)}})
-        print(f"{rate:>6g} | {d['p99_itl_ms']:>10.0f} / {c['p99_itl_ms']:>9.0f} "
-              f"{ratio:>6.1f} | {d['p99_tpot_ms']:>10.0f} / {c['p99_tpot_ms']:>9.0f} | "
-              f"{d['p99_ttft_ms']:>10.0f} / {c['p99_ttft_ms']:>9.0f} | "
-              f"{d['request_goodput']:>10.2f} / {c['request_goodput']:>9.2f} | "
-              f"{d['request_throughput']:>9.2f} / {c['request_throughput']:>8.2f}")
-    print("\ngoodput (req/s, disaggregated / colocated) at TPOT SLOs, with the TTFT SLO "
-          f"({o.slo_ttft_ms:g} ms) and without one:")
-    print(f"{'rate':>6} | " + " | ".join(f"{f'TPOT<={t:g}':>12}{'(no TTFT)':>14}"
-                                          for t in TPOT_SLOS_MS))
-    for row in rows:
-        g = row["goodput"]
-        print(f"{row['request_rate']:>6g} | " + " | ".join(
-            "{:>5.2f}/{:<5.2f}  {:>5.2f}/{:<5.2f} ".format(
-                *g[f"tpot<={t:g},ttft<={o.slo_ttft_ms:g}"], *g[f"tpot<={t:g}"])
-            for t in TPOT_SLOS_MS))
-    png = plot_sweeps(sweeps, out / "headline.png")
-    summary = {"options": o.__dict__, "machine": {"cpus": os.cpu_count(),
-               "arch": platform.machine(), "torch": torch.__version__,
-               "loadavg_before": load0, "loadavg_after": load1}, "rows": rows}
-    (out / "headline.json").write_text(json.dumps(summary, indent=2))
-    print(f"loadavg after {load1[0]:.2f}; wrote {out / 'headline.json'} and {png}")
-    return summary
+        (out / "options.json").write_text(json.dumps(asdict(o), indent=1))
+        for workload in o.workloads:
+            cal = calibrate(o, workload, out)
+            print(f"\n{workload}: unloaded TTFT p90 {cal['unloaded_ttft_p90_ms']:.0f} ms, "
+                  f"TPOT p50 {cal['unloaded_tpot_p50_ms']:.1f} ms; capacity "
+                  f"{cal['capacity_req_s']:.3f} req/s; SLOs TTFT <= "
+                  f"{cal['slo_ttft_ms']:.0f} ms, TPOT <= {cal['slo_tpot_ms']:.1f} ms",
+                  flush=True)
+            for seed in o.seeds:
+                for name in o.clusters:
+                    _sweep(o, name, workload, seed, cal, out)
+    return report(replace(o), out)

@@ -8,6 +8,9 @@ wait_ready` until the router answers ``GetStatus`` -> serve until Ctrl-C or unti
 process dies -> stop everyone (SIGINT, or SIGTERM to drain; SIGKILL after a grace
 period). ``pdserve up --launcher process`` and the end-to-end tests use it; the Ray
 launcher (``cluster.ray_cluster``) runs the same command lines as actors.
+:meth:`LocalCluster.set_role` changes a worker's role while it serves (the worker's
+``SetRole``: it drains and registers again in the new role, its weights kept); the
+router follows through the registry.
 
 Redis credentials: the Redis started here gets a fresh random password; a child's
 command line carries the URL without it (``ps`` shows every user's command lines) and
@@ -26,7 +29,11 @@ import sys
 import time
 from types import TracebackType
 
+import grpc
+
 from common.redis_url import PASSWORD_ENV, password_of, without_password
+from common.tls import ClusterTLS
+from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 from .child import guarded
 from .deployment import DeploymentConfig
@@ -212,6 +219,29 @@ class LocalCluster:
                 time.sleep(0.5)
         except KeyboardInterrupt:
             return 0
+
+    def set_role(self, worker: int | str, role: str, reason: str = "",
+                 drain_timeout_s: float | None = None) -> worker_pb2.SetRoleResponse:
+        """Change a worker's role in place (``SetRole``, :mod:`workers.roles`) and record
+        it in :attr:`workers` (its name stays). ``worker``: its index in
+        :attr:`workers`, its name (``prefill-1``) or its address. Blocks through the
+        drain; raises ``grpc.RpcError`` with the worker's answer (FAILED_PRECONDITION: it
+        could not drain in time and kept its role; INVALID_ARGUMENT: not a role)."""
+        names = [n for n, _ in self.workers]
+        i = (worker if isinstance(worker, int) else names.index(worker) if worker in names
+             else self.worker_addresses.index(worker))
+        address, c = self.worker_addresses[i], self.config
+        tls = ClusterTLS.from_dir(c.cluster_tls_dir) if c.cluster_tls_dir else None
+        channel = (grpc.secure_channel(address, tls.channel_credentials(),
+                                       options=tls.channel_options())
+                   if tls is not None else grpc.insecure_channel(address))
+        request = worker_pb2.SetRoleRequest(role=role, reason=reason,
+                                            drain_timeout_s=drain_timeout_s or 0.0)
+        with channel:
+            answer = worker_pb2_grpc.WorkerStub(channel).SetRole(
+                request, timeout=(drain_timeout_s or c.drain_timeout_s) + 30)
+        self.workers[i] = (names[i], answer.role)
+        return answer
 
     def stop(self, grace: float = 10.0, drain: bool = False) -> None:
         """SIGINT everyone (workers abort what is left at once); ``drain``: SIGTERM

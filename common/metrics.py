@@ -8,7 +8,8 @@ dashboards and alerts translate by prefix. Ray forbids ``:`` in names: there the
 ``pdserve_...`` (and Ray's exporter adds ``ray_``).
 
 Lifecycle: a component builds one :class:`Metrics` at start (``labels`` are constant
-per process: ``model``, ``role``, ``worker``), records through :meth:`Metrics.inc`,
+per process: ``model``, ``role``, ``worker``; a worker's ``role`` changes with
+:meth:`Metrics.relabel`), records through :meth:`Metrics.inc`,
 :meth:`Metrics.set` and :meth:`Metrics.observe` (cheap; any thread), and serves the
 text format with :meth:`Metrics.serve` on ``--metrics-port`` (127.0.0.1 by default).
 This module sits in the bottom layer: it imports nothing of ours.
@@ -115,6 +116,9 @@ CATALOG: tuple[Spec, ...] = (
          ("reason",)),
     Spec("kv_transfer_busy_seconds_total", "counter",
          "KV ready -> landed, summed over done transfers (bytes / this = transfer rate)"),
+    Spec("worker_role_changes_total", "counter",
+         "Role changes this worker made in place (SetRole: drained, re-registered, weights "
+         "kept), by the role it left and the one it took", ("from_role", "to_role")),
 )
 
 PREFIX = "pdserve:"
@@ -173,6 +177,17 @@ class Metrics:
     def observe(self, name: str, value: float, **labels: str) -> None:
         self._child(name, labels).observe(value)  # type: ignore[attr-defined]
         self._mirror(name, "observe", value, labels)
+
+    def relabel(self, **labels: str) -> None:
+        """Change constant labels from now on (a worker's ``role`` after a role change).
+        Series recorded under the old values stay (a counter keeps what it counted
+        there) except gauges, cleared: the next sample sets them under the new values,
+        and a stale one would count twice in a sum. Ray tags each record, so its mirror
+        follows; gauges it already exported under the old values linger there."""
+        self.labels = {**self.labels, **labels}
+        for s in CATALOG:
+            if s.kind == "gauge":
+                self._prom[s.name].clear()  # type: ignore[attr-defined]
 
     def text(self) -> str:
         """The Prometheus text exposition of everything recorded here."""

@@ -14,7 +14,12 @@ Lifecycle of a worker, as the router sees it:
    every worker of its role is down.
 4. **gone**, for a worker found in the registry whose heartbeat expired: no new
    requests; it comes back if its heartbeat does. Workers given on the command line
-   (static) never leave.
+   (static) never leave, unless they register too: once listed, the registry speaks
+   for them as for the others (a draining worker leaves it first).
+
+A worker's role is what the registry lists: one that changed its role in place
+(``SetRole``, :mod:`workers.roles`: it leaves, drains and registers again) moves to its
+new role's pool on the next read, its channel and stub kept.
 
 Discovery: with a registry, :meth:`WorkerPool.start` joins every live worker and then
 re-reads the registry every ``discovery_interval_s``. A registry read that fails is
@@ -91,12 +96,14 @@ class Worker:
     role: str = "mixed"
     in_flight: int = 0
     queued_tokens: int = 0  # prompt tokens sent here whose first token has not come
+    context_tokens: int = 0  # decode: prompt + generated tokens of this router's streams
     down_until: float = 0.0
     block_size: int = 16
     model_id: str = ""
     free_blocks: int = 0  # last reported (registry heartbeat); breaks in-flight ties
     static: bool = True  # given on the command line; False: found in the registry
     gone: bool = False  # left the registry: no new requests
+    listed: bool = False  # seen in the registry: it decides gone and role from then on
 
 
 class WorkerPool:
@@ -186,8 +193,13 @@ class WorkerPool:
         live = {w.info.address for w in entries}
         known = {w.address: w for w in self.workers}
         for entry in entries:
-            if entry.info.address in known:
-                known[entry.info.address].free_blocks = int(entry.load.get("free_blocks", 0))
+            w = known.get(entry.info.address)
+            if w is None:
+                continue
+            w.free_blocks, w.listed = int(entry.load.get("free_blocks", 0)), True
+            if entry.info.role != w.role:  # changed in place: same process, same stub
+                log.info("worker %s is %s now (was %s)", w.address, entry.info.role, w.role)
+                w.role, w.down_until = entry.info.role, 0.0
         for address in sorted(live - known.keys()):
             try:
                 self.workers.append(await self._connect(
@@ -196,7 +208,7 @@ class WorkerPool:
             except RuntimeError as e:
                 log.warning("registry lists %s but it does not answer: %s", address, e)
         for w in self.workers:
-            if not w.static and w.gone == (w.address in live):
+            if (w.listed or not w.static) and w.gone == (w.address in live):
                 w.gone = w.address not in live
                 log.info("worker %s %s the registry", w.address,
                          "left" if w.gone else "rejoined")

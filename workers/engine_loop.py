@@ -134,6 +134,16 @@ class EngineLoop(ReservationDriver):
         """Run ``fn`` on the engine thread between steps (from any thread)."""
         self._commands.put(Call(fn))
 
+    def set_kv_receiver(self, kv_expect: KVExpect | None, kv_address: str = "") -> None:
+        """A role change (:mod:`workers.roles`): reservations from now on register with
+        ``kv_expect`` and name ``kv_address``; None: no more reservations (``reserve``
+        raises). Swapped on the engine thread, in order with the commands: a reserve
+        queued before runs with the old hooks, and is computed here if they fail."""
+        def swap() -> None:
+            self._kv_expect, self._kv_address = kv_expect, kv_address
+
+        self.call_soon(swap)
+
     def close(self) -> None:
         self._commands.put(STOP)
         self._thread.join(timeout=10)

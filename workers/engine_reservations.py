@@ -67,10 +67,12 @@ class ReservationDriver:
             return False
         self._streams[rid] = add
         handle = None
-        if kv.uncached_tokens >= (add.local_threshold or 0):  # else: conditional disagg.
-            assert self._kv_expect is not None
+        # Local below the threshold (conditional disaggregation), or with no receiver:
+        # the role changed while this reserve was queued (workers/roles.py).
+        expect = self._kv_expect
+        if expect is not None and kv.uncached_tokens >= (add.local_threshold or 0):
             try:
-                handle = self._kv_expect(rid, list(kv.target_block_ids))
+                handle = expect(rid, list(kv.target_block_ids))
             except Exception:  # noqa: BLE001 - receiver closed: compute here
                 handle = None
         if handle is None:

@@ -13,7 +13,9 @@ abort what is left (freeing its blocks), close the channel and exit.
 Calls: ``Generate`` (any role) runs a request here, a server stream; ``Prefill``
 (prefill role) computes a prompt, returns its first token and sends the KV to the
 decode worker's reservation; ``Decode`` (decode role) is the bidirectional stream of
-a disaggregated request (worker.proto tells the message order). When a caller cancels
+a disaggregated request (worker.proto tells the message order); ``SetRole`` changes
+the role in place, draining first, the engine and its weights staying
+(:mod:`workers.roles`, which also says who may call it). When a caller cancels
 or its deadline passes, gRPC cancels the handler and the engine loop aborts the request,
 freeing its blocks (reserved blocks once no transfer can write into them).
 
@@ -30,7 +32,6 @@ import dataclasses
 import logging
 import signal
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,12 +53,11 @@ from .kv_targets import KVTargets
 from .metrics import WorkerMetrics
 from .presence import Presence
 from .reservation import Reservation
+from .roles import RoleChangeError, RoleSwitch, channel_ends, wait_idle
 from .transfer import (
     ChannelStats,
-    KVLayout,
     KVReceiver,
     KVSender,
-    PagedCacheDestination,
     TransferConfig,
     TransferResult,
     TransferState,
@@ -175,6 +175,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._config = config
         self._sender, self._receiver = sender, receiver
         self._targets = targets  # prefill: the decode workers KV may go to (None: any)
+        self.roles: RoleSwitch | None = None  # SetRole's; None: the role is fixed
+
+    def use(self, config: WorkerConfig, sender: KVSender | None, receiver: KVReceiver | None,
+            targets: KVTargets | None) -> None:
+        """The role's ends from now on (a role change, :mod:`workers.roles`)."""
+        self._config, self._sender, self._receiver = config, sender, receiver
+        self._targets = targets
 
     async def Prefill(self, request, context):  # noqa: N802
         if self._sender is None:
@@ -224,7 +231,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "Decode: the first message must be `start`")
         req = await _typed(first.start, context)
-        commit, stream = self._loop.reserve(req, self._config.local_prefill_threshold)
+        try:
+            commit, stream = self._loop.reserve(req, self._config.local_prefill_threshold)
+        except RuntimeError as e:  # the role changed meanwhile: the router tries another
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
         async def read_commit() -> None:
             msg = await anext(requests, None)  # the caller hung up without one: compute here
@@ -270,6 +280,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_id=cap.model_id, prompt_tokens=self._loop.counters.prompt_tokens,
             cached_prompt_tokens=self._loop.counters.cached_prompt_tokens)
 
+    async def SetRole(self, request, context):  # noqa: N802
+        if self.roles is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "this worker cannot change its role")
+        try:
+            done = await self.roles.change(request.role, request.reason,
+                                           request.drain_timeout_s or None)
+        except RoleChangeError as e:
+            await context.abort(e.code, str(e))
+        return worker_pb2.SetRoleResponse(role=done.role, previous_role=done.previous_role,
+                                          drained_s=done.drained_s, kv_address=done.kv_address)
+
     def channel_stats(self) -> ChannelStats | None:
         """This role's end of the KV channel's counters; None on a mixed worker."""
         end = self._sender or self._receiver
@@ -277,34 +299,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def transfer_stats(self) -> common_pb2.TransferStats:
         return stats_to_proto(self.channel_stats())
-
-
-def channel_ends(config: WorkerConfig, build: Callable[[], LLMEngine]
-                 ) -> tuple[EngineLoop, KVSender | None, KVReceiver | None]:
-    """The engine loop (its engine built by ``build`` on the engine thread) with the
-    role's end of the KV channel wired in."""
-    name = f"{config.role}@{config.host}:{config.port}"
-    if config.role == "prefill":
-        return EngineLoop(build), KVSender(name, config.transfer), None
-    if config.role != "decode":
-        return EngineLoop(build), None, None
-    receiver = KVReceiver(name, config.transfer)
-    layout: list[KVLayout] = []  # the cache's, once the engine exists
-
-    def expect(request_id: str, block_ids: list[int]):  # noqa: ANN202 - TransferHandle
-        kv = loop.engine.kv_view()
-        if not layout:
-            layout.append(KVLayout.of_cache(kv.cache, kv.block_size))
-        return receiver.expect(request_id, layout[0], block_ids,
-                               PagedCacheDestination(kv.cache, block_ids, kv.block_size),
-                               timeout_s=config.reservation_timeout_s)
-
-    try:
-        loop = EngineLoop(build, expect, receiver.address, config.transfer.offer_timeout_s)
-    except BaseException:
-        receiver.close()
-        raise
-    return loop, None, receiver
 
 
 @dataclass(frozen=True)
@@ -336,23 +330,27 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     if config.redis_url:
         presence = Presence(config.redis_url, config.model_name, address, config.registry_ttl_s)
     # Built on the engine thread: the only thread with an intra-op team (EngineLoop).
-    loop, sender, receiver = channel_ends(
+    loop, end = channel_ends(
         config, lambda: LLMEngine(config.engine, [presence.publisher] if presence else ()))
     engine = loop.engine
     capacity = engine.capacity()
     targets = None
-    if sender is not None and presence is not None:
+    if end.sender is not None and presence is not None:
         targets = KVTargets(presence.registry.live)
-    elif sender is not None:
+    elif end.sender is not None:
         log.warning("no registry: this prefill worker sends KV to whatever decode address a "
                     "Prefill call names (give --redis-url to check targets)")
-    servicer = WorkerServicer(loop, config, sender, receiver, targets)
+    servicer = WorkerServicer(loop, config, end.sender, end.receiver, targets)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     metrics = Metrics({"model": config.model_name, "role": config.role, "worker": address},
                       ray=config.ray_metrics)
     sampler = WorkerMetrics(metrics, loop, servicer.channel_stats)
+    info = WorkerInfo(address, config.role, address, capacity.num_blocks, capacity.block_size,
+                      kv_address=end.kv_address)  # the registry entry; roles.info once started
+    servicer.roles = roles = RoleSwitch(config, loop, end, servicer, presence, info, metrics,
+                                        targets)
     metrics_port = (metrics.serve(config.metrics_port, config.host)
                     if config.metrics_port is not None else None)
     await server.start()
@@ -372,16 +370,12 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     beat_stop = asyncio.Event()
     heartbeat = None
     if presence is not None:
-        info = WorkerInfo(address, config.role, address, capacity.num_blocks,
-                          capacity.block_size,
-                          kv_address=receiver.address if receiver is not None else "")
-
         def load() -> dict:
             now = loop.load()
             return {"running": now.running, "waiting": now.waiting,
                     "reserved": now.reserved, "free_blocks": now.free_blocks}
 
-        heartbeat = asyncio.create_task(presence.run(info, load, beat_stop,
+        heartbeat = asyncio.create_task(presence.run(roles.info, load, beat_stop,
                                                      lambda: loop.serving))
     sampling = asyncio.create_task(sampler.run(beat_stop))
     await stop.wait()
@@ -395,10 +389,7 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     await server.stop(grace=2)
     await sampling
     loop.close()
-    if sender is not None:
-        sender.close()
-    if receiver is not None:
-        receiver.close()
+    roles.close()  # the current role's end of the KV channel
     if presence is not None:
         presence.close()
     metrics.close()
@@ -426,14 +417,10 @@ async def _drain(config: WorkerConfig, loop: EngineLoop, servicer: WorkerService
     runs, waits, is reserved or is in transfer, at most ``drain_timeout_s``."""
     if presence is not None:
         await asyncio.to_thread(presence.leave)
-    started = time.monotonic()
-    deadline = started + config.drain_timeout_s
-    while time.monotonic() < deadline:
-        load, stats = loop.load(), servicer.transfer_stats()
-        idle = not (load.running or load.waiting or load.reserved or stats.in_flight)
-        if idle and time.monotonic() - started >= config.drain_grace_s:
-            log.info("drained in %.1fs", time.monotonic() - started)
-            return
-        await asyncio.sleep(0.1)
+    took = await wait_idle(loop, lambda: servicer.transfer_stats().in_flight,
+                           config.drain_grace_s, config.drain_timeout_s)
+    if took is not None:
+        log.info("drained in %.1fs", took)
+        return
     log.warning("drain timed out after %.0fs with requests left; aborting them",
                 config.drain_timeout_s)

@@ -18,7 +18,7 @@ import math
 import os
 import sys
 
-from .options import EXIT_INVALID
+from .options import EXIT_INVALID, cache_dir
 
 WORKLOAD_CHOICES = ("random", "shared-prefix", "mixed", "multi-turn", "trace", "synthetic")
 
@@ -78,6 +78,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--utilization", type=float, default=0.6,
                    help="synthetic: the rate as a share of the resources' estimated capacity")
     w.add_argument("--seed", type=int, default=0)
+    v = p.add_argument_group("validation: run the candidates for real on this machine")
+    v.add_argument("--validate", action="store_true",
+                   help="start each candidate as a local cluster, drive it with the same "
+                        "requests, and report prediction errors and the decision regret; "
+                        "exit 1 when one passes its bound")
+    v.add_argument("--model", default=None, help="the model the profile measured")
+    v.add_argument("--cache-dir", default=None)
+    v.add_argument("--configs", default="",
+                   help="--validate: only these candidates (labels as the table prints them, "
+                        "separated by ';')")
+    v.add_argument("--max-regret", type=float, default=0.05)
+    v.add_argument("--max-latency-error", type=float, default=0.10)
+    v.add_argument("--max-goodput-error", type=float, default=0.05)
+    v.add_argument("--out", default="bench-results/plan-validate")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", default=None, metavar="FILE.png")
     p.set_defaults(func=cmd_plan)
@@ -136,6 +150,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return EXIT_INVALID
     slo = (SLO(args.slo_ttft_ms, args.slo_tpot_ms)
            if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None else None)
+    if args.validate:
+        return _validate(args, work, resources, thresholds)
     print(f"pdserve plan: {resources.units} {resources.kind}, profile {profile.model} "
           f"({profile.dtype}, threads {sorted(profile.steps)}); {work.description}",
           file=sys.stderr)
@@ -157,3 +173,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(table(result))
     return 0
+
+
+def _validate(args: argparse.Namespace, work, resources, thresholds) -> int:  # noqa: ANN001
+    from benchmarks.plan_validate import Bounds, ValidateOptions, validate
+    from planner.workload import ExplicitWorkload
+    from workers.model_store import resolve_model
+
+    if resources.kind != "cores" or resources.units > (os.cpu_count() or 1):
+        print(f"pdserve plan --validate: runs on this machine's {os.cpu_count()} cores; "
+              "give --cores N within them", file=sys.stderr)
+        return EXIT_INVALID
+    if not isinstance(work, ExplicitWorkload):
+        print("pdserve plan --validate: needs a workload it can send (not synthetic)",
+              file=sys.stderr)
+        return EXIT_INVALID
+    path = resolve_model(args.model, cache_dir(args))
+    summary = validate(ValidateOptions(
+        model=str(path), profile=args.profile, workload=work, cores=resources.units,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+        configs=tuple(c.strip() for c in args.configs.split(";") if c.strip()),
+        thresholds=thresholds, bounds=Bounds(args.max_regret, args.max_latency_error,
+                                             args.max_goodput_error), out=args.out))
+    return 1 if summary["verdict"] else 0

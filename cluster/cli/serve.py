@@ -87,7 +87,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         with LocalCluster(config) as cluster:
             cluster.wait_ready()
             print(cluster.usage(), flush=True)
-            return cluster.wait()
+            if not config.autoscale:
+                return cluster.wait()
+            from cluster.autoscale import start_autoscale
+
+            loop = start_autoscale(cluster)
+            try:
+                return cluster.wait()
+            finally:
+                loop.stop()
     return _up_on_ray(config, args.allow_unauthenticated_ray)
 
 

@@ -8,8 +8,8 @@
 - **A cluster with TLS everywhere** (``pdserve certs`` material; router with public TLS
   on gRPC and HTTP, 1 prefill + 1 decode worker with mTLS, Redis, the KV key derived
   from the cluster key): greedy output equals the offline engine's; a worker refuses a
-  client without the cluster's certificate; a ``Prefill`` naming an unregistered target
-  computes and sends nothing; it ends with the leak check.
+  client without the cluster's certificate (``SetRole`` too); a ``Prefill`` naming an
+  unregistered target computes and sends nothing; it ends with the leak check.
 """
 
 from __future__ import annotations
@@ -335,3 +335,19 @@ def _idle(status) -> bool:  # noqa: ANN001 - api_pb2.GetStatusResponse
         w.serving and not (w.running_requests or w.waiting_requests or w.reserved_requests
                            or w.transfers.in_flight) and w.free_blocks == w.total_blocks
         for w in status.workers)
+
+
+def test_set_role_is_behind_the_same_mutual_tls(tls_cluster) -> None:  # noqa: ANN001
+    """``SetRole`` (workers/roles.py) rides the workers' mTLS listener like every other
+    worker call: the launcher, holding the cluster certificate, gets an answer (its role
+    already: nothing to drain); a client without one never reaches the method."""
+    answer = tls_cluster.set_role("decode-0", "decode", "test: over mTLS")
+    assert (answer.role, answer.previous_role, answer.drained_s) == ("decode", "decode", 0.0)
+    with grpc.insecure_channel(_worker(tls_cluster, "decode")) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            worker_pb2_grpc.WorkerStub(ch).SetRole(worker_pb2.SetRoleRequest(role="prefill"),
+                                                   timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _get_load(_worker(tls_cluster, "decode"),
+                     ClusterTLS.from_dir(tls_cluster.config.cluster_tls_dir)
+                     .channel_credentials()).role == "decode"

@@ -54,6 +54,11 @@ class WorkerStub:
                 request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
                 _registered_method=True)
+        self.SetRole = channel.unary_unary(
+                '/pdserve.v1.Worker/SetRole',
+                request_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+                response_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -83,6 +88,17 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetRole(self, request, context):
+        """Change this worker's role in place (workers/roles.py): leave the registry, drain, swap
+        the KV channel end, register again. The weights and the KV cache stay. Errors:
+        INVALID_ARGUMENT (not a role), FAILED_PRECONDITION (another change is under way, or
+        the drain timed out: the worker serves on in its old role), UNAVAILABLE (the new
+        role's channel end could not open: old role kept).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +121,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerLoad.SerializeToString,
+            ),
+            'SetRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRole,
+                    request_deserializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.FromString,
+                    response_serializer=protos_dot_pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +236,33 @@ class Worker:
             '/pdserve.v1.Worker/GetLoad',
             protos_dot_pdserve_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             protos_dot_pdserve_dot_v1_dot_worker__pb2.WorkerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Worker/SetRole',
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.SetRoleRequest.SerializeToString,
+            protos_dot_pdserve_dot_v1_dot_worker__pb2.SetRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

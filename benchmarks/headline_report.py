@@ -1,0 +1,118 @@
+"""The headline's tables, target checks and plots, from the files a run wrote (so
+``--report-only`` re-tabulates a run without serving anything).
+
+Per workload and seed, one row per rate: goodput (requests/s meeting both SLOs), ITL
+p99, TTFT p90 of colocated (C), static 1P+1D (S) and adaptive (A), and the adaptive
+cluster's roles when the point ended. Then the issue's targets, each row marked:
+
+- goodput(A) >= max(C, S) - 5%, at every rate;
+- where colocated saturates (fraction >= 1): goodput(A) >= 1.5 x C;
+- decode ITL p99 of A <= 0.5 x C at high load (fraction >= 0.85) and <= 1.1 x C at low
+  load (fraction <= 0.25).
+
+And the first -> second token gap (median and p99 over the point's requests; a
+disaggregated request's includes its KV transfer and its admission into the decode
+worker's batch) of each cluster, beside the colocated one's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from loadtest.metrics import percentile
+from loadtest.plots import plot_sweeps
+
+if TYPE_CHECKING:
+    from .headline import HeadlineOptions
+
+HIGH, LOW = 0.85, 0.25
+
+
+def _load(out: Path, workload: str, seed: int, name: str) -> list[dict] | None:
+    path = out / f"{workload}-s{seed}-{name}-sweep.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def first_gap_ms(out: Path, workload: str, seed: int, name: str, fraction: float
+                 ) -> tuple[float, float]:
+    """Median and p99 of the first -> second token gap at one point (ms)."""
+    path = out / f"{workload}-s{seed}-{name}-f{fraction:g}.json"
+    times = json.loads(path.read_text())["details"]["token_times"] if path.exists() else []
+    gaps = [(t[1] - t[0]) * 1e3 for t in times if len(t) >= 2]
+    return percentile(gaps, 50), percentile(gaps, 99)
+
+
+def checks(c: dict, s: dict, a: dict) -> dict[str, bool | None]:
+    """The targets of one rate point (None: does not apply at this load)."""
+    f = c["fraction"]
+    best = max(c["request_goodput"], s["request_goodput"])
+    out: dict[str, bool | None] = {
+        "goodput >= best - 5%": a["request_goodput"] >= 0.95 * best,
+        "goodput >= 1.5 x colocated (saturated)": (
+            a["request_goodput"] >= 1.5 * c["request_goodput"]) if f >= 1.0 else None,
+        "ITL p99 <= 0.5 x colocated (high load)": (
+            a["p99_itl_ms"] <= 0.5 * c["p99_itl_ms"]) if f >= HIGH else None,
+        "ITL p99 <= 1.1 x colocated (low load)": (
+            a["p99_itl_ms"] <= 1.1 * c["p99_itl_ms"]) if f <= LOW else None,
+    }
+    return out
+
+
+def report(o: HeadlineOptions, out: Path) -> dict:
+    rows, met, total = [], 0, 0
+    for workload in o.workloads:
+        cal_path = out / f"{workload}-calibration.json"
+        if not cal_path.exists():
+            print(f"{workload}: no calibration in {out}; skipped")
+            continue
+        cal = json.loads(cal_path.read_text())
+        print(f"\n### {workload}: capacity {cal['capacity_req_s']:.3f} req/s "
+              f"({cal['capacity_sessions_s']:.3f} sessions/s); SLOs TTFT <= "
+              f"{cal['slo_ttft_ms']:.0f} ms, TPOT <= {cal['slo_tpot_ms']:.1f} ms")
+        for seed in o.seeds:
+            sweeps = {n: _load(out, workload, seed, n) for n in ("colocated", "static",
+                                                                  "adaptive")}
+            if any(v is None for v in sweeps.values()):
+                print(f"seed {seed}: missing sweeps "
+                      f"({', '.join(n for n, v in sweeps.items() if v is None)})")
+                continue
+            print(f"\nseed {seed}\n{'load':>5} {'rate/s':>7} | {'goodput C / S / A':>20} | "
+                  f"{'ITL p99 ms C / S / A':>22} | {'TTFT p90 ms C / S / A':>24} | "
+                  f"{'A roles':>16} | targets")
+            for c, s, a in zip(sweeps["colocated"], sweeps["static"], sweeps["adaptive"],
+                               strict=True):
+                verdicts = checks(c, s, a)
+                applicable = {k: v for k, v in verdicts.items() if v is not None}
+                met += sum(applicable.values())
+                total += len(applicable)
+                marks = " ".join("ok" if v else "MISS" for v in applicable.values())
+                roles = "+".join(sorted(a.get("roles_after", [])))
+                print(f"{c['fraction']:>5.0%} {c['rate']:>7.3f} | "
+                      f"{c['request_goodput']:>6.3f} {s['request_goodput']:>6.3f} "
+                      f"{a['request_goodput']:>6.3f} | {c['p99_itl_ms']:>6.0f} "
+                      f"{s['p99_itl_ms']:>6.0f} {a['p99_itl_ms']:>7.0f} | "
+                      f"{c['p90_ttft_ms']:>7.0f} {s['p90_ttft_ms']:>7.0f} "
+                      f"{a['p90_ttft_ms']:>8.0f} | {roles:>16} | {marks}")
+                gaps = {n: first_gap_ms(out, workload, seed, n, c["fraction"])
+                        for n in ("colocated", "static", "adaptive")}
+                print(f"{'':>14}first->second token gap p50/p99 ms: " + ", ".join(
+                    f"{n} {g[0]:.0f}/{g[1]:.0f}" for n, g in gaps.items()))
+                rows.append({"workload": workload, "seed": seed, "fraction": c["fraction"],
+                             "rate": c["rate"], "first_gap_ms_p50_p99": gaps,
+                             **{f"{k}_{n}": p[k] for n, p in
+                                (("colocated", c), ("static", s), ("adaptive", a))
+                                for k in ("request_goodput", "p99_itl_ms", "p90_ttft_ms",
+                                          "failed")},
+                             "adaptive_roles": a.get("roles_after"), "checks": verdicts})
+            for pts in sweeps.values():
+                for p in pts:
+                    p["request_rate"] = p["rate"]
+            plot_sweeps(sweeps, out / f"headline-{workload}-s{seed}.png")
+    print(f"\ntargets met: {met} of {total}")
+    summary = {"options": {k: v for k, v in o.__dict__.items()}, "rows": rows,
+               "targets_met": met, "targets": total}
+    (out / "headline.json").write_text(json.dumps(summary, indent=1))
+    print(f"wrote {out / 'headline.json'} and headline-*.png")
+    return summary

@@ -1,0 +1,182 @@
+"""``pdserve plan --validate``: the planner's predictions against the same candidates run
+for real, and the regret of its decision.
+
+Lifecycle: the workload (``pdserve bench``'s generators, built by the CLI)
+-> :func:`planner.search.plan` predicts every candidate the local launcher can start
+(threads per worker are one number per cluster, so splits with different prefill and
+decode threads are left out, with a note) -> each candidate in turn: a
+:class:`~cluster.local.LocalCluster` of that shape (adaptive: with the profile, the
+router's live placement on), warmed, driven by :func:`loadtest.runner.run` with the very
+same requests and arrival times -> per candidate, prediction error of TTFT p90, ITL p90
+and goodput, ``(predicted - measured) / measured`` -> the **decision regret**:
+``1 - goodput(recommended) / max goodput`` over the measured candidates -> a table and
+``validation.json`` under ``out``, and :func:`verdict`, what the bounds say.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cluster.local import LocalCluster, LocalClusterConfig, free_port
+from common.cost_model import Profile, load_profile
+from loadtest.metrics import SLO
+from loadtest.runner import RunOptions, run
+from planner.config import PoolConfig, Resources
+from planner.search import DEFAULT_THRESHOLDS, plan
+from planner.workload import ExplicitWorkload
+from router.client import Client
+
+from .machine import machine_line
+
+COMPARED = (("ttft_p90_ms", "p90_ttft_ms"), ("itl_p90_ms", "p90_itl_ms"),
+            ("goodput", "request_goodput"))
+"""(planner's figure, the harness's) compared per candidate."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What ``--validate`` fails on (the issue's targets by default)."""
+
+    regret: float = 0.05
+    latency_error: float = 0.10
+    """TTFT and ITL p90, relative."""
+    goodput_error: float = 0.05
+
+
+@dataclass(frozen=True)
+class ValidateOptions:
+    model: str
+    profile: str
+    workload: ExplicitWorkload
+    """Requests and their arrivals (``pdserve bench``'s generators, built by the CLI)."""
+    cores: int = 2
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    configs: tuple[str, ...] = ()
+    """Labels of the candidates to run (empty: every one the launcher can start)."""
+    thresholds: tuple[int, ...] = DEFAULT_THRESHOLDS
+    kv_cache_gb: float = 1.0
+    dtype: str = "auto"
+    bounds: Bounds = field(default_factory=Bounds)
+    out: str = "bench-results/plan-validate"
+
+
+def launchable(c: PoolConfig) -> bool:
+    """Whether the local launcher can start it (one thread count per cluster)."""
+    threads = {c.mixed_threads} if c.kind == "mixed" else {c.prefill_threads, c.decode_threads}
+    return len(threads) == 1
+
+
+def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path) -> LocalClusterConfig:
+    t = c.mixed_threads or c.prefill_threads
+    pools: dict = ({"mixed": c.mixed_workers} if c.kind == "mixed" else
+                   {"prefill": c.prefill_workers, "decode": c.decode_workers,
+                    "local_prefill_threshold": c.local_prefill_threshold})
+    if c.kind == "adaptive":
+        pools |= {"profile": o.profile, "itl_budget_ms": c.itl_budget_ms}
+    return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
+                              kv_cache_gb=o.kv_cache_gb, threads_per_worker=t, dtype=o.dtype,
+                              policy=c.policy, launcher="process", log_dir=str(log_dir),
+                              **pools)
+
+
+def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[float],
+             slo: SLO | None, out: Path) -> dict:
+    name = "".join(ch if ch.isalnum() else "-" for ch in c.label).strip("-")
+    with LocalCluster(cluster_config(o, c, out / f"{name}-logs")) as cluster:
+        cluster.wait_ready()
+        with Client(cluster.target) as client:  # every worker's first forward
+            for i in range(2 * c.workers):
+                client.generate(list(range(2000 + i, 2064 + i)), max_tokens=4,
+                                ignore_eos=True, temperature=0.0)
+        return run(RunOptions(cluster.target, tuple(requests), tuple(arrivals), slo=slo,
+                              progress=True), str(out / f"{name}.json"), {"config": c.label})
+
+
+def _error(predicted: float, measured: float) -> float:
+    if not (math.isfinite(predicted) and math.isfinite(measured)) or measured == 0:
+        return math.inf if predicted != measured else 0.0
+    return (predicted - measured) / measured
+
+
+def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
+    profile = profile or load_profile(o.profile)
+    out = Path(o.out)
+    out.mkdir(parents=True, exist_ok=True)
+    workload = o.workload
+    slo = (SLO(o.slo_ttft_ms, o.slo_tpot_ms)
+           if o.slo_ttft_ms is not None or o.slo_tpot_ms is not None else None)
+    predicted = plan(profile, workload.requests, workload.arrivals, Resources(o.cores), slo,
+                     thresholds=o.thresholds)
+    chosen = [r for r in predicted.candidates if launchable(r.config)
+              and (not o.configs or r.config.label in o.configs)]
+    notes = [f"{r.config.label}: not started (prefill and decode threads differ)"
+             for r in predicted.candidates if not launchable(r.config)]
+    print(f"pdserve plan --validate: {workload.description}; {o.cores} cores; "
+          f"{len(chosen)} candidates; machine: {machine_line()}, loadavg "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    rows = []
+    for r in chosen:
+        print(f"\n== {r.config.label}: predicted TTFT p90 {r.predicted['ttft_p90_ms']:.0f} ms, "
+              f"ITL p90 {r.predicted['itl_p90_ms']:.0f} ms, goodput "
+              f"{r.predicted['goodput']:.3f}/s ==", flush=True)
+        m = _measure(o, r.config, workload.requests, workload.arrivals, slo, out)
+        if slo is None:
+            m["request_goodput"] = m["request_throughput"]
+        rows.append({"config": r.config.label, "recommended": r.config == predicted.recommended,
+                     "predicted": {k: r.predicted[k] for k, _ in COMPARED},
+                     "measured": {k: m[h] for k, h in COMPARED},
+                     "error": {k: _error(r.predicted[k], m[h]) for k, h in COMPARED},
+                     "failed": m["failed"]})
+    best = max((row["measured"]["goodput"] for row in rows), default=0.0)
+    rec = next((row for row in rows if row["recommended"]), None)
+    regret = (1 - rec["measured"]["goodput"] / best) if rec and best > 0 else None
+    summary = {"workload": workload.description, "cores": o.cores, "machine": machine_line(),
+               "slo": None if slo is None else asdict(slo),
+               "recommended": predicted.recommended.label, "search_s": predicted.search_s,
+               "rows": rows, "regret": regret, "notes": notes + predicted.notes,
+               "bounds": asdict(o.bounds)}
+    summary["verdict"] = verdict(summary, o.bounds)
+    _print(summary)
+    (out / "validation.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def verdict(summary: dict, b: Bounds) -> list[str]:
+    """What broke a bound (empty: the validation passed)."""
+    out = []
+    regret = summary["regret"]
+    if regret is None:
+        out.append("no regret: the recommended candidate was not run")
+    elif regret > b.regret:
+        out.append(f"decision regret {regret:.1%} > {b.regret:.0%}")
+    for row in summary["rows"]:
+        for key, bound in (("ttft_p90_ms", b.latency_error), ("itl_p90_ms", b.latency_error),
+                           ("goodput", b.goodput_error)):
+            e = row["error"][key]
+            if abs(e) > bound:
+                out.append(f"{row['config']}: {key} off by {e:+.0%} (bound {bound:.0%})")
+    return out
+
+
+def _print(s: dict) -> None:
+    print(f"\n{'candidate':<34}{'TTFT p90 pred/meas ms':>24}{'ITL p90 pred/meas':>20}"
+          f"{'goodput pred/meas':>20}")
+    for row in s["rows"]:
+        p, m, e = row["predicted"], row["measured"], row["error"]
+        mark = " *" if row["recommended"] else ""
+        print(f"{row['config'] + mark:<34}"
+              f"{p['ttft_p90_ms']:>9.0f}/{m['ttft_p90_ms']:<6.0f}{e['ttft_p90_ms']:>+7.0%} "
+              f"{p['itl_p90_ms']:>7.0f}/{m['itl_p90_ms']:<5.0f}{e['itl_p90_ms']:>+6.0%} "
+              f"{p['goodput']:>7.3f}/{m['goodput']:<6.3f}{e['goodput']:>+6.0%}")
+    regret = "n/a" if s["regret"] is None else f"{s['regret']:.1%}"
+    print(f"\nrecommended (*): {s['recommended']}; decision regret {regret}; search "
+          f"{s['search_s']:.2f} s")
+    for note in s["notes"]:
+        print(f"note: {note}")
+    print("validation " + ("passed" if not s["verdict"] else "FAILED: " + "; ".join(
+        s["verdict"])))

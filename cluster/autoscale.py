@@ -1,0 +1,130 @@
+"""``pdserve up --autoscale``: the live planner driving a local cluster's worker roles.
+
+Lifecycle: started once the cluster serves (:meth:`AutoscaleLoop.start`: a daemon
+thread), it wakes every ``autoscale_interval_s``, reads the last three intervals of
+traffic the routers wrote to Redis (:mod:`common.traffic`), and asks
+:class:`planner.autoscale.Autoscaler` whether another configuration the workers can
+reach by changing roles would serve it with more goodput, by simulating each on the
+machine profile (:func:`planner.autoscale.simulated_goodput`). A ``switch`` is carried
+out one worker at a time (:meth:`cluster.local.LocalCluster.set_role`: the worker
+drains, swaps its KV channel end and registers again, weights kept; the router follows
+through the registry and, while no pair of pools can split, serves whole requests on
+any worker). A worker that cannot drain in time keeps its role; the next decision
+starts from whatever roles the workers have.
+
+Every decision is logged (one line: action, reason, each candidate's predicted goodput)
+and counted on the planner's own ``/metrics`` (``planner_decisions_total{action,reason}``,
+``planner_predicted_goodput{config}``, ``planner_role_changes_total{role}``), served
+beside the router's when the cluster has a metrics port. :meth:`AutoscaleLoop.stop`
+ends the thread between decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import redis
+
+from common.cost_model import load_profile
+from common.metrics import Metrics
+from common.redis_url import connect as connect_redis
+from common.traffic import TrafficLog
+from planner.autoscale import (
+    AutoscaleConfig,
+    Autoscaler,
+    Decision,
+    current_config,
+    reachable,
+    role_changes,
+    simulated_goodput,
+)
+
+from .local import LocalCluster, free_port
+
+log = logging.getLogger(__name__)
+
+
+class AutoscaleLoop:
+    def __init__(self, cluster: LocalCluster, config: AutoscaleConfig | None = None,
+                 metrics: Metrics | None = None) -> None:
+        c = cluster.config
+        assert c.profile, "DeploymentConfig.check_autoscale: --autoscale needs --profile"
+        if cluster.redis_url is None:
+            raise ValueError("--autoscale reads the routers' traffic from Redis: run with "
+                             "the prefix index (no --no-redis)")
+        self.cluster = cluster
+        profile = load_profile(c.profile)
+        interval = c.autoscale_interval_s
+        self.config = config or AutoscaleConfig(
+            interval_s=interval, window_s=3 * interval, min_dwell_s=3 * interval)
+        budget = c.itl_budget_ms if c.profile else None
+        candidates = reachable(len(cluster.workers), cluster.threads,
+                               c.local_prefill_threshold, budget)
+        slo = (c.slo_ttft_ms, c.slo_tpot_ms)
+        self.autoscaler = Autoscaler(
+            candidates, simulated_goodput(profile, cluster.threads, *slo), self.config)
+        self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
+                                    socket_connect_timeout=5)
+        self.traffic = TrafficLog(self._redis, Path(c.model).name)
+        self.metrics = metrics or Metrics({"component": "planner"})
+        self.decisions: list[Decision] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> AutoscaleLoop:
+        self._thread = threading.Thread(target=self._run, name="pdserve-autoscale",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self._redis.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.interval_s):
+            try:
+                self.tick(time.time())
+            except (redis.RedisError, grpc.RpcError, ValueError) as e:
+                log.warning("autoscale: no decision this round: %s", e)
+
+    def tick(self, now: float) -> Decision | None:
+        """One decision and, on a switch, its role changes (blocking through drains).
+        None while the workers' roles form no configuration (a change half done)."""
+        roles = dict(zip(self.cluster.worker_addresses,
+                         (role for _, role in self.cluster.workers), strict=True))
+        current = current_config(roles, self.cluster.threads, self.autoscaler.candidates)
+        if current is None:
+            return None
+        records = self.traffic.recent(now - self.config.window_s)
+        d = self.autoscaler.decide(now, current, records)
+        self.decisions.append(d)
+        self.metrics.inc("planner_decisions_total", action=d.action, reason=d.reason)
+        for label, goodput in d.scores.items():
+            self.metrics.set("planner_predicted_goodput", goodput, config=label)
+        log.info("autoscale: %s (%s) at %s with %d requests in the window; predicted goodput "
+                 "%s", d.action, d.reason, current.label, len(records),
+                 ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-")
+        if d.target is not None:
+            for address, role in role_changes(roles, d.target):
+                why = f"autoscale: {current.label} -> {d.target.label} ({d.reason})"
+                self.cluster.set_role(address, role, reason=why)
+                self.metrics.inc("planner_role_changes_total", role=role)
+                log.info("autoscale: %s is now %s", address, role)
+        return d
+
+
+def start_autoscale(cluster: LocalCluster) -> AutoscaleLoop:
+    """The loop ``pdserve up --autoscale`` runs, its metrics served on a free port of
+    the cluster's host when the cluster serves metrics (printed)."""
+    metrics = Metrics({"component": "planner"})
+    if cluster.config.metrics_port is not None:
+        port = metrics.serve(free_port(cluster.config.host), cluster.config.host)
+        print(f"  planner: http://{cluster.config.host}:{port}/metrics", flush=True)
+    return AutoscaleLoop(cluster, metrics=metrics).start()

@@ -1,0 +1,173 @@
+"""A worker changes role in place (``SetRole``, workers/roles.py) while a steady stream
+of greedy requests runs through the router, on real processes: 2 prefill + 1 decode
+workers on the tiny llama; ``prefill-1`` goes prefill -> decode -> mixed -> prefill.
+
+Every request completes with Hugging Face's greedy tokens, the router routes to the
+worker in each new role, the worker keeps its process, engine counters and prefix cache
+(its weights were not reloaded), and the test ends with every KV block free.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from cluster_helpers import assert_cluster_idle, start
+from conftest import hf_greedy
+from prometheus_client.parser import text_string_to_metric_families
+
+from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from router.client import Client
+
+MAX_TOKENS = 8
+PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(9 + 3 * i)] for i in range(8)]
+PROBE = list(range(300, 340))  # 10 blocks of 4, only ever sent to prefill-1 directly
+
+
+def stub(address: str) -> tuple[grpc.Channel, worker_pb2_grpc.WorkerStub]:
+    channel = grpc.insecure_channel(address)
+    return channel, worker_pb2_grpc.WorkerStub(channel)
+
+
+def load_of(address: str) -> worker_pb2.WorkerLoad:
+    channel, s = stub(address)
+    with channel:
+        return s.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+
+
+def probe(address: str) -> int:
+    """Generate PROBE on the worker itself (any role serves it); its cached tokens."""
+    channel, s = stub(address)
+    with channel:
+        out = list(s.Generate(worker_pb2.WorkerGenerateRequest(
+            request_id=f"probe-{time.monotonic_ns()}", prompt_token_ids=PROBE,
+            sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0)), timeout=30))
+    return out[-1].usage.cached_tokens
+
+
+class Load:
+    """Client threads sending PROMPTS round robin until stopped; each result is
+    (prompt index, completion or the exception)."""
+
+    def __init__(self, target: str, threads: int = 3) -> None:
+        self.target, self.stop = target, threading.Event()
+        self.results: list[tuple[int, object]] = []
+        self._threads = [threading.Thread(target=self._run, args=(k,)) for k in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, k: int) -> None:
+        with Client(self.target) as client:
+            i = k
+            while not self.stop.is_set():
+                p = i % len(PROMPTS)
+                try:
+                    got: object = client.generate(PROMPTS[p], max_tokens=MAX_TOKENS,
+                                                  temperature=0.0, ignore_eos=True, timeout=60)
+                except Exception as e:  # noqa: BLE001 - the test reports it
+                    got = e
+                self.results.append((p, got))
+                i += 1
+
+    def routed(self, key: str, address: str, since: int) -> bool:
+        return any(not isinstance(r, Exception) and r.routing.get(key) == address  # type: ignore[attr-defined]
+                   for _, r in self.results[since:])
+
+    def wait_routed(self, key: str, address: str, since: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.routed(key, address, since):
+            assert time.monotonic() < deadline, f"no request routed to {address} as {key}"
+            time.sleep(0.05)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(90)
+
+
+@pytest.fixture(scope="module")
+def role_cluster(tiny_checkpoints, tmp_path_factory):
+    c = start(tiny_checkpoints["llama"], tmp_path_factory.mktemp("role-logs"), prefill=2,
+              decode=1, block_size=4, local_prefill_threshold=0)
+    yield c
+    c.stop()
+
+
+def test_role_changes_under_load_lose_no_request_and_no_block(role_cluster,
+                                                               tiny_checkpoints) -> None:
+    c = role_cluster
+    names = [n for n, _ in c.workers]
+    worker = c.worker_addresses[names.index("prefill-1")]
+    proc = c.procs[c.names.index("prefill-1")]
+    assert probe(worker) == 0
+    before = load_of(worker)
+    load = Load(c.target)
+    try:
+        load.wait_routed("worker", worker, 0)  # prefill-1 computes prompts as a prefill
+
+        # prefill -> decode, with a second change and a bad role asked meanwhile
+        with ThreadPoolExecutor(1) as pool:
+            changing = pool.submit(c.set_role, "prefill-1", "decode", "test: more decode")
+            time.sleep(0.5)  # it drains for 2 s (the grace) at least
+            channel, s = stub(worker)
+            with channel:
+                with pytest.raises(grpc.RpcError) as e:
+                    s.SetRole(worker_pb2.SetRoleRequest(role="mixed"), timeout=10)
+                assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert "under way" in e.value.details()
+                with pytest.raises(grpc.RpcError) as e:
+                    s.SetRole(worker_pb2.SetRoleRequest(role="verifier"), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert all(r in e.value.details() for r in ("prefill", "decode", "mixed"))
+            answer = changing.result(60)
+        assert (answer.previous_role, answer.role) == ("prefill", "decode")
+        assert answer.kv_address and answer.drained_s >= 2.0
+        assert c.workers[names.index("prefill-1")] == ("prefill-1", "decode")
+        load.wait_routed("decode_worker", worker, len(load.results))
+
+        answer = c.set_role(worker, "mixed", "test: colocate")  # by address
+        assert (answer.previous_role, answer.role, answer.kv_address) == ("decode", "mixed", "")
+        assert load_of(worker).role == "mixed"
+
+        mark = len(load.results)
+        answer = c.set_role(names.index("prefill-1"), "prefill", "test: back")  # by index
+        assert (answer.previous_role, answer.role) == ("mixed", "prefill")
+        load.wait_routed("worker", worker, mark)
+        assert c.set_role("prefill-1", "prefill").drained_s == 0.0  # already: no-op
+
+        # A drain that cannot finish in time (shorter than the grace) keeps the role.
+        other = c.worker_addresses[names.index("prefill-0")]
+        with pytest.raises(grpc.RpcError) as e:
+            c.set_role("prefill-0", "decode", drain_timeout_s=0.3)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "still prefill" in e.value.details()
+        assert load_of(other).role == "prefill"
+        load.wait_routed("worker", other, len(load.results))  # registered and chosen again
+    finally:
+        load.finish()
+
+    errors = [r for _, r in load.results if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    reference = hf_greedy(tiny_checkpoints["llama"], PROMPTS, MAX_TOKENS)
+    wrong = [p for p, r in load.results if r.token_ids != reference[p]]  # type: ignore[attr-defined]
+    assert not wrong, f"{len(wrong)} of {len(load.results)} requests differ from HF"
+    assert len(load.results) >= 30
+    assert_cluster_idle(c)
+
+    # Same process, same engine: its counters went on and its prefix cache survived.
+    assert proc.poll() is None
+    after = load_of(worker)
+    assert after.role == "prefill" and after.prompt_tokens > before.prompt_tokens
+    assert probe(worker) >= 36  # PROBE's blocks, computed before the first change
+    text = urllib.request.urlopen(c.metrics_urls["prefill-1"], timeout=5).read().decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    changes = {(s.labels["from_role"], s.labels["to_role"]): s.value for s in samples
+               if s.name == "pdserve:worker_role_changes_total"}
+    assert changes == {("prefill", "decode"): 1, ("decode", "mixed"): 1, ("mixed", "prefill"): 1}
+    # gauges carry the role it has now, and only that one
+    assert {s.labels["role"] for s in samples if s.name == "pdserve:kv_blocks_total"} == {
+        "prefill"}
