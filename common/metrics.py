@@ -60,6 +60,14 @@ CATALOG: tuple[Spec, ...] = (
          "Prompt tokens whose KV came from a prefix cache (finished requests)"),
     Spec("routing_decisions_total", "counter", "Worker choices, by policy and reason "
          "(cache_hit, balance, least_work, local, ...)", ("policy", "reason")),
+    Spec("prefill_placement_total", "counter", "Disaggregated prompts placed by the live "
+         "rule (router/adaptive.py): where (local, remote) and why", ("where", "reason")),
+    Spec("planner_decisions_total", "counter", "The live planner's decisions (--autoscale): "
+         "stay or switch, and why", ("action", "reason")),
+    Spec("planner_predicted_goodput", "gauge", "Requests/s meeting the SLOs the planner "
+         "predicts for each configuration on the last window of traffic", ("config",)),
+    Spec("planner_role_changes_total", "counter", "Role changes the planner made, by new role",
+         ("role",)),
     Spec("request_migrations_total", "counter",
          "Requests moved to another worker after theirs failed mid-stream"),
     Spec("workers", "gauge", "Workers the router routes to, by role", ("role",)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,48 @@ def assert_cluster_idle(cluster: LocalCluster, timeout: float = 15.0,
                 return
             assert time.monotonic() < deadline, f"KV blocks or requests leaked: {status}"
             time.sleep(0.05)
+
+
+class Load:
+    """Client threads sending ``prompts`` round robin (greedy, ``max_tokens`` each) until
+    stopped; each result is (prompt index, completion or the exception)."""
+
+    def __init__(self, target: str, prompts: list[list[int]], max_tokens: int,
+                 threads: int = 3) -> None:
+        self.target, self.stop = target, threading.Event()
+        self.prompts, self.max_tokens = prompts, max_tokens
+        self.results: list[tuple[int, object]] = []
+        self._threads = [threading.Thread(target=self._run, args=(k,)) for k in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, k: int) -> None:
+        with Client(self.target) as client:
+            i = k
+            while not self.stop.is_set():
+                p = i % len(self.prompts)
+                try:
+                    got: object = client.generate(self.prompts[p], max_tokens=self.max_tokens,
+                                                  temperature=0.0, ignore_eos=True, timeout=60)
+                except Exception as e:  # noqa: BLE001 - the test reports it
+                    got = e
+                self.results.append((p, got))
+                i += 1
+
+    def routed(self, key: str, address: str, since: int) -> bool:
+        return any(not isinstance(r, Exception) and r.routing.get(key) == address  # type: ignore[attr-defined]
+                   for _, r in self.results[since:])
+
+    def wait_routed(self, key: str, address: str, since: int, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.routed(key, address, since):
+            assert time.monotonic() < deadline, f"no request routed to {address} as {key}"
+            time.sleep(0.05)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(90)
 
 
 def _interfaces() -> list[str]:

@@ -9,19 +9,17 @@ worker in each new role, the worker keeps its process, engine counters and prefi
 
 from __future__ import annotations
 
-import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from cluster_helpers import assert_cluster_idle, start
+from cluster_helpers import Load, assert_cluster_idle, start
 from conftest import hf_greedy
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from router.client import Client
 
 MAX_TOKENS = 8
 PROMPTS = [[(7 * i + j) % 250 + 3 for j in range(9 + 3 * i)] for i in range(8)]
@@ -49,46 +47,6 @@ def probe(address: str) -> int:
     return out[-1].usage.cached_tokens
 
 
-class Load:
-    """Client threads sending PROMPTS round robin until stopped; each result is
-    (prompt index, completion or the exception)."""
-
-    def __init__(self, target: str, threads: int = 3) -> None:
-        self.target, self.stop = target, threading.Event()
-        self.results: list[tuple[int, object]] = []
-        self._threads = [threading.Thread(target=self._run, args=(k,)) for k in range(threads)]
-        for t in self._threads:
-            t.start()
-
-    def _run(self, k: int) -> None:
-        with Client(self.target) as client:
-            i = k
-            while not self.stop.is_set():
-                p = i % len(PROMPTS)
-                try:
-                    got: object = client.generate(PROMPTS[p], max_tokens=MAX_TOKENS,
-                                                  temperature=0.0, ignore_eos=True, timeout=60)
-                except Exception as e:  # noqa: BLE001 - the test reports it
-                    got = e
-                self.results.append((p, got))
-                i += 1
-
-    def routed(self, key: str, address: str, since: int) -> bool:
-        return any(not isinstance(r, Exception) and r.routing.get(key) == address  # type: ignore[attr-defined]
-                   for _, r in self.results[since:])
-
-    def wait_routed(self, key: str, address: str, since: int, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.routed(key, address, since):
-            assert time.monotonic() < deadline, f"no request routed to {address} as {key}"
-            time.sleep(0.05)
-
-    def finish(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(90)
-
-
 @pytest.fixture(scope="module")
 def role_cluster(tiny_checkpoints, tmp_path_factory):
     c = start(tiny_checkpoints["llama"], tmp_path_factory.mktemp("role-logs"), prefill=2,
@@ -105,7 +63,7 @@ def test_role_changes_under_load_lose_no_request_and_no_block(role_cluster,
     proc = c.procs[c.names.index("prefill-1")]
     assert probe(worker) == 0
     before = load_of(worker)
-    load = Load(c.target)
+    load = Load(c.target, PROMPTS, MAX_TOKENS)
     try:
         load.wait_routed("worker", worker, 0)  # prefill-1 computes prompts as a prefill
 

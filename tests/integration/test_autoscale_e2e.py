@@ -1,0 +1,93 @@
+"""``pdserve up --autoscale``'s loop on real processes: the routers' traffic log in Redis,
+the planner's decisions carried out as role changes (2 mixed workers -> 1 prefill + 1
+decode -> 2 mixed) while greedy requests stream, none lost, every block free after.
+
+The decisions' hysteresis and the simulator's scores are tested without processes
+(tests/unit/test_autoscale.py, test_planner_*.py); here the score is scripted, so the
+test says when the planner should move and checks that the cluster follows."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+from cluster_helpers import Load, assert_cluster_idle, start
+from conftest import hf_greedy
+
+from cluster.autoscale import AutoscaleLoop
+from common.cost_model import save_profile
+from planner.autoscale import AutoscaleConfig
+from planner.synthetic import synthetic_profile
+
+MAX_TOKENS = 6
+PROMPTS = [[(11 * i + j) % 240 + 5 for j in range(10 + 4 * i)] for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def scaled(tiny_checkpoints, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("autoscale")
+    profile = logs / "profile.json"
+    save_profile(synthetic_profile("cpu"), profile)
+    c = start(tiny_checkpoints["llama"], logs, mixed=2, threads_per_worker=1, block_size=4,
+              profile=str(profile))
+    yield c
+    c.stop()
+
+
+def _roles(c) -> list[str]:  # noqa: ANN001
+    return sorted(role for _, role in c.workers)
+
+
+def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_checkpoints):
+    c = scaled
+    loop = AutoscaleLoop(c, AutoscaleConfig(interval_s=3600, window_s=300, min_requests=3,
+                                            min_dwell_s=0, confirmations=2))
+    prefer = {"split": 2.0, "mixed": 1.0}
+    loop.autoscaler.score = lambda cfg, records: prefer["mixed" if cfg.kind == "mixed"
+                                                        else "split"]
+    load = Load(c.target, PROMPTS, MAX_TOKENS)
+    try:
+        deadline = time.monotonic() + 30
+        while len(loop.traffic.recent(time.time() - 300)) < 3:  # flushed every second
+            assert time.monotonic() < deadline, "no traffic reached the log"
+            time.sleep(0.2)
+        records = loop.traffic.recent(time.time() - 300)
+        assert {r.prompt_tokens for r in records} <= {len(p) for p in PROMPTS}
+        assert all(r.output_tokens == MAX_TOKENS for r in records)
+
+        first = loop.tick(time.time())
+        assert (first.action, first.reason) == ("stay", "confirming")
+        assert first.scores == {"2 mixed x1t": 1.0, first.scores and next(
+            k for k in first.scores if k != "2 mixed x1t"): 2.0}
+        second = loop.tick(time.time())
+        assert (second.action, second.reason) == ("switch", "switch")
+        assert _roles(c) == ["decode", "prefill"]
+        decode = c.worker_addresses[[r for _, r in c.workers].index("decode")]
+        load.wait_routed("decode_worker", decode, len(load.results))
+
+        prefer["mixed"] = 3.0
+        assert loop.tick(time.time()).reason == "confirming"
+        assert loop.tick(time.time()).action == "switch"
+        assert _roles(c) == ["mixed", "mixed"]
+        mark = len(load.results)
+        deadline = time.monotonic() + 20
+        while len(load.results) < mark + 6:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        load.finish()
+        loop.stop()
+
+    errors = [r for _, r in load.results if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    reference = hf_greedy(tiny_checkpoints["llama"], PROMPTS, MAX_TOKENS)
+    wrong = [p for p, r in load.results if r.token_ids != reference[p]]  # type: ignore[attr-defined]
+    assert not wrong, f"{len(wrong)} of {len(load.results)} requests differ from HF"
+    assert_cluster_idle(c)
+    text = loop.metrics.text()
+    assert 'planner_decisions_total{action="switch",component="planner",reason="switch"} 2.0' \
+        in text.replace("pdserve:", "")
+    assert "planner_role_changes_total" in text
+    workers = urllib.request.urlopen(c.metrics_urls["worker-0"], timeout=5).read().decode()
+    assert "worker_role_changes_total" in workers
