@@ -48,23 +48,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     bd.add_argument("--out", default="bench-results/disagg.json")
     bd.set_defaults(func=cmd_bench_disagg)
 
-    bh = sub.add_parser("bench-headline", help="disaggregated (1P+1D) vs colocated (2 mixed) "
-                                               "under long prompts mixed with decodes, swept "
-                                               "over rate")
+    bh = sub.add_parser("bench-headline", help="colocated vs static 1P+1D vs adaptive (live "
+                                               "planner) on the same cores, at loads "
+                                               "relative to this machine's capacity")
     bh.add_argument("--model", default=None)
     bh.add_argument("--cache-dir", default=None)
-    bh.add_argument("--rates", default="0.25,0.5,0.75,1.0")
-    bh.add_argument("--duration-s", type=float, default=40.0,
+    bh.add_argument("--profile", default="bench-results/profile.json",
+                    help="this machine's profile (pdserve profile --out FILE); the adaptive "
+                         "cluster plans and places prompts with it")
+    bh.add_argument("--workloads", default="mixed,chat", help="of: mixed, chat")
+    bh.add_argument("--seeds", default="0,1")
+    bh.add_argument("--fractions", default="0.25,0.5,0.85,1.2",
+                    help="request rates, as fractions of the measured capacity")
+    bh.add_argument("--duration-s", type=float, default=30.0,
                     help="seconds of arrivals per rate")
-    bh.add_argument("--input-len", type=int, default=128)
-    bh.add_argument("--output-len", type=int, default=96)
-    bh.add_argument("--long-fraction", type=float, default=0.25,
-                    help="share of requests with --long-input-len prompts instead")
-    bh.add_argument("--long-input-len", type=int, default=1536)
-    bh.add_argument("--long-output-len", type=int, default=16)
-    bh.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    bh.add_argument("--slo-ttft-ms", type=float, default=10000.0)
-    bh.add_argument("--seed", type=int, default=0, help="workload seed (point i uses seed + i)")
+    bh.add_argument("--ttft-x", type=float, default=3.0,
+                    help="TTFT SLO: this many times the unloaded TTFT p90")
+    bh.add_argument("--tpot-x", type=float, default=2.0,
+                    help="TPOT SLO: this many times the unloaded TPOT p50")
+    bh.add_argument("--clusters", default="colocated,static,adaptive")
+    bh.add_argument("--dtype", default="auto")
     bh.add_argument("--out", default="bench-results/headline")
     bh.add_argument("--report-only", action="store_true",
                     help="no runs: tabulate and plot the results already in --out")
@@ -95,6 +98,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     _add_bench_tenant_probe(sub)
     _add_bench_serving(sub)
+    _add_profile(sub)
 
 
 def _add_bench_serving(sub: argparse._SubParsersAction) -> None:
@@ -146,6 +150,27 @@ def _add_bench_tenant_probe(sub: argparse._SubParsersAction) -> None:
     bt.add_argument("--seed", type=int, default=0)
     bt.add_argument("--out", default="bench-results/tenant_probe.json")
     bt.set_defaults(func=cmd_bench_tenant_probe)
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    pp = sub.add_parser("profile", help="measure this machine's engine step and KV transfer "
+                                         "times for a model, dtype and thread counts; fit "
+                                         "and save its cost model")
+    pp.add_argument("--model", default=None)
+    pp.add_argument("--cache-dir", default=None)
+    add_setting(pp, "dtype")
+    pp.add_argument("--threads", default=None, metavar="N,M",
+                    help="thread counts per worker to profile, each in its own process "
+                         "(default: 1,2, within the cores)")
+    add_setting(pp, "kv_cache_gb")
+    add_setting(pp, "block_size")
+    add_setting(pp, "max_model_len")
+    pp.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    pp.add_argument("--max-num-seqs", type=int, default=256)
+    pp.add_argument("--quick", action="store_true", help="a smaller grid (~1 minute)")
+    pp.add_argument("--seed", type=int, default=0)
+    pp.add_argument("--out", default="bench-results/profile.json")
+    pp.set_defaults(func=cmd_profile)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -220,6 +245,46 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         skip_hf=args.skip_hf, quick=args.quick, profile_only=args.profile_only,
         profile_steps=args.profile_steps,
     ))
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import dataclasses
+    import time
+
+    from benchmarks.profile import ProfileOptions, cores, report, run_profile
+    from benchmarks.profile_steps import QUICK_GRID, StepGrid
+    from workers.model_store import resolve_model
+
+    try:
+        threads = (tuple(int(t) for t in args.threads.split(",")) if args.threads
+                   else tuple(t for t in (1, 2) if t <= cores()))
+    except ValueError:
+        print(f"pdserve profile: --threads wants counts like 1,2, got {args.threads!r}",
+              file=sys.stderr)
+        return EXIT_INVALID
+    cache = cache_dir(args)
+    try:
+        opts = ProfileOptions(
+            model="", dtype=args.dtype, threads=threads, kv_cache_gb=args.kv_cache_gb,
+            block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+            grid=QUICK_GRID if args.quick else StepGrid(),
+            transfer_max_bytes=(32 if args.quick else 128) * 2**20, out=args.out,
+            kernel_cache_dir=str(cache / "kernels") if cache else None, seed=args.seed)
+    except ValueError as e:
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    opts = dataclasses.replace(opts, model=str(resolve_model(args.model, cache)))
+    start = time.perf_counter()
+    try:
+        profile, results = run_profile(opts, lambda line: print(line, file=sys.stderr,
+                                                                flush=True))
+    except (RuntimeError, OSError) as e:
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return 1
+    print(report(profile, results, time.perf_counter() - start))
+    print(f"\nprofile written to {opts.out}")
+    return 0
 
 
 def cmd_bench_disagg(args: argparse.Namespace) -> int:
@@ -376,22 +441,32 @@ def _verdict(points: list[dict], max_failed_fraction: float) -> int:
 
 
 def cmd_bench_headline(args: argparse.Namespace) -> int:
-    from benchmarks.headline import HeadlineOptions, run_headline
+    from benchmarks.headline import CLUSTERS, WORKLOADS, HeadlineOptions, run_headline
+    from common.cost_model import load_profile
     from workers.model_store import resolve_model
 
     try:
-        rates = tuple(float(r) for r in args.rates.split(","))
-    except ValueError:
-        print(f"pdserve bench-headline: --rates wants numbers like 0.2,0.4, got {args.rates!r}",
-              file=sys.stderr)
+        workloads = tuple(w for w in args.workloads.split(",") if w)
+        clusters = tuple(c for c in args.clusters.split(",") if c)
+        bad = [w for w in workloads if w not in WORKLOADS] + [
+            c for c in clusters if c not in CLUSTERS]
+        if bad:
+            raise ValueError(f"unknown workload or cluster {bad}: workloads are "
+                             f"{', '.join(WORKLOADS)}, clusters {', '.join(CLUSTERS)}")
+        seeds = tuple(int(x) for x in args.seeds.split(","))
+        fractions = tuple(float(x) for x in args.fractions.split(","))
+        if not args.report_only and "adaptive" in clusters:
+            load_profile(args.profile)
+    except ValueError as e:
+        print(f"pdserve bench-headline: {e} (pdserve profile --out {args.profile} writes the "
+              "profile)", file=sys.stderr)
         return EXIT_INVALID
     path = resolve_model(args.model, cache_dir(args))
     run_headline(HeadlineOptions(
-        model=str(path), rates=rates, duration_s=args.duration_s, input_len=args.input_len,
-        output_len=args.output_len, long_fraction=args.long_fraction,
-        long_input_len=args.long_input_len, long_output_len=args.long_output_len,
-        slo_tpot_ms=args.slo_tpot_ms, slo_ttft_ms=args.slo_ttft_ms, seed=args.seed,
-        out=args.out), report_only=args.report_only)
+        model=str(path), profile=args.profile, workloads=workloads, seeds=seeds,
+        fractions=fractions, duration_s=args.duration_s, ttft_x=args.ttft_x,
+        tpot_x=args.tpot_x, clusters=clusters, dtype=args.dtype, out=args.out),
+        report_only=args.report_only)
     return 0
 
 
