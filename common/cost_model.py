@@ -11,13 +11,17 @@ one or more thread counts and fits the raw points (:func:`fit_steps`,
 tokens of a sequence whose first ``start_i`` tokens are already in the KV cache (cached
 prefix, earlier chunks, or the decoded context). Decode is ``n_i = 1``; prefill of a
 prompt with a cached prefix is ``n_i = new, start_i = cached``. The model is linear in
-three features of the batch, with a piecewise-linear term in the batched tokens:
+these features of the batch, with a piecewise-linear term in the batched tokens:
 
 - ``T = sum n_i``: weight GEMMs and elementwise work. Piecewise linear (a linear spline
   with knots :data:`KNOTS`): a step of 1-16 tokens is bound by reading the weights, one
   of hundreds by compute, and the slope between differs;
-- ``A = sum n_i * (start_i + (n_i + 1) / 2)``: query x key pairs of causal attention
-  (prefill over its prefix and itself, decode over its context);
+- query x key pairs of attention, ``n_i * (start_i + (n_i + 1) / 2)`` per chunk, in
+  three sums because the engine runs three kernels at very different costs per pair
+  (measured on SmolLM2: a decode pair ~17x a fresh prefill pair): ``A_decode``
+  (``n_i = 1``: paged decode attention over the context), ``A_fresh`` (a prefill from
+  the first token: the causal kernel) and ``A_prefix`` (a prefill chunk after cached or
+  earlier tokens: masked attention over the paged prefix);
 - ``S``: sequences in the batch (per-sequence bookkeeping, sampling, the LM head's rows
   are already in T).
 
@@ -40,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 KNOTS: tuple[int, ...] = (16, 64, 256, 1024)
 """Where the batched-token slope may change (a linear spline's knots)."""
 
@@ -49,14 +53,21 @@ Chunk = tuple[int, int]
 
 
 def features(chunks: Iterable[Chunk]) -> list[float]:
-    """The regression row of one step: ``[1, T, (T - k)+ for k in KNOTS, A, S]``."""
-    t = a = 0.0
+    """The regression row of one step:
+    ``[1, T, (T - k)+ for k in KNOTS, A_decode, A_fresh, A_prefix, S]``."""
+    t = decode = fresh = prefix = 0.0
     s = 0
     for n, start in chunks:
         t += n
-        a += n * (start + (n + 1) / 2)
+        pairs = n * (start + (n + 1) / 2)
+        if n == 1:
+            decode += pairs
+        elif start == 0:
+            fresh += pairs
+        else:
+            prefix += pairs
         s += 1
-    return [1.0, t, *(max(0.0, t - k) for k in KNOTS), a, float(s)]
+    return [1.0, t, *(max(0.0, t - k) for k in KNOTS), decode, fresh, prefix, float(s)]
 
 
 @dataclass(frozen=True)
@@ -240,6 +251,26 @@ def profile_from_json(d: dict) -> Profile:
                    d["max_num_seqs"], d["max_model_len"], steps,
                    TransferModel(tr["latency_s"], tr["bytes_per_s"], _error_of(tr.get("error"))),
                    d.get("points", {}))
+
+
+def refit_profile(path: str | Path, held_out: float = 0.2, seed: int = 0) -> Profile:
+    """The profile in ``path`` fitted anew from its raw points with this version's model
+    (``pdserve profile --refit FILE``): a profile of an older version, or one whose
+    features changed, needs no new measurement."""
+    try:
+        d = json.loads(Path(path).read_text())
+        raw = d["points"]
+        steps = {int(t): fit_steps([StepPoint(tuple((int(n), int(s)) for n, s in chunks),
+                                              float(sec)) for chunks, sec in pts],
+                                   held_out, seed)
+                 for t, pts in raw["steps"].items()}
+        transfer = fit_transfer([(int(b), float(sec)) for b, sec in raw["transfer"]],
+                                held_out, seed)
+        return Profile(d["model"], d["dtype"], d.get("machine", {}), d["block_size"],
+                       d["kv_bytes_per_token"], d["num_blocks"], d["max_num_batched_tokens"],
+                       d["max_num_seqs"], d["max_model_len"], steps, transfer, raw)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"cannot refit the profile {path}: {e}") from e
 
 
 def save_profile(p: Profile, path: str | Path) -> None:

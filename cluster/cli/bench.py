@@ -168,6 +168,9 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--max-num-batched-tokens", type=int, default=2048)
     pp.add_argument("--max-num-seqs", type=int, default=256)
     pp.add_argument("--quick", action="store_true", help="a smaller grid (~1 minute)")
+    pp.add_argument("--refit", default=None, metavar="FILE",
+                    help="measure nothing: fit FILE's saved points anew with this version's "
+                         "model and write --out (an older profile, or new features)")
     pp.add_argument("--seed", type=int, default=0)
     pp.add_argument("--out", default="bench-results/profile.json")
     pp.set_defaults(func=cmd_profile)
@@ -255,6 +258,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from benchmarks.profile_steps import QUICK_GRID, StepGrid
     from workers.model_store import resolve_model
 
+    if args.refit:
+        return _refit(args.refit, args.out)
     try:
         threads = (tuple(int(t) for t in args.threads.split(",")) if args.threads
                    else tuple(t for t in (1, 2) if t <= cores()))
@@ -284,6 +289,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return 1
     print(report(profile, results, time.perf_counter() - start))
     print(f"\nprofile written to {opts.out}")
+    return 0
+
+
+def _refit(path: str, out: str) -> int:
+    from common.cost_model import refit_profile, save_profile
+
+    try:
+        profile = refit_profile(path)
+    except ValueError as e:
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    save_profile(profile, out)
+    for t, m in sorted(profile.steps.items()):
+        e = m.error
+        print(f"{t} thread(s): held-out step error " + (
+            f"mean {e.mean_pct:.1f}%, p90 {e.p90_pct:.1f}%, max {e.max_pct:.1f}% "
+            f"({e.held_out} shapes)" if e else "- (too few shapes)"))
+    print(f"profile refitted from {path}, written to {out}")
     return 0
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from common.cost_model import (
     KNOTS,
+    PROFILE_VERSION,
     FitError,
     Profile,
     StepPoint,
@@ -39,12 +40,15 @@ def _points(n, seed=0, noise=0.0):
     return out
 
 
-def test_features_count_tokens_attention_pairs_and_sequences():
-    row = features([(1, 99), (4, 0)])
-    assert row[0] == 1.0 and row[1] == 5.0
+def test_features_count_tokens_attention_pairs_by_kernel_and_sequences():
+    row = features([(1, 99), (4, 0), (3, 10)])
+    assert row[0] == 1.0 and row[1] == 8.0
     assert row[2:2 + len(KNOTS)] == [0.0] * len(KNOTS)
-    assert row[-2] == 1 * (99 + 1) + 4 * (0 + 2.5)
-    assert row[-1] == 2.0
+    decode, fresh, prefix, seqs = row[-4:]
+    assert decode == 1 * (99 + 1)
+    assert fresh == 4 * (0 + 2.5)
+    assert prefix == 3 * (10 + 2)
+    assert seqs == 3.0
 
 
 def test_fit_recovers_a_piecewise_linear_machine_and_reports_held_out_error():
@@ -85,6 +89,6 @@ def test_profile_file_round_trip_and_version_check(tmp_path):
     assert q.step(1).error == p.step(1).error and isinstance(q.step(1).error, FitError)
     with pytest.raises(KeyError, match="--threads"):
         q.step(4)
-    path.write_text(path.read_text().replace('"version": 1', '"version": 99'))
+    path.write_text(path.read_text().replace(f'"version": {PROFILE_VERSION}', '"version": 99'))
     with pytest.raises(ValueError, match="rerun pdserve profile"):
         load_profile(path)
