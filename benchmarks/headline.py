@@ -43,7 +43,7 @@ from loadtest.workloads import Request, arrival_times, mixed_workload, multi_tur
 from planner.autoscale import AutoscaleConfig
 from router.client import Client
 
-from .headline_report import report
+from .headline_report import TURNS, report
 from .machine import machine_line
 
 CLUSTERS = {
@@ -51,7 +51,7 @@ CLUSTERS = {
     "static": {"prefill": 1, "decode": 1, "local_prefill_threshold": 0},
     "adaptive": {"mixed": 2},
 }
-WORKLOADS = ("mixed", "chat")
+WORKLOADS = tuple(TURNS)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def requests_of(workload: str, n: int, seed: int) -> list[Request]:
     if workload == "mixed":  # 25% 1536 -> 16, the rest 128 -> 96, lengths +-20%
         return mixed_workload(n, 128, 96, 0.25, 1536, 16, 0.2, seed)
     if workload == "chat":  # turns of 192 new tokens, 64-token replies: 192, 448, 704
-        return multi_turn_workload(n, 3, 192, 64, seed)
+        return multi_turn_workload(n, TURNS["chat"], 192, 64, seed)
     raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
 
 

@@ -26,7 +26,7 @@ from common.cost_model import Profile, load_profile
 from loadtest.metrics import SLO
 from loadtest.runner import RunOptions, run
 from planner.config import PoolConfig, Resources
-from planner.search import DEFAULT_THRESHOLDS, plan
+from planner.search import DEFAULT_THRESHOLDS, candidates, plan
 from planner.workload import ExplicitWorkload
 from router.client import Client
 
@@ -110,12 +110,19 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
     workload = o.workload
     slo = (SLO(o.slo_ttft_ms, o.slo_tpot_ms)
            if o.slo_ttft_ms is not None or o.slo_tpot_ms is not None else None)
-    predicted = plan(profile, workload.requests, workload.arrivals, Resources(o.cores), slo,
-                     thresholds=o.thresholds)
-    chosen = [r for r in predicted.candidates if launchable(r.config)
-              and (not o.configs or r.config.label in o.configs)]
-    notes = [f"{r.config.label}: not started (prefill and decode threads differ)"
-             for r in predicted.candidates if not launchable(r.config)]
+    resources = Resources(o.cores)
+    every = candidates(profile, resources, o.thresholds)
+    notes = [f"{c.label}: not started (prefill and decode threads differ)"
+             for c in every if not launchable(c)]
+    configs = [c for c in every if launchable(c) and (not o.configs or c.label in o.configs)]
+    missing = sorted(set(o.configs) - {c.label for c in configs})
+    if missing or not configs:
+        raise ValueError(f"no candidate labelled {missing or list(o.configs)}; the candidates "
+                         f"are {[c.label for c in every]}")
+    # The recommendation among what is run, so that its regret can be measured.
+    predicted = plan(profile, workload.requests, workload.arrivals, resources, slo,
+                     thresholds=o.thresholds, configs=configs)
+    chosen = predicted.candidates
     print(f"pdserve plan --validate: {workload.description}; {o.cores} cores; "
           f"{len(chosen)} candidates; machine: {machine_line()}, loadavg "
           f"{os.getloadavg()[0]:.2f}", flush=True)

@@ -176,7 +176,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace, work, resources, thresholds) -> int:  # noqa: ANN001
-    from benchmarks.plan_validate import Bounds, ValidateOptions, validate
     from planner.workload import ExplicitWorkload
     from workers.model_store import resolve_model
 
@@ -189,10 +188,21 @@ def _validate(args: argparse.Namespace, work, resources, thresholds) -> int:  # 
               file=sys.stderr)
         return EXIT_INVALID
     path = resolve_model(args.model, cache_dir(args))
-    summary = validate(ValidateOptions(
-        model=str(path), profile=args.profile, workload=work, cores=resources.units,
+    try:
+        summary = _run_validation(args, work, resources, thresholds, str(path))
+    except ValueError as e:
+        print(f"pdserve plan --validate: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    return 1 if summary["verdict"] else 0
+
+
+def _run_validation(args: argparse.Namespace, work, resources, thresholds,  # noqa: ANN001
+                    model: str) -> dict:
+    from benchmarks.plan_validate import Bounds, ValidateOptions, validate
+
+    return validate(ValidateOptions(
+        model=model, profile=args.profile, workload=work, cores=resources.units,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
         configs=tuple(c.strip() for c in args.configs.split(";") if c.strip()),
         thresholds=thresholds, bounds=Bounds(args.max_regret, args.max_latency_error,
                                              args.max_goodput_error), out=args.out))
-    return 1 if summary["verdict"] else 0
