@@ -29,6 +29,14 @@ Fitted by least squares on measured steps; :func:`fit_profile` holds out a seede
 of the points and reports the fit's error on them (mean and p90 absolute percentage
 error), which ``pdserve profile`` prints and stores.
 
+**Serving.** A worker serving through the router runs the same steps slower than the
+engine alone: its gRPC streams, the router and the neighbouring workers share the
+cores. ``pdserve profile`` measures that once per thread count (:mod:`benchmarks.
+profile_serving`: the whole machine serving a decode-heavy wave, its ITL against what
+the step model predicts for the very same batches) and stores the ratio in ``serving``;
+:meth:`Profile.step` hands out the step model times it, :attr:`Profile.steps` keeps the
+engine's own fit.
+
 **Transfer time** of ``b`` bytes between a prefill and a decode worker: ``latency_s +
 b / bytes_per_s``, fitted the same way on measured transfers.
 """
@@ -98,6 +106,11 @@ class StepModel:
     """The fastest step measured: predictions never go below it (an empty-ish batch)."""
     error: FitError | None = None
 
+    def scaled(self, factor: float) -> StepModel:
+        """Every step ``factor`` times as long (the serving slowdown)."""
+        return StepModel(tuple(c * factor for c in self.coef), self.floor_s * factor,
+                         self.error)
+
     def seconds(self, chunks: Iterable[Chunk]) -> float:
         row = features(chunks)
         return max(self.floor_s, sum(c * x for c, x in zip(self.coef, row, strict=True)))
@@ -151,12 +164,17 @@ class Profile:
     points: dict = field(default_factory=dict)
     """The raw measurements (``steps``: threads -> [[chunks, seconds]], ``transfer``:
     [[bytes, seconds]]), kept so a profile can be refitted or inspected."""
+    serving: dict[int, float] = field(default_factory=dict)
+    """Threads per worker -> how much slower a step runs while serving (1.0: not
+    measured)."""
 
     def step(self, threads: int) -> StepModel:
+        """The step model of a serving worker of ``threads`` threads."""
         if threads not in self.steps:
             raise KeyError(f"the profile has no step model for {threads} thread(s); it has "
                            f"{sorted(self.steps)} (pdserve profile --threads ...)")
-        return self.steps[threads]
+        factor = self.serving.get(threads, 1.0)
+        return self.steps[threads] if factor == 1.0 else self.steps[threads].scaled(factor)
 
 
 def _lstsq(rows: list[list[float]], ys: list[float]) -> tuple[float, ...]:
@@ -232,7 +250,7 @@ def profile_to_json(p: Profile) -> dict:
                            "error": _error_json(m.error)} for t, m in p.steps.items()},
         "transfer": {"latency_s": p.transfer.latency_s, "bytes_per_s": p.transfer.bytes_per_s,
                      "error": _error_json(p.transfer.error)},
-        "points": p.points,
+        "points": p.points, "serving": {str(t): f for t, f in p.serving.items()},
     }
 
 
@@ -250,7 +268,8 @@ def profile_from_json(d: dict) -> Profile:
                    d["kv_bytes_per_token"], d["num_blocks"], d["max_num_batched_tokens"],
                    d["max_num_seqs"], d["max_model_len"], steps,
                    TransferModel(tr["latency_s"], tr["bytes_per_s"], _error_of(tr.get("error"))),
-                   d.get("points", {}))
+                   d.get("points", {}),
+                   {int(t): float(f) for t, f in d.get("serving", {}).items()})
 
 
 def refit_profile(path: str | Path, held_out: float = 0.2, seed: int = 0) -> Profile:
@@ -268,7 +287,8 @@ def refit_profile(path: str | Path, held_out: float = 0.2, seed: int = 0) -> Pro
                                 held_out, seed)
         return Profile(d["model"], d["dtype"], d.get("machine", {}), d["block_size"],
                        d["kv_bytes_per_token"], d["num_blocks"], d["max_num_batched_tokens"],
-                       d["max_num_seqs"], d["max_model_len"], steps, transfer, raw)
+                       d["max_num_seqs"], d["max_model_len"], steps, transfer, raw,
+                       {int(t): float(f) for t, f in d.get("serving", {}).items()})
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot refit the profile {path}: {e}") from e
 

@@ -145,3 +145,49 @@ def arrival_times(num: int, rate: float, burstiness: float = 1.0, seed: int = 0
         out.append(t)
         t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return out
+
+
+KINDS = ("random", "shared-prefix", "mixed", "multi-turn", "trace")
+
+
+@dataclass(frozen=True)
+class WorkloadShape:
+    """One of the workloads above by name, with ``pdserve bench``'s flags (same names,
+    same defaults): what ``pdserve bench`` sends and ``pdserve plan`` simulates."""
+
+    workload: str = "random"
+    num_requests: int = 100
+    input_len: int = 256
+    output_len: int = 64
+    range_ratio: float = 0.0
+    long_fraction: float = 0.25
+    long_input_len: int = 1536
+    long_output_len: int = 16
+    turns: int = 4
+    prefix_len: int = 512
+    groups: int = 8
+    trace: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.workload not in KINDS:
+            raise ValueError(f"workload must be one of {KINDS}, got {self.workload!r}")
+        if self.workload == "trace" and not self.trace:
+            raise ValueError("--workload trace needs --trace FILE.jsonl")
+
+    def requests(self, seed: int = 0, token_ids: Sequence[int] = DEFAULT_TOKEN_IDS
+                 ) -> list[Request]:
+        n, w = self.num_requests, self.workload
+        if w == "trace":
+            return trace_workload(self.trace or "", seed, token_ids)
+        if w == "shared-prefix":
+            return shared_prefix_workload(n, self.groups, self.prefix_len, self.input_len,
+                                          self.output_len, seed, token_ids)
+        if w == "mixed":
+            return mixed_workload(n, self.input_len, self.output_len, self.long_fraction,
+                                  self.long_input_len, self.long_output_len, self.range_ratio,
+                                  seed, token_ids)
+        if w == "multi-turn":
+            return multi_turn_workload(n, self.turns, self.input_len, self.output_len, seed,
+                                       token_ids)
+        return random_workload(n, self.input_len, self.output_len, self.range_ratio, seed,
+                               token_ids)

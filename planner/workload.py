@@ -17,7 +17,7 @@ slice's simulation within ``max_requests`` (None: no window; the whole workload)
   simulated (a time slice: a stationary hour looks the same in any window of it). The
   search gives every candidate the same window, so each is measured over the same time.
 
-:class:`WorkloadSpec` builds the ``pdserve bench`` workloads from the same flags, and
+:func:`explicit` builds the ``pdserve bench`` workloads from the same shape, and
 :func:`from_details` reads a recorded run (``pdserve bench --out FILE``).
 """
 
@@ -31,20 +31,11 @@ from pathlib import Path
 from typing import Protocol
 
 from loadtest.runner import group_sessions
-from loadtest.workloads import (
-    DEFAULT_TOKEN_IDS,
-    Request,
-    arrival_times,
-    mixed_workload,
-    multi_turn_workload,
-    random_workload,
-    shared_prefix_workload,
-    trace_workload,
-)
+from loadtest.workloads import DEFAULT_TOKEN_IDS, KINDS, Request, WorkloadShape, arrival_times
 
 from .synthetic import SyntheticTrace
 
-WORKLOADS = ("random", "shared-prefix", "mixed", "multi-turn", "trace")
+WORKLOADS = KINDS
 
 
 @dataclass(frozen=True)
@@ -114,53 +105,18 @@ class SyntheticWorkload:
         return Sample(requests, arrivals, fraction, window_s)
 
 
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """``pdserve bench``'s workload flags (same names, same defaults)."""
-
-    workload: str = "random"
-    num_requests: int = 100
-    request_rate: float = math.inf
-    burstiness: float = 1.0
-    input_len: int = 256
-    output_len: int = 64
-    range_ratio: float = 0.0
-    long_fraction: float = 0.25
-    long_input_len: int = 1536
-    long_output_len: int = 16
-    turns: int = 4
-    prefix_len: int = 512
-    groups: int = 8
-    trace: str | None = None
-    seed: int = 0
-
-    def build(self) -> ExplicitWorkload:
-        n, s, ids = self.num_requests, self.seed, DEFAULT_TOKEN_IDS
-        if self.workload == "trace":
-            if not self.trace:
-                raise ValueError("--workload trace needs --trace FILE.jsonl")
-            reqs = trace_workload(self.trace, s, ids)
-        elif self.workload == "shared-prefix":
-            reqs = shared_prefix_workload(n, self.groups, self.prefix_len, self.input_len,
-                                          self.output_len, s, ids)
-        elif self.workload == "mixed":
-            reqs = mixed_workload(n, self.input_len, self.output_len, self.long_fraction,
-                                  self.long_input_len, self.long_output_len, self.range_ratio,
-                                  s, ids)
-        elif self.workload == "multi-turn":
-            reqs = multi_turn_workload(n, self.turns, self.input_len, self.output_len, s, ids)
-        elif self.workload == "random":
-            reqs = random_workload(n, self.input_len, self.output_len, self.range_ratio, s, ids)
-        else:
-            raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
-        sessions = len(group_sessions(reqs))
-        times = arrival_times(sessions, self.request_rate, self.burstiness, s)
-        if reqs and all(r.at is not None for r in reqs):  # a trace keeps its own schedule
-            times = [float(r.at) for r in reqs]  # type: ignore[arg-type]
-        rate = "inf" if math.isinf(self.request_rate) else f"{self.request_rate:g}"
-        return ExplicitWorkload(reqs, times, f"{self.workload}: {len(reqs)} requests, rate "
-                                             f"{rate} req/s, burstiness {self.burstiness:g}, "
-                                             f"seed {s}")
+def explicit(shape: WorkloadShape, request_rate: float = math.inf, burstiness: float = 1.0,
+             seed: int = 0) -> ExplicitWorkload:
+    """``pdserve bench``'s workload (the same :class:`~loadtest.workloads.WorkloadShape`
+    and arrivals) over the default ids, as the planner simulates it."""
+    reqs = shape.requests(seed, DEFAULT_TOKEN_IDS)
+    sessions = len(group_sessions(reqs))
+    times = arrival_times(sessions, request_rate, burstiness, seed)
+    if reqs and all(r.at is not None for r in reqs):  # a trace keeps its own schedule
+        times = [float(r.at) for r in reqs]  # type: ignore[arg-type]
+    rate = "inf" if math.isinf(request_rate) else f"{request_rate:g}"
+    return ExplicitWorkload(reqs, times, f"{shape.workload}: {len(reqs)} requests, rate "
+                                         f"{rate} req/s, burstiness {burstiness:g}, seed {seed}")
 
 
 def from_details(path: str | Path, input_len: int | None = None, seed: int = 0

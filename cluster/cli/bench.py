@@ -168,6 +168,13 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--max-num-batched-tokens", type=int, default=2048)
     pp.add_argument("--max-num-seqs", type=int, default=256)
     pp.add_argument("--quick", action="store_true", help="a smaller grid (~1 minute)")
+    pp.add_argument("--no-serving", action="store_true",
+                    help="skip the serving calibration (a local cluster per thread count "
+                         "serving a wave; ~1 minute): steps are then taken as the engine "
+                         "alone runs them")
+    pp.add_argument("--serving", default=None, metavar="FILE",
+                    help="measure nothing but the serving calibration of FILE's profile; "
+                         "write --out")
     pp.add_argument("--refit", default=None, metavar="FILE",
                     help="measure nothing: fit FILE's saved points anew with this version's "
                          "model and write --out (an older profile, or new features)")
@@ -260,6 +267,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     if args.refit:
         return _refit(args.refit, args.out)
+    if args.serving:
+        return _serving(args, args.serving)
     try:
         threads = (tuple(int(t) for t in args.threads.split(",")) if args.threads
                    else tuple(t for t in (1, 2) if t <= cores()))
@@ -288,7 +297,30 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"pdserve profile: {e}", file=sys.stderr)
         return 1
     print(report(profile, results, time.perf_counter() - start))
+    if not args.no_serving:
+        return _serving(args, opts.out)
     print(f"\nprofile written to {opts.out}")
+    return 0
+
+
+def _serving(args: argparse.Namespace, path: str) -> int:
+    from benchmarks.profile_serving import calibrate
+    from common.cost_model import load_profile, save_profile
+    from workers.model_store import resolve_model
+
+    try:
+        profile = load_profile(path)
+    except ValueError as e:
+        print(f"pdserve profile: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    model = resolve_model(args.model, cache_dir(args))
+    try:
+        profile, _ = calibrate(profile, str(model), lambda line: print(line, flush=True))
+    except (RuntimeError, OSError, TimeoutError) as e:
+        print(f"pdserve profile: the serving calibration failed: {e}", file=sys.stderr)
+        return 1
+    save_profile(profile, args.out)
+    print(f"\nprofile (with serving factors {profile.serving}) written to {args.out}")
     return 0
 
 
@@ -326,14 +358,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from loadtest.backends import TargetError
     from loadtest.metrics import SLO
     from loadtest.runner import RunOptions, group_sessions, run, sweep
-    from loadtest.workloads import (
-        arrival_times,
-        mixed_workload,
-        multi_turn_workload,
-        random_workload,
-        shared_prefix_workload,
-        trace_workload,
-    )
+    from loadtest.workloads import WorkloadShape, arrival_times
 
     if args.compare:
         from loadtest.plots import compare
@@ -363,21 +388,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"pdserve bench: {e}; exit 1", file=sys.stderr)
         return 1
 
+    shape = WorkloadShape(args.workload, n, args.input_len, args.output_len, args.range_ratio,
+                          args.long_fraction, args.long_input_len, args.long_output_len,
+                          args.turns, args.prefix_len, args.groups, args.trace)
+
     def build(seed: int) -> list:
-        if args.workload == "trace":
-            return trace_workload(args.trace, seed, token_ids)
-        if args.workload == "shared-prefix":
-            return shared_prefix_workload(n, args.groups, args.prefix_len, args.input_len,
-                                          args.output_len, seed, token_ids)
-        if args.workload == "mixed":
-            return mixed_workload(n, args.input_len, args.output_len, args.long_fraction,
-                                  args.long_input_len, args.long_output_len, args.range_ratio,
-                                  seed, token_ids)
-        if args.workload == "multi-turn":
-            return multi_turn_workload(n, args.turns, args.input_len, args.output_len, seed,
-                                       token_ids)
-        return random_workload(n, args.input_len, args.output_len, args.range_ratio, seed,
-                               token_ids)
+        return shape.requests(seed, token_ids)
 
     requests = build(args.seed)
     sessions = len(group_sessions(requests))

@@ -120,13 +120,14 @@ def _workload(args: argparse.Namespace, profile, resources):  # noqa: ANN001, AN
             rate = synthetic.rate_for(profile, workers, base, args.utilization, threads)
         trace = synthetic.SyntheticTrace(**{**base.__dict__, "rate": rate})
         return workload.SyntheticWorkload(trace), []
-    spec = workload.WorkloadSpec(
-        args.workload, args.num_requests, math.inf if args.request_rate is None
-        else args.request_rate, args.burstiness, given("input_len", 256),
-        given("output_len", 64), given("range_ratio", 0.0), given("long_fraction", 0.25),
-        given("long_input_len", 1536), given("long_output_len", 16), args.turns,
-        args.prefix_len, args.groups, args.trace, args.seed)
-    return spec.build(), []
+    from loadtest.workloads import WorkloadShape
+
+    shape = WorkloadShape(
+        args.workload, args.num_requests, given("input_len", 256), given("output_len", 64),
+        given("range_ratio", 0.0), given("long_fraction", 0.25), given("long_input_len", 1536),
+        given("long_output_len", 16), args.turns, args.prefix_len, args.groups, args.trace)
+    rate = math.inf if args.request_rate is None else args.request_rate
+    return workload.explicit(shape, rate, args.burstiness, args.seed), []
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -92,3 +92,14 @@ def test_profile_file_round_trip_and_version_check(tmp_path):
     path.write_text(path.read_text().replace(f'"version": {PROFILE_VERSION}', '"version": 99'))
     with pytest.raises(ValueError, match="rerun pdserve profile"):
         load_profile(path)
+
+
+def test_the_serving_factor_scales_what_step_hands_out_and_survives_the_file(tmp_path):
+    steps = {1: fit_steps(_points(60))}
+    p = Profile("m", "float32", {}, 16, 1024, 1000, 2048, 256, 2048, steps,
+                fit_transfer([(1 << 20, 0.001), (1 << 24, 0.008), (1 << 22, 0.003)]),
+                serving={1: 1.25})
+    chunks = [(1, 300)] * 8
+    assert p.step(1).seconds(chunks) == pytest.approx(1.25 * p.steps[1].seconds(chunks))
+    save_profile(p, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").serving == {1: 1.25}
