@@ -75,3 +75,33 @@ def test_bad_settings_are_refused():
         AutoscaleConfig(min_gain=-1)
     with pytest.raises(ValueError, match="candidate"):
         Autoscaler([], lambda c, r: 0.0)
+
+
+def test_the_simulated_score_does_not_flap_under_a_steady_load():
+    """The production score (the simulator on each window's requests) over 30 decisions
+    of one steady Poisson load: windows differ only by chance, and the planner moves at
+    most once (to whichever configuration it finds better), never back and forth."""
+    import random
+
+    from planner.autoscale import simulated_goodput
+    from planner.synthetic import synthetic_profile
+
+    profile = synthetic_profile("cpu")
+    rng = random.Random(3)
+    t, records = 0.0, []
+    while t < 30 * 20 + 60:
+        t += rng.expovariate(1.5)
+        long = rng.random() < 0.25
+        records.append(TrafficRecord(t, 1536 if long else 128, 0, 16 if long else 96))
+    score = simulated_goodput(profile, 1, slo_ttft_ms=3000, slo_tpot_ms=150)
+    s = Autoscaler([MIXED, SPLIT], score, AutoscaleConfig(interval_s=20, window_s=60,
+                                                          min_dwell_s=60))
+    current, moves = MIXED, []
+    for k in range(30):
+        now = 60 + 20 * k
+        window = [r for r in records if now - 60 <= r.arrival < now]
+        d = s.decide(now, current, window)
+        if d.target is not None:
+            moves.append(d.target.label)
+            current = d.target
+    assert len(moves) <= 1, moves
