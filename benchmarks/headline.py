@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cluster.autoscale import AutoscaleLoop
@@ -194,4 +194,4 @@ def run_headline(o: HeadlineOptions, report_only: bool = False) -> dict:
             for seed in o.seeds:
                 for name in o.clusters:
                     _sweep(o, name, workload, seed, cal, out)
-    return report(replace(o), out)
+    return report(out, o.workloads, o.seeds, asdict(o))

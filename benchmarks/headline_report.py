@@ -21,13 +21,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from loadtest.metrics import percentile
 from loadtest.plots import plot_sweeps
-
-if TYPE_CHECKING:
-    from .headline import HeadlineOptions
 
 HIGH, LOW = 0.85, 0.25
 TURNS = {"mixed": 1, "chat": 3}
@@ -67,9 +63,11 @@ def checks(c: dict, s: dict, a: dict, turns: int = 1) -> dict[str, bool | None]:
     return out
 
 
-def report(o: HeadlineOptions, out: Path) -> dict:
+def report(out: Path, workloads: tuple[str, ...], seeds: tuple[int, ...],
+           options: dict | None = None) -> dict:
+    """Tabulate, check and plot the run in ``out`` (``options``: saved beside it)."""
     rows, met, total = [], 0, 0
-    for workload in o.workloads:
+    for workload in workloads:
         cal_path = out / f"{workload}-calibration.json"
         if not cal_path.exists():
             print(f"{workload}: no calibration in {out}; skipped")
@@ -78,7 +76,7 @@ def report(o: HeadlineOptions, out: Path) -> dict:
         print(f"\n### {workload}: capacity {cal['capacity_req_s']:.3f} req/s "
               f"({cal['capacity_sessions_s']:.3f} sessions/s); SLOs TTFT <= "
               f"{cal['slo_ttft_ms']:.0f} ms, TPOT <= {cal['slo_tpot_ms']:.1f} ms")
-        for seed in o.seeds:
+        for seed in seeds:
             sweeps = {n: _load(out, workload, seed, n) for n in ("colocated", "static",
                                                                   "adaptive")}
             if any(v is None for v in sweeps.values()):
@@ -118,7 +116,7 @@ def report(o: HeadlineOptions, out: Path) -> dict:
                     p["request_rate"] = p["rate"]
             plot_sweeps(sweeps, out / f"headline-{workload}-s{seed}.png")
     print(f"\ntargets met: {met} of {total}")
-    summary = {"options": {k: v for k, v in o.__dict__.items()}, "rows": rows,
+    summary = {"options": options or {}, "rows": rows,
                "targets_met": met, "targets": total}
     (out / "headline.json").write_text(json.dumps(summary, indent=1))
     print(f"wrote {out / 'headline.json'} and headline-*.png")

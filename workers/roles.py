@@ -50,7 +50,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -64,8 +64,16 @@ from .presence import Presence
 from .transfer import ChannelStats, KVLayout, KVReceiver, KVSender, PagedCacheDestination
 
 if TYPE_CHECKING:
+    from .config import WorkerConfig
     from .engine.llm_engine import LLMEngine
-    from .server import WorkerConfig, WorkerServicer
+
+
+class UsesEnds(Protocol):
+    """What a role change needs of the gRPC servicer (:class:`workers.server.
+    WorkerServicer`): to take the new role's ends at once."""
+
+    def use(self, config: WorkerConfig, sender: KVSender | None, receiver: KVReceiver | None,
+            targets: KVTargets | None) -> None: ...
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +178,7 @@ class RoleSwitch:
     ``presence``); ``metrics``: its ``role`` label follows the role."""
 
     def __init__(self, config: WorkerConfig, loop: EngineLoop, end: ChannelEnd,
-                 servicer: WorkerServicer, presence: Presence | None = None,
+                 servicer: UsesEnds, presence: Presence | None = None,
                  info: WorkerInfo | None = None, metrics: Metrics | None = None,
                  targets: KVTargets | None = None) -> None:
         self.config, self.end = config, end

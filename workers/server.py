@@ -33,7 +33,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -42,12 +42,11 @@ from common.metrics import Metrics
 from common.registry import WorkerInfo
 from common.request import Request
 from common.sampling import InvalidRequestError
-from common.tls import ClusterTLS
 from common.wire import FINISH_REASONS, MAX_MESSAGE_BYTES, request_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
+from .config import WorkerConfig
 from .engine.llm_engine import LLMEngine, RequestOutput
-from .engine.params import EngineConfig
 from .engine_loop import EngineLoop, EngineUnavailableError
 from .kv_targets import KVTargets
 from .metrics import WorkerMetrics
@@ -58,56 +57,11 @@ from .transfer import (
     ChannelStats,
     KVReceiver,
     KVSender,
-    TransferConfig,
     TransferResult,
     TransferState,
 )
 
 log = logging.getLogger(__name__)
-
-ROLES = ("mixed", "prefill", "decode")
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    """``local_prefill_threshold`` (decode role): a request whose uncached prompt part is
-    shorter is prefilled here instead of on a prefill worker (conditional
-    disaggregation); 0 sends every prompt to a prefill worker."""
-
-    engine: EngineConfig
-    model_name: str
-    role: str = "mixed"
-    host: str = "127.0.0.1"
-    port: int = 50061
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    local_prefill_threshold: int = 32
-    redis_url: str | None = None
-    """Register in the worker registry and publish KV block events to the prefix index
-    there (see :mod:`workers.presence`); None: neither."""
-    registry_ttl_s: float = 3.0
-    metrics_port: int | None = None
-    """Serve Prometheus ``/metrics`` here (0: any free port); None: no endpoint."""
-    ray_metrics: bool = False
-    """Mirror the metrics into ``ray.util.metrics`` (inside a Ray actor)."""
-    drain_timeout_s: float = 30.0
-    drain_grace_s: float = 2.0
-    """Draining: how long requests routed before the registry said we left may still
-    arrive (at least the routers' discovery interval)."""
-    reservation_timeout_s: float = 600.0
-    """Decode role: how long reserved blocks wait for their KV offer. Long on purpose:
-    prefill queues can be deep, and the router's stream bounds a reservation anyway
-    (a cancelled or broken Decode call frees it at once)."""
-    cluster_tls: ClusterTLS | None = None
-    """Serve gRPC with mutual TLS: only clients presenting a certificate of the cluster
-    CA get an answer. None: plaintext (a private network, or loopback)."""
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.local_prefill_threshold < 0:
-            raise ValueError("local_prefill_threshold must be >= 0, got "
-                             f"{self.local_prefill_threshold}")
-
 
 def to_proto(out: RequestOutput, first_index: int) -> worker_pb2.WorkerGenerateResponse:
     """An engine output as a stream message. A prefill worker's ``remote`` end carries
