@@ -47,7 +47,8 @@ bench: install
 	$(VENV)/bin/pdserve bench-router
 	$(VENV)/bin/pdserve bench-disagg
 	$(VENV)/bin/pdserve bench-routing
-	$(VENV)/bin/pdserve bench-headline
+	$(VENV)/bin/pdserve profile --out bench-results/profile.json  # the planner's cost model
+	$(VENV)/bin/pdserve bench-headline --profile bench-results/profile.json
 	$(VENV)/bin/pdserve bench-serving  # vLLM too when PDSERVE_VLLM_PYTHON names its venv
 
 lint: install
