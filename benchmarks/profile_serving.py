@@ -21,6 +21,7 @@ serving step's time is; one factor per thread count scales the whole step model.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import replace
 
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
@@ -40,6 +41,9 @@ def serving_factor(profile: Profile, model: str, threads: int, per_worker: int =
     """The factor for ``threads`` and what it came from."""
     import asyncio
 
+    if log_dir is None:  # the cluster's logs, out of the way (they tell only on failure)
+        with tempfile.TemporaryDirectory(prefix="pdserve-serving-") as tmp:
+            return serving_factor(profile, model, threads, per_worker, dtype, tmp)
     workers = max(1, (os.cpu_count() or 1) // threads)
     n = workers * per_worker
     requests = random_workload(n, INPUT_LEN, OUTPUT_LEN, 0.0, seed=4242)
