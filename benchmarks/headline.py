@@ -41,7 +41,6 @@ from loadtest.metrics import SLO, percentile
 from loadtest.runner import RunOptions, run
 from loadtest.workloads import Request, arrival_times, mixed_workload, multi_turn_workload
 from planner.autoscale import AutoscaleConfig
-from router.client import Client
 
 from .headline_report import TURNS, report
 from .machine import machine_line
@@ -98,19 +97,12 @@ def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None) -> LocalC
                               launcher="process", log_dir=str(out / f"{name}-logs"), **extra)
 
 
-def _warm(cluster: LocalCluster) -> None:
-    with Client(cluster.target) as client:  # both workers' first forward
-        for i in range(4):
-            client.generate(list(range(1000 + i, 1064 + i)), max_tokens=4, ignore_eos=True,
-                            temperature=0.0)
-
-
 def calibrate(o: HeadlineOptions, workload: str, out: Path) -> dict:
     """Unloaded latencies and closed-loop capacity of ``workload`` on the colocated
     cluster; the SLOs and rates of every sweep come from them."""
     with LocalCluster(_config(o, "colocated", out, None)) as cluster:
         cluster.wait_ready()
-        _warm(cluster)
+        cluster.warm()
         reqs = requests_of(workload, o.calibration_requests, 10_000)
         n = _sessions(reqs)
         alone = run(RunOptions(cluster.target, tuple(reqs), (0.0,) * n, max_concurrency=1,
@@ -138,7 +130,7 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
     points = []
     with LocalCluster(_config(o, name, out, slo)) as cluster:
         cluster.wait_ready()
-        _warm(cluster)
+        cluster.warm()
         planner = None
         if name == "adaptive":
             i = o.autoscale_interval_s

@@ -36,10 +36,13 @@ def _load(out: Path, workload: str, seed: int, name: str) -> list[dict] | None:
 
 
 def first_gap_ms(out: Path, workload: str, seed: int, name: str, fraction: float
-                 ) -> tuple[float, float]:
-    """Median and p99 of the first -> second token gap at one point (ms)."""
+                 ) -> tuple[float, float] | None:
+    """Median and p99 of the first -> second token gap at one point (ms); None when the
+    point's per-request file is not kept (only sweeps were saved)."""
     path = out / f"{workload}-s{seed}-{name}-f{fraction:g}.json"
-    times = json.loads(path.read_text())["details"]["token_times"] if path.exists() else []
+    if not path.exists():
+        return None
+    times = json.loads(path.read_text())["details"]["token_times"]
     gaps = [(t[1] - t[0]) * 1e3 for t in times if len(t) >= 2]
     return percentile(gaps, 50), percentile(gaps, 99)
 
@@ -102,8 +105,9 @@ def report(out: Path, workloads: tuple[str, ...], seeds: tuple[int, ...],
                       f"{a['p90_ttft_ms']:>8.0f} | {roles:>16} | {marks}")
                 gaps = {n: first_gap_ms(out, workload, seed, n, c["fraction"])
                         for n in ("colocated", "static", "adaptive")}
-                print(f"{'':>14}first->second token gap p50/p99 ms: " + ", ".join(
-                    f"{n} {g[0]:.0f}/{g[1]:.0f}" for n, g in gaps.items()))
+                if all(g is not None for g in gaps.values()):
+                    print(f"{'':>14}first->second token gap p50/p99 ms: " + ", ".join(
+                        f"{n} {g[0]:.0f}/{g[1]:.0f}" for n, g in gaps.items()))
                 rows.append({"workload": workload, "seed": seed, "fraction": c["fraction"],
                              "rate": c["rate"], "first_gap_ms_p50_p99": gaps,
                              **{f"{k}_{n}": p[k] for n, p in

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
+
+from workers.engine.dtype_choice import cpu_flags
 
 
 def cpu_name() -> str:
@@ -17,19 +20,8 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_flags() -> list[str]:
-    """The flags that decide our kernels' speed, of those the CPU has."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-
-
 def machine_line() -> str:
     """One line for a benchmark's header: CPU, cores, the flags that matter."""
-    import os
-
-    return f"{cpu_name()}, {os.cpu_count()} cpus, {' '.join(cpu_flags()) or 'no AVX2'}"
+    have = cpu_flags() or frozenset()
+    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in have]
+    return f"{cpu_name()}, {os.cpu_count()} cpus, {' '.join(shown) or 'no AVX2'}"

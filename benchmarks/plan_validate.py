@@ -28,7 +28,6 @@ from loadtest.runner import RunOptions, run
 from planner.config import PoolConfig, Resources
 from planner.search import DEFAULT_THRESHOLDS, candidates, plan
 from planner.workload import ExplicitWorkload
-from router.client import Client
 
 from .machine import machine_line
 
@@ -89,10 +88,7 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
     name = "".join(ch if ch.isalnum() else "-" for ch in c.label).strip("-")
     with LocalCluster(cluster_config(o, c, out / f"{name}-logs")) as cluster:
         cluster.wait_ready()
-        with Client(cluster.target) as client:  # every worker's first forward
-            for i in range(2 * c.workers):
-                client.generate(list(range(2000 + i, 2064 + i)), max_tokens=4,
-                                ignore_eos=True, temperature=0.0)
+        cluster.warm()
         return run(RunOptions(cluster.target, tuple(requests), tuple(arrivals), slo=slo,
                               progress=True), str(out / f"{name}.json"), {"config": c.label})
 

@@ -31,7 +31,6 @@ from loadtest.runner import RunOptions, drive
 from loadtest.workloads import random_workload
 from planner.config import PoolConfig
 from planner.predict import run as simulate_run
-from router.client import Client
 
 INPUT_LEN, OUTPUT_LEN = 128, 64
 
@@ -52,10 +51,7 @@ def serving_factor(profile: Profile, model: str, threads: int, per_worker: int =
                                 launcher="process", log_dir=log_dir)
     with LocalCluster(config) as cluster:
         cluster.wait_ready()
-        with Client(cluster.target) as client:
-            for i in range(2 * workers):
-                client.generate(list(range(3000 + i, 3064 + i)), max_tokens=4,
-                                ignore_eos=True, temperature=0.0)
+        cluster.warm()
         trace = asyncio.run(drive(RunOptions(cluster.target, tuple(requests), (0.0,) * n,
                                              progress=False)))
     measured = [g for r in trace.records if r.ok for g in r.itls]

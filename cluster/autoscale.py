@@ -61,9 +61,8 @@ class AutoscaleLoop:
         interval = c.autoscale_interval_s
         self.config = config or AutoscaleConfig(
             interval_s=interval, window_s=3 * interval, min_dwell_s=3 * interval)
-        budget = c.itl_budget_ms if c.profile else None
         candidates = reachable(len(cluster.workers), cluster.threads,
-                               c.local_prefill_threshold, budget)
+                               c.local_prefill_threshold, c.itl_budget_ms)
         slo = (c.slo_ttft_ms, c.slo_tpot_ms)
         self.autoscaler = Autoscaler(
             candidates, simulated_goodput(profile, cluster.threads, *slo), self.config)
@@ -99,7 +98,7 @@ class AutoscaleLoop:
         None while the workers' roles form no configuration (a change half done)."""
         roles = dict(zip(self.cluster.worker_addresses,
                          (role for _, role in self.cluster.workers), strict=True))
-        current = current_config(roles, self.cluster.threads, self.autoscaler.candidates)
+        current = current_config(roles, self.autoscaler.candidates)
         if current is None:
             return None
         records = self.traffic.recent(now - self.config.window_s)

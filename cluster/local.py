@@ -201,6 +201,17 @@ class LocalCluster:
                     raise TimeoutError(f"the cluster did not serve within {timeout:.0f}s")
                 time.sleep(0.5)
 
+    def warm(self, per_worker: int = 2) -> None:
+        """Each worker's first forwards (weights paged in, kernels compiled) before
+        anything is measured: ``per_worker`` short greedy prompts per worker, through the
+        router (which spreads them)."""
+        from router.client import Client
+
+        with Client(self.target, self.config.client_tls_ca) as client:
+            for i in range(per_worker * len(self.workers)):
+                client.generate(list(range(1000 + i, 1064 + i)), max_tokens=4,
+                                ignore_eos=True, temperature=0.0)
+
     def usage(self) -> str:
         return banner(self.config, self.threads, self.target, self.http_url,
                       self.metrics_urls.get("router"))

@@ -15,14 +15,11 @@ only makes the planner see less traffic; serving never waits on it.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import redis
 
 from .prefix_index import RedisPrefixIndex
-
-log = logging.getLogger(__name__)
 
 MAX_TOKENS = 1 << 24
 """No request's count of tokens is above this; a larger value is not ours."""

@@ -7,7 +7,7 @@ Every ``interval_s`` the driver calls :meth:`Autoscaler.decide` with the request
 arrived in the last ``window_s`` (:mod:`common.traffic`). Each candidate (the
 configurations the workers can reach by changing roles, their threads fixed) is scored
 by ``score(config, records)``, in production the simulator's predicted goodput
-(:func:`simulate_goodput`). The current configuration is left only when all of these
+(:func:`simulated_goodput`). The current configuration is left only when all of these
 hold, else the decision says which did not (its ``reason``):
 
 1. ``few_requests``: the window has at least ``min_requests`` requests;
@@ -113,11 +113,6 @@ class Autoscaler:
         self.last_change, self._leader, self._wins = now, None, 0
         return Decision(now, current, best, "switch", labels)
 
-    def changed(self, now: float) -> None:
-        """A configuration change made outside the autoscaler (a user's) starts the
-        dwell time too."""
-        self.last_change = now
-
 
 def reachable(workers: int, threads: int, static_threshold: int,
               adaptive_itl_budget_ms: float | None = None) -> list[PoolConfig]:
@@ -151,7 +146,7 @@ def role_changes(roles: dict[str, str], target: PoolConfig) -> list[tuple[str, s
     return list(zip(spare, missing, strict=True))
 
 
-def current_config(roles: dict[str, str], threads: int,
+def current_config(roles: dict[str, str],
                    candidates: Sequence[PoolConfig]) -> PoolConfig | None:
     """The candidate whose pool sizes the workers' roles (``worker -> role``) have now;
     None when none does (a role change half done)."""

@@ -222,8 +222,9 @@ def cmd_router(args: argparse.Namespace) -> int:
         if args.profile:  # read once up front too: a bad file is reported before serving
             from common.cost_model import load_profile
 
-            load_profile(args.profile).step(args.prefill_threads)
-            load_profile(args.profile).step(args.decode_threads)
+            profile = load_profile(args.profile)
+            profile.step(args.prefill_threads)
+            profile.step(args.decode_threads)
     except (ValueError, KeyError) as e:  # bad settings, an unreadable file
         print(f"pdserve router: {e}", file=sys.stderr)
         return EXIT_INVALID
