@@ -4,9 +4,14 @@ Lifecycle: pick free loopback ports -> start Redis (unless one is given) -> star
 workers: K mixed ones, or N prefill and M decode ones (each with its share of the cores:
 ``OMP_NUM_THREADS`` and ``--threads`` set per process, so they do not thrash; each with
 its ``/metrics`` port) -> start the router pointed at them -> :meth:`LocalCluster.
-wait_ready` until the router answers ``GetStatus`` -> serve until Ctrl-C or until any
-process dies -> stop everyone (SIGINT, or SIGTERM to drain; SIGKILL after a grace
-period). ``pdserve up --launcher process`` and the end-to-end tests use it; the Ray
+wait_ready` until the router answers ``GetStatus`` -> serve until Ctrl-C or SIGTERM,
+supervising (:mod:`cluster.supervisor`: a process that dies, Redis included, is started
+again with backoff, on the same address; a worker registers with a new epoch and the
+router migrates what it was serving; a component that keeps dying stops the cluster,
+its log quoted) -> stop everyone (SIGINT, or SIGTERM to drain; SIGKILL after a grace
+period). ``wait`` supervises in the caller's thread (``pdserve up``); :meth:`LocalCluster.
+supervise` in a background thread (the chaos harness, tests); without either, nothing is
+restarted. ``pdserve up --launcher process`` and the end-to-end tests use it; the Ray
 launcher (``cluster.ray_cluster``) runs the same command lines as actors.
 :meth:`LocalCluster.set_role` changes a worker's role while it serves (the worker's
 ``SetRole``: it drains and registers again in the new role, its weights kept); the
@@ -26,6 +31,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from types import TracebackType
 
@@ -39,6 +45,7 @@ from .child import guarded
 from .deployment import DeploymentConfig
 from .net import free_port
 from .redis_server import RedisServer
+from .supervisor import GaveUp, RestartPolicy, Supervisor, log_tail
 
 LocalClusterConfig = DeploymentConfig  # what this launcher reads (its ``launcher`` is moot)
 __all__ = ["LocalCluster", "LocalClusterConfig", "banner", "free_port", "start_redis",
@@ -97,18 +104,9 @@ def banner(c: DeploymentConfig, threads: int, target: str, http_url: str | None,
     return "\n".join(lines)
 
 
-def _log_tail(path: str, limit: int = 2000) -> str:
-    """The end of a log, to quote in an error (a CI run keeps no files)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, os.path.getsize(path) - limit))
-            return ":\n" + f.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
 class LocalCluster:
-    def __init__(self, config: LocalClusterConfig) -> None:
+    def __init__(self, config: LocalClusterConfig,
+                 restart_policy: RestartPolicy | None = None) -> None:
         if config.metrics_port == 0:  # any free one, known before the router starts
             config = dataclasses.replace(config, metrics_port=free_port(config.host))
         self.config = config
@@ -123,10 +121,35 @@ class LocalCluster:
         scheme = "https" if config.client_tls_ca else "http"  # raises without a CA to trust
         self.http_url = (f"{scheme}://{config.host}:{config.http_port}"
                          if config.http_port else None)
-        self.procs: list[subprocess.Popen] = []
-        self.names: list[str] = []
+        self.supervisor = Supervisor(restart_policy or RestartPolicy(),
+                                     on_event=lambda e: print(f"pdserve up: {e}",
+                                                              file=sys.stderr, flush=True))
         self.redis_url: str | None = None
         """Where components find Redis, credentials included (prints redacted)."""
+        self._supervising: threading.Thread | None = None
+        self._stop_supervising = threading.Event()
+        self.gave_up: GaveUp | None = None
+        """Why background supervision stopped the cluster, if it did."""
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """Each component's current process (Redis, the workers, the router)."""
+        return [c.proc for c in self.supervisor.components if c.proc is not None]
+
+    @property
+    def names(self) -> list[str]:
+        """The components' names, in :attr:`procs`' order."""
+        return [c.name for c in self.supervisor.components]
+
+    def proc(self, name: str) -> subprocess.Popen:
+        """``name``'s current process (``redis``, ``router``, ``decode-0``, ...)."""
+        proc = self.supervisor.get(name).proc
+        assert proc is not None
+        return proc
+
+    def restarts(self, name: str) -> int:
+        """How many times supervision started ``name`` again."""
+        return self.supervisor.get(name).restarts
 
     @property
     def metrics_urls(self) -> dict[str, str]:
@@ -142,6 +165,9 @@ class LocalCluster:
                  tb: TracebackType | None) -> None:
         self.stop()
 
+    def _log_path(self, name: str) -> str | None:
+        return os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir else None
+
     def _spawn(self, name: str, args: list[str], threads: int) -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
         password = password_of(self.redis_url)
@@ -150,31 +176,47 @@ class LocalCluster:
         else:
             env.pop(PASSWORD_ENV, None)
         out = None
-        if self.config.log_dir:
-            os.makedirs(self.config.log_dir, exist_ok=True)
-            out = open(os.path.join(self.config.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
+        log = self._log_path(name)
+        if log:
+            os.makedirs(os.path.dirname(log), exist_ok=True)
+            out = open(log, "ab")  # noqa: SIM115
         proc = subprocess.Popen(guarded([sys.executable, "-m", "cluster.cli", *args]),
                                 env=env, stdout=out, stderr=out)
         if out is not None:
             out.close()  # the child holds its own descriptor
-        self.procs.append(proc)
-        self.names.append(name)
         return proc
 
+    def _worker_args(self, i: int) -> list[str]:
+        """Worker ``i``'s command line in its current role (a restart keeps a role
+        changed in place)."""
+        (name, role), address = self.workers[i], self.worker_addresses[i]
+        host, port = address.rsplit(":", 1)
+        return self.config.worker_args(role, host, int(port),
+                                       without_password(self.redis_url), self.threads,
+                                       self.metrics_ports[name])
+
     def start(self) -> None:
-        c = self.config
+        c, sup = self.config, self.supervisor
         redis = start_redis(self.config)
         if redis is not None:
-            self.procs.append(redis.proc)
-            self.names.append("redis")
+            first = [redis.proc]
+
+            def redis_proc(r: RedisServer = redis) -> subprocess.Popen:
+                # A restart: empty, on the same port and password; workers register again
+                # and republish their blocks, routers' prefix lookups resume.
+                return first.pop() if first else RedisServer(
+                    r.host, r.port, r.binary, guard=True, password=r.password).proc
+
+            sup.add("redis", redis_proc)
         self.redis_url = redis.url if redis is not None else self.config.redis_url
         shown = without_password(self.redis_url)  # the password goes in the environment
-        for (name, role), address in zip(self.workers, self.worker_addresses, strict=True):
-            host, port = address.rsplit(":", 1)
-            self._spawn(name, c.worker_args(role, host, int(port), shown,
-                                            self.threads, self.metrics_ports[name]),
-                        self.threads)
-        self._spawn("router", c.router_args(self.worker_addresses, shown), 1)
+        for i, (name, _) in enumerate(self.workers):
+            sup.add(name, lambda i=i, name=name: self._spawn(name, self._worker_args(i),
+                                                             self.threads),
+                    self._log_path(name))
+        sup.add("router", lambda: self._spawn(
+            "router", c.router_args(self.worker_addresses, shown), 1),
+            self._log_path("router"))
 
     def wait_ready(self, timeout: float = 600.0) -> None:
         from router.client import Client
@@ -186,10 +228,8 @@ class LocalCluster:
                         if p.poll() is not None]
                 if dead:
                     name, proc = dead[0]
-                    where = "its output above"
-                    if self.config.log_dir:
-                        log = os.path.join(self.config.log_dir, f"{name}.log")
-                        where = log + _log_tail(log)
+                    log = self._log_path(name)
+                    where = log + log_tail(log) if log else "its output above"
                     raise RuntimeError(f"{name} exited with {proc.returncode} while starting; "
                                        f"see {where}")
                 try:
@@ -217,19 +257,38 @@ class LocalCluster:
                       self.metrics_urls.get("router"))
 
     def wait(self) -> int:
-        """Serve until Ctrl-C or SIGTERM (exit 0) or until a process dies (exit 1)."""
-
+        """Serve and supervise until Ctrl-C or SIGTERM (exit 0), or until a component
+        keeps dying (exit 1, having said which and why)."""
         stop_on_signals()
         try:
             while True:
-                for p in self.procs:
-                    if p.poll() is not None:
-                        print(f"pdserve up: a cluster process exited with {p.returncode}; "
-                              "stopping the others", file=sys.stderr)
+                if self.gave_up is not None:  # background supervision stopped it
+                    return 1
+                if self._supervising is None:
+                    try:
+                        self.supervisor.poll()
+                    except GaveUp as e:
+                        print(f"pdserve up: {e}\npdserve up: stopping the others",
+                              file=sys.stderr)
                         return 1
                 time.sleep(0.5)
         except KeyboardInterrupt:
             return 0
+
+    def supervise(self, interval_s: float = 0.5) -> None:
+        """Supervise from a background thread until :meth:`stop` (what ``wait`` does in
+        the caller's). Giving up stops the cluster and sets :attr:`gave_up`."""
+        def loop() -> None:
+            while not self._stop_supervising.wait(interval_s):
+                try:
+                    self.supervisor.poll()
+                except GaveUp as e:
+                    self.gave_up = e
+                    print(f"pdserve up: {e}", file=sys.stderr)
+                    self.supervisor.stop()
+                    return
+        self._supervising = threading.Thread(target=loop, name="supervisor", daemon=True)
+        self._supervising.start()
 
     def set_role(self, worker: int | str, role: str, reason: str = "",
                  drain_timeout_s: float | None = None) -> worker_pb2.SetRoleResponse:
@@ -256,14 +315,9 @@ class LocalCluster:
 
     def stop(self, grace: float = 10.0, drain: bool = False) -> None:
         """SIGINT everyone (workers abort what is left at once); ``drain``: SIGTERM
-        (workers leave the registry and finish their requests first)."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM if drain else signal.SIGINT)
-        deadline = time.monotonic() + grace
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        (workers leave the registry and finish their requests first). Nothing is
+        restarted from here on."""
+        self._stop_supervising.set()
+        if self._supervising is not None:
+            self._supervising.join()
+        self.supervisor.stop(signal.SIGTERM if drain else signal.SIGINT, grace)

@@ -27,6 +27,9 @@ class RouterConfig:
     policy: str = "cache_aware"
     """How prefill (or mixed) workers are chosen: see :mod:`router.policies`."""
     discovery_interval_s: float = 1.0
+    retire_after_s: float = 60.0
+    """A worker found in the registry that left it leaves the pool (and ``pdserve
+    status``) after this long, or sooner once a worker of its role joins after it."""
     migration_limit: int = 3
     """How many times a request may move to another worker after its worker failed."""
     tenant_max_concurrency: int = 0

@@ -16,6 +16,11 @@ Lifecycle of a worker, as the router sees it:
    requests; it comes back if its heartbeat does. Workers given on the command line
    (static) never leave, unless they register too: once listed, the registry speaks
    for them as for the others (a draining worker leaves it first).
+5. **retired**: a gone worker found in the registry (not static) leaves the pool, and
+   ``pdserve status``, once nothing of this router's runs there and either a worker of
+   its role joined after it went (its replacement: a restarted Ray actor comes back on
+   a new port) or it has been gone ``retire_after_s``. Should it register again, it
+   joins anew.
 
 A worker's role is what the registry lists: one that changed its role in place
 (``SetRole``, :mod:`workers.roles`: it leaves, drains and registers again) moves to its
@@ -104,6 +109,7 @@ class Worker:
     static: bool = True  # given on the command line; False: found in the registry
     gone: bool = False  # left the registry: no new requests
     listed: bool = False  # seen in the registry: it decides gone and role from then on
+    since: float = 0.0  # when it joined the pool, or (gone) when it left the registry
 
 
 class WorkerPool:
@@ -178,7 +184,8 @@ class WorkerPool:
         limit = load.max_model_len
         self.max_model_len = min(self.max_model_len, limit) if self.max_model_len else limit
         return Worker(address, channel, stub, role=load.role or "mixed",
-                      block_size=load.block_size or 16, model_id=load.model_id, static=static)
+                      block_size=load.block_size or 16, model_id=load.model_id, static=static,
+                      since=time.monotonic())
 
     async def discover(self, deadline: float | None = None) -> None:
         """Join workers new in the registry; retire those whose heartbeat expired."""
@@ -207,12 +214,29 @@ class WorkerPool:
                 log.info("worker %s joined from the registry", address)
             except RuntimeError as e:
                 log.warning("registry lists %s but it does not answer: %s", address, e)
+        now = time.monotonic()
         for w in self.workers:
             if (w.listed or not w.static) and w.gone == (w.address in live):
-                w.gone = w.address not in live
+                w.gone, w.since = w.address not in live, now
                 log.info("worker %s %s the registry", w.address,
                          "left" if w.gone else "rejoined")
+        await self._retire(now)
         self._count()
+
+    async def _retire(self, now: float) -> None:
+        """Drop gone workers found in the registry once replaced or long gone (step 5
+        of the module docstring); static ones stay (the command line named them)."""
+        def replaced(w: Worker) -> bool:
+            return any(o.role == w.role and not o.gone and o.since > w.since
+                       for o in self.workers)
+
+        retired = [w for w in self.workers
+                   if w.gone and not w.static and w.in_flight == 0
+                   and (replaced(w) or now - w.since >= self.config.retire_after_s)]
+        for w in retired:
+            self.workers.remove(w)
+            log.info("worker %s (%s) retired from the pool", w.address, w.role)
+            await w.channel.close()
 
     async def _discover_forever(self) -> None:
         while True:

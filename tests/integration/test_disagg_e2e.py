@@ -41,6 +41,13 @@ def worker_load(address: str) -> worker_pb2.WorkerLoad:
         return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
 
+def _answers(address: str) -> bool:
+    try:
+        return worker_load(address).role != ""
+    except grpc.RpcError:
+        return False
+
+
 async def run_all(target: str, prompts: list[list[int]], **kw: object) -> list[object]:
     async with AsyncClient(target) as client:
         return await asyncio.gather(*(client.generate(p, **kw) for p in prompts),
@@ -161,10 +168,13 @@ def _fault_cluster(smollm2_path, tmp_path, **kw):  # noqa: ANN001, ANN202
 def test_decode_killed_mid_request_migrates_its_requests(smollm2_path, tmp_path) -> None:
     """SIGKILL a decode worker while it holds reservations and decodes: its requests move
     to the other decode worker (prompt + tokens so far) and every one completes, equal
-    to HF; the client sees one stream per request."""
+    to HF; the client sees one stream per request. The launcher supervises (as ``pdserve
+    up`` does): the worker comes back on its address, serves again, and status lists
+    each worker once, serving (no ghost row)."""
     tok = AutoTokenizer.from_pretrained(smollm2_path)
-    prompts = [prompt_of(tok, 300 + i) for i in range(12)]
+    prompts = [prompt_of(tok, 300 + i) for i in range(16)]
     c = _fault_cluster(smollm2_path, tmp_path, prefill=1, decode=2)
+    c.supervise()
     try:
         async def scenario() -> list[object]:
             task = asyncio.ensure_future(run_all(c.target, prompts, max_tokens=24,
@@ -188,10 +198,19 @@ def test_decode_killed_mid_request_migrates_its_requests(smollm2_path, tmp_path)
         metrics = urllib.request.urlopen(c.metrics_urls["router"], timeout=5).read().decode()
         assert f"pdserve:request_migrations_total{{model=\"{smollm2_path.name}\"}} " \
                f"{float(len(moved))}" in metrics
-        # The cluster keeps serving on what is left.
+        # Restarted on its address; the router sends it requests again.
+        deadline = time.monotonic() + 120
+        while not (c.restarts("decode-0") and _answers(killed)):
+            assert time.monotonic() < deadline and c.gave_up is None, "decode-0 is not back"
+            time.sleep(0.5)
+        again = asyncio.run(run_all(c.target, prompts[:6], max_tokens=8, temperature=0.0))
+        served_equals_hf(smollm2_path, again, prompts[:6], 8)
+        assert killed in {s.routing["decode_worker"] for s in again}
         with Client(c.target) as client:
-            again = client.generate(prompts[0], max_tokens=24, temperature=0.0)
-        served_equals_hf(smollm2_path, [again], prompts[:1], 24)
+            workers = client.status().workers
+        assert sorted((w.address, w.serving) for w in workers) == sorted(
+            (a, True) for a in c.worker_addresses)
+        assert c.restarts("decode-0") == 1 and c.restarts("prefill-0") == 0
         assert_cluster_idle(c, timeout=30)
     finally:
         c.stop()

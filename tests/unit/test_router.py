@@ -606,6 +606,33 @@ def test_worker_whose_heartbeat_expired_retires_and_returns_with_it() -> None:
     run(body)
 
 
+def test_a_gone_worker_retires_once_a_replacement_of_its_role_joins() -> None:
+    """A restarted Ray actor comes back on a new port: the dead entry leaves the pool and
+    ``pdserve status`` (no ghost rows); a static worker would stay."""
+    async def body() -> None:
+        async with Cluster(["mixed"], registry_roles=["mixed", "decode"],
+                           discovery_interval_s=0.005) as c:
+            (static,), (listed, other) = c.workers, c.registry_workers
+            c.registry.expire(listed.address)
+            await wait_for(lambda: c.router_worker(listed).gone)
+            await asyncio.sleep(0.05)  # gone, not replaced: it stays (it may come back)
+            assert listed.address in [w.address for w in c.router.workers.workers]
+            newcomer = await c.add_worker("decode")  # another role replaces nothing
+            c.registry.add(newcomer.address, "decode")
+            await wait_for(lambda: len(c.router.pool("decode")) == 2)
+            await asyncio.sleep(0.05)
+            assert listed.address in [w.address for w in c.router.workers.workers]
+            replacement = await c.add_worker("mixed")
+            c.registry.add(replacement.address, "mixed")
+            await wait_for(lambda: listed.address not in
+                           [w.address for w in c.router.workers.workers])
+            status = await c.router.status()
+            assert sorted(w.address for w in status.workers) == sorted(
+                [static.address, other.address, newcomer.address, replacement.address])
+
+    run(body)
+
+
 def test_router_with_only_a_registry_serves_disaggregated() -> None:
     async def body() -> None:
         async with Cluster([], registry_roles=["prefill", "decode"], index=FakeIndex(),
