@@ -106,7 +106,9 @@ def banner(c: DeploymentConfig, threads: int, target: str, http_url: str | None,
 
 class LocalCluster:
     def __init__(self, config: LocalClusterConfig,
-                 restart_policy: RestartPolicy | None = None) -> None:
+                 restart_policy: RestartPolicy | None = None, routers: int = 1) -> None:
+        """``routers``: router replicas, each on its own port (:attr:`targets`; the
+        first is ``config.port``, the others gRPC only), all over the same workers."""
         if config.metrics_port == 0:  # any free one, known before the router starts
             config = dataclasses.replace(config, metrics_port=free_port(config.host))
         self.config = config
@@ -118,6 +120,11 @@ class LocalCluster:
         if config.metrics_port is not None:
             self.metrics_ports["router"] = config.metrics_port
         self.target = f"{config.host}:{config.port}"
+        self.targets = [self.target] + [f"{config.host}:{free_port(config.host)}"
+                                        for _ in range(routers - 1)]
+        """Every router's gRPC address (the resuming client takes them all)."""
+        for k in range(1, routers):
+            self.metrics_ports[f"router-{k}"] = free_port(config.host)
         scheme = "https" if config.client_tls_ca else "http"  # raises without a CA to trust
         self.http_url = (f"{scheme}://{config.host}:{config.http_port}"
                          if config.http_port else None)
@@ -217,29 +224,38 @@ class LocalCluster:
         sup.add("router", lambda: self._spawn(
             "router", c.router_args(self.worker_addresses, shown), 1),
             self._log_path("router"))
+        for k, target in enumerate(self.targets[1:], 1):
+            replica = dataclasses.replace(c, port=int(target.rsplit(":", 1)[1]), http_port=0,
+                                          metrics_port=self.metrics_ports[f"router-{k}"])
+            sup.add(f"router-{k}", lambda k=k, r=replica: self._spawn(
+                f"router-{k}", r.router_args(self.worker_addresses, shown), 1),
+                self._log_path(f"router-{k}"))
 
     def wait_ready(self, timeout: float = 600.0) -> None:
+        """Until every router's health check says SERVING; a component that exits
+        meanwhile raises, quoting the end of its log."""
         from router.client import Client
 
         deadline = time.monotonic() + timeout
-        with Client(self.target, self.config.client_tls_ca) as client:
-            while True:
-                dead = [(n, p) for n, p in zip(self.names, self.procs, strict=True)
-                        if p.poll() is not None]
-                if dead:
-                    name, proc = dead[0]
-                    log = self._log_path(name)
-                    where = log + log_tail(log) if log else "its output above"
-                    raise RuntimeError(f"{name} exited with {proc.returncode} while starting; "
-                                       f"see {where}")
-                try:
-                    if client.serving(timeout=2.0):  # health: open even with API keys
-                        return
-                except Exception:  # noqa: BLE001 - not up yet
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the cluster did not serve within {timeout:.0f}s")
-                time.sleep(0.5)
+        for target in self.targets:
+            with Client(target, self.config.client_tls_ca) as client:
+                while True:
+                    dead = [(n, p) for n, p in zip(self.names, self.procs, strict=True)
+                            if p.poll() is not None]
+                    if dead:
+                        name, proc = dead[0]
+                        log = self._log_path(name)
+                        where = log + log_tail(log) if log else "its output above"
+                        raise RuntimeError(f"{name} exited with {proc.returncode} while "
+                                           f"starting; see {where}")
+                    try:
+                        if client.serving(timeout=2.0):  # health: open even with API keys
+                            break
+                    except Exception:  # noqa: BLE001 - not up yet
+                        pass
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"the cluster did not serve within {timeout:.0f}s")
+                    time.sleep(0.5)
 
     def warm(self, per_worker: int = 2) -> None:
         """Each worker's first forwards (weights paged in, kernels compiled) before

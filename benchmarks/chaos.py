@@ -1,0 +1,270 @@
+"""``pdserve chaos``: faults injected into a serving cluster under steady load, judged
+by a token-exact oracle.
+
+Lifecycle of a run, per cluster shape (:func:`benchmarks.chaos_faults.shape_of`: 2
+prefill + 2 decode workers, or 2 mixed ones for the mixed worker's kill; two routers
+each; the process launcher, supervising as ``pdserve up`` does):
+
+1. **start** the cluster and wait until it serves;
+2. **references**: each prompt once, alone, greedy with ``ignore_eos``: the token ids
+   every later stream of that prompt must equal (:mod:`benchmarks.chaos_oracle`);
+3. **capacity**: the prompts in a closed loop, ``2 x workers`` in flight: requests/s;
+   the load is ``load`` (70%) of it, Poisson arrivals;
+4. per scenario, ``faults`` times: ``pre_s`` of load, the fault, ``post_s`` more load;
+   every stream is checked against its reference; the TTFT recovery is measured around
+   the fault; then the cluster must be **whole** again (every component running, every
+   router listing every worker as serving) and **idle with every KV block free**
+   (leaked blocks are counted, not waited for beyond 30 s).
+
+The client is the resuming one (:class:`router.client.AsyncClient` over both routers),
+so a router's death is a resume, not a failure. :mod:`benchmarks.chaos_report` writes
+the JSON, the markdown table and the TTFT-around-the-fault plot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from cluster.local import LocalCluster, LocalClusterConfig
+from cluster.supervisor import RestartPolicy
+from loadtest.workloads import arrival_times
+from router.client import AsyncClient
+
+from .chaos_faults import (
+    FLIP_ENV,
+    FLIP_MARK,
+    SCENARIOS,
+    Fault,
+    inject,
+    leaked_blocks,
+    shape_of,
+    victim_of,
+    wait_whole,
+)
+from .chaos_oracle import Outcome, Row, recovery_s
+
+SHAPES = {"disagg": {"prefill": 2, "decode": 2, "local_prefill_threshold": 0},
+          "mixed": {"mixed": 2}}
+TEXT = ("The history of the city begins with a small settlement on the river bank, where "
+        "traders met every spring to exchange salt, wool and iron tools. Over the centuries "
+        "the market grew into a town with stone walls, a cathedral and a university. ")
+
+
+@dataclass(frozen=True)
+class ChaosOptions:
+    model: str
+    out_dir: str
+    scenarios: tuple[str, ...] = SCENARIOS
+    faults: int = 1
+    """Faults per scenario (50 per type in the long run)."""
+    prompts: int = 12
+    prompt_tokens: tuple[int, int] = (40, 200)
+    max_tokens: int = 24
+    load: float = 0.7
+    pre_s: float = 6.0
+    post_s: float = 14.0
+    stop_s: tuple[float, float] = (1.0, 10.0)
+    cancel_fraction: float = 0.33
+    seed: int = 0
+    dtype: str = "float32"
+    """fp32: the oracle compares tokens across batch compositions; fp32 keeps greedy
+    ties apart."""
+    kv_cache_gb: float = 0.2
+    block_size: int = 16
+    max_model_len: int = 512
+
+
+@dataclass
+class ShapeRun:
+    shape: str
+    capacity_rps: float = 0.0
+    rate_rps: float = 0.0
+    rows: list[Row] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    outcomes: dict[str, list[dict]] = field(default_factory=dict)
+    """Per scenario, each request's arrival, TTFT and class (for the plot)."""
+
+
+def _prompt_texts(o: ChaosOptions) -> list[tuple[str, int]]:
+    rng = random.Random(o.seed)
+    return [(f"Request {i}. " + TEXT * 8, rng.randint(*o.prompt_tokens))
+            for i in range(o.prompts)]
+
+
+async def _prompts(target: str, o: ChaosOptions) -> list[list[int]]:
+    async with AsyncClient(target) as client:
+        return [(await client.tokenize(text))[:n] for text, n in _prompt_texts(o)]
+
+
+async def _references(target: str, prompts: list[list[int]], max_tokens: int
+                      ) -> list[list[int]]:
+    async with AsyncClient(target) as client:
+        return [(await client.generate(p, max_tokens=max_tokens, temperature=0.0,
+                                       ignore_eos=True)).token_ids for p in prompts]
+
+
+async def _capacity(target: str, prompts: list[list[int]], max_tokens: int,
+                    in_flight: int) -> float:
+    """Requests/s with ``in_flight`` requests always open (each prompt twice)."""
+    todo = list(range(2 * len(prompts)))
+    async with AsyncClient(target) as client:
+        async def lane() -> None:
+            while todo:
+                i = todo.pop()
+                await client.generate(prompts[i % len(prompts)], max_tokens=max_tokens,
+                                      temperature=0.0, ignore_eos=True)
+        start = time.monotonic()
+        await asyncio.gather(*(lane() for _ in range(in_flight)))
+        return 2 * len(prompts) / (time.monotonic() - start)
+
+
+async def _one(client: AsyncClient, prompt: list[int], index: int, arrival: float,
+               start: float, request_id: str, max_tokens: int,
+               cancel_after: float | None) -> Outcome:
+    out = Outcome(index, arrival)
+    sent = time.monotonic()
+
+    async def consume() -> None:
+        async for msg in client.stream(prompt, max_tokens=max_tokens, temperature=0.0,
+                                       ignore_eos=True, request_id=request_id,
+                                       timeout=120):
+            if msg.token_ids and out.ttft_s is None:
+                out.ttft_s = time.monotonic() - sent
+            out.tokens.extend(msg.token_ids)
+            if msg.finish_reason:
+                out.migrations = msg.routing.migrations
+                out.resumes = msg.routing.resumes if hasattr(msg.routing, "resumes") else 0
+
+    try:
+        if cancel_after is None:
+            await consume()
+        else:
+            await asyncio.wait_for(consume(), cancel_after)
+    except TimeoutError:
+        out.cancelled = True
+    except Exception as e:  # noqa: BLE001 - the oracle counts it
+        code = getattr(e, "code", None)
+        out.error = code().name if callable(code) else type(e).__name__
+    return out
+
+
+async def _cycle(cluster: LocalCluster, o: ChaosOptions, scenario: str, k: int,
+                 prompts: list[list[int]], rate: float, rng: random.Random
+                 ) -> tuple[list[Outcome], Fault]:
+    """One fault under load: ``pre_s`` of load, the fault, ``post_s`` more."""
+    duration = o.pre_s + o.post_s
+    times = [t for t in arrival_times(int(rate * duration * 2) + 10, rate,
+                                      seed=rng.randrange(1 << 30)) if t < duration]
+    victim = victim_of(cluster, scenario, k) if scenario not in ("none", "flip-kv",
+                                                                "cancel") else ""
+    fault = Fault(scenario, victim, o.pre_s)
+    flip_window = (o.pre_s, o.pre_s + 2.0)
+    async with AsyncClient(cluster.targets) as client:
+        start = time.monotonic()
+
+        async def at(t: float) -> None:
+            await asyncio.sleep(max(0.0, start + t - time.monotonic()))
+
+        async def do_fault() -> None:
+            await at(o.pre_s)
+            fault.note = await inject(cluster, scenario, victim, rng, o.stop_s)
+
+        async def request(n: int, t: float) -> Outcome:
+            await at(t)
+            i = n % len(prompts)
+            rid = f"chaos-{scenario}-{k}-{n}"
+            if scenario == "flip-kv" and flip_window[0] <= t < flip_window[1]:
+                rid += f"-{FLIP_MARK}"
+            cancel = (rng.uniform(0.02, 1.5) if scenario == "cancel"
+                      and t >= o.pre_s and rng.random() < o.cancel_fraction else None)
+            return await _one(client, prompts[i], i, t, start, rid, o.max_tokens, cancel)
+
+        fault_task = asyncio.ensure_future(do_fault())
+        outcomes = await asyncio.gather(*(request(n, t) for n, t in enumerate(times)))
+        await fault_task
+    return list(outcomes), fault
+
+
+def _cluster(o: ChaosOptions, shape: str) -> LocalCluster:
+    from cluster.net import free_port
+
+    os.environ[FLIP_ENV] = FLIP_MARK  # the prefill workers' hook; inherited at start
+    config = LocalClusterConfig(
+        model=o.model, port=free_port(), http_port=0, dtype=o.dtype,
+        kv_cache_gb=o.kv_cache_gb, block_size=o.block_size, max_model_len=o.max_model_len,
+        transfer_timeout_s=5.0, log_dir=str(Path(o.out_dir) / f"logs-{shape}"),
+        **SHAPES[shape])  # type: ignore[arg-type]
+    return LocalCluster(config, RestartPolicy(max_restarts=10, window_s=60.0), routers=2)
+
+
+def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
+              say: Callable[[str], None] = print) -> ShapeRun:
+    """Every scenario of one cluster shape (module docstring)."""
+    result = ShapeRun(shape)
+    cluster = _cluster(o, shape)
+    cluster.start()
+    try:
+        cluster.wait_ready(timeout=300)
+        cluster.supervise()
+        prompts = asyncio.run(_prompts(cluster.target, o))
+        refs = asyncio.run(_references(cluster.target, prompts, o.max_tokens))
+        result.capacity_rps = asyncio.run(_capacity(cluster.target, prompts, o.max_tokens,
+                                                    2 * len(cluster.workers)))
+        result.rate_rps = o.load * result.capacity_rps
+        say(f"[{shape}] capacity {result.capacity_rps:.2f} req/s; load "
+            f"{result.rate_rps:.2f} req/s ({o.load:.0%})")
+        rng = random.Random(o.seed)
+        for scenario in scenarios:
+            row = Row(scenario, 0, 0)
+            restarts_before = sum(cluster.restarts(n) for n in cluster.names)
+            seen: list[dict] = []
+            for k in range(o.faults):
+                outcomes, fault = asyncio.run(_cycle(cluster, o, scenario, k, prompts,
+                                                     result.rate_rps, rng))
+                row.faults += scenario != "none"
+                row.add(outcomes, refs)
+                row.recovery_s.append(recovery_s(outcomes, fault.at_s, o.pre_s))
+                back = wait_whole(cluster)
+                leaked, detail = leaked_blocks(cluster)
+                row.leaked_blocks += leaked
+                if detail:
+                    row.notes.append(f"fault {k}: not idle: {detail}")
+                if fault.note:
+                    row.notes.append(f"fault {k}: {fault.note}")
+                result.faults.append(fault)
+                seen += [{"t": x.arrival_s - fault.at_s, "ttft_s": x.ttft_s,
+                          "error": x.error, "cancelled": x.cancelled} for x in outcomes]
+                say(f"[{shape}] {scenario} {k + 1}/{o.faults}: {len(outcomes)} requests, "
+                    f"{row.failures} failed, {row.bad_tokens} bad streams, recovery "
+                    f"{row.recovery_s[-1]} s, whole again after {back:.1f} s, "
+                    f"{leaked} blocks leaked")
+            row.restarts = sum(cluster.restarts(n) for n in cluster.names) - restarts_before
+            result.rows.append(row)
+            result.outcomes[scenario] = seen
+    finally:
+        cluster.stop()
+    return result
+
+
+def run_chaos(o: ChaosOptions, say: Callable[[str], None] = print) -> dict:
+    """Every scenario asked for, shape by shape; the report's JSON object."""
+    unknown = sorted(set(o.scenarios) - set(SCENARIOS))
+    if unknown:
+        raise ValueError(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
+    runs = []
+    for shape in SHAPES:
+        mine = [s for s in o.scenarios if shape_of(s) == shape]
+        if mine:
+            runs.append(run_shape(o, shape, mine, say))
+    return {"options": asdict(o), "shapes": [
+        {"shape": r.shape, "capacity_rps": r.capacity_rps, "rate_rps": r.rate_rps,
+         "rows": [{**asdict(row), "bad_tokens": row.bad_tokens,
+                   "worst_recovery_s": row.worst_recovery_s} for row in r.rows],
+         "faults": [asdict(f) for f in r.faults], "outcomes": r.outcomes}
+        for r in runs]}

@@ -1,0 +1,180 @@
+"""The faults ``pdserve chaos`` injects into a supervised :class:`LocalCluster`, and how
+it waits for the cluster to be whole again.
+
+Each fault type is a scenario. The victim is chosen round robin among the components
+of its type; a kill waits (up to 2 s) until a worker victim holds requests, so that it
+dies mid-stream rather than idle.
+
+- ``kill-prefill`` / ``kill-decode`` / ``kill-mixed`` / ``kill-router`` /
+  ``kill-redis``: SIGKILL; supervision restarts it on the same address;
+- ``stop-prefill`` / ``stop-decode``: SIGSTOP for a while (a straggler: 1-10 s in the
+  long run), then SIGCONT; ``stop-redis``: Redis frozen the same way (Redis slowed
+  down to nothing: routers and workers time out on it and serve on);
+- ``flush-redis``: FLUSHALL (the registry and the prefix index vanish at once);
+- ``flip-kv``: requests sent in the fault window carry a request id that the prefill
+  workers' fault hook (``PDSERVE_FAULT_FLIP_KV_BYTE``, set when the cluster starts)
+  flips one byte of the KV payload for, after its checksum was computed;
+- ``cancel``: the load's client cancels a third of the requests at random moments
+  (before the first token: reserved, prefilling or transferring; after it: decoding);
+- ``none``: the control: load, no fault.
+
+Network faults on the KV link (delay, loss, partition with ``tc netem``) are not here:
+this machine's kernel has no netem qdisc and no netfilter tools (see the README).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from cluster.local import LocalCluster
+from common.redis_url import connect
+from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
+from router.client import Client
+
+FLIP_MARK = "chaos-flip"
+"""The request-id mark the ``flip-kv`` scenario's requests carry (the prefill hook's)."""
+FLIP_ENV = "PDSERVE_FAULT_FLIP_KV_BYTE"
+
+KILLS = ("kill-prefill", "kill-decode", "kill-mixed", "kill-router", "kill-redis")
+STOPS = ("stop-prefill", "stop-decode", "stop-redis")
+SCENARIOS = ("none", *KILLS, *STOPS, "flush-redis", "flip-kv", "cancel")
+WORKER_FAULTS = ("kill-prefill", "kill-decode", "kill-mixed", "stop-prefill",
+                 "stop-decode")
+REDIS_FAULTS = ("kill-redis", "stop-redis", "flush-redis")
+
+
+def shape_of(scenario: str) -> str:
+    """The cluster a scenario runs on: ``mixed`` (2 mixed workers) for the mixed
+    worker's kill, ``disagg`` (2 prefill + 2 decode) for the rest; two routers each."""
+    return "mixed" if scenario == "kill-mixed" else "disagg"
+
+
+@dataclass
+class Fault:
+    scenario: str
+    victim: str
+    at_s: float  # since the load's start
+    note: str = ""
+
+
+def victim_of(cluster: LocalCluster, scenario: str, k: int) -> str:
+    """The ``k``-th fault's victim: round robin over the components of its type."""
+    if scenario in REDIS_FAULTS:
+        return "redis"
+    kind = scenario.split("-", 1)[1]
+    names = [n for n in cluster.names if n == kind or n.startswith(kind + "-")]
+    if not names:
+        raise ValueError(f"{scenario}: the cluster has no {kind} component")
+    return names[k % len(names)]
+
+
+def _worker_load(address: str) -> worker_pb2.WorkerLoad | None:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            return worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
+                                                          timeout=1)
+    except grpc.RpcError:
+        return None
+
+
+def _address(cluster: LocalCluster, name: str) -> str | None:
+    names = [n for n, _ in cluster.workers]
+    return cluster.worker_addresses[names.index(name)] if name in names else None
+
+
+def _wait_busy(cluster: LocalCluster, name: str, within_s: float = 2.0) -> bool:
+    address = _address(cluster, name)
+    if address is None:
+        return True
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        load = _worker_load(address)
+        if load is not None and (load.running_requests or load.reserved_requests):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+async def inject(cluster: LocalCluster, scenario: str, victim: str,
+                 rng: random.Random, stop_s: tuple[float, float]) -> str:
+    """Do the fault; returns a note (how long a stop lasted, a kill that found its
+    victim idle). Runs beside the load, on its event loop."""
+    if scenario in KILLS:
+        busy = await asyncio.to_thread(_wait_busy, cluster, victim)
+        cluster.proc(victim).send_signal(signal.SIGKILL)
+        return "" if busy else "victim was idle"
+    if scenario in STOPS:
+        seconds = round(rng.uniform(*stop_s), 1)
+        pid = cluster.proc(victim).pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return f"stopped {seconds} s"
+    if scenario == "flush-redis":
+        client = connect(cluster.redis_url)
+        try:
+            await asyncio.to_thread(client.flushall)
+        finally:
+            client.close()
+    return ""
+
+
+def wait_whole(cluster: LocalCluster, timeout_s: float = 180.0) -> float:
+    """Until every component runs and every router lists every worker as serving;
+    returns how long that took. Raises TimeoutError naming what is missing."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    missing: list[str] = []
+    while time.monotonic() < deadline:
+        if cluster.gave_up is not None:
+            raise RuntimeError(f"supervision gave up: {cluster.gave_up}")
+        missing = [n for n, p in zip(cluster.names, cluster.procs, strict=True)
+                   if p.poll() is not None]
+        if not missing:
+            missing = _unlisted(cluster)
+        if not missing:
+            return time.monotonic() - start
+        time.sleep(0.25)
+    raise TimeoutError(f"the cluster is not whole after {timeout_s:.0f} s: {missing}")
+
+
+def _unlisted(cluster: LocalCluster) -> list[str]:
+    out = []
+    for target in cluster.targets:
+        try:
+            with Client(target) as client:
+                serving = {w.address for w in client.status(timeout=2).workers if w.serving}
+        except grpc.RpcError:
+            out.append(target)
+            continue
+        out += [f"{a} (at {target})" for a in cluster.worker_addresses if a not in serving]
+    return out
+
+
+def leaked_blocks(cluster: LocalCluster, timeout_s: float = 30.0) -> tuple[int, str]:
+    """KV blocks not free once the cluster is idle (0: none leaked), and the busy
+    workers' rows when it never got idle."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with Client(cluster.target) as client:
+            status = client.status()
+        busy = [w for w in status.workers if w.serving and (
+            w.running_requests or w.waiting_requests or w.reserved_requests
+            or w.free_blocks != w.total_blocks or w.transfers.in_flight)]
+        if not busy and status.requests_in_flight == 0:
+            return 0, ""
+        if time.monotonic() > deadline:
+            return (sum(w.total_blocks - w.free_blocks for w in busy),
+                    "; ".join(f"{w.address}: {w.total_blocks - w.free_blocks} blocks held, "
+                              f"{w.running_requests} running, {w.reserved_requests} reserved"
+                              for w in busy))
+        time.sleep(0.1)

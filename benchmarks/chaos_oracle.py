@@ -1,0 +1,166 @@
+"""What ``pdserve chaos`` concludes from the streams it saw: the token-exact oracle, the
+recovery time and the per-scenario row. Pure: no processes, no sockets.
+
+**The oracle.** Every request of a chaos run is greedy with ``ignore_eos`` and a fixed
+``max_tokens``, on a prompt whose reference token ids the harness computed first, one
+request at a time on the undisturbed cluster. A stream that completed is then:
+
+- *exact*: the reference, token for token;
+- *wrong*: some token differs from the reference at its position;
+- *missing*: a prefix of the reference, shorter (tokens lost, the stream still "ended");
+- *duplicated*: the reference with tokens repeated or added (longer, or a prefix then
+  repeats).
+
+A stream that failed is a *client-visible failure* (its status code is kept), unless the
+harness cancelled it on purpose (the cancellation scenario): those count as
+cancelled, never as failures, and only their tokens so far are checked (a prefix must
+match). The control scenario (no fault) measures the oracle itself: it must see 0.
+
+**Recovery.** TTFT by arrival time around a fault at ``t_fault``: the baseline is the
+p99 TTFT of requests that arrived in the last two thirds of the ``pre`` window before
+it (its first third warms the load up). Windows of
+``window_s`` slide by ``step_s`` from ``t_fault``; recovery is the start of the first
+window from which every window's p99 TTFT is within ``(1 + tolerance)`` of the baseline
+(or ``slack_s`` above it: a few milliseconds of noise on two cores are not an outage),
+minus ``t_fault``. A window with no arrival has nothing to say and is skipped; a
+window whose requests failed counts their TTFT as infinite. ``None``: not recovered
+before the load stopped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from loadtest.metrics import percentile
+
+VERDICTS = ("exact", "wrong", "missing", "duplicated")
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it."""
+
+    prompt: int  # index into the run's prompts (and references)
+    arrival_s: float  # since the run's start
+    tokens: list[int] = field(default_factory=list)
+    ttft_s: float | None = None  # None: no token came
+    error: str | None = None  # the gRPC status name of a failure
+    cancelled: bool = False  # cancelled by the harness on purpose
+    resumes: int = 0  # the client moved to another router mid-stream
+    migrations: int = 0  # the router moved it to another worker
+
+
+def verdict(tokens: Sequence[int], reference: Sequence[int]) -> str:
+    """``exact``, ``wrong``, ``missing`` or ``duplicated`` (module docstring). A stream
+    that departs from the reference by going on with the reference from an earlier
+    position (tokens sent again) is duplicated; any other departure is wrong."""
+    tokens, reference = list(tokens), list(reference)
+    if tokens == reference:
+        return "exact"
+    n = min(len(tokens), len(reference))
+    i = next((k for k in range(n) if tokens[k] != reference[k]), n)
+    if i == n:
+        return "missing" if len(tokens) < len(reference) else "duplicated"
+    rest = tokens[i:]
+    for j in range(i):
+        m = min(len(rest), len(reference) - j)
+        if rest[:m] == reference[j:j + m]:
+            return "duplicated"
+    return "wrong"
+
+
+def check(outcome: Outcome, reference: Sequence[int]) -> str:
+    """The outcome's class: a verdict, ``failed`` or ``cancelled`` (whose tokens so far
+    must still be a prefix: else ``wrong``)."""
+    if outcome.cancelled:
+        n = len(outcome.tokens)
+        return "cancelled" if list(outcome.tokens) == list(reference[:n]) else "wrong"
+    if outcome.error is not None:
+        return "failed"
+    return verdict(outcome.tokens, reference)
+
+
+def recovery_s(outcomes: Sequence[Outcome], t_fault: float, pre_s: float, *,
+               window_s: float = 3.0, step_s: float = 0.5, tolerance: float = 0.2,
+               slack_s: float = 0.05) -> float | None:
+    """Seconds from the fault until TTFT p99 is back near its pre-fault value (module
+    docstring); 0.0 when the fault never raised it."""
+    def ttft(o: Outcome) -> float:
+        if o.error is not None and not o.cancelled:
+            return math.inf
+        return o.ttft_s if o.ttft_s is not None else math.inf
+
+    settled = t_fault - pre_s * 2 / 3  # the window's first third warms the load up
+    before = [ttft(o) for o in outcomes
+              if settled <= o.arrival_s < t_fault and not o.cancelled]
+    finite = [v for v in before if math.isfinite(v)]
+    if not finite:
+        return None
+    limit = max(percentile(finite, 99) * (1 + tolerance), percentile(finite, 99) + slack_s)
+    after = sorted((o.arrival_s, ttft(o)) for o in outcomes
+                   if o.arrival_s >= t_fault and not o.cancelled)
+    if not after:
+        return None
+    end = after[-1][0]
+    starts, t = [], t_fault
+    while t <= end:
+        starts.append(t)
+        t += step_s
+    ok = []
+    for s in starts:
+        vals = [v for a, v in after if s <= a < s + window_s]
+        ok.append(None if not vals else
+                  (percentile(vals, 99) <= limit if all(map(math.isfinite, vals)) else False))
+    recovered: float | None = None
+    for s, good in zip(starts, ok, strict=True):
+        if good is False:
+            recovered = None
+        elif good and recovered is None:
+            recovered = s
+    return None if recovered is None else round(recovered - t_fault, 3)
+
+
+@dataclass
+class Row:
+    """One scenario's line of the report."""
+
+    scenario: str
+    faults: int
+    sent: int
+    failures: int = 0
+    wrong: int = 0
+    missing: int = 0
+    duplicated: int = 0
+    cancelled: int = 0
+    migrations: int = 0
+    resumes: int = 0
+    recovery_s: list[float | None] = field(default_factory=list)
+    leaked_blocks: int = 0
+    restarts: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bad_tokens(self) -> int:
+        return self.wrong + self.missing + self.duplicated
+
+    @property
+    def worst_recovery_s(self) -> float | None:
+        """The slowest recovery; None if any fault's TTFT never came back."""
+        if any(r is None for r in self.recovery_s):
+            return None
+        return max((r for r in self.recovery_s if r is not None), default=0.0)
+
+    def add(self, outcomes: Sequence[Outcome], references: Sequence[Sequence[int]]) -> None:
+        for o in outcomes:
+            self.sent += 1
+            kind = check(o, references[o.prompt])
+            if kind == "failed":
+                self.failures += 1
+                self.errors[o.error or "?"] = self.errors.get(o.error or "?", 0) + 1
+            elif kind != "exact":
+                setattr(self, kind, getattr(self, kind) + 1)
+            self.migrations += o.migrations
+            self.resumes += o.resumes

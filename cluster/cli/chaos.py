@@ -1,0 +1,71 @@
+"""``pdserve chaos``: the fault harness (``benchmarks/chaos.py``): a cluster under
+steady load, one fault type per scenario, every stream checked token for token.
+Exit 0 when every target is met, 1 when one is missed (the report says which)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .options import EXIT_INVALID, cache_dir
+
+QUICK = {"pre_s": 2.5, "post_s": 6.0, "stop_s": (1.0, 2.0), "prompts": 8, "max_tokens": 16}
+"""``--quick``: shorter windows and stops (what ``make test`` runs, on a tiny model)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from benchmarks.chaos_faults import SCENARIOS
+
+    p = sub.add_parser("chaos", help="inject faults (kills, stops, Redis loss, corrupted KV, "
+                                     "cancellations) under load; check every token")
+    p.add_argument("--model", default=None)
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS),
+                   help=f"comma-separated, of: {', '.join(SCENARIOS)}")
+    p.add_argument("--faults", type=int, default=1,
+                   help="faults per scenario (the README's long run: 10 and more)")
+    p.add_argument("--load", type=float, default=0.7, help="fraction of measured capacity")
+    p.add_argument("--pre-s", type=float, default=6.0, help="load before each fault")
+    p.add_argument("--post-s", type=float, default=14.0, help="load after each fault")
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--prompts", type=int, default=12)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32",
+                   help="float32 by default: the oracle compares greedy tokens across "
+                        "batch compositions")
+    p.add_argument("--quick", action="store_true",
+                   help="short windows and stops (2.5 s + 6 s; 1-2 s stops)")
+    p.add_argument("--out", default="bench-results/chaos")
+    p.set_defaults(func=cmd_chaos)
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from benchmarks.chaos import ChaosOptions, run_chaos
+    from benchmarks.chaos_faults import SCENARIOS
+    from benchmarks.chaos_report import write
+    from benchmarks.machine import machine_line
+    from workers.model_store import resolve_model
+
+    scenarios = tuple(s for s in args.scenarios.split(",") if s)
+    bad = sorted(set(scenarios) - set(SCENARIOS))
+    if bad or args.faults < 1 or not 0 < args.load <= 2:
+        print(f"pdserve chaos: unknown scenarios {bad}; choose from {', '.join(SCENARIOS)}"
+              if bad else "pdserve chaos: --faults must be >= 1 and --load in (0, 2]",
+              file=sys.stderr)
+        return EXIT_INVALID
+    path = resolve_model(args.model, cache_dir(args))
+    settings = {"pre_s": args.pre_s, "post_s": args.post_s, "max_tokens": args.max_tokens,
+                "prompts": args.prompts}
+    if args.quick:
+        settings.update(QUICK)
+    options = ChaosOptions(model=str(path), out_dir=args.out, scenarios=scenarios,
+                           faults=args.faults, load=args.load, seed=args.seed,
+                           dtype=args.dtype, **settings)  # type: ignore[arg-type]
+    header = (f"pdserve chaos on {path.name} ({args.dtype}), {machine_line()}: "
+              f"{args.faults} fault(s) per scenario at {args.load:.0%} of capacity")
+    print(header, flush=True)
+    report = run_chaos(options, lambda line: print(line, flush=True))
+    md, missed = write(report, args.out, header)
+    print(md)
+    print(f"wrote {args.out}/chaos.json, chaos.md, chaos-ttft.png")
+    return 1 if missed else 0
