@@ -34,7 +34,7 @@ from pathlib import Path
 from cluster.local import LocalCluster, LocalClusterConfig
 from cluster.supervisor import RestartPolicy
 from loadtest.workloads import arrival_times
-from router.client import AsyncClient
+from router.client import AsyncClient, Client
 
 from .chaos_faults import (
     FLIP_ENV,
@@ -139,7 +139,6 @@ async def _one(client: AsyncClient, prompt: list[int], index: int, arrival: floa
             out.tokens.extend(msg.token_ids)
             if msg.finish_reason:
                 out.migrations = msg.routing.migrations
-                out.resumes = msg.routing.resumes if hasattr(msg.routing, "resumes") else 0
 
     try:
         if cancel_after is None:
@@ -156,8 +155,9 @@ async def _one(client: AsyncClient, prompt: list[int], index: int, arrival: floa
 
 async def _cycle(cluster: LocalCluster, o: ChaosOptions, scenario: str, k: int,
                  prompts: list[list[int]], rate: float, rng: random.Random
-                 ) -> tuple[list[Outcome], Fault]:
-    """One fault under load: ``pre_s`` of load, the fault, ``post_s`` more."""
+                 ) -> tuple[list[Outcome], Fault, int]:
+    """One fault under load: ``pre_s`` of load, the fault, ``post_s`` more. Returns
+    the outcomes, the fault and how many times streams resumed on another router."""
     duration = o.pre_s + o.post_s
     times = [t for t in arrival_times(int(rate * duration * 2) + 10, rate,
                                       seed=rng.randrange(1 << 30)) if t < duration]
@@ -188,7 +188,15 @@ async def _cycle(cluster: LocalCluster, o: ChaosOptions, scenario: str, k: int,
         fault_task = asyncio.ensure_future(do_fault())
         outcomes = await asyncio.gather(*(request(n, t) for n, t in enumerate(times)))
         await fault_task
-    return list(outcomes), fault
+        return list(outcomes), fault, client.resumes
+
+
+def _failed_transfers(cluster: LocalCluster) -> int:
+    """KV transfers the decode workers counted as failed so far (a corrupted payload
+    refused by its checksum is one)."""
+    with Client(cluster.target) as client:
+        return sum(w.transfers.entered["failed"] for w in client.status().workers
+                   if w.role == "decode")
 
 
 def _cluster(o: ChaosOptions, shape: str) -> LocalCluster:
@@ -225,12 +233,15 @@ def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
             restarts_before = sum(cluster.restarts(n) for n in cluster.names)
             seen: list[dict] = []
             for k in range(o.faults):
-                outcomes, fault = asyncio.run(_cycle(cluster, o, scenario, k, prompts,
-                                                     result.rate_rps, rng))
+                refused = _failed_transfers(cluster)
+                outcomes, fault, resumes = asyncio.run(_cycle(cluster, o, scenario, k,
+                                                              prompts, result.rate_rps, rng))
+                row.resumes += resumes
                 row.faults += scenario != "none"
                 row.add(outcomes, refs)
                 row.recovery_s.append(recovery_s(outcomes, fault.at_s, o.pre_s))
                 back = wait_whole(cluster)
+                row.failed_transfers += max(0, _failed_transfers(cluster) - refused)
                 leaked, detail = leaked_blocks(cluster)
                 row.leaked_blocks += leaked
                 if detail:

@@ -38,7 +38,7 @@ from common.redis_url import connect
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.client import Client
 
-FLIP_MARK = "chaos-flip"
+FLIP_MARK = "corrupt-this-kv"
 """The request-id mark the ``flip-kv`` scenario's requests carry (the prefill hook's)."""
 FLIP_ENV = "PDSERVE_FAULT_FLIP_KV_BYTE"
 

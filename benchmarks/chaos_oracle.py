@@ -48,7 +48,6 @@ class Outcome:
     ttft_s: float | None = None  # None: no token came
     error: str | None = None  # the gRPC status name of a failure
     cancelled: bool = False  # cancelled by the harness on purpose
-    resumes: int = 0  # the client moved to another router mid-stream
     migrations: int = 0  # the router moved it to another worker
 
 
@@ -135,10 +134,11 @@ class Row:
     duplicated: int = 0
     cancelled: int = 0
     migrations: int = 0
-    resumes: int = 0
+    resumes: int = 0  # streams the client moved to the other router (its own count)
     recovery_s: list[float | None] = field(default_factory=list)
     leaked_blocks: int = 0
     restarts: int = 0
+    failed_transfers: int = 0  # KV transfers decode workers refused or lost (recomputed)
     errors: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -163,4 +163,3 @@ class Row:
             elif kind != "exact":
                 setattr(self, kind, getattr(self, kind) + 1)
             self.migrations += o.migrations
-            self.resumes += o.resumes

@@ -20,7 +20,7 @@ NO_FAILURES = (*WORKER_FAULTS, *REDIS_FAULTS, "kill-router", "flip-kv", "none", 
 
 HEADER = ("| fault | faults | requests | failures | wrong / missing / dup. streams | "
           "cancelled | migrations | resumes | recovery s (worst) | leaked blocks | "
-          "restarts |\n|---|---|---|---|---|---|---|---|---|---|---|")
+          "restarts | KV transfers refused |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _recovery(row: dict) -> str:
@@ -36,7 +36,7 @@ def table(report: dict) -> str:
                 f"| {r['scenario']} | {r['faults']} | {r['sent']} | {r['failures']} | "
                 f"{r['wrong']} / {r['missing']} / {r['duplicated']} | {r['cancelled']} | "
                 f"{r['migrations']} | {r['resumes']} | {_recovery(r)} | "
-                f"{r['leaked_blocks']} | {r['restarts']} |")
+                f"{r['leaked_blocks']} | {r['restarts']} | {r['failed_transfers']} |")
     return "\n".join(lines)
 
 

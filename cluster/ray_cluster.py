@@ -327,7 +327,7 @@ class Controller:
 
 def _env(threads: int) -> dict[str, str]:
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    for key in ("PDSERVE_CACHE_DIR", "PDSERVE_FAULT_DROP_TRANSFER"):
+    for key in ("PDSERVE_CACHE_DIR", "PDSERVE_FAULT_DROP_TRANSFER", "PDSERVE_FAULT_FLIP_KV_BYTE"):
         if key in os.environ:
             env[key] = os.environ[key]
     return env

@@ -122,6 +122,9 @@ CATALOG: tuple[Spec, ...] = (
          "KV-channel control messages a decode worker refused unacted on, by reason "
          "(bad_mac, stale, replay, unauthenticated, pairs_full, parked_full, ...)",
          ("reason",)),
+    Spec("kv_transfer_checksum_failures_total", "counter",
+         "KV payloads a decode worker received whole but whose checksum did not match the "
+         "offer's: failed transfers (the prompt is recomputed), never decoded"),
     Spec("kv_transfer_busy_seconds_total", "counter",
          "KV ready -> landed, summed over done transfers (bytes / this = transfer rate)"),
     Spec("worker_role_changes_total", "counter",

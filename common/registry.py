@@ -95,6 +95,18 @@ class WorkerRegistry:
         pipe.delete(self._alive(worker))
         pipe.execute()
 
+    def emptied(self, reader: str, ttl_s: int = 3600) -> bool:
+        """Whether Redis lost this registry's keys since ``reader`` last asked (it came
+        back empty after a restart, or was flushed): ``reader``'s own marker key, set
+        when missing, was missing. True on a reader's first call. One per reader (a
+        router's id): a marker shared by several readers would tell only the first."""
+        key = f"{self.prefix}reader:{reader}"
+        pipe = self.client.pipeline()
+        pipe.set(key, 1, nx=True, ex=ttl_s)
+        pipe.expire(key, ttl_s)
+        created, _ = pipe.execute()
+        return bool(created)
+
     def live(self) -> list[LiveWorker]:
         """Workers whose heartbeat is current; the dead ones are removed on the way,
         malformed ones skipped (and logged once). Raises only Redis's errors."""

@@ -90,13 +90,15 @@ class Request:
 
     def continued(self, generated: Sequence[int], request_id: str) -> Request:
         """This request resumed elsewhere after ``generated`` tokens (a migration): they
-        continue the prompt and come off ``max_tokens``. Greedy output is unchanged."""
+        continue the prompt and come off ``max_tokens`` (and ``min_tokens``). Greedy output
+        is unchanged."""
         if not generated:
             return replace(self, request_id=request_id)
         if len(generated) >= self.sampling.max_tokens:
             raise ValueError(f"request {self.request_id} already has its {len(generated)} "
                              f"tokens (max_tokens {self.sampling.max_tokens})")
-        sampling = replace(self.sampling, max_tokens=self.sampling.max_tokens - len(generated))
+        sampling = replace(self.sampling, max_tokens=self.sampling.max_tokens - len(generated),
+                           min_tokens=max(0, self.sampling.min_tokens - len(generated)))
         structured = self.sampling.structured
         if structured is not None:  # the next worker re-derives the grammar's state
             sampling = replace(sampling, structured=replace(

@@ -27,6 +27,9 @@ class RouterConfig:
     policy: str = "cache_aware"
     """How prefill (or mixed) workers are chosen: see :mod:`router.policies`."""
     discovery_interval_s: float = 1.0
+    reset_grace_s: float = 10.0
+    """How long workers missing from a registry that came back empty (Redis restarted or
+    flushed) are kept while they register again."""
     retire_after_s: float = 60.0
     """A worker found in the registry that left it leaves the pool (and ``pdserve
     status``) after this long, or sooner once a worker of its role joins after it."""

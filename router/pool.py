@@ -29,7 +29,11 @@ new role's pool on the next read, its channel and stub kept.
 Discovery: with a registry, :meth:`WorkerPool.start` joins every live worker and then
 re-reads the registry every ``discovery_interval_s``. A registry read that fails is
 reported to ``on_redis`` (the router keeps one view of whether Redis answers, shared
-with the prefix lookup) and skipped: the pool keeps what it knew.
+with the prefix lookup) and skipped: the pool keeps what it knew. When the registry
+comes back empty (Redis restarted or flushed: the pool's own marker key is gone,
+:meth:`~common.registry.WorkerRegistry.emptied`), workers missing from it are not gone:
+they register again within a heartbeat, and marking them gone would refuse every
+request meanwhile; they stay for ``reset_grace_s``.
 
 Everything here runs on the router's event loop; nothing is thread-safe.
 """
@@ -39,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -69,6 +74,8 @@ class RegistryLike(Protocol):
     (one Redis round trip): the pool calls it from a thread."""
 
     def live(self) -> list[LiveWorker]: ...
+
+    def emptied(self, reader: str) -> bool: ...
 
 
 Connect = Callable[[str], tuple[ChannelLike, Any]]
@@ -124,6 +131,9 @@ class WorkerPool:
         self._connect_fn = connect
         self._on_redis = on_redis
         self._discovery: asyncio.Task | None = None
+        self._reset_since: float | None = None  # when the registry came back empty
+        self._read_once = False
+        self.reader = uuid.uuid4().hex[:12]  # this pool's marker in the registry
 
     def serving(self, role: str) -> list[Worker]:
         """The role's workers that take new requests (down ones included)."""
@@ -192,7 +202,7 @@ class WorkerPool:
         if self.registry is None:
             return
         try:
-            entries = await asyncio.to_thread(self.registry.live)
+            entries, emptied = await asyncio.to_thread(self._read, self.registry)
         except redis.RedisError as e:
             self._on_redis(e)
             return
@@ -215,7 +225,16 @@ class WorkerPool:
             except RuntimeError as e:
                 log.warning("registry lists %s but it does not answer: %s", address, e)
         now = time.monotonic()
+        if emptied:
+            self._reset_since = now
+            log.warning("the registry came back empty (Redis restarted or flushed): "
+                        "workers missing from it stay for up to %.0f s while they register "
+                        "again", self.config.reset_grace_s)
+        in_grace = (self._reset_since is not None
+                    and now - self._reset_since < self.config.reset_grace_s)
         for w in self.workers:
+            if in_grace and not w.gone and w.address not in live:
+                continue
             if (w.listed or not w.static) and w.gone == (w.address in live):
                 w.gone, w.since = w.address not in live, now
                 log.info("worker %s %s the registry", w.address,
@@ -237,6 +256,13 @@ class WorkerPool:
             self.workers.remove(w)
             log.info("worker %s (%s) retired from the pool", w.address, w.role)
             await w.channel.close()
+
+    def _read(self, registry: RegistryLike) -> tuple[list[LiveWorker], bool]:
+        """The live entries, and whether Redis lost the registry since the last read
+        (never on the first: nothing was known then)."""
+        emptied = registry.emptied(self.reader)
+        first, self._read_once = not self._read_once, True
+        return registry.live(), emptied and not first
 
     async def _discover_forever(self) -> None:
         while True:

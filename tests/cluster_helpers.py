@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from cluster.child import guarded
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
+from common.redis_url import PASSWORD_ENV, password_of, without_password
 from router.client import Client
 
 
@@ -46,6 +52,64 @@ def assert_cluster_idle(cluster: LocalCluster, timeout: float = 15.0,
                 return
             assert time.monotonic() < deadline, f"KV blocks or requests leaked: {status}"
             time.sleep(0.05)
+
+
+class ExtraRouter:
+    """Another router process on ``cluster``'s workers and Redis: the command line the
+    cluster runs for its own (``DeploymentConfig.router_args``) on a fresh port, without
+    HTTP or metrics ports, its Redis password in the environment as the cluster passes
+    it. ``with ExtraRouter(cluster, "router-2") as r:`` starts it, waits until it serves
+    (``r.target``) and stops it at the end, if the test has not killed it."""
+
+    def __init__(self, cluster: LocalCluster, name: str) -> None:
+        config = dataclasses.replace(cluster.config, port=free_port(cluster.config.host),
+                                     http_port=0, metrics_port=None)
+        self.target = f"{config.host}:{config.port}"
+        args = config.router_args(cluster.worker_addresses, without_password(cluster.redis_url))
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env.pop(PASSWORD_ENV, None)
+        password = password_of(cluster.redis_url)
+        if password:
+            env[PASSWORD_ENV] = password
+        self.log = Path(config.log_dir or ".") / f"{name}.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(guarded([sys.executable, "-m", "cluster.cli", *args]),
+                                         env=env, stdout=out, stderr=out)
+
+    def __enter__(self) -> ExtraRouter:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        with Client(self.target) as client:
+            while True:
+                assert self.proc.poll() is None, (
+                    f"{self.log.name} exited with {self.proc.returncode}: "
+                    f"{self.log.read_text()[-2000:]}")
+                try:
+                    if client.serving(timeout=2.0):
+                        return
+                except Exception:  # noqa: BLE001 - not up yet
+                    pass
+                assert time.monotonic() < deadline, f"{self.log.name} did not serve in time"
+                time.sleep(0.2)
+
+    def stop(self, grace: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait()
 
 
 class Load:

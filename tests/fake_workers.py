@@ -89,6 +89,7 @@ class FakeRegistry:
 
     entries: list[LiveWorker] = field(default_factory=list)
     error: Exception | None = None
+    readers: set[str] = field(default_factory=set)  # markers (WorkerRegistry.emptied)
 
     def add(self, address: str, role: str, free_blocks: int = 0) -> None:
         self.entries.append(LiveWorker(WorkerInfo(address, role, address, 100, BLOCK_SIZE, 1),
@@ -96,6 +97,17 @@ class FakeRegistry:
 
     def expire(self, address: str) -> None:
         self.entries = [e for e in self.entries if e.info.address != address]
+
+    def flush(self) -> None:
+        """Redis restarted empty, or FLUSHALL: entries and readers' markers go."""
+        self.entries, self.readers = [], set()
+
+    def emptied(self, reader: str) -> bool:
+        if self.error is not None:
+            raise self.error
+        fresh = reader not in self.readers
+        self.readers.add(reader)
+        return fresh
 
     def live(self) -> list[LiveWorker]:  # called from a thread, as the real one is
         if self.error is not None:

@@ -55,6 +55,8 @@ class WorkerMetrics:
             return
         self._advance("bytes", stats.bytes_moved, "kv_transfer_bytes_total")
         self._advance("busy", stats.busy_s, "kv_transfer_busy_seconds_total")
+        self._advance("checksum", stats.checksum_failures,
+                      "kv_transfer_checksum_failures_total")
         for state in TERMINAL:
             self._advance(f"xfer/{state}", stats.entered.get(state, 0), "kv_transfers_total",
                           state=state)

@@ -33,7 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("prompt")
-    g.add_argument("--target", default="127.0.0.1:50051", help="router HOST:PORT")
+    g.add_argument("--target", default="127.0.0.1:50051",
+                   help="router HOST:PORT, or several comma-separated: a stream whose "
+                        "router dies resumes on the next (router/resume.py)")
     _add_tls_flags(g)
     g.add_argument("--offline", action="store_true",
                    help="run the engine in this process instead of asking a router")
@@ -65,10 +67,11 @@ def _client(args: argparse.Namespace):  # noqa: ANN202 - router.client.Client
     from common.tls import TLSError
     from router.client import Client
 
+    targets = [t.strip() for t in args.target.split(",") if t.strip()]  # several: resume
     try:
-        return Client(args.target, args.tls_ca, args.tls_server_name,
-                      api_key=client_api_key(args))
-    except TLSError as e:
+        return Client(targets[0] if len(targets) == 1 else targets, args.tls_ca,
+                      args.tls_server_name, api_key=client_api_key(args))
+    except (TLSError, ValueError) as e:  # ValueError: no target in --target
         print(f"pdserve {args.command}: {e}", file=sys.stderr)
         raise SystemExit(EXIT_INVALID) from None
 

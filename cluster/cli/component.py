@@ -145,13 +145,14 @@ def worker_config(args: argparse.Namespace,  # noqa: ANN201 - WorkerConfig
     from workers.model_store import resolve_model
     from workers.server import WorkerConfig
     from workers.transfer import TransferConfig
+    from workers.transfer.channel import fault_hooks_from_env
 
     path = resolve_model(args.model, cache_dir(args))
     tls = cluster_tls(args)
-    transfer = TransferConfig(host=args.host, device=args.device,
-                              data_timeout_s=args.transfer_timeout_s,
-                              auth_key=kv_channel_key(args, tls),
-                              fault_drop_midway=os.environ.get("PDSERVE_FAULT_DROP_TRANSFER", ""))
+    transfer = fault_hooks_from_env(TransferConfig(
+        host=args.host, device=args.device, data_timeout_s=args.transfer_timeout_s,
+        auth_key=kv_channel_key(args, tls),
+        fault_drop_midway=os.environ.get("PDSERVE_FAULT_DROP_TRANSFER", "")))
     return WorkerConfig(
         engine=EngineConfig(model=str(path), **engine_options(args)),  # type: ignore[arg-type]
         model_name=path.name, role=args.role, host=args.host, port=args.port,

@@ -8,6 +8,7 @@ recompute after a failed transfer, prefix hits on either side, and no leaked blo
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from conftest import assert_no_leaks, hf_greedy
@@ -201,3 +202,35 @@ def test_structured_output_agrees_across_the_split(tiny_checkpoints, channel,
     assert out.finish_reason == "stop" and out.text == want.text
     for eng in (p, d, local):
         assert_no_leaks(eng)
+
+
+def test_flipped_kv_byte_would_change_the_tokens_and_is_recomputed_instead(
+        tiny_checkpoints, channel, monkeypatch) -> None:
+    """The byte the fault hook flips (after the sender's checksum) matters: committed
+    anyway, it changes the decoded tokens; checked, the transfer fails, the decode side
+    recomputes, and the output is HF's."""
+    path = tiny_checkpoints["llama"]
+    _, receiver = channel
+    flipping = KVSender("prefill-flip", replace(CFG, fault_flip_kv_byte="flip"))
+    try:
+        ids = engine(path).tokenizer("A " * 30 + "story about a flipped byte").input_ids
+        [want] = hf_greedy(path, [ids], GREEDY.max_tokens)
+        before = receiver.stats().checksum_failures
+        p, d = engine(path), engine(path)
+        _, out, state = disaggregated(p, d, (flipping, receiver), "flip-checked", ids)
+        assert state is TransferState.FAILED and out.token_ids == want
+        assert receiver.stats().checksum_failures == before + 1
+        for e in (p, d):
+            assert_no_leaks(e)
+        # the control: without the check the same fault reaches the tokens
+        monkeypatch.setattr(KVReceiver, "_checksum_failed",
+                            lambda self, pair, header, handle, landed:
+                            handle.advance(TransferState.DONE))
+        p, d = engine(path), engine(path)
+        _, out, state = disaggregated(p, d, (flipping, receiver), "flip-unchecked", ids)
+        assert state is TransferState.DONE and out.token_ids != want
+        for e in (p, d):
+            assert_no_leaks(e)
+    finally:
+        flipping.close()
+    assert receiver_idle(channel)

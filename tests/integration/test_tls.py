@@ -149,7 +149,7 @@ def test_replayed_and_stale_joins_and_forged_offers_are_refused(decode: KVReceiv
         cache2 = _cache()
         h = decode.expect("req-2", LAYOUT, ids2, PagedCacheDestination(cache2, ids2, 16))
         forged = encode_offer(TransferHeader(request_id64("req-2"), 900, pair_id, 3, LAYOUT,
-                                             LAYOUT.payload_bytes(3), 1), ids2)
+                                             LAYOUT.payload_bytes(3), 1, 0), ids2)
         raw.queue_push("inbox", forged)  # unsigned, on the real pair
         bad = ChannelAuth(OTHER).stamp("offer", decode.address, b"guess", forged)
         raw.queue_push("inbox", b"S" + bad.to_bytes() + forged)  # signed with another key

@@ -38,6 +38,7 @@ from workers.transfer import (
     request_id64,
     scatter_blocks,
 )
+from workers.transfer.channel import fault_hooks_from_env
 from workers.transfer.header import (
     HeaderError,
     check_offer,
@@ -114,7 +115,8 @@ def agent_main() -> None:
         reply: dict[str, Any] = {}
         cfg = TransferConfig(**cmd.get("config", TEST_CFG))
         if op == "send":
-            sender = sender or KVSender(cmd["name"], cfg)
+            # the fault hook as the worker's command line reads it (cluster/cli/component.py)
+            sender = sender or KVSender(cmd["name"], fault_hooks_from_env(cfg))
             handles = []
             for it in cmd["items"]:
                 lay = layout_of(it)
@@ -283,7 +285,7 @@ def test_request_id64_is_pinned_and_process_independent() -> None:
 
 def test_offer_roundtrip_and_corruption_is_refused() -> None:
     lay = KVLayout(30, 16, 3, 64, torch.bfloat16)
-    h = TransferHeader(request_id64("r"), 7, 3, 2, lay, lay.payload_bytes(2), 4)
+    h = TransferHeader(request_id64("r"), 7, 3, 2, lay, lay.payload_bytes(2), 4, -5)
     data = encode_offer(h, [9, 4])
     assert decode_offer(data) == (h, [9, 4])
     assert check_offer(h, [9, 4], lay, [9, 4], 1 << 30) is None
@@ -301,7 +303,7 @@ def test_offer_roundtrip_and_corruption_is_refused() -> None:
     staged = message_plan(h, [9, 4], direct=False)
     assert [(m.p0, m.p1) for m in staged][-1] == (56, 60) and len(staged) == 15
     runs = [5, 6, 7, 1, 2, 9]
-    h6 = TransferHeader(1, 1, 1, 6, lay, lay.payload_bytes(6), 60)
+    h6 = TransferHeader(1, 1, 1, 6, lay, lay.payload_bytes(6), 60, 0)
     direct = message_plan(h6, runs, direct=True)
     assert [(m.i0, m.i1) for m in direct[:3]] == [(0, 3), (3, 5), (5, 6)] and len(direct) == 180
     assert sum((m.p1 - m.p0) * (m.i1 - m.i0) for m in direct) * lay.plane_block_bytes == (
@@ -458,6 +460,49 @@ def test_mismatched_offer_is_refused_without_touching_destination(
     assert h2.wait(5).state is TransferState.FAILED and "count" in h2.result().reason
     assert_only_blocks_written(cache, {}, 16)
     assert decode.stats().entered["receiving"] == 0
+
+
+def test_flipped_kv_byte_fails_either_framing_and_keeps_the_pair(
+        decode: KVReceiver, log_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fault hook (read from the prefill process's environment) flips one byte on the
+    wire after the sender took the checksum: the sender cannot tell, the decode side
+    lands the payload, finds the mismatch and fails the transfer, in the staged and the
+    direct framing alike; the pair stays in step for the next transfer."""
+    monkeypatch.setenv("PDSERVE_FAULT_FLIP_KV_BYTE", "flip-")
+    agent = Agent("prefill-flip", log_dir)
+    try:
+        flips = [item("flip-staged", [1, 3, 5], seed=41),  # runs of 1 block: staged
+                 item("flip-direct", list(range(20, 36)), seed=42)]  # one long run: direct
+        clean = item("clean", [40, 41], seed=43)
+        lay = layout_of(clean)
+        cache = new_cache(lay)
+        dests = {it["request_id"]: CountingDestination(cache, it["block_ids"], 16)
+                 for it in [*flips, clean]}
+        handles = {rid: decode.expect(rid, lay, d.block_ids, d) for rid, d in dests.items()}
+        reply = agent.call("send", address=decode.address, items=flips)
+        assert [r["state"] for r in reply["results"]] == ["done", "done"], reply
+        for it in flips:
+            result = handles[it["request_id"]].wait(10)
+            assert result.state is TransferState.FAILED, result
+            assert "checksum mismatch" in (result.reason or ""), result
+        assert dests["flip-staged"].writes > 0 and dests["flip-direct"].writes == 0
+        # exactly one byte of what landed in place differs from what was sent
+        kv = make_kv(42, lay, 16)
+        landed = cache.view(lay.num_layers, 2, -1, 16, 2, 32)[:, :, 20:36]
+        sent = kv.contiguous().view(-1).view(torch.uint8)
+        assert int((landed.contiguous().view(-1).view(torch.uint8) != sent).sum()) == 1
+        assert agent.call("send", address=decode.address,
+                          items=[clean])["results"][0]["state"] == "done"
+        assert handles["clean"].wait(10).ok
+        kv = make_kv(43, lay, 2)
+        view = cache.view(lay.num_layers, 2, -1, 16, 2, 32)
+        assert torch.equal(view[:, :, 40:42], kv)
+        stats = decode.stats()
+        assert stats.checksum_failures == 2 and stats.entered["failed"] == 2
+        assert stats.entered["done"] == 1 and stats.pairs_open == 1
+    finally:
+        agent.stop()
+    assert agent.proc.returncode == 0, agent.log.read_text()[-3000:]
 
 
 def test_cancel_while_receiving_stops_writes_and_keeps_the_pair(

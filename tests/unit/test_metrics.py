@@ -59,7 +59,7 @@ def test_worker_sampler_turns_totals_into_counter_increments() -> None:
     counters.generation_tokens += 5
     counters.finished["stop"] += 1
     stats = ChannelStats({"done": 6, "failed": 1}, IDLE, bytes_moved=3000, pairs_open=1,
-                         busy_s=1.0, refused={"bad_mac": 2, "replay": 1})
+                         busy_s=1.0, refused={"bad_mac": 2, "replay": 1}, checksum_failures=1)
     sampler._transfer_stats = lambda: stats  # noqa: SLF001 - the next snapshot
     sampler.sample()
     text = m.text()
@@ -75,6 +75,7 @@ def test_worker_sampler_turns_totals_into_counter_increments() -> None:
     assert sample(text, 'pdserve:kv_cache_usage_perc{role="prefill"}') == 0.25
     assert sample(text, 'pdserve:num_requests_reserved{role="prefill"}') == 3
     assert sample(text, 'pdserve:kv_transfer_refused_total{reason="bad_mac",role="prefill"}') == 2
+    assert sample(text, 'pdserve:kv_transfer_checksum_failures_total{role="prefill"}') == 1
 
 
 def test_grafana_dashboard_is_current_and_queries_only_catalog_metrics() -> None:

@@ -42,6 +42,9 @@ def test_continued_request_carries_the_tokens_so_far_and_fewer_max_tokens() -> N
     assert r.continued([], "r#3") == Request("r#3", (5, 6), r.sampling, "s")
     with pytest.raises(ValueError, match="max_tokens 10"):
         r.continued(list(range(10)), "r#4")
+    m = Request("m", (5,), SamplingParams(max_tokens=10, min_tokens=4), "")
+    assert m.continued([7, 8], "m#2").sampling.min_tokens == 2  # still owed: 2 more
+    assert m.continued([7] * 6, "m#3").sampling.min_tokens == 0  # valid: min <= max
 
 
 def test_default_max_tokens_is_reduced_too_after_a_migration() -> None:

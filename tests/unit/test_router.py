@@ -633,6 +633,29 @@ def test_a_gone_worker_retires_once_a_replacement_of_its_role_joins() -> None:
     run(body)
 
 
+def test_a_registry_that_comes_back_empty_keeps_the_workers_while_they_register() -> None:
+    """Redis restarted or flushed: every entry vanishes. The router keeps serving on the
+    workers (they register again within a heartbeat) instead of refusing every request;
+    a worker still missing after ``reset_grace_s`` is gone; a worker that merely expires
+    (Redis intact) is gone at once."""
+    async def body() -> None:
+        async with Cluster([], registry_roles=["mixed", "mixed"], discovery_interval_s=0.005,
+                           reset_grace_s=0.3, redis_url="redis://unused.invalid") as c:
+            a, b = c.registry_workers
+            saved = list(c.registry.entries)
+            c.registry.flush()
+            await asyncio.sleep(0.1)  # many discovery rounds
+            assert len(c.router.pool("mixed")) == 2
+            assert_one_stream(await collect(c, req(max_tokens=2)), 2)
+            c.registry.entries = saved[:1]  # a registered again; b never does
+            await wait_for(lambda: c.router_worker(b).gone)
+            assert not c.router_worker(a).gone
+            c.registry.expire(a.address)  # Redis intact: an expiry is a departure
+            await wait_for(lambda: c.router_worker(a).gone)
+
+    run(body)
+
+
 def test_router_with_only_a_registry_serves_disaggregated() -> None:
     async def body() -> None:
         async with Cluster([], registry_roles=["prefill", "decode"], index=FakeIndex(),

@@ -35,11 +35,18 @@ state is the caller's cue to free (FAILED, TIMED_OUT) or commit (DONE) them.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
 from workers.transfer.rendezvous import check_host
+
+FAULT_FLIP_ENV = "PDSERVE_FAULT_FLIP_KV_BYTE"
+"""Fault injection for the chaos harness and tests: ``TransferConfig.fault_flip_kv_byte``
+of a prefill worker's sender (:func:`fault_hooks_from_env`)."""
 
 
 class ChannelError(RuntimeError):
@@ -70,7 +77,12 @@ class TransferConfig:
 
     ``fault_drop_midway`` is fault injection for tests: a sender stops every transfer
     whose request id contains it after half its payload and closes the pair, as a link
-    that dies mid-transfer would. Empty (the default) disables it.
+    that dies mid-transfer would. ``fault_flip_kv_byte`` likewise: a sender flips one
+    byte of the payload of every transfer whose request id contains it, on the wire
+    only and after the payload checksum was taken, as memory or a link that corrupts a
+    byte would; the decode side must catch it. Empty (the default) disables either; no
+    message on the network can set them, only the worker's environment
+    (``PDSERVE_FAULT_DROP_TRANSFER``, :data:`FAULT_FLIP_ENV`).
     """
 
     host: str = "127.0.0.1"
@@ -95,6 +107,7 @@ class TransferConfig:
     max_parked_offers: int = 1024
     max_reservations: int = 4096
     fault_drop_midway: str = ""
+    fault_flip_kv_byte: str = ""
 
     def __post_init__(self) -> None:
         check_host(self.host)
@@ -135,3 +148,15 @@ class TransferConfig:
         """NCCL ignores tags and matches point-to-point calls in order, so a NCCL pair
         carries one payload at a time; gloo's tags let several interleave."""
         return 1 if self.backend == "nccl" else self.max_inflight_per_pair
+
+
+def fault_hooks_from_env(config: TransferConfig,
+                         environ: Mapping[str, str] = os.environ) -> TransferConfig:
+    """``config`` with ``fault_flip_kv_byte`` from :data:`FAULT_FLIP_ENV` when that is set
+    and the config names none. ``pdserve worker``'s command line reads it, at the edge
+    beside ``PDSERVE_FAULT_DROP_TRANSFER`` (``cluster/cli/component.py``): every
+    launcher (plain processes, Ray actors) runs that command line."""
+    mark = environ.get(FAULT_FLIP_ENV, "")
+    if not mark or config.fault_flip_kv_byte:
+        return config
+    return dataclasses.replace(config, fault_flip_kv_byte=mark)

@@ -21,8 +21,12 @@ Slots (int64 each)::
     3 seq on the pair        4 pair id               5 num_blocks
     6 num_layers             7 kv (always 2)         8 block_size
     9 kv_heads              10 head_dim             11 dtype code
-   12 payload bytes         13 chunk_planes (staged) 14 reserved (0)
+   12 payload bytes         13 chunk_planes (staged) 14 payload checksum
    15 checksum of slots 0..14
+
+Slot 14 (version 2 on) is the xxh3_64 of the payload in canonical order, whichever
+framing carries it (:mod:`workers.transfer.checksum`); the receiver fails a transfer
+whose landed bytes hash otherwise. Slot 15 guards the header alone (FNV-1a).
 
 The module is pure: no sockets, no threads.
 """
@@ -37,7 +41,7 @@ import numpy as np
 import torch
 
 MAGIC = 0x50444B56  # "PDKV"
-VERSION = 1
+VERSION = 2  # 2: slot 14 carries the payload checksum (1: reserved, 0)
 HEADER_SLOTS = 16
 HEADER_BYTES = HEADER_SLOTS * 8
 MAX_MESSAGES = 1024  # a message index fits the low 10 bits of a gloo tag (tag_for)
@@ -151,12 +155,16 @@ class TransferHeader:
     layout: KVLayout
     payload_bytes: int
     chunk_planes: int
+    payload_checksum: int
+    """xxh3_64 of the payload in canonical order, as a signed int64."""
+
     def to_tensor(self) -> torch.Tensor:
         lay = self.layout
         slots = [
             MAGIC << 8 | VERSION, HEADER_SLOTS, self.request_id64, self.seq, self.pair_id,
             self.num_blocks, lay.num_layers, 2, lay.block_size, lay.kv_heads, lay.head_dim,
-            DTYPE_CODES[lay.dtype], self.payload_bytes, self.chunk_planes, 0,
+            DTYPE_CODES[lay.dtype], self.payload_bytes, self.chunk_planes,
+            self.payload_checksum,
         ]
         slots.append(_checksum(slots))
         return torch.tensor(slots, dtype=torch.int64)
@@ -171,14 +179,18 @@ class TransferHeader:
         s = [int(v) for v in t.tolist()]
         if s[0] >> 8 != MAGIC:
             raise HeaderError(f"bad magic {s[0] >> 8:#x}; not a pdserve KV offer")
-        if s[0] & 0xFF != VERSION or s[1] != HEADER_SLOTS:
+        if s[1] != HEADER_SLOTS:
             raise HeaderError(f"offer version {s[0] & 0xFF} with {s[1]} slots; this "
                               f"receiver speaks version {VERSION} with {HEADER_SLOTS}")
         if s[15] != _checksum(s[:15]):
             raise HeaderError("header checksum mismatch (corrupt offer)")
         seq, pair = s[3], s[4]  # trusted from here on: errors can name the transfer
-        if s[7] != 2 or s[14] != 0:
-            raise HeaderError(f"kv={s[7]} reserved={s[14]}; expected 2 and 0", seq, pair)
+        if s[0] & 0xFF != VERSION:  # refused by name, so an older sender learns why
+            raise HeaderError(f"offer version {s[0] & 0xFF}; this receiver speaks version "
+                              f"{VERSION} (version 2 added the payload checksum): run the "
+                              "same pdserve release on prefill and decode workers", seq, pair)
+        if s[7] != 2:
+            raise HeaderError(f"kv={s[7]}; expected 2", seq, pair)
         if s[11] not in CODE_DTYPES:
             raise HeaderError(f"unknown dtype code {s[11]}", seq, pair)
         if not 0 <= s[5] <= MAX_BLOCKS:
@@ -187,7 +199,7 @@ class TransferHeader:
             layout = KVLayout(s[6], s[8], s[9], s[10], CODE_DTYPES[s[11]])
         except ValueError as e:
             raise HeaderError(str(e), seq, pair) from None
-        header = cls(s[2], seq, s[4], s[5], layout, s[12], s[13])
+        header = cls(s[2], seq, s[4], s[5], layout, s[12], s[13], s[14])
         planes = layout.num_planes
         if not 1 <= header.chunk_planes <= planes or -(-planes // header.chunk_planes) > (
                 MAX_MESSAGES):

@@ -2,7 +2,9 @@
 
 Both run on the receive thread of one transfer, after the accept, and either return
 with every byte in the destination or raise (the caller then fails the transfer and
-closes the pair). Neither blocks longer than ``data_timeout_s`` per message.
+closes the pair). Neither blocks longer than ``data_timeout_s`` per message. Both return
+the checksum of what landed (:mod:`workers.transfer.checksum`, the payload in canonical
+order), for the caller to compare with the offer's before the transfer can be DONE.
 
 - direct: every message is received straight into its destination region. Such writes
   cannot be called back, so the handle was sealed before the accept; on an error every
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from workers.transfer.blocks import KVDestination
+from workers.transfer.checksum import PayloadHash
 from workers.transfer.header import Message, TransferHeader, direct_plan_fits, message_plan, tag_for
 from workers.transfer.rendezvous import settle_when_resolved, td
 from workers.transfer.state import TransferHandle
@@ -64,25 +67,30 @@ def use_direct(header: TransferHeader, block_ids: list[int], destination: KVDest
 
 def receive_direct(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Message],
                    destination: KVDestination, handle: TransferHandle, timeout_s: float,
-                   wire_device: str) -> None:
-    """All messages posted at once into their regions (no buffers of ours needed). On a
-    failure the receives still posted may yet write the destination: the handle does
-    not quiesce until they resolve."""
-    works = [pg.recv([destination.region(m.p0, m.i0, m.i1)], 0, tag_for(header.seq, i))
-             for i, m in enumerate(plan)]
+                   wire_device: str) -> int:
+    """All messages posted at once into their regions (no buffers of ours needed), each
+    region hashed as it lands (while the later ones are still on the wire). On a failure
+    the receives still posted may yet write the destination: the handle does not
+    quiesce until they resolve."""
+    regions = [destination.region(m.p0, m.i0, m.i1) for m in plan]
+    works = [pg.recv([r], 0, tag_for(header.seq, i)) for i, r in enumerate(regions)]
+    digest = PayloadHash()
     try:
-        for w in works:
+        for w, r in zip(works, regions, strict=True):
             w.wait(td(timeout_s))
+            digest.update(r)  # a device region: the host copy orders after the receive
         _sync(wire_device)
     except BaseException:
         settle_when_resolved(handle, works, "direct receive", timeout_s)
         raise
+    return digest.digest()
 
 
 def receive_staged(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Message],
                    destination: KVDestination, handle: TransferHandle, timeout_s: float,
-                   window: int, pool: BufferPool) -> None:
-    """Messages through a ring of ``window`` pooled buffers, each written on arrival."""
+                   window: int, pool: BufferPool) -> int:
+    """Messages through a ring of ``window`` pooled buffers, each hashed and written on
+    arrival."""
     lay = header.layout
     window = min(window, len(plan))
     shape = (header.chunk_planes, header.num_blocks, lay.block_size, lay.kv_heads,
@@ -90,6 +98,7 @@ def receive_staged(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Mes
     raw = [pool.take(math.prod(shape) * lay.element_size) for _ in range(window)]
     ring = [b.view(lay.dtype).view(shape) for b in raw]
     works = {}
+    digest = PayloadHash()
 
     def post(i: int) -> None:
         m = plan[i]
@@ -99,6 +108,7 @@ def receive_staged(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Mes
         post(i)
     for i, m in enumerate(plan):
         works.pop(i).wait(td(timeout_s))
+        digest.update(ring[i % window][: m.p1 - m.p0])
         with handle.writing() as may_write:
             if may_write:
                 destination.write(m.p0, ring[i % window][: m.p1 - m.p0])
@@ -109,6 +119,7 @@ def receive_staged(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Mes
     # buffers are dropped with the failed transfer, never reused.
     for b in raw:
         pool.give(b)
+    return digest.digest()
 
 
 def _sync(device: str) -> None:

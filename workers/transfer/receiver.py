@@ -9,8 +9,9 @@ Threads, all daemons:
   until the reservation arrives, at most ``offer_timeout_s``) and handed to a receive
   thread. A bye closes its pair;
 - ``kvx-recv-<request>``, one per matched offer: checks it (refusal leaves the
-  destination untouched), picks the framing, accepts, and lands the payload
-  (:mod:`workers.transfer.landing`);
+  destination untouched), picks the framing, accepts, lands the payload
+  (:mod:`workers.transfer.landing`) and compares its checksum with the offer's: a
+  mismatch ends the transfer FAILED, counted in ``stats().checksum_failures``;
 - ``kvx-house``: expires reservations nobody offered for and parked offers nobody
   reserved for.
 
@@ -283,7 +284,7 @@ class KVReceiver:
                     continue  # idle
                 return
             # typed by the first byte: "J"oin, "B"ye, "STOP", and offers, whose header
-            # starts with its version byte (1), little-endian
+            # starts with its version byte (header.VERSION), little-endian
             try:
                 if msg == STOP:
                     if self._stop.is_set():
@@ -536,11 +537,14 @@ class KVReceiver:
                 return
             plan = message_plan(header, offer.block_ids, direct)
             if direct:
-                receive_direct(pair.pg, header, plan, res.destination, handle,
-                               cfg.data_timeout_s, cfg.wire_device)
+                landed = receive_direct(pair.pg, header, plan, res.destination, handle,
+                                        cfg.data_timeout_s, cfg.wire_device)
             else:
-                receive_staged(pair.pg, header, plan, res.destination, handle,
-                               cfg.data_timeout_s, cfg.recv_window, self._buffers)
+                landed = receive_staged(pair.pg, header, plan, res.destination, handle,
+                                        cfg.data_timeout_s, cfg.recv_window, self._buffers)
+            if landed != header.payload_checksum:  # the pair is in step: it stays open
+                self._checksum_failed(pair, header, handle, landed)
+                return
             self._counters.add_bytes(header.payload_bytes)
             handle.advance(TransferState.DONE, nbytes=header.payload_bytes)
         except Exception as e:  # noqa: BLE001 - every failure ends the transfer
@@ -549,6 +553,18 @@ class KVReceiver:
             handle.advance(state, f"payload from {pair.name!r} (pair {pair.pair_id}) broke: {e}")
         finally:
             pair.slots.release()
+
+    def _checksum_failed(self, pair: _RecvPair, header: TransferHeader,
+                         handle: TransferHandle, landed: int) -> None:
+        """A payload that landed whole but not as sent: FAILED like any broken transfer
+        (the decode side frees the blocks and recomputes), never DONE."""
+        self._counters.checksum_failure()
+        reason = (f"KV payload checksum mismatch from {pair.name!r} (pair {pair.pair_id}, "
+                  f"transfer {header.seq}): offer {header.payload_checksum:#x}, landed "
+                  f"{landed:#x}; the blocks are dropped and the prompt recomputed")
+        log.warning("decode receiver %s: %s (request %r)", self.name, reason,
+                    handle.request_id)
+        handle.advance(TransferState.FAILED, reason)
 
     # --- deadlines --------------------------------------------------------------------
 

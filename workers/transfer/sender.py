@@ -4,7 +4,9 @@ A send runs on its own daemon thread:
 
 1. find the pair to the decode address, or open it (join, 2-rank process group, wait
    until the receiver registered it), each step bounded by ``connect_timeout_s``;
-2. take one of the pair's in-flight slots and post the offer to the receiver's inbox;
+2. take one of the pair's in-flight slots, hash the payload (the offer carries its
+   checksum, :mod:`workers.transfer.checksum`) and post the offer to the receiver's
+   inbox;
 3. wait for the decision, bounded by the send's timeout: the pair's reply thread wakes
    it when the receiver decided; on expiry it cancels with compare_set, and whichever of
    cancel and accept landed first holds;
@@ -33,8 +35,10 @@ import torch.distributed as dist
 from workers.transfer.auth import MAC_BYTES, ChannelAuth
 from workers.transfer.blocks import PagedSource, TensorSource, gather_blocks
 from workers.transfer.channel import ChannelError, TransferConfig
+from workers.transfer.checksum import flip_one_byte, payload_checksum
 from workers.transfer.header import (
     KVLayout,
+    Message,
     TransferHeader,
     encode_offer,
     message_plan,
@@ -190,6 +194,10 @@ class KVSender:
     def __init__(self, name: str, config: TransferConfig | None = None):
         self.name = name
         self.config = cfg = config or TransferConfig()
+        if cfg.fault_flip_kv_byte:
+            log.warning("KV sender %s: fault injection on: one byte of every transfer whose "
+                        "request id contains %r is flipped on the wire", name,
+                        cfg.fault_flip_kv_byte)
         self._auth = (ChannelAuth(cfg.auth_key, cfg.auth_max_skew_s, cfg.auth_max_nonces)
                       if cfg.auth_key is not None else None)
         self._counters = StateCounters()
@@ -330,10 +338,11 @@ class KVSender:
         n = len(block_ids)
         chunk_planes = max(1, min(layout.num_planes,
                                   self.config.chunk_bytes // (n * layout.plane_block_bytes)))
+        checksum = payload_checksum(source.pieces())  # before the framing is known
         seq, decided = pair.next_seq()
         try:
             header = TransferHeader(request_id64(handle.request_id), seq, pair.pair_id, n,
-                                    layout, layout.payload_bytes(n), chunk_planes)
+                                    layout, layout.payload_bytes(n), chunk_planes, checksum)
             key = f"decision/{seq}"
             pair.root.queue_push("inbox", pair.offer(encode_offer(header, block_ids)))
             if decided.wait(max(deadline - time.monotonic(), 0.0)) and pair.broken is None:
@@ -365,9 +374,15 @@ class KVSender:
             self.config.fault_drop_midway in handle.request_id)
         if drop:  # fault injection: the link goes away after half the payload
             plan = plan[: len(plan) // 2]
-        works = [pair.pg.send([on_wire(source.message(m.p0, m.p1, m.i0, m.i1))], 1,
-                              tag_for(seq, i))
-                 for i, m in enumerate(plan)]
+        flip = bool(self.config.fault_flip_kv_byte) and (
+            self.config.fault_flip_kv_byte in handle.request_id)
+
+        def wire(i: int, m: Message) -> torch.Tensor:
+            t = on_wire(source.message(m.p0, m.p1, m.i0, m.i1))
+            # fault injection: one byte of the first message corrupted, after the hash
+            return flip_one_byte(t) if flip and i == 0 else t
+
+        works = [pair.pg.send([wire(i, m)], 1, tag_for(seq, i)) for i, m in enumerate(plan)]
         try:
             for w in works:
                 w.wait(td(self.config.data_timeout_s))

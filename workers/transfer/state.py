@@ -70,6 +70,9 @@ class ChannelStats:
     refused: dict[str, int] = field(default_factory=dict)
     """Control messages not acted on, by why: ``bad_mac``, ``stale``, ``replay``,
     ``unauthenticated``, ``pairs_full``, ``parked_full``, ... (see the receiver)."""
+    checksum_failures: int = 0
+    """Payloads that landed whole but whose checksum did not match the offer's (each
+    also counts as a FAILED transfer; the receiver's end only)."""
 
     @property
     def in_flight(self) -> int:
@@ -86,6 +89,7 @@ class StateCounters:
         self._bytes = 0
         self._busy = 0.0
         self._refused: dict[str, int] = {}
+        self._checksum_failures = 0
 
     def record(self, old: TransferState | None, new: TransferState) -> None:
         with self._lock:
@@ -106,11 +110,16 @@ class StateCounters:
         with self._lock:
             self._refused[why] = self._refused.get(why, 0) + 1
 
+    def checksum_failure(self) -> None:
+        with self._lock:
+            self._checksum_failures += 1
+
     def snapshot(self, pairs_open: int) -> ChannelStats:
         with self._lock:
             return ChannelStats({s.value: n for s, n in self._entered.items()},
                                 {s.value: n for s, n in self._current.items()},
-                                self._bytes, pairs_open, self._busy, dict(self._refused))
+                                self._bytes, pairs_open, self._busy, dict(self._refused),
+                                self._checksum_failures)
 
 
 @dataclass(frozen=True)
