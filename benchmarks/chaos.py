@@ -191,6 +191,12 @@ async def _cycle(cluster: LocalCluster, o: ChaosOptions, scenario: str, k: int,
         return list(outcomes), fault, client.resumes
 
 
+def _window_s(rate_rps: float) -> float:
+    """The recovery rule's window: ~10 arrivals, at least 3 s (at a few requests per
+    second a 3 s window's p99 is the max of a handful: noise, not an outage)."""
+    return max(3.0, 10.0 / max(rate_rps, 1e-9))
+
+
 def _failed_transfers(cluster: LocalCluster) -> int:
     """KV transfers the decode workers counted as failed so far (a corrupted payload
     refused by its checksum is one)."""
@@ -239,7 +245,8 @@ def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
                 row.resumes += resumes
                 row.faults += scenario != "none"
                 row.add(outcomes, refs)
-                row.recovery_s.append(recovery_s(outcomes, fault.at_s, o.pre_s))
+                row.recovery_s.append(recovery_s(outcomes, fault.at_s, o.pre_s,
+                                                 window_s=_window_s(result.rate_rps)))
                 back = wait_whole(cluster)
                 row.failed_transfers += max(0, _failed_transfers(cluster) - refused)
                 leaked, detail = leaked_blocks(cluster)

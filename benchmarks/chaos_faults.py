@@ -69,7 +69,8 @@ def victim_of(cluster: LocalCluster, scenario: str, k: int) -> str:
     if scenario in REDIS_FAULTS:
         return "redis"
     kind = scenario.split("-", 1)[1]
-    names = [n for n in cluster.names if n == kind or n.startswith(kind + "-")]
+    names = ([n for n in cluster.names if n == "router" or n.startswith("router-")]
+             if kind == "router" else [n for n, role in cluster.workers if role == kind])
     if not names:
         raise ValueError(f"{scenario}: the cluster has no {kind} component")
     return names[k % len(names)]

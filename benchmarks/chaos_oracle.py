@@ -18,13 +18,14 @@ match). The control scenario (no fault) measures the oracle itself: it must see 
 
 **Recovery.** TTFT by arrival time around a fault at ``t_fault``: the baseline is the
 p99 TTFT of requests that arrived in the last two thirds of the ``pre`` window before
-it (its first third warms the load up). Windows of
-``window_s`` slide by ``step_s`` from ``t_fault``; recovery is the start of the first
-window from which every window's p99 TTFT is within ``(1 + tolerance)`` of the baseline
-(or ``slack_s`` above it: a few milliseconds of noise on two cores are not an outage),
-minus ``t_fault``. A window with no arrival has nothing to say and is skipped; a
-window whose requests failed counts their TTFT as infinite. ``None``: not recovered
-before the load stopped.
+it (its first third warms the load up). Windows of ``window_s`` (the harness sizes them
+to ~10 arrivals, no more than the baseline holds: a p99 of few values is their max, and
+the max of more values is larger) slide by ``step_s`` from ``t_fault``; recovery is the
+start of the first window from which every window's p99 TTFT is within
+``(1 + tolerance)`` of the baseline (or ``slack_s`` above it: a few milliseconds of noise
+on two cores are not an outage), minus ``t_fault``. A window with no arrival has nothing
+to say and is skipped; a window whose requests failed counts their TTFT as infinite.
+``None``: not recovered before the load stopped.
 """
 
 from __future__ import annotations

@@ -258,38 +258,3 @@ def test_transfer_dropped_midway_is_recomputed_and_counted(smollm2_path, tmp_pat
         assert_cluster_idle(c, timeout=30)
     finally:
         c.stop()
-
-
-def test_flipped_kv_byte_is_caught_by_the_checksum_and_recomputed(smollm2_path, tmp_path,
-                                                                  monkeypatch) -> None:
-    """The prefill worker flips one byte of one request's KV on the wire, after taking its
-    checksum: the decode worker refuses the payload (counted), recomputes the prompt, and
-    the output is the undisturbed greedy one; the corrupt blocks never reach a token nor
-    the prefix cache the next request hits."""
-    monkeypatch.setenv("PDSERVE_FAULT_FLIP_KV_BYTE", "flip-me")
-    tok = AutoTokenizer.from_pretrained(smollm2_path)
-    prompts = [prompt_of(tok, 250), prompt_of(tok, 260)]  # the second shares 250 tokens
-    c = _fault_cluster(smollm2_path, tmp_path, prefill=1, decode=1)
-    try:
-        with Client(c.target) as client:
-            flipped = client.generate(prompts[0], request_id="flip-me", **GREEDY)
-            fine = client.generate(prompts[1], request_id="fine", **GREEDY)
-            status = client.status()
-        served_equals_hf(smollm2_path, [flipped, fine], prompts, GREEDY["max_tokens"])
-        [prefill] = [w for w in status.workers if w.role == "prefill"]
-        [decode] = [w for w in status.workers if w.role == "decode"]
-        assert prefill.transfers.entered["done"] == 2  # the sender cannot tell
-        assert decode.transfers.entered["failed"] == 1
-        assert decode.transfers.entered["done"] == 1
-        deadline = time.monotonic() + 10  # the worker samples its metrics every second
-        while True:
-            text = urllib.request.urlopen(c.metrics_urls["decode-0"], timeout=5).read().decode()
-            counted = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("pdserve:kv_transfer_checksum_failures_total{")]
-            if counted == [1.0] or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert counted == [1.0], counted
-        assert_cluster_idle(c, timeout=30)
-    finally:
-        c.stop()
