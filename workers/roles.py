@@ -216,6 +216,11 @@ class RoleSwitch:
         # done, out of the registry: it runs on to its end, bounded by the drain timeout.
         return await asyncio.shield(task)
 
+    @property
+    def changing(self) -> str | None:
+        """The role a change under way goes to (None: none is)."""
+        return self._changing
+
     def _changed(self, task: asyncio.Future) -> None:
         self._changing = None
         if not task.cancelled() and task.exception() is not None:  # retrieved: no warning

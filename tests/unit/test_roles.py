@@ -129,7 +129,7 @@ def test_a_caller_hanging_up_does_not_leave_the_worker_out_of_the_registry() -> 
         await asyncio.sleep(0.05)
         loop.busy = 0
         deadline = time.monotonic() + 2
-        while presence.events[-1] != ("in", "prefill"):
+        while presence.events[-1] != ("in", "prefill") or s.changing is not None:
             assert time.monotonic() < deadline, presence.events
             await asyncio.sleep(0.01)
         assert s.role == "prefill"
