@@ -2,8 +2,11 @@
 by a token-exact oracle.
 
 Lifecycle of a run, per cluster shape (:func:`benchmarks.chaos_faults.shape_of`: 2
-prefill + 2 decode workers, or 2 mixed ones for the mixed worker's kill; two routers
-each; the process launcher, supervising as ``pdserve up`` does):
+prefill + 2 decode workers, or 2 mixed ones for the mixed worker's kill), on one of
+``pdserve up``'s launchers (:mod:`benchmarks.chaos_targets`): the process launcher
+(the default; two routers, supervising as ``pdserve up`` does) or Ray
+(:mod:`benchmarks.chaos_ray`: one router, Ray restarting actors; it refuses the
+scenarios it cannot run, :func:`benchmarks.chaos_targets.refused`):
 
 1. **start** the cluster and wait until it serves;
 2. **references**: each prompt once, alone, greedy with ``ignore_eos``: the token ids
@@ -28,8 +31,9 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cluster.local import LocalCluster, LocalClusterConfig
 from cluster.supervisor import RestartPolicy
@@ -40,6 +44,7 @@ from .chaos_faults import (
     FLIP_ENV,
     FLIP_MARK,
     SCENARIOS,
+    WORKER_ROLES,
     Fault,
     inject,
     leaked_blocks,
@@ -48,6 +53,11 @@ from .chaos_faults import (
     wait_whole,
 )
 from .chaos_oracle import Outcome, Row, recovery_s
+from .chaos_targets import ChaosTarget, ProcessTarget
+from .chaos_targets import refused as launcher_refuses
+
+if TYPE_CHECKING:
+    from cluster.ray_cluster import ParseComponent
 
 SHAPES = {"disagg": {"prefill": 2, "decode": 2, "local_prefill_threshold": 0},
           "mixed": {"mixed": 2}}
@@ -78,6 +88,9 @@ class ChaosOptions:
     kv_cache_gb: float = 0.2
     block_size: int = 16
     max_model_len: int = 512
+    launcher: str = "process"
+    """``process`` (two routers, supervised processes) or ``ray`` (one router, actors);
+    see :func:`benchmarks.chaos_targets.refused` for what Ray cannot run."""
 
 
 @dataclass
@@ -153,7 +166,7 @@ async def _one(client: AsyncClient, prompt: list[int], index: int, arrival: floa
     return out
 
 
-async def _cycle(cluster: LocalCluster, o: ChaosOptions, scenario: str, k: int,
+async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
                  prompts: list[list[int]], rate: float, rng: random.Random
                  ) -> tuple[list[Outcome], Fault, int]:
     """One fault under load: ``pre_s`` of load, the fault, ``post_s`` more. Returns
@@ -197,7 +210,7 @@ def _window_s(rate_rps: float) -> float:
     return max(3.0, 10.0 / max(rate_rps, 1e-9))
 
 
-def _failed_transfers(cluster: LocalCluster) -> int:
+def _failed_transfers(cluster: ChaosTarget) -> int:
     """KV transfers the decode workers counted as failed so far (a corrupted payload
     refused by its checksum is one)."""
     with Client(cluster.target) as client:
@@ -205,7 +218,7 @@ def _failed_transfers(cluster: LocalCluster) -> int:
                    if w.role == "decode")
 
 
-def _cluster(o: ChaosOptions, shape: str) -> LocalCluster:
+def _cluster(o: ChaosOptions, shape: str, parse: ParseComponent | None) -> ChaosTarget:
     from cluster.net import free_port
 
     os.environ[FLIP_ENV] = FLIP_MARK  # the prefill workers' hook; inherited at start
@@ -214,29 +227,39 @@ def _cluster(o: ChaosOptions, shape: str) -> LocalCluster:
         kv_cache_gb=o.kv_cache_gb, block_size=o.block_size, max_model_len=o.max_model_len,
         transfer_timeout_s=5.0, log_dir=str(Path(o.out_dir) / f"logs-{shape}"),
         **SHAPES[shape])  # type: ignore[arg-type]
-    return LocalCluster(config, RestartPolicy(max_restarts=10, window_s=60.0), routers=2)
+    if o.launcher == "ray":
+        from .chaos_ray import RayTarget  # imports Ray: only when asked for
+
+        assert parse is not None  # run_chaos checked
+        # The router actor serves no /metrics: the default port (9400) may be taken on a
+        # shared machine, and the harness reads the router's status over gRPC.
+        return RayTarget(replace(config, launcher="ray", metrics_port=None), parse)
+    return ProcessTarget(LocalCluster(config, RestartPolicy(max_restarts=10, window_s=60.0),
+                                      routers=2))
 
 
 def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
-              say: Callable[[str], None] = print) -> ShapeRun:
-    """Every scenario of one cluster shape (module docstring)."""
+              say: Callable[[str], None] = print,
+              parse: ParseComponent | None = None) -> ShapeRun:
+    """Every scenario of one cluster shape (module docstring); ``parse``: see
+    :func:`run_chaos`."""
     result = ShapeRun(shape)
-    cluster = _cluster(o, shape)
+    cluster = _cluster(o, shape, parse)
     cluster.start()
     try:
-        cluster.wait_ready(timeout=300)
-        cluster.supervise()
+        cluster.wait_ready(300)
         prompts = asyncio.run(_prompts(cluster.target, o))
         refs = asyncio.run(_references(cluster.target, prompts, o.max_tokens))
+        workers = sum(c.role in WORKER_ROLES for c in cluster.components())
         result.capacity_rps = asyncio.run(_capacity(cluster.target, prompts, o.max_tokens,
-                                                    2 * len(cluster.workers)))
+                                                    2 * workers))
         result.rate_rps = o.load * result.capacity_rps
         say(f"[{shape}] capacity {result.capacity_rps:.2f} req/s; load "
             f"{result.rate_rps:.2f} req/s ({o.load:.0%})")
         rng = random.Random(o.seed)
         for scenario in scenarios:
             row = Row(scenario, 0, 0)
-            restarts_before = sum(cluster.restarts(n) for n in cluster.names)
+            restarts_before = sum(c.restarts for c in cluster.components())
             seen: list[dict] = []
             for k in range(o.faults):
                 refused = _failed_transfers(cluster)
@@ -262,7 +285,7 @@ def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
                     f"{row.failures} failed, {row.bad_tokens} bad streams, recovery "
                     f"{row.recovery_s[-1]} s, whole again after {back:.1f} s, "
                     f"{leaked} blocks leaked")
-            row.restarts = sum(cluster.restarts(n) for n in cluster.names) - restarts_before
+            row.restarts = sum(c.restarts for c in cluster.components()) - restarts_before
             result.rows.append(row)
             result.outcomes[scenario] = seen
     finally:
@@ -270,16 +293,26 @@ def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
     return result
 
 
-def run_chaos(o: ChaosOptions, say: Callable[[str], None] = print) -> dict:
-    """Every scenario asked for, shape by shape; the report's JSON object."""
+def run_chaos(o: ChaosOptions, say: Callable[[str], None] = print,
+              parse: ParseComponent | None = None) -> dict:
+    """Every scenario asked for, shape by shape; the report's JSON object. ``parse``:
+    with ``launcher="ray"``, the CLI's component parser (``cluster.cli.component.
+    component_config``), which this layer may not import (the composition root hands it
+    in, as ``pdserve up`` does). Raises ValueError before starting anything when a
+    scenario is unknown or the launcher cannot run it."""
     unknown = sorted(set(o.scenarios) - set(SCENARIOS))
     if unknown:
         raise ValueError(f"unknown scenarios {unknown}; choose from {list(SCENARIOS)}")
+    why = launcher_refuses(o.launcher, o.scenarios)
+    if why:
+        raise ValueError("; ".join(why))
+    if o.launcher == "ray" and parse is None:
+        raise ValueError("launcher 'ray' needs parse (cluster.cli.component.component_config)")
     runs = []
     for shape in SHAPES:
         mine = [s for s in o.scenarios if shape_of(s) == shape]
         if mine:
-            runs.append(run_shape(o, shape, mine, say))
+            runs.append(run_shape(o, shape, mine, say, parse))
     return {"options": asdict(o), "shapes": [
         {"shape": r.shape, "capacity_rps": r.capacity_rps, "rate_rps": r.rate_rps,
          "rows": [{**asdict(row), "bad_tokens": row.bad_tokens,

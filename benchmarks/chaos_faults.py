@@ -1,12 +1,15 @@
-"""The faults ``pdserve chaos`` injects into a supervised :class:`LocalCluster`, and how
-it waits for the cluster to be whole again.
+"""The faults ``pdserve chaos`` injects into a launched cluster (a
+:class:`~benchmarks.chaos_targets.ChaosTarget`), and how it waits for the cluster to be
+whole again.
 
 Each fault type is a scenario. The victim is chosen round robin among the components
 of its type; a kill waits (up to 2 s) until a worker victim holds requests, so that it
 dies mid-stream rather than idle.
 
 - ``kill-prefill`` / ``kill-decode`` / ``kill-mixed`` / ``kill-router`` /
-  ``kill-redis``: SIGKILL; supervision restarts it on the same address;
+  ``kill-redis``: SIGKILL; the launcher starts it again (the process launcher's
+  supervision on the same address; Ray an actor, on a new port; see
+  :func:`benchmarks.chaos_targets.refused` for what Ray cannot run);
 - ``stop-prefill`` / ``stop-decode``: SIGSTOP for a while (a straggler: 1-10 s in the
   long run), then SIGCONT; ``stop-redis``: Redis frozen the same way (Redis slowed
   down to nothing: routers and workers time out on it and serve on);
@@ -33,10 +36,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from cluster.local import LocalCluster
 from common.redis_url import connect
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.client import Client
+
+from .chaos_targets import ChaosTarget, Component
 
 FLIP_MARK = "corrupt-this-kv"
 """The request-id mark the ``flip-kv`` scenario's requests carry (the prefill hook's)."""
@@ -48,6 +52,7 @@ SCENARIOS = ("none", *KILLS, *STOPS, "flush-redis", "flip-kv", "cancel")
 WORKER_FAULTS = ("kill-prefill", "kill-decode", "kill-mixed", "stop-prefill",
                  "stop-decode")
 REDIS_FAULTS = ("kill-redis", "stop-redis", "flush-redis")
+WORKER_ROLES = ("prefill", "decode", "mixed")
 
 
 def shape_of(scenario: str) -> str:
@@ -64,13 +69,12 @@ class Fault:
     note: str = ""
 
 
-def victim_of(cluster: LocalCluster, scenario: str, k: int) -> str:
+def victim_of(cluster: ChaosTarget, scenario: str, k: int) -> str:
     """The ``k``-th fault's victim: round robin over the components of its type."""
     if scenario in REDIS_FAULTS:
         return "redis"
     kind = scenario.split("-", 1)[1]
-    names = ([n for n in cluster.names if n == "router" or n.startswith("router-")]
-             if kind == "router" else [n for n, role in cluster.workers if role == kind])
+    names = [c.name for c in cluster.components() if c.role == kind]
     if not names:
         raise ValueError(f"{scenario}: the cluster has no {kind} component")
     return names[k % len(names)]
@@ -85,13 +89,16 @@ def _worker_load(address: str) -> worker_pb2.WorkerLoad | None:
         return None
 
 
-def _address(cluster: LocalCluster, name: str) -> str | None:
-    names = [n for n, _ in cluster.workers]
-    return cluster.worker_addresses[names.index(name)] if name in names else None
+def _component(cluster: ChaosTarget, name: str) -> Component:
+    found = [c for c in cluster.components() if c.name == name]
+    if not found:
+        raise ValueError(f"the cluster has no component {name!r}")
+    return found[0]
 
 
-def _wait_busy(cluster: LocalCluster, name: str, within_s: float = 2.0) -> bool:
-    address = _address(cluster, name)
+def _wait_busy(cluster: ChaosTarget, name: str, within_s: float = 2.0) -> bool:
+    victim = _component(cluster, name)
+    address = victim.address if victim.role in WORKER_ROLES else None
     if address is None:
         return True
     deadline = time.monotonic() + within_s
@@ -103,17 +110,21 @@ def _wait_busy(cluster: LocalCluster, name: str, within_s: float = 2.0) -> bool:
     return False
 
 
-async def inject(cluster: LocalCluster, scenario: str, victim: str,
+async def inject(cluster: ChaosTarget, scenario: str, victim: str,
                  rng: random.Random, stop_s: tuple[float, float]) -> str:
     """Do the fault; returns a note (how long a stop lasted, a kill that found its
     victim idle). Runs beside the load, on its event loop."""
     if scenario in KILLS:
         busy = await asyncio.to_thread(_wait_busy, cluster, victim)
-        cluster.proc(victim).send_signal(signal.SIGKILL)
+        now = await asyncio.to_thread(_component, cluster, victim)
+        if now.running and now.pid is not None:  # already gone: nothing (Popen's rule)
+            os.kill(now.pid, signal.SIGKILL)
         return "" if busy else "victim was idle"
     if scenario in STOPS:
         seconds = round(rng.uniform(*stop_s), 1)
-        pid = cluster.proc(victim).pid
+        pid = (await asyncio.to_thread(_component, cluster, victim)).pid
+        if pid is None:
+            return "victim had no process to stop"
         os.kill(pid, signal.SIGSTOP)
         try:
             await asyncio.sleep(seconds)
@@ -129,7 +140,7 @@ async def inject(cluster: LocalCluster, scenario: str, victim: str,
     return ""
 
 
-def wait_whole(cluster: LocalCluster, timeout_s: float = 180.0) -> float:
+def wait_whole(cluster: ChaosTarget, timeout_s: float = 180.0) -> float:
     """Until every component runs and every router lists every worker as serving;
     returns how long that took. Raises TimeoutError naming what is missing."""
     start = time.monotonic()
@@ -138,17 +149,18 @@ def wait_whole(cluster: LocalCluster, timeout_s: float = 180.0) -> float:
     while time.monotonic() < deadline:
         if cluster.gave_up is not None:
             raise RuntimeError(f"supervision gave up: {cluster.gave_up}")
-        missing = [n for n, p in zip(cluster.names, cluster.procs, strict=True)
-                   if p.poll() is not None]
+        components = cluster.components()
+        missing = [c.name for c in components if not c.running]
         if not missing:
-            missing = _unlisted(cluster)
+            missing = _unlisted(cluster, [c.address for c in components
+                                          if c.role in WORKER_ROLES])
         if not missing:
             return time.monotonic() - start
         time.sleep(0.25)
     raise TimeoutError(f"the cluster is not whole after {timeout_s:.0f} s: {missing}")
 
 
-def _unlisted(cluster: LocalCluster) -> list[str]:
+def _unlisted(cluster: ChaosTarget, workers: list[str]) -> list[str]:
     out = []
     for target in cluster.targets:
         try:
@@ -157,11 +169,11 @@ def _unlisted(cluster: LocalCluster) -> list[str]:
         except grpc.RpcError:
             out.append(target)
             continue
-        out += [f"{a} (at {target})" for a in cluster.worker_addresses if a not in serving]
+        out += [f"{a} (at {target})" for a in workers if a not in serving]
     return out
 
 
-def leaked_blocks(cluster: LocalCluster, timeout_s: float = 30.0) -> tuple[int, str]:
+def leaked_blocks(cluster: ChaosTarget, timeout_s: float = 30.0) -> tuple[int, str]:
     """KV blocks not free once the cluster is idle (0: none leaked), and the busy
     workers' rows when it never got idle."""
     deadline = time.monotonic() + timeout_s

@@ -1,6 +1,8 @@
 """``pdserve chaos``: the fault harness (``benchmarks/chaos.py``): a cluster under
-steady load, one fault type per scenario, every stream checked token for token.
-Exit 0 when every target is met, 1 when one is missed (the report says which)."""
+steady load, one fault type per scenario, every stream checked token for token, on the
+process launcher (the default) or Ray (``--launcher ray``: one router, no Redis
+supervision, so no ``kill-router`` nor ``kill-redis``). Exit 0 when every target is
+met, 1 when one is missed (the report says which), 2 on invalid options."""
 
 from __future__ import annotations
 
@@ -15,13 +17,18 @@ QUICK = {"pre_s": 2.5, "post_s": 6.0, "stop_s": (1.0, 2.0), "prompts": 8, "max_t
 
 def register(sub: argparse._SubParsersAction) -> None:
     from benchmarks.chaos_faults import SCENARIOS
+    from benchmarks.chaos_targets import LAUNCHERS, UNSUPPORTED
 
     p = sub.add_parser("chaos", help="inject faults (kills, stops, Redis loss, corrupted KV, "
                                      "cancellations) under load; check every token")
     p.add_argument("--model", default=None)
     p.add_argument("--cache-dir", default=None)
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help=f"comma-separated, of: {', '.join(SCENARIOS)}")
+    p.add_argument("--scenarios", default=None,
+                   help=f"comma-separated, of: {', '.join(SCENARIOS)} (default: every one "
+                        "the launcher can run)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="process",
+                   help="process (two routers, supervised processes) or ray (a fresh local "
+                        "Ray, one router; not: " + ", ".join(UNSUPPORTED["ray"]) + ")")
     p.add_argument("--faults", type=int, default=1,
                    help="faults per scenario (the README's long run: 10 and more)")
     p.add_argument("--load", type=float, default=0.7, help="fraction of measured capacity")
@@ -43,15 +50,23 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     from benchmarks.chaos import ChaosOptions, run_chaos
     from benchmarks.chaos_faults import SCENARIOS
     from benchmarks.chaos_report import write
+    from benchmarks.chaos_targets import UNSUPPORTED, refused
     from benchmarks.machine import machine_line
     from workers.model_store import resolve_model
 
-    scenarios = tuple(s for s in args.scenarios.split(",") if s)
+    scenarios = (tuple(s for s in args.scenarios.split(",") if s) if args.scenarios
+                 is not None else tuple(s for s in SCENARIOS
+                                        if s not in UNSUPPORTED[args.launcher]))
     bad = sorted(set(scenarios) - set(SCENARIOS))
     if bad or args.faults < 1 or not 0 < args.load <= 2:
         print(f"pdserve chaos: unknown scenarios {bad}; choose from {', '.join(SCENARIOS)}"
               if bad else "pdserve chaos: --faults must be >= 1 and --load in (0, 2]",
               file=sys.stderr)
+        return EXIT_INVALID
+    why = refused(args.launcher, scenarios)
+    if why:
+        for line in why:
+            print(f"pdserve chaos: {line}", file=sys.stderr)
         return EXIT_INVALID
     path = resolve_model(args.model, cache_dir(args))
     settings = {"pre_s": args.pre_s, "post_s": args.post_s, "max_tokens": args.max_tokens,
@@ -60,11 +75,18 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         settings.update(QUICK)
     options = ChaosOptions(model=str(path), out_dir=args.out, scenarios=scenarios,
                            faults=args.faults, load=args.load, seed=args.seed,
-                           dtype=args.dtype, **settings)  # type: ignore[arg-type]
+                           dtype=args.dtype, launcher=args.launcher,
+                           **settings)  # type: ignore[arg-type]
     header = (f"pdserve chaos on {path.name} ({args.dtype}), {machine_line()}: "
               f"{args.faults} fault(s) per scenario at {args.load:.0%} of capacity")
+    parse = None
+    if args.launcher == "ray":
+        from .component import component_config
+
+        parse = component_config  # how each actor reads its command line (pdserve up's)
+        header += "; Ray launcher (one router)"
     print(header, flush=True)
-    report = run_chaos(options, lambda line: print(line, flush=True))
+    report = run_chaos(options, lambda line: print(line, flush=True), parse)
     md, missed = write(report, args.out, header)
     print(md)
     print(f"wrote {args.out}/chaos.json, chaos.md, chaos-ttft.png")
