@@ -78,6 +78,10 @@ class DeploymentConfig:
     dtype: str = field(default="auto", metadata=setting(
         "weights and KV cache dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 "
         "(AMX, AVX512-BF16), else float32, decided by each worker on its own machine"))
+    kv_cache_dtype: str = field(default="auto", metadata=setting(
+        "how the paged KV cache stores K/V: auto (the model's dtype), fp8_e4m3, fp8_e5m2 "
+        "or nvfp4 (quantized rows with their scales; more tokens per GiB, smaller "
+        "transfers); prefill and decode workers must agree"))
     kv_cache_gb: float = field(default=1.0, metadata=setting(
         "GiB preallocated for each worker's paged KV cache"))
     block_size: int = field(default=16, metadata=setting("tokens per KV cache block"))
@@ -257,7 +261,8 @@ class DeploymentConfig:
                     threads: int, metrics_port: int | None = None) -> list[str]:
         """``pdserve worker`` arguments for one worker of ``role``."""
         args = ["worker", "--role", role, "--host", host, "--port", str(port),
-                "--dtype", self.dtype, "--kv-cache-gb", str(self.kv_cache_gb),
+                "--dtype", self.dtype, "--kv-cache-dtype", self.kv_cache_dtype,
+                "--kv-cache-gb", str(self.kv_cache_gb),
                 "--block-size", str(self.block_size), "--threads", str(threads),
                 "--local-prefill-threshold", str(self.local_prefill_threshold),
                 "--transfer-timeout-s", str(self.transfer_timeout_s),

@@ -108,10 +108,12 @@ class _Tracked:
     prompt_ids: list[int] | None = None  # copied once, shared by every output
 
 
-def model_identity(model_path: Path, dtype: str) -> str:
-    """Seeds the block-hash chain: KV from another model or dtype must never match."""
+def model_identity(model_path: Path, dtype: str, kv_cache_dtype: str = "auto") -> str:
+    """Seeds the block-hash chain: KV from another model, dtype or KV cache format must
+    never match (a quantized cache's blocks hash apart from the model-precision ones)."""
     digest = hashlib.sha256((model_path / "config.json").read_bytes()).hexdigest()[:16]
-    return f"{model_path.name}:{digest}:{dtype}"
+    kv = "" if kv_cache_dtype == "auto" else f":kv={kv_cache_dtype}"
+    return f"{model_path.name}:{digest}:{dtype}{kv}"
 
 
 class LLMEngine:
@@ -135,7 +137,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, max_len, self.eos_token_ids)
         # A sequence must always fit in the whole cache, or it could never be scheduled.
         self.max_model_len = min(max_len, self.runner.num_blocks * config.block_size)
-        self.model_id = model_identity(path, config.dtype)
+        self.model_id = model_identity(path, config.dtype, config.kv_cache_dtype)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.runner.num_blocks,
@@ -168,7 +170,7 @@ class LLMEngine:
 
     def kv_view(self) -> KVView:
         """Safe from any thread (the tensor's contents are not: see :class:`KVView`)."""
-        return KVView(self.runner.kv_cache, self.config.block_size)
+        return KVView(self.runner.kv_cache, self.config.block_size, self.config.kv_cache_dtype)
 
     def load(self) -> EngineLoad:
         """A snapshot, taken on the engine thread; the snapshot may go anywhere."""

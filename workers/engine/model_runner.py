@@ -98,13 +98,16 @@ class ModelRunner:
             decode_op=kernels.paged_decode_attention if native else None,
             ops=NATIVE_OPS if native else TORCH_OPS,
             linear=linear or TORCH_LINEAR,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
         del hf  # its weights now live in the model's own (fused, reordered) tensors
         self.vocab_size = self.model.shape.vocab_size
         self.block_size = config.block_size
         s = self.model.shape
-        elem = torch.empty(0, dtype=self.dtype).element_size()
-        self.block_bytes = s.num_layers * 2 * config.block_size * s.num_kv_heads * s.head_dim * elem
+        self.kv_format = self.model.kv_format
+        """How each cache row stores a token's K or V of one head."""
+        self.block_bytes = (s.num_layers * 2 * config.block_size * s.num_kv_heads
+                            * self.kv_format.row_bytes)
         if config.num_blocks is not None:
             self.num_blocks = config.num_blocks
         else:
@@ -117,8 +120,8 @@ class ModelRunner:
         # Zeroed, not empty: padded decode rows read real memory under a mask, and
         # uninitialised NaNs would leak through 0 * NaN.
         self.kv_cache = torch.zeros(
-            s.num_layers, 2, self.num_blocks * config.block_size, s.num_kv_heads, s.head_dim,
-            dtype=self.dtype, device=self.device,
+            s.num_layers, 2, self.num_blocks * config.block_size, s.num_kv_heads,
+            self.kv_format.row_elems, dtype=self.kv_format.storage_dtype, device=self.device,
         )
         self.sampler = Sampler(eos_token_ids=eos_token_ids)
         self.forward_s = 0.0

@@ -10,12 +10,13 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from common.kv_cache_dtype import KV_CACHE_DTYPES, check_kv_cache_dtype
 from common.sampling import InvalidRequestError, SamplingParams
 
 from .dtype_choice import DTYPE_CHOICES, DTYPES, resolve_dtype
 
-__all__ = ["DTYPES", "DTYPE_CHOICES", "EngineConfig", "InvalidRequestError", "SamplingParams",
-           "SchedulerConfig"]
+__all__ = ["DTYPES", "DTYPE_CHOICES", "KV_CACHE_DTYPES", "EngineConfig", "InvalidRequestError",
+           "SamplingParams", "SchedulerConfig"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_gb: float = 2.0
     num_blocks: int | None = None
+    kv_cache_dtype: str = "auto"
+    """How the paged cache stores K/V: ``auto`` (the model's dtype), ``fp8_e4m3``,
+    ``fp8_e5m2`` or ``nvfp4`` (:mod:`workers.models.kv_format`). Quantized blocks hold
+    more tokens in ``kv_cache_memory_gb`` and cross the KV channel as stored; prefill and
+    decode workers must use the same one."""
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -86,6 +92,7 @@ class EngineConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, "
                              f"got {self.dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.kv_cache_memory_gb <= 0 and self.num_blocks is None:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_blocks is not None and self.num_blocks < 1:

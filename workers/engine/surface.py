@@ -47,14 +47,17 @@ class EngineLoad:
 @dataclass(frozen=True)
 class KVView:
     """The paged KV cache as a transfer reads and writes it: ``cache`` is
-    ``[layers, 2, num_blocks * block_size, kv_heads, head_dim]`` and block ``b`` is rows
+    ``[layers, 2, num_blocks * block_size, kv_heads, row]`` and block ``b`` is rows
     ``b * block_size`` up to ``(b + 1) * block_size``. Write only into a reservation's
-    blocks, read only blocks held for export (``on_prefilled``)."""
+    blocks, read only blocks held for export (``on_prefilled``). ``kv_format`` names what
+    a row stores (``auto``: ``head_dim`` values of the model's dtype; otherwise bytes of
+    a quantized format, :mod:`workers.models.kv_format`)."""
 
     # A torch.Tensor. Typed Any, not ``torch.Tensor`` under TYPE_CHECKING: import-linter
     # counts TYPE_CHECKING imports by default, which would break engine-core-pure.
     cache: Any
     block_size: int
+    kv_format: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,12 @@ builds one :class:`AttentionBatch`, shared by every layer:
   repeating K/V. Both paths are tested against each other;
 * each prefill chunk attends causally to its own tokens (no cache read when the chunk is
   the sequence's start) or to its cached prefix plus itself (gathered from the cache).
+
+With a quantized cache (:mod:`workers.models.kv_format`) a slot holds a row of bytes
+(values and scales) instead of ``head_dim`` elements; every token's K/V is quantized as
+it is written, and attention reads it back dequantized: the native decode kernel reads
+the bytes of each block directly, the torch paths dequantize what they gather, and a
+chunk's own K/V go through the same round trip so every token sees K/V as stored.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
+
+from workers.models.kv_format import KVFormat
 
 
 @dataclass(frozen=True)
@@ -122,29 +130,43 @@ def paged_attention(
     batch: AttentionBatch,
     block_size: int,
     decode_op: Callable | None = None,
+    kv_format: KVFormat | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; returns [tokens, heads*dim].
 
-    Writes k and v into ``cache`` ([2, slots, kv_heads, dim]) before reading it.
+    Writes k and v into ``cache`` ([2, slots, kv_heads, row]; ``row`` is ``dim`` unless
+    ``kv_format`` is quantized) before reading it.
     """
     num_tokens, num_heads, dim = q.shape
     num_kv = k.shape[1]
     group = num_heads // num_kv
     k_cache, v_cache = cache[0], cache[1]
-    k_cache.index_copy_(0, batch.slot_mapping, k)
-    v_cache.index_copy_(0, batch.slot_mapping, v)
+    quantized = kv_format is not None and kv_format.quantized
+    if quantized:
+        k_rows, k = kv_format.round_trip(k)
+        v_rows, v = kv_format.round_trip(v)
+    else:
+        k_rows, v_rows = k, v
+    k_cache.index_copy_(0, batch.slot_mapping, k_rows)
+    v_cache.index_copy_(0, batch.slot_mapping, v_rows)
+    row = k_cache.shape[-1]
     out = torch.empty_like(q)
-    k_blocks = k_cache.view(-1, block_size, num_kv, dim)
-    v_blocks = v_cache.view(-1, block_size, num_kv, dim)
+    k_blocks = k_cache.view(-1, block_size, num_kv, row)
+    v_blocks = v_cache.view(-1, block_size, num_kv, row)
+
+    def gathered(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        rows = blocks.index_select(0, ids)
+        return kv_format.dequantize(rows, q.dtype) if quantized else rows
+
     d = batch.num_decode
     if d and decode_op is not None:
-        out[:d] = decode_op(q[:d], k_blocks, v_blocks, batch.decode_table, batch.decode_lens,
-                            dim**-0.5)
+        args = (q[:d], k_blocks, v_blocks, batch.decode_table, batch.decode_lens, dim**-0.5)
+        out[:d] = decode_op(*args, kv_format.code) if quantized else decode_op(*args)
     elif d:
         # [d, len, kv, dim] -> [d, kv, len, dim]; queries [d, kv, group, dim].
         blocks = batch.decode_table.view(-1)
-        kd = k_blocks.index_select(0, blocks).view(d, -1, num_kv, dim).transpose(1, 2)
-        vd = v_blocks.index_select(0, blocks).view(d, -1, num_kv, dim).transpose(1, 2)
+        kd = gathered(k_blocks, blocks).view(d, -1, num_kv, dim).transpose(1, 2)
+        vd = gathered(v_blocks, blocks).view(d, -1, num_kv, dim).transpose(1, 2)
         qd = q[:d].view(d, num_kv, group, dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask)
         out[:d] = od.reshape(d, num_heads, dim)
@@ -154,8 +176,8 @@ def paged_attention(
         if span.blocks is None:
             kp, vp = k[rows], v[rows]
         else:
-            kp = k_blocks.index_select(0, span.blocks).view(-1, num_kv, dim)
-            vp = v_blocks.index_select(0, span.blocks).view(-1, num_kv, dim)
+            kp = gathered(k_blocks, span.blocks).view(-1, num_kv, dim)
+            vp = gathered(v_blocks, span.blocks).view(-1, num_kv, dim)
         op = F.scaled_dot_product_attention(
             qp,
             kp.transpose(0, 1).unsqueeze(0),

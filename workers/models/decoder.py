@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from workers.models.attention import AttentionBatch, paged_attention
+from workers.models.kv_format import KVFormat
 from workers.models.linear import TORCH_LINEAR, LinearOps
 
 SUPPORTED_ARCHITECTURES = (
@@ -113,6 +114,7 @@ class DecoderModel:
         decode_op: Callable | None = None,
         ops: ElementwiseOps = TORCH_OPS,
         linear: LinearOps = TORCH_LINEAR,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.decode_op = decode_op  # fused paged decode attention; None: the torch path
         self.ops = ops
@@ -134,6 +136,9 @@ class DecoderModel:
             vocab_size=cfg.vocab_size,
             rms_eps=cfg.rms_norm_eps,
         )
+        self.kv_format = KVFormat(kv_cache_dtype, head_dim,
+                                  hf_model.model.embed_tokens.weight.dtype)
+        """How a cache row stores one token's K or V of one head (see :mod:`.kv_format`)."""
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         inner = hf_model.model
@@ -198,7 +203,8 @@ class DecoderModel:
     ) -> torch.Tensor:
         """Run all tokens of a step; return fp32 logits for ``sample_rows`` only.
 
-        ``kv_cache``: [layers, 2, slots, kv_heads, head_dim], written in place.
+        ``kv_cache``: [layers, 2, slots, kv_heads, row], written in place (``row``:
+        ``self.kv_format.row_elems``).
         """
         s, ops, eps, linear = self.shape, self.ops, self.shape.rms_eps, self.linear
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -222,7 +228,8 @@ class DecoderModel:
                 q.copy_(ops.rms_norm(q, lw.q_norm, eps))
                 k.copy_(ops.rms_norm(k, lw.k_norm, eps))
             q, k = ops.rope_(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
-            attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op)
+            attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op,
+                                   self.kv_format)
             h = ops.add_rms_norm(x, linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
             mlp_out = linear(ops.silu_mul(linear(h, lw.gate_up, None)), lw.down, None)
         x.add_(mlp_out)

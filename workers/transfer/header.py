@@ -20,13 +20,18 @@ Slots (int64 each)::
     0 magic<<8 | version     1 header slots (16)     2 request id (64-bit, blake2b)
     3 seq on the pair        4 pair id               5 num_blocks
     6 num_layers             7 kv (always 2)         8 block_size
-    9 kv_heads              10 head_dim             11 dtype code
+    9 kv_heads              10 head_dim (row elems)  11 dtype code | format << 8
    12 payload bytes         13 chunk_planes (staged) 14 payload checksum
    15 checksum of slots 0..14
 
 Slot 14 (version 2 on) is the xxh3_64 of the payload in canonical order, whichever
 framing carries it (:mod:`workers.transfer.checksum`); the receiver fails a transfer
 whose landed bytes hash otherwise. Slot 15 guards the header alone (FNV-1a).
+
+Slot 11 (version 3 on) carries the KV cache format (:mod:`common.kv_cache_dtype`) above
+the element dtype: a quantized cache's rows are ``uint8`` bytes (values and scales, see
+:mod:`workers.models.kv_format`) and travel as stored, so ``head_dim`` is then the row's
+byte count, and the format tells FP8 E4M3 rows from E5M2 rows of the same size.
 
 The module is pure: no sockets, no threads.
 """
@@ -40,8 +45,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.kv_cache_dtype import CODE_FORMATS, FORMAT_CODES, check_kv_cache_dtype
+
 MAGIC = 0x50444B56  # "PDKV"
-VERSION = 2  # 2: slot 14 carries the payload checksum (1: reserved, 0)
+VERSION = 3  # 3: slot 11 carries the KV cache format; 2: slot 14 the payload checksum
 HEADER_SLOTS = 16
 HEADER_BYTES = HEADER_SLOTS * 8
 MAX_MESSAGES = 1024  # a message index fits the low 10 bits of a gloo tag (tag_for)
@@ -99,15 +106,20 @@ def tag_for(seq: int, message: int) -> int:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of one block of KV across every layer, as both ends must agree on it."""
+    """The shape of one block of KV across every layer, as both ends must agree on it.
+
+    ``head_dim`` is the cache row's element count: the head's dimension for ``auto``, the
+    row's bytes (values and scales) for a quantized ``kv_format``."""
 
     num_layers: int
     block_size: int
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    kv_format: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_format)
         for name in ("num_layers", "block_size", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -117,12 +129,22 @@ class KVLayout:
                              f"supported: {sorted(str(d) for d in DTYPE_CODES)}")
 
     @classmethod
-    def of_cache(cls, cache: torch.Tensor, block_size: int) -> KVLayout:
-        """The layout of a paged cache ``[layers, 2, num_blocks*block_size, heads, dim]``."""
+    def of_cache(cls, cache: torch.Tensor, block_size: int, kv_format: str = "auto"
+                 ) -> KVLayout:
+        """The layout of a paged cache ``[layers, 2, num_blocks*block_size, heads, row]``
+        storing ``kv_format``."""
         if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[2] % block_size:
             raise ValueError(f"expected a cache [layers, 2, num_blocks*{block_size}, kv_heads, "
                              f"head_dim], got shape {tuple(cache.shape)}")
-        return cls(cache.shape[0], block_size, cache.shape[3], cache.shape[4], cache.dtype)
+        return cls(cache.shape[0], block_size, cache.shape[3], cache.shape[4], cache.dtype,
+                   kv_format)
+
+    def describe(self) -> str:
+        """The format as an error names it: ``fp8_e4m3 (uint8 rows of 65)``."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.kv_format == "auto":
+            return f"{dtype} (the model's dtype; rows of {self.head_dim})"
+        return f"{self.kv_format} ({dtype} rows of {self.head_dim})"
 
     @property
     def element_size(self) -> int:
@@ -163,7 +185,8 @@ class TransferHeader:
         slots = [
             MAGIC << 8 | VERSION, HEADER_SLOTS, self.request_id64, self.seq, self.pair_id,
             self.num_blocks, lay.num_layers, 2, lay.block_size, lay.kv_heads, lay.head_dim,
-            DTYPE_CODES[lay.dtype], self.payload_bytes, self.chunk_planes,
+            DTYPE_CODES[lay.dtype] | FORMAT_CODES[lay.kv_format] << 8, self.payload_bytes,
+            self.chunk_planes,
             self.payload_checksum,
         ]
         slots.append(_checksum(slots))
@@ -187,16 +210,21 @@ class TransferHeader:
         seq, pair = s[3], s[4]  # trusted from here on: errors can name the transfer
         if s[0] & 0xFF != VERSION:  # refused by name, so an older sender learns why
             raise HeaderError(f"offer version {s[0] & 0xFF}; this receiver speaks version "
-                              f"{VERSION} (version 2 added the payload checksum): run the "
-                              "same pdserve release on prefill and decode workers", seq, pair)
+                              f"{VERSION} (version 2 added the payload checksum, 3 the KV "
+                              "cache format): run the same pdserve release on prefill and "
+                              "decode workers", seq, pair)
         if s[7] != 2:
             raise HeaderError(f"kv={s[7]}; expected 2", seq, pair)
-        if s[11] not in CODE_DTYPES:
-            raise HeaderError(f"unknown dtype code {s[11]}", seq, pair)
+        dtype_code, format_code = s[11] & 0xFF, s[11] >> 8
+        if dtype_code not in CODE_DTYPES:
+            raise HeaderError(f"unknown dtype code {dtype_code}", seq, pair)
+        if format_code not in CODE_FORMATS:
+            raise HeaderError(f"unknown KV cache format code {format_code}", seq, pair)
         if not 0 <= s[5] <= MAX_BLOCKS:
             raise HeaderError(f"num_blocks {s[5]} outside [0, {MAX_BLOCKS}]", seq, pair)
         try:
-            layout = KVLayout(s[6], s[8], s[9], s[10], CODE_DTYPES[s[11]])
+            layout = KVLayout(s[6], s[8], s[9], s[10], CODE_DTYPES[dtype_code],
+                              CODE_FORMATS[format_code])
         except ValueError as e:
             raise HeaderError(str(e), seq, pair) from None
         header = cls(s[2], seq, s[4], s[5], layout, s[12], s[13], s[14])
@@ -285,8 +313,10 @@ def check_offer(header: TransferHeader, block_ids: Sequence[int], layout: KVLayo
     """Why this offer must be refused for a reservation of ``expected_block_ids`` blocks
     of ``layout``, or None when it matches exactly. Side-effect free."""
     got = header.layout
-    if got.dtype != layout.dtype:
-        return f"dtype mismatch: offer {got.dtype}, reservation {layout.dtype}"
+    if (got.dtype, got.kv_format) != (layout.dtype, layout.kv_format):
+        return (f"KV cache dtype mismatch: the prefill worker sends {got.describe()}, this "
+                f"decode worker stores {layout.describe()}; start both with the same "
+                "--kv-cache-dtype and --dtype")
     if (got.num_layers, got.block_size, got.kv_heads, got.head_dim) != (
             layout.num_layers, layout.block_size, layout.kv_heads, layout.head_dim):
         return (f"shape mismatch: offer layers/block_size/kv_heads/head_dim "

@@ -208,9 +208,11 @@ class KVSender:
         self._closed = False
 
     def send(self, address: str, request_id: str, block_ids: Sequence[int], kv: torch.Tensor,
-             timeout_s: float | None = None) -> TransferHandle:
+             timeout_s: float | None = None, kv_format: str = "auto") -> TransferHandle:
         """Send ``kv`` ``[layers, 2, n, block_size, kv_heads, head_dim]`` into blocks
         ``block_ids`` reserved for ``request_id`` on the decode worker at ``address``.
+        ``kv_format``: how the rows encode K/V (a quantized cache's rows are bytes; the
+        receiver refuses a format other than its own).
 
         Bounds: opening a new pair ``connect_timeout_s`` per step; then ``timeout_s``
         (default ``offer_timeout_s``) for a free slot and the receiver's accept; then
@@ -223,20 +225,22 @@ class KVSender:
                              f"head_dim] for {len(block_ids)} block ids, got {tuple(kv.shape)}")
         if not block_ids:
             raise ValueError(f"nothing to send for {request_id!r}: no block ids")
-        layout = KVLayout(kv.shape[0], kv.shape[3], kv.shape[4], kv.shape[5], kv.dtype)
+        layout = KVLayout(kv.shape[0], kv.shape[3], kv.shape[4], kv.shape[5], kv.dtype, kv_format)
         return self._start(address, request_id, layout, block_ids, TensorSource(kv), timeout_s)
 
     def send_paged(self, address: str, request_id: str, cache: torch.Tensor,
                    src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-                   block_size: int, timeout_s: float | None = None) -> TransferHandle:
+                   block_size: int, timeout_s: float | None = None,
+                   kv_format: str = "auto") -> TransferHandle:
         """Send ``src_block_ids`` of a paged cache into ``dst_block_ids`` without copying
         them first: payload messages are read from the cache (views where the source
         blocks form runs). The caller keeps the source blocks unchanged until the handle
-        is terminal (a done callback is the place to release them)."""
+        is terminal (a done callback is the place to release them). ``kv_format``: what
+        the cache's rows store (``KVView.kv_format``)."""
         if len(src_block_ids) != len(dst_block_ids) or not src_block_ids:
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} "
                              "target blocks")
-        layout = KVLayout.of_cache(cache, block_size)
+        layout = KVLayout.of_cache(cache, block_size, kv_format)
         source = PagedSource(cache, src_block_ids, block_size)
         handle = self._start(address, request_id, layout, dst_block_ids, source, timeout_s)
         handle.add_done_callback(
@@ -258,7 +262,8 @@ class KVSender:
 
     def send_blocks(self, address: str, request_id: str, cache: torch.Tensor,
                     src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-                    block_size: int, timeout_s: float | None = None) -> TransferHandle:
+                    block_size: int, timeout_s: float | None = None,
+                    kv_format: str = "auto") -> TransferHandle:
         """Gather ``src_block_ids`` of a paged cache now (so the caller may reuse them as
         soon as this returns) and send them into ``dst_block_ids``. The endpoint's
         ``busy_s`` counts from here (KV ready) to the transfer's end."""
@@ -268,7 +273,7 @@ class KVSender:
         started = time.monotonic()
         kv = gather_blocks(cache, src_block_ids, block_size)
         gathered = time.monotonic() - started
-        handle = self.send(address, request_id, dst_block_ids, kv, timeout_s)
+        handle = self.send(address, request_id, dst_block_ids, kv, timeout_s, kv_format)
         handle.add_done_callback(
             lambda r: self._counters.add_busy(r.seconds + gathered) if r.ok else None)
         return handle

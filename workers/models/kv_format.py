@@ -1,0 +1,194 @@
+"""How one token's key or value of one KV head is stored in the paged cache.
+
+``--kv-cache-dtype`` picks a :class:`KVFormat`:
+
+``auto``
+    the model's dtype (float32 / bfloat16), ``head_dim`` elements per row.
+``fp8_e4m3`` / ``fp8_e5m2``
+    ``head_dim`` FP8 values (``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` bit
+    patterns) then **one scale byte**: the row's scale is ``2 ** (byte - 127)`` (an E8M0
+    exponent, as in the OCP MX formats), the smallest power of two that maps the row's
+    absolute maximum inside the format's range (448 / 57344).
+``nvfp4``
+    NVIDIA's NVFP4: ``head_dim / 2`` bytes of packed E2M1 values (element ``2i`` in the
+    low nibble, ``2i+1`` in the high one; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 and a
+    sign bit), then ``head_dim / 16`` bytes of FP8 E4M3 scales, one per 16 values
+    (``amax / 6`` rounded to E4M3), times a per-tensor FP32 scale,
+    :data:`NVFP4_TENSOR_SCALE`.
+
+Every quantized row is ``row_bytes`` contiguous ``uint8``: values then scales, so a
+cache block (``block_size`` rows of every KV head, in each layer's K and V plane) is one
+contiguous run of bytes holding its values *and* scales. That run is what a transfer
+moves, so a quantized block crosses the wire as it is stored, scales included.
+
+Why these scales: the cache is written one token at a time (decode appends a row per
+step), and a row's bytes must never change once written (they are hashed into the prefix
+cache, shared and shipped). A per-block scale would have to be known before the block's
+later tokens exist, or earlier rows requantized when a larger one arrives (error piled on
+error, bytes that change under a transfer). A per-token, per-head scale (FP8) and NVFP4's
+per-16-value scales depend only on the row being written, so the prefill worker, the
+decode worker and an offline engine write the same bytes for the same K/V. A power of
+two costs one byte (1.6% of a 64-dim FP8 row) and scales exactly.
+
+The per-tensor NVFP4 scale is 1.0 for every layer: it exists to move E4M3's scale range
+(2**-9 .. 448, x6 for the values) over a tensor's actual magnitudes, and the KV of the
+models here already sits inside it (SmolLM2-135M, measured: per-16 absolute maxima from
+0.02 to 21). A calibrated per-layer scale would change nothing for them; a model whose
+KV outgrows 2688 would clip (stated, not handled).
+
+Attention always reads K/V *as stored*: a quantized format writes the row, then the
+step's own attention uses the dequantized row too (:meth:`KVFormat.round_trip`), so a
+prompt's logits already carry the quantization error and prefill with or without a
+cached prefix computes the same thing. Pure torch (runs on any device, CUDA included,
+where torch's float8 casts are native); the CPU's native decode kernel reads the same
+bytes (``workers/engine/kernels``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from common.kv_cache_dtype import FORMAT_CODES, KV_CACHE_DTYPES, check_kv_cache_dtype
+
+__all__ = ["FORMAT_CODES", "KV_CACHE_DTYPES", "NVFP4_TENSOR_SCALE", "KVFormat"]
+
+NVFP4_TENSOR_SCALE = 1.0
+NVFP4_GROUP = 16
+_FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
+_E8M0_BIAS = 127
+_E2M1_LEVELS = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@cache
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """The 16 code values: codes 0-7 positive, 8-15 the same magnitudes negated."""
+    pos = torch.tensor(_E2M1_LEVELS, dtype=torch.float32)
+    return torch.cat([pos, -pos]).to(device)
+
+
+@cache
+def _e2m1_bounds(device: torch.device) -> torch.Tensor:
+    """Midpoints between consecutive magnitudes: nearest level by bucketize."""
+    lv = _E2M1_LEVELS
+    return torch.tensor([(a + b) / 2 for a, b in zip(lv, lv[1:], strict=False)],
+                        dtype=torch.float32).to(device)
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """One cache row's encoding: ``name`` (see module doc), the head's ``head_dim`` and
+    the model's ``model_dtype`` (the dtype attention computes in; ``auto`` stores it)."""
+
+    name: str
+    head_dim: int
+    model_dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.name)
+        if self.name == "nvfp4" and self.head_dim % NVFP4_GROUP:
+            raise ValueError(f"kv_cache_dtype nvfp4 needs head_dim divisible by "
+                             f"{NVFP4_GROUP} (one scale per 16 values); this model's is "
+                             f"{self.head_dim}: use fp8_e4m3")
+
+    @property
+    def quantized(self) -> bool:
+        return self.name != "auto"
+
+    @property
+    def code(self) -> int:
+        return FORMAT_CODES[self.name]
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The cache tensor's dtype: the model's, or ``uint8`` rows of bytes."""
+        return torch.uint8 if self.quantized else self.model_dtype
+
+    @property
+    def row_elems(self) -> int:
+        """The cache tensor's last dimension."""
+        if self.name == "auto":
+            return self.head_dim
+        if self.name == "nvfp4":
+            return self.head_dim // 2 + self.head_dim // NVFP4_GROUP
+        return self.head_dim + 1
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) of one KV head, scales included."""
+        return self.row_elems * torch.empty(0, dtype=self.storage_dtype).element_size()
+
+    def describe(self) -> str:
+        """What an error or log line names: e.g. ``fp8_e4m3 (65 B/row)``."""
+        name = f"auto={str(self.model_dtype).removeprefix('torch.')}" if not self.quantized \
+            else self.name
+        return f"{name} ({self.row_bytes} B per {self.head_dim}-dim row)"
+
+    # -- encode / decode -------------------------------------------------------------------
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., head_dim]`` -> rows ``[..., row_elems]`` of ``storage_dtype``."""
+        if not self.quantized:
+            return x.to(self.model_dtype)
+        if self.name == "nvfp4":
+            return _nvfp4_encode(x)
+        return _fp8_encode(x, *_FP8[self.name])
+
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows ``[..., row_elems]`` -> values ``[..., head_dim]`` in ``dtype`` (default:
+        the model's). Exact in bfloat16 and float32: FP8 values times a power of two and
+        E2M1 times E4M3 both fit 8 mantissa bits."""
+        dtype = dtype or self.model_dtype
+        if not self.quantized:
+            return rows.to(dtype)
+        if self.name == "nvfp4":
+            return _nvfp4_decode(rows, self.head_dim).to(dtype)
+        return _fp8_decode(rows, self.head_dim, _FP8[self.name][0]).to(dtype)
+
+    def round_trip(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows to store, the values attention reads back from them)."""
+        rows = self.quantize(x)
+        return rows, (self.dequantize(rows, x.dtype) if self.quantized else rows)
+
+
+def _fp8_encode(x: torch.Tensor, fp8: torch.dtype, fmax: float) -> torch.Tensor:
+    xf = x.float()
+    amax = xf.abs().amax(-1, keepdim=True)
+    # frexp: amax/fmax = m * 2**e, m in [0.5, 1) -> 2**e is the smallest power of two
+    # with amax / 2**e <= fmax (exact, unlike ceil(log2(.))); amax 0 gives e 0.
+    _, e = torch.frexp(amax / fmax)
+    e = e.clamp(-_E8M0_BIAS, _E8M0_BIAS)
+    values = (xf * torch.exp2(-e.float())).clamp(-fmax, fmax).to(fp8).view(torch.uint8)
+    return torch.cat([values, (e + _E8M0_BIAS).to(torch.uint8)], dim=-1)
+
+
+def _fp8_decode(rows: torch.Tensor, head_dim: int, fp8: torch.dtype) -> torch.Tensor:
+    values = rows[..., :head_dim].contiguous().view(fp8).float()
+    scale = torch.exp2(rows[..., head_dim:head_dim + 1].float() - _E8M0_BIAS)
+    return values * scale
+
+
+def _nvfp4_encode(x: torch.Tensor) -> torch.Tensor:
+    *lead, dim = x.shape
+    g = x.float().reshape(*lead, dim // NVFP4_GROUP, NVFP4_GROUP)
+    amax = g.abs().amax(-1, keepdim=True)
+    scale = (amax / (6.0 * NVFP4_TENSOR_SCALE)).clamp(max=448.0).to(torch.float8_e4m3fn)
+    s = scale.float() * NVFP4_TENSOR_SCALE
+    y = torch.where(s > 0, g / torch.where(s > 0, s, 1.0), 0.0).clamp(-6.0, 6.0)
+    mag = torch.bucketize(y.abs(), _e2m1_bounds(y.device))  # 0..7, ties to the lower
+    codes = (mag | ((y < 0) & (mag > 0)).to(mag.dtype) << 3).to(torch.uint8)
+    codes = codes.reshape(*lead, dim // 2, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    return torch.cat([packed, scale.view(torch.uint8).reshape(*lead, dim // NVFP4_GROUP)], -1)
+
+
+def _nvfp4_decode(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    *lead, _ = rows.shape
+    packed = rows[..., :head_dim // 2].long()
+    table = _e2m1_table(rows.device)
+    values = torch.stack([table[packed & 15], table[packed >> 4]], -1).reshape(
+        *lead, head_dim // NVFP4_GROUP, NVFP4_GROUP)
+    scales = rows[..., head_dim // 2:].contiguous().view(torch.float8_e4m3fn).float()
+    return (values * (scales * NVFP4_TENSOR_SCALE).unsqueeze(-1)).reshape(*lead, head_dim)
