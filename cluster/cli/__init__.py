@@ -35,6 +35,8 @@ configs handed down. One module per command group, each registering its subcomma
 * ``fuzz.py``: ``pdserve fuzz`` throws hostile requests at a running cluster (``loadtest/fuzz.py``);
 * ``chaos.py``: ``pdserve chaos`` injects faults into a cluster under load and checks every
   token against a reference (``benchmarks/chaos.py``);
+* ``kv.py``: ``pdserve eval-kv`` measures what each quantized KV cache format costs in
+  perplexity, KL divergence and greedy agreement (``benchmarks/eval_kv.py``);
 * ``options.py``: what they share (engine flags, flags built from the deployment's
   fields, the cache directory).
 """
@@ -44,7 +46,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chaos, client, component, fuzz, plan, security, serve
+from . import bench, chaos, client, component, fuzz, kv, plan, security, serve
 from .component import component_config, expand_config, router_config, worker_config
 from .options import EXIT_INVALID
 from .serve import deployment_config
@@ -56,7 +58,7 @@ __all__ = ["EXIT_INVALID", "build_parser", "component_config", "deployment_confi
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (serve, component, client, bench, plan, security, fuzz, chaos):
+    for group in (serve, component, client, bench, plan, security, fuzz, chaos, kv):
         group.register(sub)
     return parser
 

@@ -142,7 +142,8 @@ def paged_attention(
     group = num_heads // num_kv
     k_cache, v_cache = cache[0], cache[1]
     quantized = kv_format is not None and kv_format.quantized
-    if quantized:
+    if quantized:  # everything below runs in the rotated basis the rows are stored in
+        q = kv_format.rotate(q)
         k_rows, k = kv_format.round_trip(k)
         v_rows, v = kv_format.round_trip(v)
     else:
@@ -187,4 +188,6 @@ def paged_attention(
             enable_gqa=group > 1,
         )
         out[rows] = op[0].transpose(0, 1)
+    if quantized:
+        out = kv_format.rotate(out)  # back from the stored basis: H @ H = I
     return out.view(num_tokens, num_heads * dim)

@@ -1,0 +1,259 @@
+"""``pdserve eval-kv``: what a quantized KV cache costs in accuracy, on a fixed offline text.
+
+For each ``--kv-cache-dtype`` (``auto``, the model-precision cache, is the reference):
+
+1. **Perplexity** over ``windows`` windows of ``window_tokens`` tokens spread evenly
+   through the corpus. Each window runs as one prefill through the engine's own forward
+   (:class:`~workers.engine.model_runner.ModelRunner`, the paged cache of that format):
+   attention reads every K/V as stored, so each position's logits carry the cache's
+   quantization error (see :mod:`workers.models.kv_format`).
+2. **Mean KL divergence** ``KL(p_auto || p_format)`` of the next-token distributions at
+   every position of those windows, and **teacher-forced top-1 agreement** (the argmax
+   equals the reference's).
+3. **Greedy agreement**: ``prompts`` prompts of ``prompt_tokens`` tokens from the corpus,
+   ``gen_tokens`` greedy tokens each through the offline engine (its decode path: the
+   native kernel reading quantized blocks where it is built); share of streams identical
+   to the reference, mean tokens before the first difference, and position-wise equality.
+
+The corpus is :mod:`pydoc_data.topics` (the Python reference's topic texts that ship in
+every CPython; ``help()`` prints them): fixed for a Python version, offline, English
+prose with code. The result says which Python. Pure measurement: no processes, no network.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from common.kv_cache_dtype import KV_CACHE_DTYPES
+from workers.engine.llm import LLM
+from workers.engine.model_runner import ModelRunner, model_context_len
+from workers.engine.params import EngineConfig, SamplingParams
+from workers.models.attention import build_attention_batch
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    model: str
+    kv_dtypes: tuple[str, ...] = KV_CACHE_DTYPES
+    dtype: str = "auto"
+    windows: int = 8
+    window_tokens: int = 512
+    prompts: int = 16
+    prompt_tokens: int = 64
+    gen_tokens: int = 32
+    threads: int | None = None
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.kv_dtypes or self.kv_dtypes[0] != "auto":
+            raise ValueError("kv_dtypes must start with auto (the reference)")
+        for name in ("windows", "window_tokens", "prompts", "prompt_tokens", "gen_tokens"):
+            if getattr(self, name) < (2 if name == "window_tokens" else 1):
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class FormatResult:
+    kv_cache_dtype: str
+    row_bytes: int
+    perplexity: float
+    perplexity_increase_pct: float = 0.0
+    kl_mean: float = 0.0
+    top1_agreement: float = 1.0
+    greedy_identical: float = 1.0
+    greedy_prefix_mean: float = 0.0
+    greedy_token_agreement: float = 1.0
+    seconds: float = 0.0
+
+
+@dataclass
+class EvalReport:
+    model: str
+    dtype: str
+    corpus: str
+    positions: int
+    options: dict
+    results: list[FormatResult] = field(default_factory=list)
+
+
+def corpus() -> tuple[str, str]:
+    """(text, description): every topic of :mod:`pydoc_data.topics`, sorted by name."""
+    from pydoc_data import topics
+
+    keys = sorted(topics.topics)
+    text = "\n\n".join(topics.topics[k] for k in keys)
+    return text, (f"pydoc_data.topics of Python {sys.version.split()[0]} ({len(keys)} "
+                  f"topics, {len(text):,} characters)")
+
+
+def windows(ids: list[int], count: int, length: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens, evenly spread over ``ids``."""
+    if len(ids) < length:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than one window")
+    step = (len(ids) - length) // max(count - 1, 1)
+    return [ids[i * step:i * step + length] for i in range(count)]
+
+
+class WindowScorer:
+    """One format's engine forward over whole windows, returning every position's
+    log-probabilities (``[tokens, vocab]``, fp32)."""
+
+    def __init__(self, options: EvalOptions, kv_cache_dtype: str) -> None:
+        blocks = -(-options.window_tokens // options.block_size) + 1
+        config, _ = EngineConfig(model=options.model, dtype=options.dtype,
+                                 kv_cache_dtype=kv_cache_dtype, num_blocks=blocks,
+                                 block_size=options.block_size,
+                                 num_threads=options.threads).resolved()
+        self.config = config
+        self.runner = ModelRunner(config, min(model_context_len(options.model),
+                                              options.window_tokens))
+        self.block_size = options.block_size
+
+    @torch.inference_mode()
+    def log_probs(self, ids: list[int]) -> torch.Tensor:
+        n, bs = len(ids), self.block_size
+        table = list(range(-(-n // bs)))
+        batch, positions = build_attention_batch([], [], [(table, 0, n)], bs)
+        logits = self.runner.model.forward(torch.tensor(ids), positions, batch,
+                                           self.runner.kv_cache, torch.arange(n), bs)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+
+def _greedy(options: EvalOptions, kv_cache_dtype: str, prompts: list[list[int]]
+            ) -> list[list[int]]:
+    llm = LLM(options.model, dtype=options.dtype, kv_cache_dtype=kv_cache_dtype,
+              num_threads=options.threads, block_size=options.block_size,
+              kv_cache_memory_gb=0.25,
+              max_model_len=options.prompt_tokens + options.gen_tokens + options.block_size)
+    params = SamplingParams(max_tokens=options.gen_tokens, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_eval(options: EvalOptions, log: Callable[[str], None] = print) -> EvalReport:
+    from transformers import AutoTokenizer
+
+    text, description = corpus()
+    tok = AutoTokenizer.from_pretrained(options.model)
+    ids = tok(text, add_special_tokens=False).input_ids
+    wins = windows(ids, options.windows, options.window_tokens)
+    starts = windows(ids, options.prompts, options.prompt_tokens)
+    scorers = {}
+    report = None
+    for name in options.kv_dtypes:
+        scorers[name] = WindowScorer(options, name)
+        if report is None:
+            report = EvalReport(options.model, scorers[name].config.dtype, description,
+                                options.windows * (options.window_tokens - 1), asdict(options))
+    assert report is not None
+    nll = dict.fromkeys(options.kv_dtypes, 0.0)
+    kl = dict.fromkeys(options.kv_dtypes, 0.0)
+    agree = dict.fromkeys(options.kv_dtypes, 0)
+    seconds = dict.fromkeys(options.kv_dtypes, 0.0)
+    for w, window in enumerate(wins):
+        target = torch.tensor(window[1:])
+        ref = None
+        for name in options.kv_dtypes:
+            t0 = time.perf_counter()
+            lp = scorers[name].log_probs(window)[:-1]
+            seconds[name] += time.perf_counter() - t0
+            nll[name] -= float(lp.gather(1, target.unsqueeze(1)).sum())
+            if ref is None:
+                ref = lp
+                ref_top = ref.argmax(-1)
+            kl[name] += float((ref.exp() * (ref - lp)).sum())
+            agree[name] += int((lp.argmax(-1) == ref_top).sum())
+        log(f"window {w + 1}/{len(wins)} scored")
+    del scorers
+    reference = None
+    for name in options.kv_dtypes:
+        t0 = time.perf_counter()
+        streams = _greedy(options, name, starts)
+        reference = reference or streams
+        pos = report.positions
+        row = FormatResult(
+            kv_cache_dtype=name,
+            row_bytes=_row_bytes(options, name),
+            perplexity=math.exp(nll[name] / pos),
+            kl_mean=kl[name] / pos,
+            top1_agreement=agree[name] / pos,
+            greedy_identical=sum(a == b for a, b in zip(streams, reference, strict=True))
+            / len(streams),
+            greedy_prefix_mean=sum(_prefix(a, b) for a, b in zip(streams, reference,
+                                                                  strict=True)) / len(streams),
+            greedy_token_agreement=sum(x == y for a, b in zip(streams, reference, strict=True)
+                                       for x, y in zip(a, b, strict=False))
+            / sum(len(b) for b in reference),
+            seconds=seconds[name] + time.perf_counter() - t0,
+        )
+        base = report.results[0].perplexity if report.results else row.perplexity
+        row.perplexity_increase_pct = 100.0 * (row.perplexity / base - 1.0)
+        report.results.append(row)
+        log(f"{name}: perplexity {row.perplexity:.4f} ({row.perplexity_increase_pct:+.2f}%), "
+            f"KL {row.kl_mean:.5f}, greedy identical {row.greedy_identical:.0%}")
+    return report
+
+
+def _row_bytes(options: EvalOptions, name: str) -> int:
+    from transformers import AutoConfig
+
+    from workers.engine.dtype_choice import resolve_dtype
+    from workers.models.kv_format import KVFormat
+
+    cfg = AutoConfig.from_pretrained(options.model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
+        resolve_dtype(options.dtype, "cpu")[0]]
+    return KVFormat(name, head_dim, dtype).row_bytes
+
+
+def markdown(report: EvalReport, header: str) -> str:
+    lines = [f"**{header}**", "",
+             f"Corpus: {report.corpus}; {report.positions:,} scored positions "
+             f"({report.options['windows']} windows x {report.options['window_tokens']} "
+             f"tokens); greedy: {report.options['prompts']} prompts x "
+             f"{report.options['gen_tokens']} tokens.", "",
+             "| KV cache | bytes/row | perplexity | increase | mean KL | top-1 agree | "
+             "greedy identical | tokens before 1st diff | greedy token agree |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in report.results:
+        name = f"auto ({report.dtype})" if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
+        lines.append(
+            f"| {name} | {r.row_bytes} | {r.perplexity:.4f} | {r.perplexity_increase_pct:+.2f}% "
+            f"| {r.kl_mean:.5f} | {r.top1_agreement:.2%} | {r.greedy_identical:.0%} | "
+            f"{r.greedy_prefix_mean:.1f} / {report.options['gen_tokens']} | "
+            f"{r.greedy_token_agreement:.1%} |")
+    return "\n".join(lines)
+
+
+def plot(report: EvalReport, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report.results[1:]
+    names = [r.kv_cache_dtype for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    a.bar(names, [r.perplexity_increase_pct for r in rows], color="#4c72b0")
+    a.set_ylabel("perplexity increase vs auto (%)")
+    b.bar(names, [r.kl_mean for r in rows], color="#dd8452")
+    b.set_ylabel("mean KL(auto || format)")
+    fig.suptitle(f"{report.model.rstrip('/').split('/')[-1]} ({report.dtype}): quantized KV")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
