@@ -130,6 +130,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float | None = None,
+    kv_format: int = 0,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged context.
 
@@ -141,14 +142,26 @@ def paged_decode_attention(
     ``head_dim ** -0.5``. Returns ``[num_seqs, num_heads, head_dim]`` in q's dtype
     (float32, bfloat16 or float16; accumulation in float32).
 
-    Raises RuntimeError if the kernel is unavailable (check :func:`available` first).
+    kv_format: the cache's ``KVFormat.code`` (``workers/models/kv_format.py``). 0
+    (``auto``): the caches have q's dtype and ``head_dim`` per row. 1 ``fp8_e4m3``, 2
+    ``fp8_e5m2``, 3 ``nvfp4``: the caches are ``uint8`` ``[num_blocks, block_size,
+    kv_heads, row_elems]`` rows as ``KVFormat.quantize`` writes them (``row_elems`` =
+    ``head_dim + 1`` for FP8, ``head_dim / 2 + head_dim / 16`` for nvfp4, whose head_dim
+    must be a multiple of 16), e.g. ``cache[0].view(-1, block_size, kv, fmt.row_elems)``.
+    Each block's rows are decoded to float32 as they are read (nothing else is copied),
+    so the output equals the kv_format 0 kernel on ``fmt.dequantize(cache, float32)``
+    with q in float32, rounded to q's dtype.
+
+    Raises RuntimeError if the kernel is unavailable (check :func:`available` first), and
+    for an unknown kv_format, a non-uint8 quantized cache or a row size that does not
+    match q's head_dim.
     """
     op = load()
     if op is None:
         raise RuntimeError(f"paged decode kernel unavailable: {_error}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return op(q, k_cache, v_cache, block_tables, context_lens, float(scale))
+    return op(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(kv_format))
 
 
 def _fused_op(name: str) -> Callable:

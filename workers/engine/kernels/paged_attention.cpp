@@ -12,12 +12,24 @@
 // fp32 / bf16 / fp16 inputs; all arithmetic in fp32. AVX-512 (F, BW, VL) code when the
 // build machine has it (-march=native), otherwise portable loops the compiler vectorises.
 //
-// Registered as torch.ops.pdserve_kernels.paged_decode_attention.
+// Quantized caches (kv_format 1 fp8_e4m3, 2 fp8_e5m2, 3 nvfp4; row layouts in
+// workers/models/kv_format.py): uint8 rows. Each pass decodes a block's rows of the
+// item's kv head into an fp32 scratch (block_size x padded_dim, L1-resident) and runs the
+// fp32 code on it, so every quantized byte is read once per item and the result equals
+// the fp32 kernel on the dequantized cache bit for bit. FP8 decodes through fp16
+// (e5m2 is fp16's top byte; e4m3's fields fit fp16's, times 2^8; e4m3 rows holding a NaN
+// code go through the table) and NVFP4's E2M1 codes through a 16-lane permute; the
+// portable build uses 256-entry tables (torch's own fp8 -> float conversions).
+//
+// Registered as torch.ops.pdserve_kernels.paged_decode_attention(q, k_cache, v_cache,
+// block_tables, context_lens, scale, kv_format=0).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -26,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -109,10 +122,197 @@ inline void store_row(T* dst, const float* src, int64_t d) {
 struct Geometry {
   int64_t block_size, head_dim, padded_dim;
   int64_t k_block, k_token, v_block, v_token;  // element strides
+  int64_t row_bytes;                           // one cache row (values and scales)
 };
 
 // One sequence's block ids (validated copies, int64).
 using Table = const int64_t*;
+
+// ---- quantized rows (kv_format codes, as in workers/models/kv_format.py) ----
+
+enum KVCode : int { kAuto = 0, kFp8E4M3 = 1, kFp8E5M2 = 2, kNvfp4 = 3 };
+constexpr int kNvfp4Group = 16;
+constexpr float kNvfp4TensorScale = 1.0f;  // kv_format.NVFP4_TENSOR_SCALE
+// E2M1 codes: magnitudes 0 .. 6, bit 3 the sign (code 8 is -0, as in the reference).
+alignas(64) constexpr float kE2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// FP8 byte -> float, from torch's own conversions (built once).
+struct Fp8Tables {
+  float e4m3[256], e5m2[256];
+  Fp8Tables() {
+    for (int i = 0; i < 256; ++i) {
+      const auto b = static_cast<uint8_t>(i);
+      e4m3[i] = static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
+      e5m2[i] = static_cast<float>(c10::Float8_e5m2(b, c10::Float8_e5m2::from_bits()));
+    }
+  }
+};
+const Fp8Tables& fp8_tables() {
+  static const Fp8Tables tables;
+  return tables;
+}
+
+// E8M0 row scale: 2^(b - 127) (b = 0 is the subnormal 2^-127, b = 255 overflows to inf,
+// as torch.exp2 gives).
+inline float e8m0(uint8_t b) {
+  const uint32_t bits = b ? static_cast<uint32_t>(b) << 23 : 0x00400000u;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// Per-thread scratch: a block's decoded K and V rows (block_size x padded_dim each).
+struct Scratch {
+  float* k;
+  float* v;
+  const Fp8Tables* fp8;
+};
+
+// One row of code F -> out[0 .. P), zero past D, through the tables.
+template <int F>
+inline void decode_row_table(const uint8_t* row, int64_t D, int64_t P, const Fp8Tables& fp8,
+                             float* out) {
+  if constexpr (F == kNvfp4) {
+    const uint8_t* scales = row + D / 2;
+    for (int64_t i = 0; i < D / 2; ++i) {
+      const float s = fp8.e4m3[scales[2 * i / kNvfp4Group]] * kNvfp4TensorScale;
+      out[2 * i] = kE2M1[row[i] & 15] * s;
+      out[2 * i + 1] = kE2M1[row[i] >> 4] * s;
+    }
+  } else {
+    const float* table = F == kFp8E4M3 ? fp8.e4m3 : fp8.e5m2;
+    const float s = e8m0(row[D]);
+    for (int64_t d = 0; d < D; ++d) out[d] = table[row[d]] * s;
+  }
+  std::fill(out + D, out + P, 0.0f);
+}
+
+#if PDS_AVX512
+
+// n rows of code F (byte stride `stride`) -> fp32 rows of padded_dim, zero past head_dim.
+template <int F>
+inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geometry& g,
+                        const Scratch& sc, float* dst) {
+  const int64_t D = g.head_dim, P = g.padded_dim, C = P / 16;
+  if constexpr (F == kNvfp4) {
+    const __m512 table = _mm512_load_ps(kE2M1);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    const float* e4m3 = sc.fp8->e4m3;
+    for (int64_t r = 0; r < n; ++r) {
+      const uint8_t* row = src + r * stride;
+      const uint8_t* scales = row + D / 2;
+      float* out = dst + r * P;
+      // Two groups of 16 per 16 packed bytes; element 2i is byte i's low nibble.
+      int64_t c = 0;
+      for (; c + 2 <= C; c += 2) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 8 * c));
+        const __m128i lo = _mm_and_si128(b, low);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        const __m512 v0 =
+            _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table);
+        const __m512 v1 =
+            _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), table);
+        const float s0 = e4m3[scales[c]] * kNvfp4TensorScale;
+        const float s1 = e4m3[scales[c + 1]] * kNvfp4TensorScale;
+        _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(v0, _mm512_set1_ps(s0)));
+        _mm512_storeu_ps(out + 16 * c + 16, _mm512_mul_ps(v1, _mm512_set1_ps(s1)));
+      }
+      if (c < C) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
+        const __m128i lo = _mm_and_si128(b, low);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        const __m512 v0 =
+            _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table);
+        const float s0 = e4m3[scales[c]] * kNvfp4TensorScale;
+        _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(v0, _mm512_set1_ps(s0)));
+      }
+    }
+  } else {
+    // Through fp16 (exact): e5m2 is fp16's top byte. e4m3 s eeee mmm -> fp16
+    // s 0eeee mmm0000000 is the value / 2^8 (exponent bias 15 instead of 7; e = 0 lands
+    // on fp16's subnormals, m * 2^-17, as e4m3's m * 2^-9), the 2^8 folded into the row
+    // scale: one rounding of the same product as the reference's. e4m3's NaN (0x7F/0xFF,
+    // one 64-byte compare per row) and scale bytes > 246 (2^8 x scale would overflow)
+    // take the table path.
+    const __mmask16 last = D % 16 ? static_cast<__mmask16>((1u << (D % 16)) - 1)
+                                  : static_cast<__mmask16>(0xFFFF);
+    const __m256i keep = _mm256_set1_epi16(~0x4000);
+    const __m512i mag7 = _mm512_set1_epi8(0x7F);
+    for (int64_t r = 0; r < n; ++r) {
+      const uint8_t* row = src + r * stride;
+      float* out = dst + r * P;
+      const uint8_t sb = row[D];
+      float s;
+      if constexpr (F == kFp8E4M3) {
+        __mmask64 nan = 0;
+        for (int64_t o = 0; o < D; o += 64) {
+          const __mmask64 m = D - o >= 64 ? ~0ull : (1ull << (D - o)) - 1;
+          nan |= _mm512_cmpeq_epi8_mask(
+              _mm512_and_si512(_mm512_maskz_loadu_epi8(m, row + o), mag7), mag7);
+        }
+        if (nan || sb > 246) {
+          decode_row_table<F>(row, D, P, *sc.fp8, out);
+          continue;
+        }
+        s = e8m0(static_cast<uint8_t>(sb + 8));
+      } else {
+        s = e8m0(sb);
+      }
+      const __m512 sv = _mm512_set1_ps(s);
+      for (int64_t c = 0; c < C; ++c) {
+        const __mmask16 m = c + 1 < C ? static_cast<__mmask16>(0xFFFF) : last;
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, row + 16 * c));
+        __m256i h;
+        if constexpr (F == kFp8E5M2)
+          h = _mm256_slli_epi16(w, 8);
+        else
+          h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 1), keep);
+        _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_cvtph_ps(h), sv));
+      }
+    }
+  }
+}
+
+#else
+
+template <int F>
+inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geometry& g,
+                        const Scratch& sc, float* dst) {
+  for (int64_t r = 0; r < n; ++r)
+    decode_row_table<F>(src + r * stride, g.head_dim, g.padded_dim, *sc.fp8,
+                        dst + r * g.padded_dim);
+}
+
+#endif  // PDS_AVX512
+
+// Where a pass reads a block's rows: the cache itself (Plain) or, for a quantized
+// format, the fp32 scratch the rows are decoded into (Quant). rows() returns the first
+// row and sets row_stride (elements).
+template <typename T>
+struct Plain {
+  using Cache = T;
+  using Row = T;
+  static constexpr bool kQuantized = false;
+  static const T* rows(const T* block, int64_t, int64_t stride, const Geometry&,
+                       const Scratch&, float*, int64_t& row_stride) {
+    row_stride = stride;
+    return block;
+  }
+};
+
+template <int F>
+struct Quant {
+  using Cache = uint8_t;
+  using Row = float;
+  static constexpr bool kQuantized = true;
+  static const float* rows(const uint8_t* block, int64_t n, int64_t stride, const Geometry& g,
+                           const Scratch& sc, float* buf, int64_t& row_stride) {
+    decode_rows<F>(block, n, stride, g, sc, buf);
+    row_stride = g.padded_dim;
+    return buf;
+  }
+};
 
 #if PDS_AVX512
 
@@ -181,70 +381,126 @@ inline void k_tile(const float* qf, int64_t P, int64_t C, const __mmask16* masks
 
 // NG query heads (qf: rows of padded_dim fp32, pre-scaled, zero past head_dim and for
 // the padding head) against one context; acc_out[j * P + d] = attention output.
-// scores needs (len + 4) * 8 floats.
-template <typename T, int NG>
-void attend_avx512(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
-                   const Geometry& g, const __mmask16* masks, float* scores, float* acc_out) {
+// scores needs (len + 4) * 8 floats. Src: Plain<T> (cache rows of T) or Quant<F>.
+template <typename Src, int NG>
+void attend_avx512(const float* qf, const typename Src::Cache* kc,
+                   const typename Src::Cache* vc, Table table, int64_t len, const Geometry& g,
+                   const __mmask16* masks, const Scratch& sc, float* scores, float* acc_out) {
+  using Row = typename Src::Row;
   constexpr int NGP = padded_group(NG), TT = tile_tokens(NGP);
   const int64_t B = g.block_size, P = g.padded_dim, C = P / 16;
-  const int64_t row_bytes = g.head_dim * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = g.row_bytes;
   const int64_t nblocks = (len + B - 1) / B;
   // K pass. A partial tile repeats the block's last row; its extra scores land on the
   // next tokens' slots (rewritten later) or past len.
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t t0 = b * B, n = std::min(B, len - t0);
-    const T* kb = kc + table[b] * g.k_block;
     if (b + 1 < nblocks)
       prefetch_rows<_MM_HINT_T0>(kc + table[b + 1] * g.k_block, std::min(B, len - t0 - B),
                                  g.k_token, row_bytes);
     // This block's V rows into L2 for the V pass (~5-10% when the cache is in DRAM).
     prefetch_rows<_MM_HINT_T1>(vc + table[b] * g.v_block, n, g.v_token, row_bytes);
+    int64_t rs;
+    const Row* kb = Src::rows(kc + table[b] * g.k_block, n, g.k_token, g, sc, sc.k, rs);
     for (int64_t o = 0; o < n; o += TT) {
-      const T* rows[TT];
+      const Row* rows[TT];
 #pragma GCC unroll 8
-      for (int i = 0; i < TT; ++i) rows[i] = kb + std::min<int64_t>(o + i, n - 1) * g.k_token;
-      k_tile<T, NGP, TT>(qf, P, C, masks, rows, scores + (t0 + o) * NGP);
+      for (int i = 0; i < TT; ++i) rows[i] = kb + std::min<int64_t>(o + i, n - 1) * rs;
+      k_tile<Row, NGP, TT>(qf, P, C, masks, rows, scores + (t0 + o) * NGP);
     }
   }
   float inv[kMaxGroup];
   softmax_token_major(scores, len, NGP, NG, inv);
-  // V pass, CH chunks of 16 at a time.
-  constexpr int CH = v_chunks(NG);
-  for (int64_t c0 = 0; c0 < C; c0 += CH) {
-    const int64_t nc = std::min<int64_t>(CH, C - c0);
-    __m512 acc[NG][CH];
-#pragma GCC unroll 8
-    for (int j = 0; j < NG; ++j)
-#pragma GCC unroll 16
-      for (int c = 0; c < CH; ++c) acc[j][c] = _mm512_setzero_ps();
+  if constexpr (Src::kQuantized) {
+    // V pass over blocks, each block's V rows decoded once; CH chunks of 16 at a time
+    // with the accumulators parked in acc_out between blocks. Same FMAs in the same
+    // order as the register-resident pass below, so the same result.
+    constexpr int CH = v_chunks(NG);
+    std::fill(acc_out, acc_out + NG * P, 0.0f);
     for (int64_t b = 0; b < nblocks; ++b) {
       const int64_t t0 = b * B, n = std::min(B, len - t0);
-      const T* vb = vc + table[b] * g.v_block + 16 * c0;
-      if (c0 == 0 && b + 1 < nblocks)
+      if (b + 1 < nblocks)
         prefetch_rows<_MM_HINT_T0>(vc + table[b + 1] * g.v_block, std::min(B, len - t0 - B),
                                    g.v_token, row_bytes);
-      const float* pt = scores + t0 * NGP;
-      for (int64_t o = 0; o < n; ++o, pt += NGP) {
-        const T* vr = vb + o * g.v_token;
-        __m512 p[NG];
+      int64_t rs;
+      const float* vb = Src::rows(vc + table[b] * g.v_block, n, g.v_token, g, sc, sc.v, rs);
+      for (int64_t c0 = 0; c0 < C; c0 += CH) {
+        const int64_t nc = std::min<int64_t>(CH, C - c0);
+        __m512 acc[NG][CH];
 #pragma GCC unroll 8
-        for (int j = 0; j < NG; ++j) p[j] = _mm512_set1_ps(pt[j]);
+        for (int j = 0; j < NG; ++j)
 #pragma GCC unroll 16
-        for (int c = 0; c < CH; ++c) {
-          if (c < nc) {
-            const __m512 vv = load16(vr + 16 * c, masks[c0 + c]);
+          for (int c = 0; c < CH; ++c)
+            acc[j][c] = c < nc ? _mm512_loadu_ps(acc_out + j * P + 16 * (c0 + c))
+                               : _mm512_setzero_ps();
+        const float* pt = scores + t0 * NGP;
+        for (int64_t o = 0; o < n; ++o, pt += NGP) {
+          const float* vr = vb + o * rs + 16 * c0;  // zero past head_dim
+          __m512 p[NG];
 #pragma GCC unroll 8
-            for (int j = 0; j < NG; ++j) acc[j][c] = _mm512_fmadd_ps(p[j], vv, acc[j][c]);
+          for (int j = 0; j < NG; ++j) p[j] = _mm512_set1_ps(pt[j]);
+#pragma GCC unroll 16
+          for (int c = 0; c < CH; ++c) {
+            if (c < nc) {
+              const __m512 vv = _mm512_loadu_ps(vr + 16 * c);
+#pragma GCC unroll 8
+              for (int j = 0; j < NG; ++j) acc[j][c] = _mm512_fmadd_ps(p[j], vv, acc[j][c]);
+            }
+          }
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < NG; ++j)
+#pragma GCC unroll 16
+          for (int c = 0; c < CH; ++c)
+            if (c < nc) _mm512_storeu_ps(acc_out + j * P + 16 * (c0 + c), acc[j][c]);
+      }
+    }
+    for (int j = 0; j < NG; ++j) {
+      const __m512 s = _mm512_set1_ps(inv[j]);
+      for (int64_t c = 0; c < C; ++c)
+        _mm512_storeu_ps(acc_out + j * P + 16 * c,
+                         _mm512_mul_ps(_mm512_loadu_ps(acc_out + j * P + 16 * c), s));
+    }
+  } else {
+    // V pass, CH chunks of 16 at a time.
+    constexpr int CH = v_chunks(NG);
+    for (int64_t c0 = 0; c0 < C; c0 += CH) {
+      const int64_t nc = std::min<int64_t>(CH, C - c0);
+      __m512 acc[NG][CH];
+#pragma GCC unroll 8
+      for (int j = 0; j < NG; ++j)
+#pragma GCC unroll 16
+        for (int c = 0; c < CH; ++c) acc[j][c] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t t0 = b * B, n = std::min(B, len - t0);
+        const Row* vb = vc + table[b] * g.v_block + 16 * c0;
+        if (c0 == 0 && b + 1 < nblocks)
+          prefetch_rows<_MM_HINT_T0>(vc + table[b + 1] * g.v_block, std::min(B, len - t0 - B),
+                                     g.v_token, row_bytes);
+        const float* pt = scores + t0 * NGP;
+        for (int64_t o = 0; o < n; ++o, pt += NGP) {
+          const Row* vr = vb + o * g.v_token;
+          __m512 p[NG];
+#pragma GCC unroll 8
+          for (int j = 0; j < NG; ++j) p[j] = _mm512_set1_ps(pt[j]);
+#pragma GCC unroll 16
+          for (int c = 0; c < CH; ++c) {
+            if (c < nc) {
+              const __m512 vv = load16(vr + 16 * c, masks[c0 + c]);
+#pragma GCC unroll 8
+              for (int j = 0; j < NG; ++j) acc[j][c] = _mm512_fmadd_ps(p[j], vv, acc[j][c]);
+            }
           }
         }
       }
-    }
 #pragma GCC unroll 8
-    for (int j = 0; j < NG; ++j) {
-      const __m512 s = _mm512_set1_ps(inv[j]);
+      for (int j = 0; j < NG; ++j) {
+        const __m512 s = _mm512_set1_ps(inv[j]);
 #pragma GCC unroll 16
-      for (int c = 0; c < CH; ++c)
-        if (c < nc) _mm512_storeu_ps(acc_out + j * P + 16 * (c0 + c), _mm512_mul_ps(acc[j][c], s));
+        for (int c = 0; c < CH; ++c)
+          if (c < nc)
+            _mm512_storeu_ps(acc_out + j * P + 16 * (c0 + c), _mm512_mul_ps(acc[j][c], s));
+      }
     }
   }
 }
@@ -252,15 +508,18 @@ void attend_avx512(const float* qf, const T* kc, const T* vc, Table table, int64
 #endif  // PDS_AVX512
 
 // Portable version (any ISA; the compiler vectorises the inner loops).
-template <typename T>
-void attend_generic(const float* qf, int ng, const T* kc, const T* vc, Table table,
-                    int64_t len, const Geometry& g, float* scores, float* acc_out) {
+template <typename Src>
+void attend_generic(const float* qf, int ng, const typename Src::Cache* kc,
+                    const typename Src::Cache* vc, Table table, int64_t len, const Geometry& g,
+                    const Scratch& sc, float* scores, float* acc_out) {
+  using Row = typename Src::Row;
   const int64_t B = g.block_size, D = g.head_dim, P = g.padded_dim;
   for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
-    const T* kb = kc + table[b] * g.k_block;
     const int64_t n = std::min(B, len - t0);
+    int64_t rs;
+    const Row* kb = Src::rows(kc + table[b] * g.k_block, n, g.k_token, g, sc, sc.k, rs);
     for (int64_t o = 0; o < n; ++o) {
-      const T* kr = kb + o * g.k_token;
+      const Row* kr = kb + o * rs;
       for (int j = 0; j < ng; ++j) {
         const float* qj = qf + j * P;
         float s = 0.0f;
@@ -274,10 +533,11 @@ void attend_generic(const float* qf, int ng, const T* kc, const T* vc, Table tab
   softmax_token_major(scores, len, ng, ng, inv);
   std::fill(acc_out, acc_out + ng * P, 0.0f);
   for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
-    const T* vb = vc + table[b] * g.v_block;
     const int64_t n = std::min(B, len - t0);
+    int64_t rs;
+    const Row* vb = Src::rows(vc + table[b] * g.v_block, n, g.v_token, g, sc, sc.v, rs);
     for (int64_t o = 0; o < n; ++o) {
-      const T* vr = vb + o * g.v_token;
+      const Row* vr = vb + o * rs;
       for (int j = 0; j < ng; ++j) {
         const float p = scores[(t0 + o) * ng + j];
         float* a = acc_out + j * P;
@@ -290,20 +550,25 @@ void attend_generic(const float* qf, int ng, const T* kc, const T* vc, Table tab
     for (int64_t d = 0; d < D; ++d) acc_out[j * P + d] *= inv[j];
 }
 
-template <typename T>
+// T: q's (and the output's) dtype; F: the cache's kv_format code (0: rows of T).
+template <typename T, int F>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const std::vector<int64_t>& tables, int64_t table_stride,
          const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
+  using Src = std::conditional_t<F == kAuto, Plain<T>, Quant<F>>;
+  using CT = typename Src::Cache;
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KV = k_cache.size(2);
   const int64_t G = H / KV;
   const int64_t subgroups = (G + kMaxGroup - 1) / kMaxGroup;
   Geometry geo{k_cache.size(1), D, (D + 15) / 16 * 16,
-               k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1)};
+               k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+               k_cache.size(3) * static_cast<int64_t>(sizeof(CT))};
+  const Fp8Tables* fp8 = F == kAuto ? nullptr : &fp8_tables();
   const T* qp = q.data_ptr<T>();
   const int64_t q_seq = q.stride(0), q_head = q.stride(1);
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  const CT* kp = k_cache.data_ptr<CT>();
+  const CT* vp = v_cache.data_ptr<CT>();
   const int64_t k_head = k_cache.stride(2), v_head = v_cache.stride(2);
   T* op = out.data_ptr<T>();  // contiguous [S, H, D]
   const float fscale = static_cast<float>(scale);
@@ -322,6 +587,9 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int64_t P = geo.padded_dim;
     std::vector<float> qf(kMaxGroup * P, 0.0f), acc(kMaxGroup * P, 0.0f);
     std::vector<float> scores(kMaxGroup * (max_len + 8));
+    std::vector<float> kbuf(F == kAuto ? 0 : geo.block_size * P);
+    std::vector<float> vbuf(F == kAuto ? 0 : geo.block_size * P);
+    const Scratch sc{kbuf.data(), vbuf.data(), fp8};
 #if PDS_AVX512
     std::vector<__mmask16> masks(P / 16, static_cast<__mmask16>(0xFFFF));
     if (D % 16) masks.back() = static_cast<__mmask16>((1u << (D % 16)) - 1);
@@ -344,14 +612,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
       if (ng == 7) std::fill(qf.begin() + 7 * P, qf.begin() + 8 * P, 0.0f);  // padding head
       Table table = tables.data() + s * table_stride;
-      const T* kc = kp + h * k_head;
-      const T* vc = vp + h * v_head;
+      const CT* kc = kp + h * k_head;
+      const CT* vc = vp + h * v_head;
 #if PDS_AVX512
       switch (ng) {
 #define PDS_CASE(N)                                                                          \
   case N:                                                                                    \
-    attend_avx512<T, N>(qf.data(), kc, vc, table, len, geo, masks.data(), scores.data(), \
-                           acc.data());                                                      \
+    attend_avx512<Src, N>(qf.data(), kc, vc, table, len, geo, masks.data(), sc,           \
+                          scores.data(), acc.data());                                        \
     break;
         PDS_CASE(1) PDS_CASE(2) PDS_CASE(3) PDS_CASE(4)
         PDS_CASE(5) PDS_CASE(6) PDS_CASE(7) PDS_CASE(8)
@@ -359,19 +627,50 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         default: break;
       }
 #else
-      attend_generic<T>(qf.data(), ng, kc, vc, table, len, geo, scores.data(), acc.data());
+      attend_generic<Src>(qf.data(), ng, kc, vc, table, len, geo, sc, scores.data(),
+                          acc.data());
 #endif
       for (int j = 0; j < ng; ++j) store_row(orow + j * D, acc.data() + j * P, D);
     }
   });
 }
 
+const char* format_name(int64_t code) {
+  switch (code) {
+    case kAuto: return "auto";
+    case kFp8E4M3: return "fp8_e4m3";
+    case kFp8E5M2: return "fp8_e5m2";
+    case kNvfp4: return "nvfp4";
+    default: return "?";
+  }
+}
+
+template <typename T>
+void dispatch_format(int64_t kv_format, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const std::vector<int64_t>& tables,
+                     int64_t table_stride, const std::vector<int64_t>& lens, double scale,
+                     at::Tensor& out) {
+  switch (kv_format) {
+    case kAuto: run<T, kAuto>(q, k_cache, v_cache, tables, table_stride, lens, scale, out); break;
+    case kFp8E4M3:
+      run<T, kFp8E4M3>(q, k_cache, v_cache, tables, table_stride, lens, scale, out);
+      break;
+    case kFp8E5M2:
+      run<T, kFp8E5M2>(q, k_cache, v_cache, tables, table_stride, lens, scale, out);
+      break;
+    default: run<T, kNvfp4>(q, k_cache, v_cache, tables, table_stride, lens, scale, out); break;
+  }
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale) {
+                                  const at::Tensor& context_lens, double scale,
+                                  int64_t kv_format) {
+  TORCH_CHECK(kv_format >= kAuto && kv_format <= kNvfp4, "unknown kv_format code ", kv_format,
+              " (known: 0 auto, 1 fp8_e4m3, 2 fp8_e5m2, 3 nvfp4)");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4,
-              "k_cache/v_cache must be [num_blocks, block_size, kv_heads, head_dim]");
+              "k_cache/v_cache must be [num_blocks, block_size, kv_heads, row_elems]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && context_lens.device().is_cpu(),
@@ -379,17 +678,31 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const auto dt = q.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf,
               "q must be float32, bfloat16 or float16, got ", dt);
-  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
-              "q, k_cache and v_cache must share a dtype");
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_cache.size(0), B = k_cache.size(1), KV = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and cache (", k_cache.size(3),
-              ") differ");
+  if (kv_format == kAuto) {
+    TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt,
+                "q, k_cache and v_cache must share a dtype with kv_format 0 (auto); got q ",
+                dt, ", k_cache ", k_cache.scalar_type(), ", v_cache ", v_cache.scalar_type());
+    TORCH_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and cache (", k_cache.size(3),
+                ") differ");
+  } else {
+    const char* name = format_name(kv_format);
+    TORCH_CHECK(k_cache.scalar_type() == at::kByte && v_cache.scalar_type() == at::kByte,
+                "kv_format ", kv_format, " (", name, ") needs uint8 k_cache and v_cache, got ",
+                k_cache.scalar_type(), " and ", v_cache.scalar_type());
+    TORCH_CHECK(kv_format != kNvfp4 || D % kNvfp4Group == 0, "kv_format 3 (nvfp4) needs "
+                "head_dim divisible by ", kNvfp4Group, "; q's head_dim is ", D);
+    const int64_t row = kv_format == kNvfp4 ? D / 2 + D / kNvfp4Group : D + 1;
+    TORCH_CHECK(k_cache.size(3) == row, "cache row size ", k_cache.size(3),
+                " does not match kv_format ", kv_format, " (", name, ") for q's head_dim ", D,
+                ": expected ", row, " bytes per row");
+  }
   TORCH_CHECK(KV > 0 && H % KV == 0, "num_heads (", H, ") must be a multiple of kv_heads (",
               KV, ")");
   TORCH_CHECK(B > 0 && D > 0, "empty block_size or head_dim");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "cache rows (head_dim) must be contiguous");
+              "cache rows (last dim) must be contiguous");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == S,
               "block_tables must be [num_seqs, max_blocks]");
   const auto it = block_tables.scalar_type();
@@ -429,11 +742,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
 
   if (dt == at::kFloat) {
-    run<float>(qc, k_cache, v_cache, tables, used, lens, scale, out);
+    dispatch_format<float>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, out);
   } else if (dt == at::kBFloat16) {
-    run<c10::BFloat16>(qc, k_cache, v_cache, tables, used, lens, scale, out);
+    dispatch_format<c10::BFloat16>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale,
+                                   out);
   } else {
-    run<c10::Half>(qc, k_cache, v_cache, tables, used, lens, scale, out);
+    dispatch_format<c10::Half>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, out);
   }
   return out;
 }
@@ -443,7 +757,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(pdserve_kernels, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> Tensor");
+      "Tensor context_lens, float scale, int kv_format=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
