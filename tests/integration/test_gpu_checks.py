@@ -123,3 +123,27 @@ def test_cuda_prefill_and_decode_engines_through_the_channel(tiny_checkpoints) -
     finally:
         sender.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_cuda_quantized_kv_equals_the_cpu_engine(tiny_checkpoints, kv_cache_dtype) -> None:
+    """torch's native float8 casts on the GPU write the rows the CPU writes (the CPU's
+    native kernel reads them there): same greedy tokens."""
+    path = tiny_checkpoints["qwen2"]
+    prompts = [[5, 6, 7], list(range(5, 45))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = []
+    for device in ("cuda", "cpu"):
+        eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_blocks=64,
+                                     block_size=4, device=device,
+                                     kv_cache_dtype=kv_cache_dtype))
+        for i, ids in enumerate(prompts):
+            eng.add_request(f"r{i}", ids, params)
+        outs = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    outs[out.request_id] = out.token_ids
+        tokens.append([outs["r0"], outs["r1"]])
+        assert_no_leaks(eng)
+    assert tokens[0] == tokens[1]

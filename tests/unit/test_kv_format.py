@@ -176,3 +176,17 @@ def test_a_decode_worker_refuses_another_format_and_names_both(sent: KVLayout,
     assert sent.describe() in reason and stored.describe() in reason
     assert "--kv-cache-dtype" in reason
     assert check_offer(h, [4, 5], sent, [4, 5], 1 << 30) is None
+
+
+def test_a_cache_of_one_kv_dtype_never_serves_another(tmp_path) -> None:
+    """The block-hash chain is seeded with the KV format: the same tokens hash apart, so
+    neither a worker's prefix cache nor the shared index matches across formats."""
+    from common.hashing import block_hashes
+    from workers.engine.llm_engine import model_identity
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    ids = [model_identity(tmp_path, "bfloat16", name) for name in KV_CACHE_DTYPES]
+    assert len(set(ids)) == len(ids)
+    assert ids[0] == model_identity(tmp_path, "bfloat16")  # auto keeps the old identity
+    chains = {tuple(block_hashes(list(range(64)), 16, i, None)) for i in ids}
+    assert len(chains) == len(ids)
