@@ -10,7 +10,9 @@ For each ``--kv-cache-dtype`` (``auto``, the model-precision cache, is the refer
 2. **Mean KL divergence** ``KL(p_auto || p_format)`` of the next-token distributions at
    every position of those windows, and **teacher-forced top-1 agreement** (the argmax
    equals the reference's).
-3. **Greedy agreement**: ``prompts`` prompts of ``prompt_tokens`` tokens from the corpus,
+3. **Ablation** (``--ablate``): the same perplexity and KL with only the keys or only
+   the values quantized, and without the Hadamard rotation, per format.
+4. **Greedy agreement**: ``prompts`` prompts of ``prompt_tokens`` tokens from the corpus,
    ``gen_tokens`` greedy tokens each through the offline engine (its decode path: the
    native kernel reading quantized blocks where it is built); share of streams identical
    to the reference, mean tokens before the first difference, and position-wise equality.
@@ -35,6 +37,37 @@ from workers.engine.llm import LLM
 from workers.engine.model_runner import ModelRunner, model_context_len
 from workers.engine.params import EngineConfig, SamplingParams
 from workers.models.attention import build_attention_batch
+from workers.models.kv_format import KVFormat
+
+
+class AblatedFormat:
+    """A quantized format with parts of it switched off, for ``--ablate``: quantize only
+    the keys or only the values, or store rows without the Hadamard rotation. Duck-types
+    the part of :class:`KVFormat` a prefill from position 0 uses, on the reference
+    (model-dtype) cache: such a prefill never reads the cache back, so the "rows" it
+    writes there are the values attention used. It serves :class:`WindowScorer` only."""
+
+    def __init__(self, base: KVFormat, keys: bool = True, values: bool = True,
+                 rotate: bool = True) -> None:
+        self.base, self.keys, self.values, self.rotated = base, keys, values, rotate
+        self.quantized, self.code = True, base.code
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base.rotate(x) if self.rotated else x
+
+    def _one(self, x: torch.Tensor, on: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.rotate(x)
+        read = self.base.dequantize(self.base.quantize(x), x.dtype) if on else x
+        return read, read
+
+    def round_trip_kv(self, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (*self._one(k, self.keys), *self._one(v, self.values))
+
+
+ABLATIONS = {"K only": {"values": False}, "V only": {"keys": False},
+             "no rotation": {"rotate": False}}
+"""What ``--ablate`` adds per quantized format: perplexity and KL only (no greedy)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +82,7 @@ class EvalOptions:
     gen_tokens: int = 32
     threads: int | None = None
     block_size: int = 16
+    ablate: bool = False
 
     def __post_init__(self) -> None:
         if not self.kv_dtypes or self.kv_dtypes[0] != "auto":
@@ -63,6 +97,8 @@ class FormatResult:
     kv_cache_dtype: str
     row_bytes: int
     perplexity: float
+    variant: str = ""
+    """``--ablate`` rows: which part of the format was switched off (see ABLATIONS)."""
     perplexity_increase_pct: float = 0.0
     kl_mean: float = 0.0
     top1_agreement: float = 1.0
@@ -178,6 +214,7 @@ def run_eval(options: EvalOptions, log: Callable[[str], None] = print) -> EvalRe
             kl[name] += float((ref.exp() * (ref - lp)).sum())
             agree[name] += int((lp.argmax(-1) == ref_top).sum())
         log(f"window {w + 1}/{len(wins)} scored")
+    ablations = _ablate(options, scorers["auto"], wins, log) if options.ablate else []
     del scorers
     reference = None
     for name in options.kv_dtypes:
@@ -205,7 +242,43 @@ def run_eval(options: EvalOptions, log: Callable[[str], None] = print) -> EvalRe
         report.results.append(row)
         log(f"{name}: perplexity {row.perplexity:.4f} ({row.perplexity_increase_pct:+.2f}%), "
             f"KL {row.kl_mean:.5f}, greedy identical {row.greedy_identical:.0%}")
+    base = report.results[0].perplexity
+    for row in ablations:
+        row.perplexity_increase_pct = 100.0 * (row.perplexity / base - 1.0)
+        report.results.append(row)
     return report
+
+
+def _ablate(options: EvalOptions, scorer: WindowScorer, wins: list[list[int]],
+            log: Callable[[str], None]) -> list[FormatResult]:
+    """Perplexity and KL of each quantized format with one part switched off, on the
+    reference scorer's model (its format swapped for an :class:`AblatedFormat`)."""
+    model = scorer.runner.model
+    own = model.kv_format
+    refs = [scorer.log_probs(w)[:-1] for w in wins]
+    rows = []
+    try:
+        for name in options.kv_dtypes[1:]:
+            base = KVFormat(name, own.head_dim, own.model_dtype)
+            for label, switch in ABLATIONS.items():
+                model.kv_format = AblatedFormat(base, **switch)
+                nll = kl = 0.0
+                for window, ref in zip(wins, refs, strict=True):
+                    lp = scorer.log_probs(window)[:-1]
+                    target = torch.tensor(window[1:]).unsqueeze(1)
+                    nll -= float(lp.gather(1, target).sum())
+                    kl += float((ref.exp() * (ref - lp)).sum())
+                positions = sum(len(w) - 1 for w in wins)
+                rows.append(FormatResult(name, base.row_bytes, math.exp(nll / positions),
+                                         variant=label, kl_mean=kl / positions,
+                                         top1_agreement=float("nan"),
+                                         greedy_identical=float("nan"),
+                                         greedy_prefix_mean=float("nan"),
+                                         greedy_token_agreement=float("nan")))
+                log(f"{name} {label}: perplexity {rows[-1].perplexity:.4f}")
+    finally:
+        model.kv_format = own
+    return rows
 
 
 def _row_bytes(options: EvalOptions, name: str) -> int:
@@ -231,12 +304,26 @@ def markdown(report: EvalReport, header: str) -> str:
              "greedy identical | tokens before 1st diff | greedy token agree |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report.results:
+        if r.variant:
+            continue
         name = f"auto ({report.dtype})" if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
         lines.append(
             f"| {name} | {r.row_bytes} | {r.perplexity:.4f} | {r.perplexity_increase_pct:+.2f}% "
             f"| {r.kl_mean:.5f} | {r.top1_agreement:.2%} | {r.greedy_identical:.0%} | "
             f"{r.greedy_prefix_mean:.1f} / {report.options['gen_tokens']} | "
             f"{r.greedy_token_agreement:.1%} |")
+    ablated = [r for r in report.results if r.variant]
+    if ablated:
+        full = {r.kv_cache_dtype: r for r in report.results if not r.variant}
+        lines += ["", "Ablation (`--ablate`; same windows): which part of each format costs "
+                  "what.", "", "| KV cache | variant | perplexity increase | mean KL |",
+                  "| --- | --- | --- | --- |"]
+        for name in dict.fromkeys(r.kv_cache_dtype for r in ablated):
+            f = full[name]
+            lines.append(f"| {name} | as shipped (K and V, rotated) | "
+                         f"{f.perplexity_increase_pct:+.2f}% | {f.kl_mean:.5f} |")
+            lines += [f"| {name} | {r.variant} | {r.perplexity_increase_pct:+.2f}% | "
+                      f"{r.kl_mean:.5f} |" for r in ablated if r.kv_cache_dtype == name]
     return "\n".join(lines)
 
 
@@ -246,7 +333,7 @@ def plot(report: EvalReport, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = report.results[1:]
+    rows = [r for r in report.results[1:] if not r.variant]
     names = [r.kv_cache_dtype for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
     a.bar(names, [r.perplexity_increase_pct for r in rows], color="#4c72b0")

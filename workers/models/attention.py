@@ -144,8 +144,7 @@ def paged_attention(
     quantized = kv_format is not None and kv_format.quantized
     if quantized:  # everything below runs in the rotated basis the rows are stored in
         q = kv_format.rotate(q)
-        k_rows, k = kv_format.round_trip(k)
-        v_rows, v = kv_format.round_trip(v)
+        k_rows, k, v_rows, v = kv_format.round_trip_kv(k, v)
     else:
         k_rows, v_rows = k, v
     k_cache.index_copy_(0, batch.slot_mapping, k_rows)

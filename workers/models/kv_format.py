@@ -179,6 +179,13 @@ class KVFormat:
         rows = self.quantize(self.rotate(x))
         return rows, self.dequantize(rows, x.dtype)
 
+    def round_trip_kv(self, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`round_trip` of a step's keys and values: (k rows, k read, v rows, v
+        read). One call for both, so a variant (``pdserve eval-kv --ablate``) can treat
+        them apart."""
+        return (*self.round_trip(k), *self.round_trip(v))
+
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ H`` over the last axis (in fp32, back in ``x``'s dtype): into the basis
         quantized rows are stored in, and out of it again (``H @ H`` is the identity)."""
