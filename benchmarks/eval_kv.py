@@ -11,7 +11,8 @@ For each ``--kv-cache-dtype`` (``auto``, the model-precision cache, is the refer
    every position of those windows, and **teacher-forced top-1 agreement** (the argmax
    equals the reference's).
 3. **Ablation** (``--ablate``): the same perplexity and KL with only the keys or only
-   the values quantized, and without the Hadamard rotation, per format.
+   the values quantized, without the Hadamard rotation, and (NVFP4) without the key
+   offset, per format.
 4. **Greedy agreement**: ``prompts`` prompts of ``prompt_tokens`` tokens from the corpus,
    ``gen_tokens`` greedy tokens each through the offline engine (its decode path: the
    native kernel reading quantized blocks where it is built); share of streams identical
@@ -37,7 +38,7 @@ from workers.engine.llm import LLM
 from workers.engine.model_runner import ModelRunner, model_context_len
 from workers.engine.params import EngineConfig, SamplingParams
 from workers.models.attention import build_attention_batch
-from workers.models.kv_format import KVFormat
+from workers.models.kv_format import CALIBRATION_TOKENS, KVFormat
 
 
 class AblatedFormat:
@@ -48,8 +49,9 @@ class AblatedFormat:
     writes there are the values attention used. It serves :class:`WindowScorer` only."""
 
     def __init__(self, base: KVFormat, keys: bool = True, values: bool = True,
-                 rotate: bool = True) -> None:
+                 rotate: bool = True, offset: bool = True) -> None:
         self.base, self.keys, self.values, self.rotated = base, keys, values, rotate
+        self.offset = offset and base.offsets_keys
         self.quantized, self.code = True, base.code
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +59,8 @@ class AblatedFormat:
 
     def _one(self, x: torch.Tensor, on: bool) -> tuple[torch.Tensor, torch.Tensor]:
         x = self.rotate(x)
-        read = self.base.dequantize(self.base.quantize(x), x.dtype) if on else x
+        read = self.base.dequantize(self.base.quantize(x)) if on else x
+        read = read.to(self.base.model_dtype)  # what the reference cache holds
         return read, read
 
     def round_trip_kv(self, k: torch.Tensor, v: torch.Tensor
@@ -66,7 +69,7 @@ class AblatedFormat:
 
 
 ABLATIONS = {"K only": {"values": False}, "V only": {"keys": False},
-             "no rotation": {"rotate": False}}
+             "no rotation": {"rotate": False}, "no key offset": {"offset": False}}
 """What ``--ablate`` adds per quantized format: perplexity and KL only (no greedy)."""
 
 
@@ -147,8 +150,10 @@ class WindowScorer:
                                  block_size=options.block_size,
                                  num_threads=options.threads).resolved()
         self.config = config
-        self.runner = ModelRunner(config, min(model_context_len(options.model),
-                                              options.window_tokens))
+        # RoPE tables long enough for the key offsets' calibration (``--ablate`` runs
+        # it on this scorer's model)
+        self.runner = ModelRunner(config, max(CALIBRATION_TOKENS, min(
+            model_context_len(options.model), options.window_tokens)))
         self.block_size = options.block_size
 
     @torch.inference_mode()
@@ -253,15 +258,27 @@ def _ablate(options: EvalOptions, scorer: WindowScorer, wins: list[list[int]],
             log: Callable[[str], None]) -> list[FormatResult]:
     """Perplexity and KL of each quantized format with one part switched off, on the
     reference scorer's model (its format swapped for an :class:`AblatedFormat`)."""
+    from transformers import AutoTokenizer
+
+    from workers.models.kv_format import CALIBRATION_TEXT
+
     model = scorer.runner.model
     own = model.kv_format
     refs = [scorer.log_probs(w)[:-1] for w in wins]
+    calibration = AutoTokenizer.from_pretrained(options.model)(CALIBRATION_TEXT).input_ids
     rows = []
     try:
         for name in options.kv_dtypes[1:]:
             base = KVFormat(name, own.head_dim, own.model_dtype)
+            model.kv_format = base  # the offsets the engine would calibrate for it
+            model.calibrate_key_offsets(calibration[:CALIBRATION_TOKENS], options.block_size)
+            offsets = model.key_offsets
             for label, switch in ABLATIONS.items():
-                model.kv_format = AblatedFormat(base, **switch)
+                if label == "no key offset" and not base.offsets_keys:
+                    continue
+                variant = AblatedFormat(base, **switch)
+                model.kv_format = variant
+                model.key_offsets = offsets if variant.offset else None
                 nll = kl = 0.0
                 for window, ref in zip(wins, refs, strict=True):
                     lp = scorer.log_probs(window)[:-1]
@@ -277,7 +294,7 @@ def _ablate(options: EvalOptions, scorer: WindowScorer, wins: list[list[int]],
                                          greedy_token_agreement=float("nan")))
                 log(f"{name} {label}: perplexity {rows[-1].perplexity:.4f}")
     finally:
-        model.kv_format = own
+        model.kv_format, model.key_offsets = own, None
     return rows
 
 
@@ -285,7 +302,6 @@ def _row_bytes(options: EvalOptions, name: str) -> int:
     from transformers import AutoConfig
 
     from workers.engine.dtype_choice import resolve_dtype
-    from workers.models.kv_format import KVFormat
 
     cfg = AutoConfig.from_pretrained(options.model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -320,7 +336,7 @@ def markdown(report: EvalReport, header: str) -> str:
                   "| --- | --- | --- | --- |"]
         for name in dict.fromkeys(r.kv_cache_dtype for r in ablated):
             f = full[name]
-            lines.append(f"| {name} | as shipped (K and V, rotated) | "
+            lines.append(f"| {name} | as shipped | "
                          f"{f.perplexity_increase_pct:+.2f}% | {f.kl_mean:.5f} |")
             lines += [f"| {name} | {r.variant} | {r.perplexity_increase_pct:+.2f}% | "
                       f"{r.kl_mean:.5f} |" for r in ablated if r.kv_cache_dtype == name]

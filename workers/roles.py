@@ -119,7 +119,8 @@ def open_end(config: WorkerConfig, role: str, engine: Callable[[], LLMEngine]) -
     def expect(request_id: str, block_ids: list[int]):  # noqa: ANN202 - TransferHandle
         kv = engine().kv_view()
         if not layout:
-            layout.append(KVLayout.of_cache(kv.cache, kv.block_size, kv.kv_format))
+            layout.append(KVLayout.of_cache(kv.cache, kv.block_size, kv.kv_format,
+                                            kv.kv_digest))
         return receiver.expect(request_id, layout[0], block_ids,
                                PagedCacheDestination(kv.cache, block_ids, kv.block_size),
                                timeout_s=config.reservation_timeout_s)

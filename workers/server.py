@@ -158,7 +158,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 return
             try:  # read in place from the held blocks; released once the send ended
                 handle = sender.send_paged(target.address, req.request_id, kv.cache, src,
-                                           dst, kv.block_size, kv_format=kv.kv_format)
+                                           dst, kv.block_size, kv_format=kv.kv_format,
+                                           kv_digest=kv.kv_digest)
             except Exception:  # noqa: BLE001 - sender closed: the decode side recomputes
                 log.exception("request %s: cannot send its KV", req.request_id)
                 release()

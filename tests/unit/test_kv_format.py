@@ -158,10 +158,49 @@ def layout(kv_format: str = "auto", dtype: torch.dtype = torch.bfloat16,
 
 
 def test_the_header_carries_the_format() -> None:
-    lay = layout("fp8_e5m2", torch.uint8, 65)
+    lay = KVLayout(30, 16, 3, 65, torch.uint8, "fp8_e5m2", 0xBEEF)
     h = TransferHeader(123, 5, 2, 3, lay, lay.payload_bytes(3), 4, 99)
     assert decode_offer(encode_offer(h, [7, 8, 9])) == (h, [7, 8, 9])
     assert decode_offer(encode_offer(h, [7, 8, 9]))[0].layout.kv_format == "fp8_e5m2"
+    assert decode_offer(encode_offer(h, [7, 8, 9]))[0].layout.kv_digest == 0xBEEF
+
+
+def test_keys_written_with_other_offsets_are_refused() -> None:
+    sent = KVLayout(30, 16, 3, 65, torch.uint8, "fp8_e4m3", 0x1234)
+    stored = KVLayout(30, 16, 3, 65, torch.uint8, "fp8_e4m3", 0x1235)
+    h = TransferHeader(1, 1, 1, 2, sent, sent.payload_bytes(2), 1, 0)
+    reason = check_offer(h, [4, 5], stored, [4, 5], 1 << 30)
+    assert reason is not None and "key offsets differ" in reason
+    assert "#1234" in reason and "#1235" in reason
+
+
+def test_the_offsets_digest_names_the_offsets() -> None:
+    from workers.models.kv_format import offsets_digest
+
+    m = [torch.randn(3, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    assert offsets_digest(None) == offsets_digest([]) == 0
+    assert offsets_digest(m) == offsets_digest([t.clone() for t in m]) != 0
+    nudged = [t.clone() for t in m]
+    nudged[2][1, 5] += 2**-8
+    assert offsets_digest(nudged) != offsets_digest(m)
+
+
+def test_a_key_offset_changes_no_attention_output() -> None:
+    """softmax(q.(k - m)) = softmax(q.k): the offset a quantized cache subtracts from
+    every key costs nothing but rounding (checked here with a lossless round trip)."""
+    torch.manual_seed(3)
+    f = KVFormat("fp8_e4m3", 32, torch.float32)
+    lossless = type("Lossless", (), {
+        "quantized": True, "code": 1, "rotate": staticmethod(f.rotate),
+        "round_trip_kv": staticmethod(lambda k, v: (f.rotate(k), f.rotate(k),
+                                                    f.rotate(v), f.rotate(v)))})()
+    batch, _ = build_attention_batch([], [], [([0, 1, 2], 0, 10)], 4)
+    q, k, v = torch.randn(10, 4, 32), torch.randn(10, 2, 32) * 3, torch.randn(10, 2, 32)
+    cache = torch.zeros(2, 12, 2, 32)
+    plain = paged_attention(q, k, v, cache, batch, 4, kv_format=lossless)
+    shifted = paged_attention(q, k, v, cache, batch, 4, kv_format=lossless,
+                              key_offset=torch.randn(2, 32) * 5)
+    torch.testing.assert_close(shifted, plain, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(("sent", "stored"), [

@@ -108,11 +108,13 @@ class _Tracked:
     prompt_ids: list[int] | None = None  # copied once, shared by every output
 
 
-def model_identity(model_path: Path, dtype: str, kv_cache_dtype: str = "auto") -> str:
-    """Seeds the block-hash chain: KV from another model, dtype or KV cache format must
-    never match (a quantized cache's blocks hash apart from the model-precision ones)."""
+def model_identity(model_path: Path, dtype: str, kv_cache_dtype: str = "auto",
+                   kv_digest: int = 0) -> str:
+    """Seeds the block-hash chain: KV from another model, dtype or KV cache format (and
+    key offsets) must never match (a quantized cache's blocks hash apart from the
+    model-precision ones)."""
     digest = hashlib.sha256((model_path / "config.json").read_bytes()).hexdigest()[:16]
-    kv = "" if kv_cache_dtype == "auto" else f":kv={kv_cache_dtype}"
+    kv = "" if kv_cache_dtype == "auto" else f":kv={kv_cache_dtype}:{kv_digest:04x}"
     return f"{model_path.name}:{digest}:{dtype}{kv}"
 
 
@@ -137,7 +139,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, max_len, self.eos_token_ids)
         # A sequence must always fit in the whole cache, or it could never be scheduled.
         self.max_model_len = min(max_len, self.runner.num_blocks * config.block_size)
-        self.model_id = model_identity(path, config.dtype, config.kv_cache_dtype)
+        self.model_id = model_identity(path, config.dtype, config.kv_cache_dtype,
+                                       self.runner.kv_digest)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.runner.num_blocks,
@@ -170,7 +173,8 @@ class LLMEngine:
 
     def kv_view(self) -> KVView:
         """Safe from any thread (the tensor's contents are not: see :class:`KVView`)."""
-        return KVView(self.runner.kv_cache, self.config.block_size, self.config.kv_cache_dtype)
+        return KVView(self.runner.kv_cache, self.config.block_size, self.config.kv_cache_dtype,
+                      self.runner.kv_digest)
 
     def load(self) -> EngineLoad:
         """A snapshot, taken on the engine thread; the snapshot may go anywhere."""

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from workers.models.attention import build_attention_batch
 from workers.models.decoder import TORCH_OPS, DecoderModel, ElementwiseOps
+from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS
 from workers.models.linear import TORCH_LINEAR, onednn_linear
 
 from . import kernels
@@ -93,8 +94,11 @@ class ModelRunner:
         linear = None
         if self.device.type == "cpu" and config.prepacked_weights:
             linear = onednn_linear()
+        # RoPE tables reach the calibration's positions too, whatever max_model_len is:
+        # workers with different limits must calibrate the same key offsets.
         self.model = DecoderModel(
-            hf, max_model_len,
+            hf, max(max_model_len, CALIBRATION_TOKENS if config.kv_cache_dtype == "nvfp4"
+                    else 0),
             decode_op=kernels.paged_decode_attention if native else None,
             ops=NATIVE_OPS if native else TORCH_OPS,
             linear=linear or TORCH_LINEAR,
@@ -106,6 +110,13 @@ class ModelRunner:
         s = self.model.shape
         self.kv_format = self.model.kv_format
         """How each cache row stores a token's K or V of one head."""
+        self.kv_digest = 0
+        """Digest of the key offsets an NVFP4 cache stores keys with (0: none); both
+        ends of a KV transfer must hold the same (:mod:`workers.models.kv_format`)."""
+        if self.kv_format.offsets_keys:
+            ids = AutoTokenizer.from_pretrained(config.model)(CALIBRATION_TEXT).input_ids
+            self.kv_digest = self.model.calibrate_key_offsets(
+                ids[:CALIBRATION_TOKENS], config.block_size)
         self.block_bytes = (s.num_layers * 2 * config.block_size * s.num_kv_heads
                             * self.kv_format.row_bytes)
         if config.num_blocks is not None:

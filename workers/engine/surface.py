@@ -58,6 +58,9 @@ class KVView:
     cache: Any
     block_size: int
     kv_format: str = "auto"
+    kv_digest: int = 0
+    """The key offsets' digest (quantized formats; 0: none): must match across a
+    transfer."""
 
 
 @dataclass(frozen=True)

@@ -131,11 +131,14 @@ def paged_attention(
     block_size: int,
     decode_op: Callable | None = None,
     kv_format: KVFormat | None = None,
+    key_offset: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; returns [tokens, heads*dim].
 
     Writes k and v into ``cache`` ([2, slots, kv_heads, row]; ``row`` is ``dim`` unless
-    ``kv_format`` is quantized) before reading it.
+    ``kv_format`` is quantized) before reading it. ``key_offset`` ([kv_heads, dim]):
+    subtracted from every key a quantized cache stores (softmax ignores it; see
+    :mod:`workers.models.kv_format`).
     """
     num_tokens, num_heads, dim = q.shape
     num_kv = k.shape[1]
@@ -144,7 +147,10 @@ def paged_attention(
     quantized = kv_format is not None and kv_format.quantized
     if quantized:  # everything below runs in the rotated basis the rows are stored in
         q = kv_format.rotate(q)
+        if key_offset is not None:
+            k = k.float() - key_offset  # one rounding, at quantization
         k_rows, k, v_rows, v = kv_format.round_trip_kv(k, v)
+        k = k.to(q.dtype)
     else:
         k_rows, v_rows = k, v
     k_cache.index_copy_(0, batch.slot_mapping, k_rows)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.models.attention import AttentionBatch, paged_attention
-from workers.models.kv_format import KVFormat
+from workers.models.attention import AttentionBatch, build_attention_batch, paged_attention
+from workers.models.kv_format import KVFormat, offsets_digest
 from workers.models.linear import TORCH_LINEAR, LinearOps
 
 SUPPORTED_ARCHITECTURES = (
@@ -139,6 +139,10 @@ class DecoderModel:
         self.kv_format = KVFormat(kv_cache_dtype, head_dim,
                                   hf_model.model.embed_tokens.weight.dtype)
         """How a cache row stores one token's K or V of one head (see :mod:`.kv_format`)."""
+        self.key_offsets: list[torch.Tensor] | None = None
+        """Per layer ``[kv_heads, head_dim]``, subtracted from the keys a quantized cache
+        stores (:meth:`calibrate_key_offsets`); None: none."""
+        self._key_sums: list[torch.Tensor] | None = None
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         inner = hf_model.model
@@ -182,6 +186,31 @@ class DecoderModel:
                                        mlp.up_proj.weight.detach()])),
             down=prepare(mlp.down_proj.weight.detach()),
         )
+
+    @torch.inference_mode()
+    def calibrate_key_offsets(self, ids: list[int], block_size: int = 16) -> int:
+        """Set :attr:`key_offsets` to each layer's mean key over ``ids`` (one prefill at
+        model precision into a scratch cache; rounded to bfloat16), when the cache format
+        offsets keys (NVFP4). Returns their digest (0: no offsets)."""
+        if not self.kv_format.offsets_keys or not ids:
+            return 0
+        s, fmt = self.shape, self.kv_format
+        n = len(ids)
+        blocks = -(-n // block_size)
+        cache = torch.zeros(s.num_layers, 2, blocks * block_size, s.num_kv_heads, s.head_dim,
+                            dtype=self.dtype, device=self.embed.device)
+        batch, positions = build_attention_batch([], [], [(list(range(blocks)), 0, n)],
+                                                 block_size)
+        self.kv_format, self.key_offsets, self._key_sums = (
+            KVFormat("auto", s.head_dim, self.dtype), None, [])
+        try:
+            dev = self.embed.device
+            self.forward(torch.tensor(ids, device=dev), positions.to(dev), batch.to(dev),
+                         cache, torch.tensor([n - 1], device=dev), block_size)
+            self.key_offsets = [(k / n).to(torch.bfloat16).float() for k in self._key_sums]
+        finally:
+            self.kv_format, self._key_sums = fmt, None
+        return offsets_digest(self.key_offsets)
 
     def weight_bytes(self) -> int:
         """Bytes a decode step must read: every layer weight plus the LM head."""
@@ -228,8 +257,11 @@ class DecoderModel:
                 q.copy_(ops.rms_norm(q, lw.q_norm, eps))
                 k.copy_(ops.rms_norm(k, lw.k_norm, eps))
             q, k = ops.rope_(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
+            if self._key_sums is not None:
+                self._key_sums.append(k.float().sum(0))
             attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op,
-                                   self.kv_format)
+                                   self.kv_format,
+                                   self.key_offsets[i] if self.key_offsets else None)
             h = ops.add_rms_norm(x, linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
             mlp_out = linear(ops.silu_mul(linear(h, lw.gate_up, None)), lw.down, None)
         x.add_(mlp_out)

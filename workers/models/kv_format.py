@@ -47,6 +47,21 @@ format's range on them; the rotation spreads each row's energy over all channels
 NVFP4's 16-value groups and FP8's per-row scale quantize evenly sized values (the idea
 of QuaRot and SpinQuant, applied to the cache only). ``pdserve eval-kv`` measures it.
 
+**Key offset.** Keys carry a large component shared by every token (per layer, head and
+channel), and a query's scores over its keys are all shifted alike by it, which softmax
+ignores: ``softmax(q.(k - m)) = softmax(q.k)`` for any fixed ``m``. An NVFP4 cache
+stores ``k - m`` with ``m`` each layer's and head's mean key over a fixed calibration
+text (:data:`CALIBRATION_TEXT`, run once when the engine starts; rounded to bfloat16),
+so the format's precision goes to what tells keys apart instead of what they share.
+Nothing adds ``m`` back. Only NVFP4 does this (:attr:`KVFormat.offsets_keys`): its 16
+values share one scale, which the shared component inflates (SmolLM2, ``pdserve
+eval-kv``: perplexity +6.2% without, ~+2-3% with); FP8 keeps each value's own exponent, and
+there the offset measured no better (KL slightly lower, perplexity slightly higher).
+Every token of a sequence must share one ``m``, so workers that exchange KV must hold
+the same offsets: their 16-bit digest (:func:`offsets_digest`) travels in the transfer
+header and seeds the block hashes, and a decode worker refuses KV written with other
+offsets. Values keep no offset (it would not cancel).
+
 Attention always reads K/V *as stored*: a quantized format writes the row, then the
 step's own attention uses the dequantized row too (:meth:`KVFormat.round_trip`), so a
 prompt's logits already carry the quantization error and prefill with or without a
@@ -67,6 +82,38 @@ from common.kv_cache_dtype import FORMAT_CODES, KV_CACHE_DTYPES, check_kv_cache_
 __all__ = ["FORMAT_CODES", "KV_CACHE_DTYPES", "NVFP4_TENSOR_SCALE", "KVFormat"]
 
 NVFP4_TENSOR_SCALE = 1.0
+CALIBRATION_TOKENS = 512
+CALIBRATION_TEXT = (
+    "The river that runs through the old town was once the only road to the sea. Boats "
+    "carried salt, timber and wool downstream, and came back with oil, spices and news. "
+    "When the railway arrived, the quays emptied within a generation; the warehouses "
+    "became schools, a library and, later, a museum of the river itself. Visitors today "
+    "walk along the towpath, read the plaques, and argue about which bridge is oldest.\n\n"
+    "Q: How do I reverse a list in Python without changing the original?\n"
+    "A: Use slicing, which returns a new list: `items[::-1]`. For a lazy iterator, "
+    "`reversed(items)` avoids the copy. Sorting in descending order is different: "
+    "`sorted(items, reverse=True)`.\n\n"
+    "def moving_average(values, window):\n"
+    "    total = sum(values[:window])\n"
+    "    out = [total / window]\n"
+    "    for i in range(window, len(values)):\n"
+    "        total += values[i] - values[i - window]\n"
+    "        out.append(total / window)\n"
+    "    return out\n\n"
+    "Dear team, the meeting on Thursday moves to 3 pm because the projector in room 4 is "
+    "broken. Please bring the quarterly figures, the draft budget and any questions about "
+    "the new travel policy. Lunch will be served afterwards; tell Maria about allergies.\n\n"
+    "1. Preheat the oven to 200 degrees. 2. Mix flour, butter and a pinch of salt until "
+    "the dough looks like sand. 3. Add cold water, one spoon at a time. 4. Rest it for "
+    "thirty minutes before rolling it out.\n\n"
+    "In 1905, a patent clerk published four papers that changed physics: on the "
+    "photoelectric effect, Brownian motion, special relativity and the equivalence of "
+    "mass and energy. Each answered a question that experiments had left open, and each "
+    "was met at first with doubt. Science moves this way: a careful measurement, a bold "
+    "idea, and years of checking.")
+"""Calibration input for the key offsets (see the module doc): prose, a question, code,
+a letter, a recipe, history. Fixed forever per offsets digest: changing it changes the
+offsets, which the digest then tells apart."""
 NVFP4_GROUP = 16
 _FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 _E8M0_BIAS = 127
@@ -86,6 +133,18 @@ def _e2m1_bounds(device: torch.device) -> torch.Tensor:
     lv = _E2M1_LEVELS
     return torch.tensor([(a + b) / 2 for a, b in zip(lv, lv[1:], strict=False)],
                         dtype=torch.float32).to(device)
+
+
+def offsets_digest(offsets: list[torch.Tensor] | None) -> int:
+    """16 bits naming a model's key offsets (0: none); what two workers compare."""
+    if not offsets:
+        return 0
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=2, person=b"pdserve.koff.v1")
+    for m in offsets:
+        h.update(m.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little") or 1
 
 
 @cache
@@ -119,6 +178,11 @@ class KVFormat:
     @property
     def quantized(self) -> bool:
         return self.name != "auto"
+
+    @property
+    def offsets_keys(self) -> bool:
+        """Whether keys are stored minus a calibrated offset (see the module doc)."""
+        return self.name == "nvfp4"
 
     @property
     def code(self) -> int:

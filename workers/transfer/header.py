@@ -20,7 +20,7 @@ Slots (int64 each)::
     0 magic<<8 | version     1 header slots (16)     2 request id (64-bit, blake2b)
     3 seq on the pair        4 pair id               5 num_blocks
     6 num_layers             7 kv (always 2)         8 block_size
-    9 kv_heads              10 head_dim (row elems)  11 dtype code | format << 8
+    9 kv_heads              10 head_dim (row elems)  11 dtype | format << 8 | digest << 16
    12 payload bytes         13 chunk_planes (staged) 14 payload checksum
    15 checksum of slots 0..14
 
@@ -31,7 +31,9 @@ whose landed bytes hash otherwise. Slot 15 guards the header alone (FNV-1a).
 Slot 11 (version 3 on) carries the KV cache format (:mod:`common.kv_cache_dtype`) above
 the element dtype: a quantized cache's rows are ``uint8`` bytes (values and scales, see
 :mod:`workers.models.kv_format`) and travel as stored, so ``head_dim`` is then the row's
-byte count, and the format tells FP8 E4M3 rows from E5M2 rows of the same size.
+byte count, and the format tells FP8 E4M3 rows from E5M2 rows of the same size. Its
+bits 16..31 carry the 16-bit digest of the key offsets an NVFP4 cache stores keys with
+(0: none): KV written with other offsets is refused like another format.
 
 The module is pure: no sockets, no threads.
 """
@@ -117,9 +119,13 @@ class KVLayout:
     head_dim: int
     dtype: torch.dtype
     kv_format: str = "auto"
+    kv_digest: int = 0
+    """The key offsets' 16-bit digest (:func:`workers.models.kv_format.offsets_digest`)."""
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_format)
+        if not 0 <= self.kv_digest < 1 << 16:
+            raise ValueError(f"KVLayout.kv_digest must fit 16 bits, got {self.kv_digest}")
         for name in ("num_layers", "block_size", "kv_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -129,22 +135,23 @@ class KVLayout:
                              f"supported: {sorted(str(d) for d in DTYPE_CODES)}")
 
     @classmethod
-    def of_cache(cls, cache: torch.Tensor, block_size: int, kv_format: str = "auto"
-                 ) -> KVLayout:
+    def of_cache(cls, cache: torch.Tensor, block_size: int, kv_format: str = "auto",
+                 kv_digest: int = 0) -> KVLayout:
         """The layout of a paged cache ``[layers, 2, num_blocks*block_size, heads, row]``
         storing ``kv_format``."""
         if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[2] % block_size:
             raise ValueError(f"expected a cache [layers, 2, num_blocks*{block_size}, kv_heads, "
                              f"head_dim], got shape {tuple(cache.shape)}")
         return cls(cache.shape[0], block_size, cache.shape[3], cache.shape[4], cache.dtype,
-                   kv_format)
+                   kv_format, kv_digest)
 
     def describe(self) -> str:
         """The format as an error names it: ``fp8_e4m3 (uint8 rows of 65)``."""
         dtype = str(self.dtype).removeprefix("torch.")
         if self.kv_format == "auto":
             return f"{dtype} (the model's dtype; rows of {self.head_dim})"
-        return f"{self.kv_format} ({dtype} rows of {self.head_dim})"
+        offsets = f", key offsets #{self.kv_digest:04x}" if self.kv_digest else ""
+        return f"{self.kv_format} ({dtype} rows of {self.head_dim}{offsets})"
 
     @property
     def element_size(self) -> int:
@@ -185,7 +192,8 @@ class TransferHeader:
         slots = [
             MAGIC << 8 | VERSION, HEADER_SLOTS, self.request_id64, self.seq, self.pair_id,
             self.num_blocks, lay.num_layers, 2, lay.block_size, lay.kv_heads, lay.head_dim,
-            DTYPE_CODES[lay.dtype] | FORMAT_CODES[lay.kv_format] << 8, self.payload_bytes,
+            DTYPE_CODES[lay.dtype] | FORMAT_CODES[lay.kv_format] << 8 | lay.kv_digest << 16,
+            self.payload_bytes,
             self.chunk_planes,
             self.payload_checksum,
         ]
@@ -215,7 +223,7 @@ class TransferHeader:
                               "decode workers", seq, pair)
         if s[7] != 2:
             raise HeaderError(f"kv={s[7]}; expected 2", seq, pair)
-        dtype_code, format_code = s[11] & 0xFF, s[11] >> 8
+        dtype_code, format_code, digest = s[11] & 0xFF, s[11] >> 8 & 0xFF, s[11] >> 16
         if dtype_code not in CODE_DTYPES:
             raise HeaderError(f"unknown dtype code {dtype_code}", seq, pair)
         if format_code not in CODE_FORMATS:
@@ -224,7 +232,7 @@ class TransferHeader:
             raise HeaderError(f"num_blocks {s[5]} outside [0, {MAX_BLOCKS}]", seq, pair)
         try:
             layout = KVLayout(s[6], s[8], s[9], s[10], CODE_DTYPES[dtype_code],
-                              CODE_FORMATS[format_code])
+                              CODE_FORMATS[format_code], digest)
         except ValueError as e:
             raise HeaderError(str(e), seq, pair) from None
         header = cls(s[2], seq, s[4], s[5], layout, s[12], s[13], s[14])
@@ -313,6 +321,12 @@ def check_offer(header: TransferHeader, block_ids: Sequence[int], layout: KVLayo
     """Why this offer must be refused for a reservation of ``expected_block_ids`` blocks
     of ``layout``, or None when it matches exactly. Side-effect free."""
     got = header.layout
+    if (got.dtype, got.kv_format) == (layout.dtype, layout.kv_format) and (
+            got.kv_digest != layout.kv_digest):
+        return (f"KV cache key offsets differ: the prefill worker sends {got.describe()}, "
+                f"this decode worker stores {layout.describe()}; the offsets are calibrated "
+                "when a worker starts: run the same model, --dtype and pdserve release on "
+                "both")
     if (got.dtype, got.kv_format) != (layout.dtype, layout.kv_format):
         return (f"KV cache dtype mismatch: the prefill worker sends {got.describe()}, this "
                 f"decode worker stores {layout.describe()}; start both with the same "

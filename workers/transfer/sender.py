@@ -231,16 +231,16 @@ class KVSender:
     def send_paged(self, address: str, request_id: str, cache: torch.Tensor,
                    src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
                    block_size: int, timeout_s: float | None = None,
-                   kv_format: str = "auto") -> TransferHandle:
+                   kv_format: str = "auto", kv_digest: int = 0) -> TransferHandle:
         """Send ``src_block_ids`` of a paged cache into ``dst_block_ids`` without copying
         them first: payload messages are read from the cache (views where the source
         blocks form runs). The caller keeps the source blocks unchanged until the handle
         is terminal (a done callback is the place to release them). ``kv_format``: what
-        the cache's rows store (``KVView.kv_format``)."""
+        the cache's rows store (``KVView.kv_format``), ``kv_digest`` its key offsets."""
         if len(src_block_ids) != len(dst_block_ids) or not src_block_ids:
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} "
                              "target blocks")
-        layout = KVLayout.of_cache(cache, block_size, kv_format)
+        layout = KVLayout.of_cache(cache, block_size, kv_format, kv_digest)
         source = PagedSource(cache, src_block_ids, block_size)
         handle = self._start(address, request_id, layout, dst_block_ids, source, timeout_s)
         handle.add_done_callback(
