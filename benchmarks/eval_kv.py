@@ -63,7 +63,7 @@ class AblatedFormat:
         read = read.to(self.base.model_dtype)  # what the reference cache holds
         return read, read
 
-    def round_trip_kv(self, k: torch.Tensor, v: torch.Tensor
+    def round_trip_kv(self, k: torch.Tensor, v: torch.Tensor, read: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return (*self._one(k, self.keys), *self._one(v, self.values))
 

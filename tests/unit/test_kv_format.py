@@ -192,7 +192,7 @@ def test_a_key_offset_changes_no_attention_output() -> None:
     f = KVFormat("fp8_e4m3", 32, torch.float32)
     lossless = type("Lossless", (), {
         "quantized": True, "code": 1, "rotate": staticmethod(f.rotate),
-        "round_trip_kv": staticmethod(lambda k, v: (f.rotate(k), f.rotate(k),
+        "round_trip_kv": staticmethod(lambda k, v, read=True: (f.rotate(k), f.rotate(k),
                                                     f.rotate(v), f.rotate(v)))})()
     batch, _ = build_attention_batch([], [], [([0, 1, 2], 0, 10)], 4)
     q, k, v = torch.randn(10, 4, 32), torch.randn(10, 2, 32) * 3, torch.randn(10, 2, 32)

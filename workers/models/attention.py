@@ -149,8 +149,10 @@ def paged_attention(
         q = kv_format.rotate(q)
         if key_offset is not None:
             k = k.float() - key_offset  # one rounding, at quantization
-        k_rows, k, v_rows, v = kv_format.round_trip_kv(k, v)
-        k = k.to(q.dtype)
+        # only a chunk attending to itself uncached reads the step's K/V directly
+        fresh = any(span.blocks is None for span in batch.prefills)
+        k_rows, k, v_rows, v = kv_format.round_trip_kv(k, v, read=fresh)
+        k = k.to(q.dtype) if k is not None else None
     else:
         k_rows, v_rows = k, v
     k_cache.index_copy_(0, batch.slot_mapping, k_rows)

@@ -243,12 +243,16 @@ class KVFormat:
         rows = self.quantize(self.rotate(x))
         return rows, self.dequantize(rows, x.dtype)
 
-    def round_trip_kv(self, k: torch.Tensor, v: torch.Tensor
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def round_trip_kv(self, k: torch.Tensor, v: torch.Tensor, read: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor,
+                                 torch.Tensor | None]:
         """:meth:`round_trip` of a step's keys and values: (k rows, k read, v rows, v
-        read). One call for both, so a variant (``pdserve eval-kv --ablate``) can treat
-        them apart."""
-        return (*self.round_trip(k), *self.round_trip(v))
+        read); the reads are None unless ``read`` (a decode-only step reads its new
+        rows from the cache). One call for both, so a variant (``pdserve eval-kv
+        --ablate``) can treat them apart."""
+        if read:
+            return (*self.round_trip(k), *self.round_trip(v))
+        return self.quantize(self.rotate(k)), None, self.quantize(self.rotate(v)), None
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ H`` over the last axis (in fp32, back in ``x``'s dtype): into the basis
@@ -295,14 +299,14 @@ def _nvfp4_encode(x: torch.Tensor) -> torch.Tensor:
     bits = nearest.view(torch.uint8).to(torch.int16)
     # positive E4M3 bit patterns are ordered like their values; 0x7E is 448, 0x7F NaN
     cand = torch.cat([bits, (bits - 1).clamp(min=0), (bits + 1).clamp(max=0x7E)], -1)
-    cand_s = cand.to(torch.uint8).view(torch.float8_e4m3fn).float() * NVFP4_TENSOR_SCALE
-    table = _e2m1_table(g.device)
-    err = torch.stack([((table[_e2m1_codes(g, cand_s[..., i:i + 1])] * cand_s[..., i:i + 1]
-                         - g) ** 2).sum(-1) for i in range(3)], -1)
+    cand_s = (cand.to(torch.uint8).view(torch.float8_e4m3fn).float()
+              * NVFP4_TENSOR_SCALE).unsqueeze(-1)  # [..., groups, 3, 1]
+    codes = _e2m1_codes(g.unsqueeze(-2), cand_s)  # [..., groups, 3, 16], all at once
+    err = ((_e2m1_table(g.device)[codes] * cand_s - g.unsqueeze(-2)) ** 2).sum(-1)
     best = err.argmin(-1, keepdim=True)  # ties: the first, i.e. the nearest scale
     scale = cand.gather(-1, best).to(torch.uint8)
-    s = scale.view(torch.float8_e4m3fn).float() * NVFP4_TENSOR_SCALE
-    codes = _e2m1_codes(g, s).to(torch.uint8).reshape(*lead, dim // 2, 2)
+    codes = codes.gather(-2, best.unsqueeze(-1).expand(*best.shape, NVFP4_GROUP))
+    codes = codes.to(torch.uint8).reshape(*lead, dim // 2, 2)
     packed = codes[..., 0] | (codes[..., 1] << 4)
     return torch.cat([packed, scale.reshape(*lead, dim // NVFP4_GROUP)], -1)
 
