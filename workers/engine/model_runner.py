@@ -9,6 +9,7 @@ request gets blocks from the block manager, never new tensors.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import sys
 import time
@@ -108,6 +109,9 @@ class ModelRunner:
         self.vocab_size = self.model.shape.vocab_size
         self.block_size = config.block_size
         s = self.model.shape
+        if native and self.model.kv_format.quantized:  # the same bytes, natively
+            self.model.kv_format = dataclasses.replace(
+                self.model.kv_format, native_encode=kernels.quantize_kv_rows)
         self.kv_format = self.model.kv_format
         """How each cache row stores a token's K or V of one head."""
         self.kv_digest = 0

@@ -72,7 +72,8 @@ bytes (``workers/engine/kernels``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import cache
 
 import torch
@@ -167,6 +168,11 @@ class KVFormat:
     name: str
     head_dim: int
     model_dtype: torch.dtype
+    native_encode: Callable[[torch.Tensor, int], torch.Tensor] | None = field(
+        default=None, compare=False, repr=False)
+    """``(x, code) -> rows``, byte for byte :meth:`quantize` on CPU tensors, ~7x (FP8)
+    to ~30x (NVFP4) faster: the engine's native kernel (``kernels.quantize_kv_rows``),
+    handed in by the engine when it is built; None: torch ops."""
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.name)
@@ -219,6 +225,8 @@ class KVFormat:
         """``x`` ``[..., head_dim]`` -> rows ``[..., row_elems]`` of ``storage_dtype``."""
         if not self.quantized:
             return x.to(self.model_dtype)
+        if self.native_encode is not None and x.device.type == "cpu":
+            return self.native_encode(x, self.code)
         if self.name == "nvfp4":
             return _nvfp4_encode(x)
         return _fp8_encode(x, *_FP8[self.name])

@@ -10,8 +10,11 @@ reproduce the torch expressions in ``workers/models/decoder.py`` bit for bit (fl
 and bfloat16): same roundings, same order of the RMSNorm sum as torch's reduction
 kernel, same exp as torch's silu.
 
+:func:`quantize_kv_rows` (``kv_encode.cpp``) is the quantized KV cache's write path,
+``KVFormat.quantize`` in one pass per row, byte for byte.
+
 All run on torch's intra-op thread pool (``at::parallel_for``), so they honour
-``torch.set_num_threads``. Both sources build into one library.
+``torch.set_num_threads``. All sources build into one library.
 
 The extension is built with ``-O3 -march=native`` into ``cache_dir`` (default
 ``~/.cache/pdserve/kernels``), in a directory named by a hash of the source, the flags,
@@ -46,7 +49,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "fused_ops.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n)
+                for n in ("paged_attention.cpp", "fused_ops.cpp", "kv_encode.cpp"))
 DEFAULT_CACHE_DIR = Path("~/.cache/pdserve/kernels")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 # -fopenmp compiles at::parallel_for's OpenMP region inline; -lgomp resolves to the
@@ -93,7 +97,8 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
             ns = getattr(torch.ops, _OP_NAMESPACE)
             _fused.update(
                 (name, getattr(ns, name).default)
-                for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul")
+                for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul",
+                             "quantize_kv_rows")
             )
             _op = ns.paged_decode_attention
             log.info(
@@ -211,6 +216,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     contiguous ``[..., I]`` tensor.
     """
     return _fused_op("silu_mul")(gate_up, SILU_LANES)
+
+
+def quantize_kv_rows(x: torch.Tensor, kv_format: int) -> torch.Tensor:
+    """``KVFormat(name, x.shape[-1], x.dtype).quantize(x)`` for a quantized format, byte
+    for byte (``workers/models/kv_format.py``), in one native pass per row.
+
+    x: float32, bfloat16 or float16 ``[..., head_dim]`` (made contiguous if it is not);
+    kv_format: the format's code, 1 ``fp8_e4m3``, 2 ``fp8_e5m2``, 3 ``nvfp4`` (head_dim
+    a multiple of 16). Returns uint8 ``[..., row_elems]``. Raises RuntimeError if the
+    kernels are unavailable, for another code or an nvfp4 head_dim not divisible by 16.
+    """
+    return _fused_op("quantize_kv_rows")(x, int(kv_format))
 
 
 def _cache_key() -> str:
