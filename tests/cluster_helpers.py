@@ -59,11 +59,13 @@ class ExtraRouter:
     cluster runs for its own (``DeploymentConfig.router_args``) on a fresh port, without
     HTTP or metrics ports, its Redis password in the environment as the cluster passes
     it. ``with ExtraRouter(cluster, "router-2") as r:`` starts it, waits until it serves
-    (``r.target``) and stops it at the end, if the test has not killed it."""
+    (``r.target``) and stops it at the end, if the test has not killed it. ``overrides``:
+    other settings of its own (``max_in_flight=2``)."""
 
-    def __init__(self, cluster: LocalCluster, name: str) -> None:
+    def __init__(self, cluster: LocalCluster, name: str, **overrides: object) -> None:
         config = dataclasses.replace(cluster.config, port=free_port(cluster.config.host),
-                                     http_port=0, metrics_port=None)
+                                     http_port=0, metrics_port=None,
+                                     **overrides)  # type: ignore[arg-type]
         self.target = f"{config.host}:{config.port}"
         args = config.router_args(cluster.worker_addresses, without_password(cluster.redis_url))
         env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

@@ -37,13 +37,28 @@ def misses(cluster, n: int) -> list[object]:  # noqa: ANN001
         return [client.generate(SHARED + [8, i], **GREEDY) for i in range(n)]
 
 
+@pytest.fixture(scope="module")
+def cache_aware_pair(tiny_checkpoints, tmp_path_factory):
+    """2 mixed workers behind a cache-aware router (the default policy), shared by the
+    tests that need nothing else."""
+    c = start(tiny_checkpoints["llama"], tmp_path_factory.mktemp("cache-aware-logs"),
+              mixed=2, block_size=4, policy="cache_aware")
+    yield c
+    c.stop()
+
+
 @pytest.mark.parametrize(("policy", "expect_all_hits"), [("cache_aware", True),
                                                           ("round_robin", False)])
-def test_shared_prefix_lands_on_the_worker_that_holds_it(policy, expect_all_hits,
+def test_shared_prefix_lands_on_the_worker_that_holds_it(policy, expect_all_hits, request,
                                                          tiny_checkpoints, tmp_path) -> None:
-    c = start(tiny_checkpoints["llama"], tmp_path, mixed=2, block_size=4, policy=policy)
+    if policy == "cache_aware":
+        c = request.getfixturevalue("cache_aware_pair")
+        logs = Path(c.config.log_dir)
+    else:
+        c = start(tiny_checkpoints["llama"], tmp_path, mixed=2, block_size=4, policy=policy)
+        logs = tmp_path
     try:
-        _check_redis_password_is_needed_and_never_shown(c, tmp_path)
+        _check_redis_password_is_needed_and_never_shown(c, logs)
         served = misses(c, 6)
         cached = [s.usage["cached_tokens"] for s in served]
         assert all(s.routing["policy"] == policy for s in served)
@@ -59,7 +74,8 @@ def test_shared_prefix_lands_on_the_worker_that_holds_it(policy, expect_all_hits
             assert cached[0] == 0  # the other worker had never seen the prefix
         assert_cluster_idle(c)
     finally:
-        c.stop()
+        if policy != "cache_aware":
+            c.stop()
 
 
 def test_redis_outage_keeps_serving_and_the_index_refills(tiny_checkpoints, tmp_path) -> None:
@@ -137,10 +153,11 @@ def _model_id(cluster) -> str:  # noqa: ANN001
                                                       timeout=5).model_id
 
 
-def test_two_router_processes_make_the_same_choice(tiny_checkpoints, tmp_path) -> None:
+def test_two_router_processes_make_the_same_choice(cache_aware_pair, tiny_checkpoints,
+                                                  tmp_path) -> None:
     """A second router, started with only the registry (no --worker), discovers the
     workers and, reading the same index, sends a prefix to the same worker."""
-    c = start(tiny_checkpoints["llama"], tmp_path, mixed=2, block_size=4)
+    c = cache_aware_pair
     port = free_port()
     log = open(tmp_path / "router2.log", "wb")  # noqa: SIM115
     second = subprocess.Popen(
@@ -170,4 +187,3 @@ def test_two_router_processes_make_the_same_choice(tiny_checkpoints, tmp_path) -
         second.terminate()
         second.wait(10)
         log.close()
-        c.stop()

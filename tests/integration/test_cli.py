@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -28,13 +29,17 @@ def test_generate_offline_json(tiny_checkpoints) -> None:
     assert 0 < out["ttft_s"] <= out["e2e_s"]
 
 
-@pytest.mark.parametrize(("flag", "value", "field"), [("--max-tokens", "0", "max_tokens"),
-                                                     ("--temperature", "-1", "temperature"),
-                                                     ("--top-p", "2", "top_p")])
-def test_generate_rejects_bad_parameters_clearly(tiny_checkpoints, flag, value, field) -> None:
-    r = pdserve("generate", "--offline", "--model", str(tiny_checkpoints["llama"]), flag, value,
-                "hi")
-    assert r.returncode == 2 and f"invalid request: {field}:" in r.stderr
+def test_generate_rejects_bad_parameters_clearly(tiny_checkpoints) -> None:
+    """Each bad value in a command of its own, the commands side by side (each spends
+    its seconds importing torch)."""
+    cases = [("--max-tokens", "0", "max_tokens"), ("--temperature", "-1", "temperature"),
+             ("--top-p", "2", "top_p")]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        runs = list(pool.map(lambda case: pdserve(
+            "generate", "--offline", "--model", str(tiny_checkpoints["llama"]), case[0],
+            case[1], "hi"), cases))
+    for (flag, _, field), r in zip(cases, runs, strict=True):
+        assert r.returncode == 2 and f"invalid request: {field}:" in r.stderr, (flag, r.stderr)
 
 
 def test_missing_model_directory_is_explained(tmp_path) -> None:

@@ -8,10 +8,11 @@ block is held and no request is left running on any worker.
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import grpc
 import pytest
-from cluster_helpers import assert_cluster_idle, start
+from cluster_helpers import ExtraRouter, assert_cluster_idle, start
 from conftest import hf_greedy
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -156,11 +157,11 @@ def test_health_reflection_and_model_listing(cluster) -> None:
         assert client.list_models() == ["llama"]
 
 
-def test_overload_is_resource_exhausted_never_a_hang(tiny_checkpoints, tmp_path) -> None:
-    c = start(tiny_checkpoints["llama"], tmp_path, max_in_flight=2)
-    try:
+def test_overload_is_resource_exhausted_never_a_hang(cluster) -> None:
+    """A router of its own with room for 2 requests, on the shared cluster's worker."""
+    with ExtraRouter(cluster, "router-overload", max_in_flight=2) as router:
         async def run() -> grpc.StatusCode:
-            async with AsyncClient(c.target) as client:
+            async with AsyncClient(router.target) as client:
                 streams = [client.stream("slow", max_tokens=400, ignore_eos=True)
                            for _ in range(2)]
                 for s in streams:
@@ -175,9 +176,8 @@ def test_overload_is_resource_exhausted_never_a_hang(tiny_checkpoints, tmp_path)
                         await s.aclose()
 
         assert asyncio.run(run()) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert_cluster_idle(c)
-    finally:
-        c.stop()
+        assert_cluster_idle(SimpleNamespace(target=router.target))  # its admissions too
+    assert_cluster_idle(cluster)
 
 
 def test_a_worker_that_cannot_start_is_named_with_its_log(tmp_path) -> None:
