@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
+from test_paged_decode_kernel import reference as sdpa_reference  # gather + SDPA, fp32
 
 from workers.engine import kernels
 from workers.models.kv_format import FORMAT_CODES, KVFormat
@@ -72,23 +72,6 @@ def make_case(fmt_name: str, lens: list[int], kv_heads: int, group: int, dim: in
     k_deq = fmt.dequantize(k_rows, torch.float32)
     v_deq = fmt.dequantize(v_rows, torch.float32)
     return q, k_rows, v_rows, k_deq, v_deq, table, torch.tensor(lens, dtype=torch.int32), fmt
-
-
-def sdpa_reference(q, k, v, table, lens, scale):
-    """Gather each context (float32 caches), SDPA in float32 per kv head's query group."""
-    num_seqs, heads, dim = q.shape
-    kv = k.shape[2]
-    out = torch.zeros(num_seqs, heads, dim)
-    for s in range(num_seqs):
-        n = int(lens[s])
-        if n == 0:
-            continue
-        blocks = table[s, : -(-n // BLOCK)].long()
-        ks = k.index_select(0, blocks).reshape(-1, kv, dim)[:n].transpose(0, 1)
-        vs = v.index_select(0, blocks).reshape(-1, kv, dim)[:n].transpose(0, 1)
-        qs = q[s].float().view(kv, heads // kv, dim)
-        out[s] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).reshape(heads, dim)
-    return out
 
 
 def check(op, q, k_rows, v_rows, k_deq, v_deq, table, lens, fmt, scale) -> None:
