@@ -38,7 +38,7 @@ import grpc
 
 from common.redis_url import connect
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
-from router.client import Client
+from router.client import Client, busy_workers, describe_busy
 
 from .chaos_targets import ChaosTarget, Component
 
@@ -180,14 +180,10 @@ def leaked_blocks(cluster: ChaosTarget, timeout_s: float = 30.0) -> tuple[int, s
     while True:
         with Client(cluster.target) as client:
             status = client.status()
-        busy = [w for w in status.workers if w.serving and (
-            w.running_requests or w.waiting_requests or w.reserved_requests
-            or w.free_blocks != w.total_blocks or w.transfers.in_flight)]
+        busy = busy_workers(status)
         if not busy and status.requests_in_flight == 0:
             return 0, ""
         if time.monotonic() > deadline:
             return (sum(w.total_blocks - w.free_blocks for w in busy),
-                    "; ".join(f"{w.address}: {w.total_blocks - w.free_blocks} blocks held, "
-                              f"{w.running_requests} running, {w.reserved_requests} reserved"
-                              for w in busy))
+                    "; ".join(map(describe_busy, busy)))
         time.sleep(0.1)

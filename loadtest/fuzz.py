@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 
 from protos.pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
-from router.client import auth_metadata, build_request
+from router.client import auth_metadata, build_request, busy_workers, describe_busy
 
 from .fuzz_checks import EndpointReport, Failure, FuzzReport, check_grpc, check_http
 from .fuzz_inputs import GrpcExample, HttpExample, grpc_examples, http_examples
@@ -287,9 +287,7 @@ class _Fuzzer:
                                               f"{e.code().name}: {e.details()}")
                 return
             serving = {w.address: w for w in status.workers if w.serving}
-            busy = [w for w in serving.values() if w.running_requests or w.waiting_requests
-                    or w.reserved_requests or w.free_blocks != w.total_blocks
-                    or w.transfers.in_flight]
+            busy = busy_workers(status)
             if (not busy and not status.requests_in_flight) or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
@@ -299,10 +297,7 @@ class _Fuzzer:
         report.leaked_blocks = sum(w.total_blocks - w.free_blocks for w in busy)
         for w in busy:
             report.settle_problems.append(
-                f"{w.role} worker {w.address} not idle after {self.config.settle_s:.0f} s: "
-                f"{w.total_blocks - w.free_blocks} of {w.total_blocks} blocks held, "
-                f"{w.running_requests} running, {w.waiting_requests} waiting, "
-                f"{w.reserved_requests} reserved, {w.transfers.in_flight} transfers in flight")
+                f"not idle after {self.config.settle_s:.0f} s: {describe_busy(w)}")
         if status.requests_in_flight:
             report.settle_problems.append(
                 f"the router still has {status.requests_in_flight} requests in flight")

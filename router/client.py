@@ -89,6 +89,24 @@ class Completion:
                 "usage": self.usage, "ttft_s": self.ttft_s, "e2e_s": self.e2e_s}
 
 
+def busy_workers(status: api_pb2.GetStatusResponse) -> list[api_pb2.WorkerStatus]:
+    """Serving workers that still hold something: a request running, waiting or reserved,
+    a KV block not free, or a transfer in flight. None, with no request in flight at the
+    router (``status.requests_in_flight``), is an idle cluster: what every leak check
+    (tests, ``pdserve chaos``, ``pdserve fuzz``) waits for."""
+    return [w for w in status.workers if w.serving and (
+        w.running_requests or w.waiting_requests or w.reserved_requests
+        or w.free_blocks != w.total_blocks or w.transfers.in_flight)]
+
+
+def describe_busy(w: api_pb2.WorkerStatus) -> str:
+    """One busy worker (:func:`busy_workers`) as a leak report names it."""
+    return (f"{w.role} worker {w.address}: {w.total_blocks - w.free_blocks} of "
+            f"{w.total_blocks} blocks held, {w.running_requests} running, "
+            f"{w.waiting_requests} waiting, {w.reserved_requests} reserved, "
+            f"{w.transfers.in_flight} transfers in flight")
+
+
 def build_request(prompt: Prompt, request_id: str = "", model: str = "",
                   cache_salt: str = "", **sampling: Any) -> api_pb2.GenerateRequest:
     """``sampling`` takes :class:`SamplingParams` fields; they are validated here too."""

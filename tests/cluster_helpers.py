@@ -15,7 +15,7 @@ import pytest
 from cluster.child import guarded
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
 from common.redis_url import PASSWORD_ENV, password_of, without_password
-from router.client import Client
+from router.client import Client, busy_workers, describe_busy
 
 
 def start(model: Path, log_dir: Path, **kw: object) -> LocalCluster:
@@ -45,12 +45,12 @@ def assert_cluster_idle(cluster: LocalCluster, timeout: float = 15.0,
     with Client(cluster.target, tls_ca, api_key=api_key) as client:
         while True:
             status = client.status()
-            busy = [w for w in status.workers if w.serving and (
-                w.running_requests or w.waiting_requests or w.reserved_requests
-                or w.free_blocks != w.total_blocks or w.transfers.in_flight)]
+            busy = busy_workers(status)
             if not busy and status.requests_in_flight == 0:
                 return
-            assert time.monotonic() < deadline, f"KV blocks or requests leaked: {status}"
+            assert time.monotonic() < deadline, (
+                f"KV blocks or requests leaked: {'; '.join(map(describe_busy, busy))}; "
+                f"{status.requests_in_flight} in flight at the router; {status}")
             time.sleep(0.05)
 
 
