@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import grpc
 
@@ -61,11 +62,13 @@ class Chooser:
         self.decisions: Counter[tuple[str, str]] = Counter()  # (policy, reason) -> count
 
     async def choose(self, role: str, wreq: worker_pb2.WorkerGenerateRequest,
-                     hashes: PromptHashes | None = None) -> tuple[Worker, Decision]:
-        """The policy's pick among the pool's workers, with their cached prefix of this
-        prompt from the shared index (one round trip; none when Redis is down).
-        ``hashes``: the request's, kept across its attempts (None: hash here)."""
-        pool = self.pool.serving(role)
+                     hashes: PromptHashes | None = None,
+                     among: Callable[[Worker], bool] | None = None) -> tuple[Worker, Decision]:
+        """The policy's pick among the pool's workers (those ``among`` accepts), with
+        their cached prefix of this prompt from the shared index (one round trip; none
+        when Redis is down). ``hashes``: the request's, kept across its attempts (None:
+        hash here)."""
+        pool = [w for w in self.pool.serving(role) if among is None or among(w)]
         if not pool and role == "mixed":
             # Pools that cannot split (a role change under way left prefill workers or
             # decode workers alone): any worker runs a whole request (``Generate``).

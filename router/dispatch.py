@@ -32,6 +32,7 @@ the workers abort the request and free its blocks otherwise) and gives back the
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -47,6 +48,8 @@ from .errors import RouterError, WorkerFailed
 from .policies import Decision
 from .pool import Worker, WorkerPool
 
+log = logging.getLogger(__name__)
+
 CALLER_CODES = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 """Worker answers about the request or its caller, not about the worker's health."""
@@ -58,6 +61,7 @@ class Dispatcher:
         self.pool = pool
         self.chooser = chooser
         self.placement = placement
+        self._unpaired: set[tuple[str, str]] = set()  # (decode address, model id) logged
 
     def stream(self, request: Request, timeout: float | None, routing: api_pb2.Routing,
                hashes: PromptHashes | None = None
@@ -118,7 +122,7 @@ class Dispatcher:
                     await _write(call, None)
             else:
                 prefilled = await self._prefill(wreq, reservation.target, deadline, routing,
-                                                hashes)
+                                                hashes, decode)
                 if prefilled is None:  # compute the whole prompt on the decode worker
                     await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
                 else:
@@ -162,7 +166,20 @@ class Dispatcher:
         chose so itself, else the rule's reason); "" when a prefill worker computes it."""
         if reservation.local:
             return "local"
-        prefill = self.pool.serving("prefill")
+        serving = self.pool.serving("prefill")
+        prefill = [w for w in serving if same_kv(w, decode)]
+        if serving and not prefill:  # its KV would be refused: compute it here
+            self.chooser.metrics.inc("prefill_placement_total", where="local",
+                                     reason="kv_mismatch")
+            if (decode.address, decode.model_id) not in self._unpaired:
+                self._unpaired.add((decode.address, decode.model_id))
+                log.warning(
+                    "decode worker %s (%s) has no prefill worker of its model, dtype and KV "
+                    "cache format (prefill workers: %s): it computes its prompts itself; "
+                    "start both pools with the same --dtype and --kv-cache-dtype",
+                    decode.address, decode.model_id,
+                    ", ".join(f"{w.address} ({w.model_id})" for w in serving))
+            return "local_kv_mismatch"
         if self.placement is None or not prefill:
             return ""
         cached = reservation.cached_tokens
@@ -207,11 +224,13 @@ class Dispatcher:
 
     async def _prefill(self, wreq: worker_pb2.WorkerGenerateRequest,
                        target: worker_pb2.KVTarget, deadline: float | None,
-                       routing: api_pb2.Routing, hashes: PromptHashes | None
-                       ) -> worker_pb2.PrefillResponse | None:
-        """The first token from the prefill worker the policy picks; None when it failed
-        (the caller recomputes on the decode worker). Bad input raises."""
-        worker, decision = await self.chooser.choose("prefill", wreq, hashes)
+                       routing: api_pb2.Routing, hashes: PromptHashes | None,
+                       decode: Worker) -> worker_pb2.PrefillResponse | None:
+        """The first token from the prefill worker the policy picks among those whose KV
+        ``decode`` accepts; None when it failed (the caller recomputes on the decode
+        worker). Bad input raises."""
+        worker, decision = await self.chooser.choose("prefill", wreq, hashes,
+                                                     among=lambda w: same_kv(w, decode))
         _record(routing, decision)
         timeout = _left(deadline)
         queued = decision.estimated_tokens - worker.queued_tokens
@@ -228,6 +247,13 @@ class Dispatcher:
         finally:
             worker.in_flight -= 1
             worker.queued_tokens -= queued
+
+
+def same_kv(a: Worker, b: Worker) -> bool:
+    """Whether KV moves between two workers: the same model, dtype and KV cache format
+    (their ``model_id``, which seeds the block hashes; unknown matches anything). The
+    decode worker refuses anything else, naming both (workers/transfer/header.py)."""
+    return not a.model_id or not b.model_id or a.model_id == b.model_id
 
 
 def from_worker(e: grpc.aio.AioRpcError, address: str) -> RouterError:

@@ -151,6 +151,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, role: str) -> None:
         self.role = role
+        self.model_id = MODEL  # what GetLoad reports (a KV format changes it)
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self.fail_after: tuple[int, grpc.StatusCode] | None = None
@@ -226,7 +227,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
         return worker_pb2.WorkerLoad(role=self.role, model=MODEL, max_model_len=MAX_MODEL_LEN,
-                                     block_size=BLOCK_SIZE, model_id=MODEL, free_blocks=100,
+                                     block_size=BLOCK_SIZE, model_id=self.model_id,
+                                     free_blocks=100,
                                      total_blocks=100)
 
     async def Generate(self, request, context):  # noqa: N802

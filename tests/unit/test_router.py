@@ -160,6 +160,30 @@ def test_local_reservation_skips_prefill() -> None:
     run(body)
 
 
+def test_prefill_workers_of_another_kv_format_are_never_paired() -> None:
+    """A decode worker would refuse their KV: the router picks a prefill worker with the
+    decode worker's model id (model, dtype and KV format), and with none the decode
+    worker computes the prompt itself; nothing is sent to the others."""
+    async def body() -> None:
+        c = Cluster(["prefill", "prefill", "decode"])
+        fp8, same, decode = c.workers
+        fp8.model_id = f"{decode.model_id}:kv=fp8_e4m3:0000"
+        async with c:
+            for _ in range(3):
+                assert_one_stream(await collect(c, req(max_tokens=3)), 3)
+            assert fp8.requests == [] and len(same.requests) == 3
+        c = Cluster(["prefill", "decode"])
+        fp8, decode = c.workers
+        fp8.model_id = f"{decode.model_id}:kv=fp8_e4m3:0000"
+        async with c:
+            msgs = await collect(c, req(max_tokens=3))
+            assert_one_stream(msgs, 3)
+            assert fp8.requests == [] and decode.commits == [None]
+            assert msgs[-1].routing.reason == "local_kv_mismatch"
+
+    run(body)
+
+
 def test_request_finished_by_its_first_token_frees_the_reservation() -> None:
     async def body() -> None:
         async with Cluster(["prefill", "decode"]) as c:
