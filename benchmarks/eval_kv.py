@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from common.kv_cache_dtype import KV_CACHE_DTYPES
+from common.kv_cache_dtype import KV_CACHE_DTYPES, check_compared_kv_dtypes
 from workers.engine.llm import LLM
 from workers.engine.model_runner import ModelRunner, model_context_len
 from workers.engine.params import EngineConfig, SamplingParams
 from workers.models.attention import build_attention_batch
-from workers.models.kv_format import CALIBRATION_TOKENS, KVFormat
+from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS, KVFormat
 
 
 class AblatedFormat:
@@ -88,8 +88,7 @@ class EvalOptions:
     ablate: bool = False
 
     def __post_init__(self) -> None:
-        if not self.kv_dtypes or self.kv_dtypes[0] != "auto":
-            raise ValueError("kv_dtypes must start with auto (the reference)")
+        check_compared_kv_dtypes(self.kv_dtypes)
         for name in ("windows", "window_tokens", "prompts", "prompt_tokens", "gen_tokens"):
             if getattr(self, name) < (2 if name == "window_tokens" else 1):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -143,7 +142,7 @@ class WindowScorer:
     """One format's engine forward over whole windows, returning every position's
     log-probabilities (``[tokens, vocab]``, fp32)."""
 
-    def __init__(self, options: EvalOptions, kv_cache_dtype: str) -> None:
+    def __init__(self, options: EvalOptions, kv_cache_dtype: str, tokenizer=None) -> None:  # noqa: ANN001
         blocks = -(-options.window_tokens // options.block_size) + 1
         config, _ = EngineConfig(model=options.model, dtype=options.dtype,
                                  kv_cache_dtype=kv_cache_dtype, num_blocks=blocks,
@@ -153,7 +152,7 @@ class WindowScorer:
         # RoPE tables long enough for the key offsets' calibration (``--ablate`` runs
         # it on this scorer's model)
         self.runner = ModelRunner(config, max(CALIBRATION_TOKENS, min(
-            model_context_len(options.model), options.window_tokens)))
+            model_context_len(options.model), options.window_tokens)), tokenizer=tokenizer)
         self.block_size = options.block_size
 
     @torch.inference_mode()
@@ -185,6 +184,24 @@ def _prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+@dataclass
+class _Tally:
+    """One scored variant's sums over the windows."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    agree: int = 0
+    seconds: float = 0.0
+
+    def add(self, lp: torch.Tensor, ref: torch.Tensor, ref_top: torch.Tensor,
+            target: torch.Tensor) -> None:
+        """``lp``, ``ref``: log-probabilities ``[positions, vocab]``; ``ref_top``: the
+        reference's argmax; ``target``: the next tokens ``[positions, 1]``."""
+        self.nll -= float(lp.gather(1, target).sum())
+        self.kl += float((ref.exp() * (ref - lp)).sum())
+        self.agree += int((lp.argmax(-1) == ref_top).sum())
+
+
 def run_eval(options: EvalOptions, log: Callable[[str], None] = print) -> EvalReport:
     from transformers import AutoTokenizer
 
@@ -193,121 +210,95 @@ def run_eval(options: EvalOptions, log: Callable[[str], None] = print) -> EvalRe
     ids = tok(text, add_special_tokens=False).input_ids
     wins = windows(ids, options.windows, options.window_tokens)
     starts = windows(ids, options.prompts, options.prompt_tokens)
-    scorers = {}
-    report = None
-    for name in options.kv_dtypes:
-        scorers[name] = WindowScorer(options, name)
-        if report is None:
-            report = EvalReport(options.model, scorers[name].config.dtype, description,
-                                options.windows * (options.window_tokens - 1), asdict(options))
-    assert report is not None
-    nll = dict.fromkeys(options.kv_dtypes, 0.0)
-    kl = dict.fromkeys(options.kv_dtypes, 0.0)
-    agree = dict.fromkeys(options.kv_dtypes, 0)
-    seconds = dict.fromkeys(options.kv_dtypes, 0.0)
+    scorers = {name: WindowScorer(options, name, tok) for name in options.kv_dtypes}
+    reference = scorers["auto"]
+    report = EvalReport(options.model, reference.config.dtype, description,
+                        options.windows * (options.window_tokens - 1), asdict(options))
+    row_bytes = {name: sc.runner.kv_format.row_bytes for name, sc in scorers.items()}
+    variants = _ablations(options, reference, tok) if options.ablate else []
+    tallies = {name: _Tally() for name in options.kv_dtypes}
+    tallies.update({(name, label): _Tally() for name, label, _, _ in variants})
+    model = reference.runner.model
     for w, window in enumerate(wins):
-        target = torch.tensor(window[1:])
+        target = torch.tensor(window[1:]).unsqueeze(1)
         ref = None
         for name in options.kv_dtypes:
             t0 = time.perf_counter()
             lp = scorers[name].log_probs(window)[:-1]
-            seconds[name] += time.perf_counter() - t0
-            nll[name] -= float(lp.gather(1, target.unsqueeze(1)).sum())
+            tallies[name].seconds += time.perf_counter() - t0
             if ref is None:
-                ref = lp
-                ref_top = ref.argmax(-1)
-            kl[name] += float((ref.exp() * (ref - lp)).sum())
-            agree[name] += int((lp.argmax(-1) == ref_top).sum())
+                ref, ref_top = lp, lp.argmax(-1)
+            tallies[name].add(lp, ref, ref_top, target)
+        for name, label, fmt, offsets in variants:  # on the reference's model, swapped
+            own = model.kv_format
+            model.kv_format, model.key_offsets = fmt, offsets
+            try:
+                tallies[(name, label)].add(reference.log_probs(window)[:-1], ref, ref_top,
+                                           target)
+            finally:
+                model.kv_format, model.key_offsets = own, None
         log(f"window {w + 1}/{len(wins)} scored")
-    ablations = _ablate(options, scorers["auto"], wins, log) if options.ablate else []
-    del scorers
-    reference = None
+    del scorers, reference, model
+    pos = report.positions
+    greedy_ref = None
     for name in options.kv_dtypes:
         t0 = time.perf_counter()
         streams = _greedy(options, name, starts)
-        reference = reference or streams
-        pos = report.positions
+        greedy_ref = greedy_ref or streams
+        t = tallies[name]
         row = FormatResult(
             kv_cache_dtype=name,
-            row_bytes=_row_bytes(options, name),
-            perplexity=math.exp(nll[name] / pos),
-            kl_mean=kl[name] / pos,
-            top1_agreement=agree[name] / pos,
-            greedy_identical=sum(a == b for a, b in zip(streams, reference, strict=True))
+            row_bytes=row_bytes[name],
+            perplexity=math.exp(t.nll / pos),
+            kl_mean=t.kl / pos,
+            top1_agreement=t.agree / pos,
+            greedy_identical=sum(a == b for a, b in zip(streams, greedy_ref, strict=True))
             / len(streams),
-            greedy_prefix_mean=sum(_prefix(a, b) for a, b in zip(streams, reference,
+            greedy_prefix_mean=sum(_prefix(a, b) for a, b in zip(streams, greedy_ref,
                                                                   strict=True)) / len(streams),
-            greedy_token_agreement=sum(x == y for a, b in zip(streams, reference, strict=True)
+            greedy_token_agreement=sum(x == y for a, b in zip(streams, greedy_ref, strict=True)
                                        for x, y in zip(a, b, strict=False))
-            / sum(len(b) for b in reference),
-            seconds=seconds[name] + time.perf_counter() - t0,
+            / sum(len(b) for b in greedy_ref),
+            seconds=t.seconds + time.perf_counter() - t0,
         )
-        base = report.results[0].perplexity if report.results else row.perplexity
-        row.perplexity_increase_pct = 100.0 * (row.perplexity / base - 1.0)
         report.results.append(row)
-        log(f"{name}: perplexity {row.perplexity:.4f} ({row.perplexity_increase_pct:+.2f}%), "
-            f"KL {row.kl_mean:.5f}, greedy identical {row.greedy_identical:.0%}")
+        log(f"{name}: perplexity {row.perplexity:.4f}, KL {row.kl_mean:.5f}, "
+            f"greedy identical {row.greedy_identical:.0%}")
+    for name, label, _, _ in variants:
+        t = tallies[(name, label)]
+        report.results.append(FormatResult(
+            name, row_bytes[name], math.exp(t.nll / pos), variant=label, kl_mean=t.kl / pos,
+            top1_agreement=float("nan"), greedy_identical=float("nan"),
+            greedy_prefix_mean=float("nan"), greedy_token_agreement=float("nan")))
     base = report.results[0].perplexity
-    for row in ablations:
+    for row in report.results:
         row.perplexity_increase_pct = 100.0 * (row.perplexity / base - 1.0)
-        report.results.append(row)
     return report
 
 
-def _ablate(options: EvalOptions, scorer: WindowScorer, wins: list[list[int]],
-            log: Callable[[str], None]) -> list[FormatResult]:
-    """Perplexity and KL of each quantized format with one part switched off, on the
-    reference scorer's model (its format swapped for an :class:`AblatedFormat`)."""
-    from transformers import AutoTokenizer
-
-    from workers.models.kv_format import CALIBRATION_TEXT
-
-    model = scorer.runner.model
+def _ablations(options: EvalOptions, reference: WindowScorer, tok
+               ) -> list[tuple[str, str, AblatedFormat, list[torch.Tensor] | None]]:
+    """(format, variant label, the ablated format, its key offsets) for ``--ablate``: each
+    quantized format with one part switched off, to run on the reference scorer's model.
+    The offsets are the ones the engine would calibrate for that format."""
+    model = reference.runner.model
     own = model.kv_format
-    refs = [scorer.log_probs(w)[:-1] for w in wins]
-    calibration = AutoTokenizer.from_pretrained(options.model)(CALIBRATION_TEXT).input_ids
-    rows = []
+    calibration = tok(CALIBRATION_TEXT).input_ids[:CALIBRATION_TOKENS]
+    out = []
     try:
         for name in options.kv_dtypes[1:]:
             base = KVFormat(name, own.head_dim, own.model_dtype)
-            model.kv_format = base  # the offsets the engine would calibrate for it
-            model.calibrate_key_offsets(calibration[:CALIBRATION_TOKENS], options.block_size)
+            model.kv_format = base
+            model.calibrate_key_offsets(calibration, options.block_size)
             offsets = model.key_offsets
             for label, switch in ABLATIONS.items():
                 if label == "no key offset" and not base.offsets_keys:
                     continue
                 variant = AblatedFormat(base, **switch)
-                model.kv_format = variant
-                model.key_offsets = offsets if variant.offset else None
-                nll = kl = 0.0
-                for window, ref in zip(wins, refs, strict=True):
-                    lp = scorer.log_probs(window)[:-1]
-                    target = torch.tensor(window[1:]).unsqueeze(1)
-                    nll -= float(lp.gather(1, target).sum())
-                    kl += float((ref.exp() * (ref - lp)).sum())
-                positions = sum(len(w) - 1 for w in wins)
-                rows.append(FormatResult(name, base.row_bytes, math.exp(nll / positions),
-                                         variant=label, kl_mean=kl / positions,
-                                         top1_agreement=float("nan"),
-                                         greedy_identical=float("nan"),
-                                         greedy_prefix_mean=float("nan"),
-                                         greedy_token_agreement=float("nan")))
-                log(f"{name} {label}: perplexity {rows[-1].perplexity:.4f}")
+                out.append((name, label, variant, offsets if variant.offset else None))
     finally:
         model.kv_format, model.key_offsets = own, None
-    return rows
-
-
-def _row_bytes(options: EvalOptions, name: str) -> int:
-    from transformers import AutoConfig
-
-    from workers.engine.dtype_choice import resolve_dtype
-
-    cfg = AutoConfig.from_pretrained(options.model)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[
-        resolve_dtype(options.dtype, "cpu")[0]]
-    return KVFormat(name, head_dim, dtype).row_bytes
+    return out
 
 
 def markdown(report: EvalReport, header: str) -> str:

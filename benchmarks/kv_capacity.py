@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from common.kv_cache_dtype import KV_CACHE_DTYPES
+from common.kv_cache_dtype import KV_CACHE_DTYPES, check_compared_kv_dtypes
 
 if TYPE_CHECKING:
     from router.client import Client
@@ -100,12 +100,7 @@ class BenchKVOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.kv_dtypes or self.kv_dtypes[0] != "auto":
-            raise ValueError("kv_dtypes must start with auto (the reference)")
-        bad = sorted(set(self.kv_dtypes) - set(KV_CACHE_DTYPES))
-        if bad:
-            raise ValueError(f"unknown KV cache dtypes {bad}; choose from "
-                             f"{', '.join(KV_CACHE_DTYPES)}")
+        check_compared_kv_dtypes(self.kv_dtypes)
         if not self.parts or set(self.parts) - set(PARTS):
             raise ValueError(f"parts must be some of {', '.join(PARTS)}, got {self.parts}")
         if self.kv_cache_gb <= 0:

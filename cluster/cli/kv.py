@@ -48,18 +48,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_eval_kv(args: argparse.Namespace) -> int:
     from benchmarks.eval_kv import EvalOptions, markdown, plot, run_eval
     from benchmarks.machine import machine_line
-    from common.kv_cache_dtype import KV_CACHE_DTYPES
+    from common.kv_cache_dtype import compared_kv_dtypes
     from workers.model_store import resolve_model
 
-    names = [n for n in args.kv_cache_dtypes.split(",") if n and n != "auto"]
-    bad = sorted(set(names) - set(KV_CACHE_DTYPES))
-    if bad:
-        print(f"pdserve eval-kv: unknown KV cache dtypes {bad}; choose from "
-              f"{', '.join(KV_CACHE_DTYPES)}", file=sys.stderr)
+    try:
+        kv_dtypes = compared_kv_dtypes(args.kv_cache_dtypes)
+    except ValueError as e:
+        print(f"pdserve eval-kv: {e}", file=sys.stderr)
         return EXIT_INVALID
     path = resolve_model(args.model, cache_dir(args))
     try:
-        options = EvalOptions(model=str(path), kv_dtypes=("auto", *names), dtype=args.dtype,
+        options = EvalOptions(model=str(path), kv_dtypes=kv_dtypes, dtype=args.dtype,
                               windows=args.windows, window_tokens=args.window_tokens,
                               prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                               gen_tokens=args.gen_tokens, threads=args.threads,
@@ -155,7 +154,7 @@ def _netns(args: argparse.Namespace) -> tuple[str, bool]:
 def cmd_bench_kv(args: argparse.Namespace) -> int:
     from benchmarks import kv_capacity as bench
     from benchmarks.machine import machine_line
-    from common.kv_cache_dtype import KV_CACHE_DTYPES
+    from common.kv_cache_dtype import compared_kv_dtypes
     from workers.model_store import resolve_model
 
     netns, reexec = _netns(args)
@@ -164,12 +163,15 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
               flush=True)
         argv = bench.netns_argv(sys.executable, _bench_kv_argv(args))
         os.execvpe(argv[0], argv, {**os.environ, bench.NETNS_ENV: "1"})
-    names = (args.kv_cache_dtypes or ",".join(KV_CACHE_DTYPES)).split(",")
-    names = [n for n in names if n and n != "auto"]
+    try:
+        kv_dtypes = compared_kv_dtypes(args.kv_cache_dtypes)
+    except ValueError as e:
+        print(f"pdserve bench-kv: {e}", file=sys.stderr)
+        return EXIT_INVALID
     path = resolve_model(args.model, cache_dir(args))
     try:
         options = bench.BenchKVOptions(
-            model=str(path), kv_dtypes=("auto", *names), dtype=args.dtype,
+            model=str(path), kv_dtypes=kv_dtypes, dtype=args.dtype,
             kv_cache_gb=args.kv_cache_gb, seq_tokens=args.seq_tokens,
             output_tokens=args.output_tokens, max_num_seqs=args.max_num_seqs,
             decode_batch=args.decode_batch, decode_context=args.decode_context,

@@ -78,11 +78,9 @@ def finish(eng: LLMEngine, rid: str):  # noqa: ANN201
                 return out
 
 
-def test_cuda_engine_greedy_equals_hf(tiny_checkpoints) -> None:
-    path = tiny_checkpoints["qwen2"]
-    eng = cuda_engine(path)
-    prompts = [eng.tokenizer(t).input_ids for t in ("Hello", "The quick brown fox " * 5)]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+def run_all(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams
+            ) -> list[list[int]]:
+    """Every prompt's tokens, the engine stepped until all finish, in prompt order."""
     for i, ids in enumerate(prompts):
         eng.add_request(f"r{i}", ids, params)
     outs = {}
@@ -90,7 +88,15 @@ def test_cuda_engine_greedy_equals_hf(tiny_checkpoints) -> None:
         for out in eng.step():
             if out.finished:
                 outs[out.request_id] = out.token_ids
-    assert [outs["r0"], outs["r1"]] == hf_greedy(path, prompts, 12)
+    return [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_cuda_engine_greedy_equals_hf(tiny_checkpoints) -> None:
+    path = tiny_checkpoints["qwen2"]
+    eng = cuda_engine(path)
+    prompts = [eng.tokenizer(t).input_ids for t in ("Hello", "The quick brown fox " * 5)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert run_all(eng, prompts, params) == hf_greedy(path, prompts, 12)
     assert_no_leaks(eng)
 
 
@@ -137,13 +143,6 @@ def test_cuda_quantized_kv_equals_the_cpu_engine(tiny_checkpoints, kv_cache_dtyp
         eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", num_blocks=64,
                                      block_size=4, device=device,
                                      kv_cache_dtype=kv_cache_dtype))
-        for i, ids in enumerate(prompts):
-            eng.add_request(f"r{i}", ids, params)
-        outs = {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    outs[out.request_id] = out.token_ids
-        tokens.append([outs["r0"], outs["r1"]])
+        tokens.append(run_all(eng, prompts, params))
         assert_no_leaks(eng)
     assert tokens[0] == tokens[1]

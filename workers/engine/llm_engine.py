@@ -136,7 +136,7 @@ class LLMEngine:
         context = model_context_len(path)
         max_len = min(config.max_model_len or context, context)
         self.eos_token_ids = _eos_token_ids(path, self.tokenizer)
-        self.runner = ModelRunner(config, max_len, self.eos_token_ids)
+        self.runner = ModelRunner(config, max_len, self.eos_token_ids, self.tokenizer)
         # A sequence must always fit in the whole cache, or it could never be scheduled.
         self.max_model_len = min(max_len, self.runner.num_blocks * config.block_size)
         self.model_id = model_identity(path, config.dtype, config.kv_cache_dtype,

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from workers.models.attention import build_attention_batch
 from workers.models.decoder import TORCH_OPS, DecoderModel, ElementwiseOps
-from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS
+from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS, OFFSET_KEY_FORMATS
 from workers.models.linear import TORCH_LINEAR, onednn_linear
 
 from . import kernels
@@ -82,7 +82,9 @@ def keep_freed_memory() -> None:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, max_model_len: int,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), tokenizer=None) -> None:  # noqa: ANN001
+        """``tokenizer``: the checkpoint's, when the caller has it loaded (an NVFP4
+        cache tokenizes its calibration text; None: loaded here then)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         keep_freed_memory()
@@ -98,8 +100,8 @@ class ModelRunner:
         # RoPE tables reach the calibration's positions too, whatever max_model_len is:
         # workers with different limits must calibrate the same key offsets.
         self.model = DecoderModel(
-            hf, max(max_model_len, CALIBRATION_TOKENS if config.kv_cache_dtype == "nvfp4"
-                    else 0),
+            hf, max(max_model_len, CALIBRATION_TOKENS
+                    if config.kv_cache_dtype in OFFSET_KEY_FORMATS else 0),
             decode_op=kernels.paged_decode_attention if native else None,
             ops=NATIVE_OPS if native else TORCH_OPS,
             linear=linear or TORCH_LINEAR,
@@ -118,7 +120,8 @@ class ModelRunner:
         """Digest of the key offsets an NVFP4 cache stores keys with (0: none); both
         ends of a KV transfer must hold the same (:mod:`workers.models.kv_format`)."""
         if self.kv_format.offsets_keys:
-            ids = AutoTokenizer.from_pretrained(config.model)(CALIBRATION_TEXT).input_ids
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
+            ids = tokenizer(CALIBRATION_TEXT).input_ids
             self.kv_digest = self.model.calibrate_key_offsets(
                 ids[:CALIBRATION_TOKENS], config.block_size)
         self.block_bytes = (s.num_layers * 2 * config.block_size * s.num_kv_heads

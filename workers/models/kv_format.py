@@ -83,6 +83,8 @@ from common.kv_cache_dtype import FORMAT_CODES, KV_CACHE_DTYPES, check_kv_cache_
 __all__ = ["FORMAT_CODES", "KV_CACHE_DTYPES", "NVFP4_TENSOR_SCALE", "KVFormat"]
 
 NVFP4_TENSOR_SCALE = 1.0
+OFFSET_KEY_FORMATS = frozenset({"nvfp4"})
+"""Formats that store keys minus calibrated offsets (see the module doc)."""
 CALIBRATION_TOKENS = 512
 CALIBRATION_TEXT = (
     "The river that runs through the old town was once the only road to the sea. Boats "
@@ -188,7 +190,7 @@ class KVFormat:
     @property
     def offsets_keys(self) -> bool:
         """Whether keys are stored minus a calibrated offset (see the module doc)."""
-        return self.name == "nvfp4"
+        return self.name in OFFSET_KEY_FORMATS
 
     @property
     def code(self) -> int:
