@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .sampling import InvalidRequestError, SamplingParams
+from .sampling import SEED_MAX, SEED_MIN, InvalidRequestError, SamplingParams
 
 MAX_CACHE_SALT_BYTES = 256
 """A salt names a tenant (an id, or a 32-byte key as hex or base64: 44-64 bytes); it
@@ -40,6 +40,11 @@ characters), so its edge should hold a client's id to :data:`MAX_CLIENT_REQUEST_
 for the derived ids to stay under this."""
 
 MAX_CLIENT_REQUEST_ID_CHARS = MAX_REQUEST_ID_CHARS - 64
+
+MAX_CHOICES = 16
+"""Most choices (``n``) one request may ask for. Each choice is a sequence of its own
+on the decode worker (its own blocks past the shared prompt, its own step rows), so
+``n`` multiplies a request's cost; OpenAI's own limit is 128, vLLM has none."""
 
 
 def check_cache_salt(cache_salt: str | None) -> None:
@@ -75,6 +80,9 @@ class Request:
     sampling: SamplingParams
     cache_salt: str | None = None
     """Prefix-cache namespace; None (or "") shares blocks with every unsalted request."""
+    n: int = 1
+    """Choices: the prompt is computed (and its KV moved) once, then each choice samples
+    on its own, in blocks that share the prompt's (:meth:`choice_sampling`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids",
@@ -87,6 +95,21 @@ class Request:
                                       f"characters, got {len(self.request_id)}")
         _check_utf8("request_id", self.request_id)  # it names the KV transfer (hashed)
         check_cache_salt(self.cache_salt)
+        if (isinstance(self.n, bool) or not isinstance(self.n, int)
+                or not 1 <= self.n <= MAX_CHOICES):
+            raise InvalidRequestError("n", f"must be an integer from 1 to {MAX_CHOICES}, got "
+                                      f"{self.n!r}")
+
+    def choice_sampling(self, index: int) -> SamplingParams:
+        """The sampling of choice ``index``: a seeded request's choice i draws with seed
+        + i (as vLLM), so the choices differ and each is reproducible on its own."""
+        return choice_sampling(self.sampling, index)
+
+    def choice(self, index: int, request_id: str) -> Request:
+        """Choice ``index`` as a request of its own (n = 1): how a choice moves after
+        its worker failed (:meth:`continued` then applies)."""
+        return Request(request_id, self.prompt_token_ids, self.choice_sampling(index),
+                       self.cache_salt)
 
     def continued(self, generated: Sequence[int], request_id: str) -> Request:
         """This request resumed elsewhere after ``generated`` tokens (a migration): they
@@ -94,6 +117,9 @@ class Request:
         is unchanged."""
         if not generated:
             return replace(self, request_id=request_id)
+        if self.n != 1:
+            raise ValueError("a request of several choices continues one choice at a time "
+                             "(Request.choice)")
         if len(generated) >= self.sampling.max_tokens:
             raise ValueError(f"request {self.request_id} already has its {len(generated)} "
                              f"tokens (max_tokens {self.sampling.max_tokens})")
@@ -104,4 +130,14 @@ class Request:
             sampling = replace(sampling, structured=replace(
                 structured, prior_tokens=structured.prior_tokens + len(generated)))
         return Request(request_id, self.prompt_token_ids + tuple(generated), sampling,
-                       self.cache_salt)
+                       self.cache_salt, self.n)
+
+
+def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
+    """``sampling`` for choice ``index`` of a request (see :meth:`Request.choice_sampling`)."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    seed = sampling.seed + index
+    if seed > SEED_MAX:  # wraps within int64, like the seed itself on the wire
+        seed -= SEED_MAX - SEED_MIN + 1
+    return replace(sampling, seed=seed)

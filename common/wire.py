@@ -29,6 +29,7 @@ _KINDS = {
     "json_schema": common_pb2.StructuredOutput.KIND_JSON_SCHEMA,
     "regex": common_pb2.StructuredOutput.KIND_REGEX,
     "choice": common_pb2.StructuredOutput.KIND_CHOICE,
+    "grammar": common_pb2.StructuredOutput.KIND_GRAMMAR,
 }
 _KIND_NAMES = {v: k for k, v in _KINDS.items()}
 
@@ -90,10 +91,11 @@ def request_to_proto(r: Request) -> worker_pb2.WorkerGenerateRequest:
     """The internal API's form of a request (router -> worker)."""
     return worker_pb2.WorkerGenerateRequest(
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-        sampling=sampling_to_proto(r.sampling), cache_salt=r.cache_salt or "")
+        sampling=sampling_to_proto(r.sampling), cache_salt=r.cache_salt or "",
+        n=r.n if r.n != 1 else 0)
 
 
 def request_from_proto(msg: worker_pb2.WorkerGenerateRequest) -> Request:
     """A worker's typed request; raises ``InvalidRequestError`` naming the field."""
     return Request(msg.request_id, tuple(msg.prompt_token_ids),
-                   sampling_from_proto(msg.sampling), msg.cache_salt or None)
+                   sampling_from_proto(msg.sampling), msg.cache_salt or None, msg.n or 1)

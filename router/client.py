@@ -108,10 +108,12 @@ def describe_busy(w: api_pb2.WorkerStatus) -> str:
 
 
 def build_request(prompt: Prompt, request_id: str = "", model: str = "",
-                  cache_salt: str = "", **sampling: Any) -> api_pb2.GenerateRequest:
-    """``sampling`` takes :class:`SamplingParams` fields; they are validated here too."""
+                  cache_salt: str = "", n: int = 1, **sampling: Any) -> api_pb2.GenerateRequest:
+    """``sampling`` takes :class:`SamplingParams` fields; they are validated here too.
+    ``n``: choices (see :meth:`Client.choices`)."""
     req = api_pb2.GenerateRequest(request_id=request_id, model=model, cache_salt=cache_salt,
-                                  sampling=sampling_to_proto(SamplingParams(**sampling)))
+                                  sampling=sampling_to_proto(SamplingParams(**sampling)),
+                                  n=n if n != 1 else 0)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):
@@ -276,6 +278,15 @@ class Client:
         out.resumes = resume.resumes
         return out
 
+    def choices(self, prompt: Prompt, n: int, timeout: float | None = None, **kw: Any
+                ) -> list[Completion]:
+        """``n`` completions of one prompt, computed once (``index`` order). A request
+        of several choices does not resume on another router: its error is raised."""
+        outs = [Completion() for _ in range(n)]
+        for msg in self._stream(Resume(build_request(prompt, n=n, **kw), 0, timeout)):
+            outs[msg.index].add(msg)
+        return outs
+
     def status(self, timeout: float = 5.0) -> api_pb2.GetStatusResponse:
         """The current router's status."""
         return self._stub.GetStatus(api_pb2.GetStatusRequest(), timeout=timeout,
@@ -396,6 +407,14 @@ class AsyncClient:
             out.add(msg)
         out.resumes = resume.resumes
         return out
+
+    async def choices(self, prompt: Prompt, n: int, timeout: float | None = None, **kw: Any
+                      ) -> list[Completion]:
+        """As :meth:`Client.choices`."""
+        outs = [Completion() for _ in range(n)]
+        async for msg in self._stream(Resume(build_request(prompt, n=n, **kw), 0, timeout)):
+            outs[msg.index].add(msg)
+        return outs
 
     async def status(self, timeout: float = 5.0) -> api_pb2.GetStatusResponse:
         """The current router's status."""

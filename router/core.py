@@ -17,14 +17,20 @@ A request passes through:
    the :class:`router.pool.WorkerPool` (connection, discovery, health, load).
 4. **relay**: the tokens stream back, prompt ids on the first message, usage, timings
    and routing on the last.
-5. **migrate** (Dynamo's name for it): when the worker generating a request fails
+5. **choices**: a request of ``n`` choices runs as one attempt (the prompt computed
+   and its KV moved once, :mod:`router.dispatch`); each message names its choice
+   (``index``), each choice ends with its own finish reason and usage (its tokens),
+   and the request ends when every choice has.
+6. **migrate** (Dynamo's name for it): when the worker generating a request fails
    mid-stream (it died, its transport broke), the request moves to another worker with
    the prompt plus the tokens already streamed as its new prompt and ``max_tokens``
-   reduced by them, at most ``migration_limit`` times; the client sees one
-   uninterrupted stream. Greedy output is unchanged by a move. Seeded sampling restarts
-   its random stream at the move, and text a stop-string check was still holding back
-   on the failed worker is lost (the token ids are not). Past the limit the request
-   fails with UNAVAILABLE.
+   reduced by them, at most ``migration_limit`` times (moves of all choices counted
+   together); the client sees one uninterrupted stream. After a failed attempt of
+   several choices, each unfinished choice moves on its own, one after the other (as
+   a request of one choice, with its seed). Greedy output is unchanged by a move.
+   Seeded sampling restarts its random stream at the move, and text a stop-string
+   check was still holding back on the failed worker is lost (the token ids are not).
+   Past the limit the request fails with UNAVAILABLE.
 
 Who is calling (:class:`router.auth.Principal`, from the edge's authentication; None:
 a router without keys, :data:`router.auth.OPEN`) decides the salt, the limits, and
@@ -95,6 +101,14 @@ def _status_of(e: BaseException) -> str:
     if isinstance(e, (asyncio.CancelledError, GeneratorExit)):
         return "CANCELLED"
     return "INTERNAL"
+
+
+@dataclasses.dataclass
+class _Choice:
+    """One choice's tokens so far (what a migration continues) and its last token's time."""
+
+    last_token_at: float
+    generated: list[int] = dataclasses.field(default_factory=list)
 
 
 class _Relay:
@@ -294,7 +308,7 @@ class Router:
                 ids = await self.tokenize(req)
                 check_prompt(ids, self.max_model_len, len(self.tokenizer))
             request = Request(req.request_id or self.new_request_id(), tuple(ids), sampling,
-                              req.cache_salt or None)  # checks the client's salt
+                              req.cache_salt or None, req.n or 1)  # checks salt and n
         except InvalidRequestError as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from e
         if caller.tenant:
@@ -339,38 +353,43 @@ class Router:
             raise
         request_id, ids = request.request_id, list(request.prompt_token_ids)
         relay = _Relay(request_id, ids, received)
-        generated: list[int] = []
+        choices = [_Choice(received) for _ in range(request.n)]
+        open_ = set(range(request.n))  # choices not ended yet
+        solo: int | None = None  # after a failed attempt of several choices: one at a time
         hashes = PromptHashes()  # hashed once, for every attempt
         migrations = 0
-        last_token_at = received
         self._in_flight += 1
         self.metrics.set("requests_in_flight", self._in_flight)
         try:
-            while True:
+            while open_:
                 routing = api_pb2.Routing()
-                source = self.dispatcher.stream(self._worker_request(request, generated),
-                                                timeout, routing, hashes)
+                if solo is None:
+                    wreq = self._worker_request(request, choices[0].generated)
+                else:
+                    wreq = self._worker_request(request.choice(solo, request_id),
+                                                choices[solo].generated)
+                source = self.dispatcher.stream(wreq, timeout, routing, hashes)
                 try:
                     async for msg in source:
+                        index = msg.index if solo is None else solo
+                        if index not in open_:
+                            continue
                         self.count_sent("worker", msg.ByteSize())
-                        if msg.token_ids:
-                            now = time.monotonic()
-                            if generated:
-                                gap = (now - last_token_at) / len(msg.token_ids)
-                                for _ in msg.token_ids:
-                                    self.metrics.observe("inter_token_latency_seconds", gap)
-                            else:
-                                self.metrics.observe("time_to_first_token_seconds",
-                                                     now - received)
-                            last_token_at = now
-                            generated.extend(msg.token_ids)
+                        self._observe_tokens(choices, index, msg, received)
                         out = relay.convert(msg)
+                        out.index = index
                         if msg.finish_reason:
-                            self._finish(out, routing, ids, generated, migrations, received,
-                                         caller)
+                            open_.discard(index)
+                            self._finish(out, routing, ids, choices, index, migrations,
+                                         received, caller, last=not open_)
                         yield out
-                    return
+                    if solo is not None or not open_:
+                        solo = min(open_, default=None)
+                        continue
+                    raise WorkerFailed(f"the worker ended the stream of request {request_id} "
+                                       f"with choices {sorted(open_)} unfinished")
                 except WorkerFailed as e:
+                    generated = choices[solo if solo is not None else min(open_)].generated
                     if (migrations >= self.config.migration_limit
                             or len(generated) >= request.sampling.max_tokens):
                         raise  # out of moves, or every token came and only the end is lost
@@ -379,6 +398,8 @@ class Router:
                     log.warning("request %s moves to another worker after %d tokens (move %d "
                                 "of at most %d): %s", request_id, len(generated), migrations,
                                 self.config.migration_limit, e.message)
+                    if request.n > 1:
+                        solo = min(open_)
                 finally:
                     await source.aclose()
         except RouterError as e:
@@ -391,7 +412,7 @@ class Router:
             status = "INTERNAL"
             raise
         finally:
-            lease.settle(len(ids) + len(generated))
+            lease.settle(len(ids) + sum(len(c.generated) for c in choices))
             self._in_flight -= 1
             self.metrics.set("requests_in_flight", self._in_flight)
             self.metrics.inc("requests_total", status=status)
@@ -442,9 +463,10 @@ class Router:
 
     def _reserve(self, request: Request) -> int:
         """What a request may cost at most, in tokens: its prompt and the output the
-        context leaves room for (``max_tokens``, capped by it)."""
+        context leaves room for (``max_tokens``, capped by it), for each choice."""
         prompt = len(request.prompt_token_ids)
-        return prompt + max(0, min(request.sampling.max_tokens, self.max_model_len - prompt))
+        return prompt + request.n * max(0, min(request.sampling.max_tokens,
+                                               self.max_model_len - prompt))
 
     def _worker_request(self, request: Request, generated: list[int]) -> Request:
         """The request a worker sees: a unique id (this router's nonce and a counter;
@@ -453,12 +475,29 @@ class Router:
         return request.continued(
             generated, f"{request.request_id}#{self._nonce}-{next(self._ids)}")
 
+    def _observe_tokens(self, choices: list[_Choice], index: int,
+                        msg: worker_pb2.WorkerGenerateResponse, received: float) -> None:
+        """TTFT (the request's first token, whichever choice) and inter-token latency
+        (within each choice) of one message's tokens."""
+        if not msg.token_ids:
+            return
+        now, choice = time.monotonic(), choices[index]
+        if choice.generated:
+            gap = (now - choice.last_token_at) / len(msg.token_ids)
+            for _ in msg.token_ids:
+                self.metrics.observe("inter_token_latency_seconds", gap)
+        elif not any(c.generated for c in choices):
+            self.metrics.observe("time_to_first_token_seconds", now - received)
+        choice.last_token_at = now
+        choice.generated.extend(msg.token_ids)
+
     def _finish(self, out: api_pb2.GenerateResponse, routing: api_pb2.Routing, ids: list[int],
-                generated: list[int], migrations: int, received: float,
-                caller: Principal) -> None:
-        """The last message: usage over the whole request (a migrated one's last worker
-        saw part of the output as prompt), routing (where it ran only for admins), and
-        the request's metrics."""
+                choices: list[_Choice], index: int, migrations: int, received: float,
+                caller: Principal, last: bool = True) -> None:
+        """A choice's last message: usage over the whole choice (a migrated one's last
+        worker saw part of the output as prompt), routing (where it ran only for
+        admins); the request's metrics with the last choice's."""
+        generated = choices[index].generated
         out.usage.prompt_tokens = len(ids)
         out.usage.completion_tokens = len(generated)
         out.usage.cached_tokens = min(out.usage.cached_tokens, len(ids))
@@ -468,13 +507,16 @@ class Router:
                 routing.ClearField(name)
         out.routing.CopyFrom(routing)
         m = self.metrics
+        m.inc("generation_tokens_total", len(generated))
+        if not last:
+            return
         took = time.monotonic() - received
+        total = sum(len(c.generated) for c in choices)
         if self.traffic is not None:
             self.traffic.note(TrafficRecord(time.time() - took, len(ids),
-                                            out.usage.cached_tokens, len(generated)))
+                                            out.usage.cached_tokens, total))
         m.observe("e2e_request_latency_seconds", took)
         m.inc("prompt_tokens_total", len(ids))
-        m.inc("generation_tokens_total", len(generated))
         m.inc("cached_prompt_tokens_total", out.usage.cached_tokens)
 
     async def status(self) -> api_pb2.GetStatusResponse:

@@ -21,6 +21,13 @@ attempt, whichever protocol runs it (worker.proto gives the message order):
   fails for the worker's sake (died, transport error) commits without a first token:
   the decode worker recomputes the prompt and the request still completes.
 
+A request of several choices (``n``) is one attempt everywhere: one ``Generate``, or one
+reservation and one ``Prefill``, which samples every choice's first token from the
+prompt it computed once; the commit carries them all and the decode worker forks the
+prompt's blocks for each choice. Messages name their choice (``index``); the attempt
+ends when every choice has ended (a choice that ended at its first token ends on the
+prefill worker's word, and the decode worker's duplicate end is dropped).
+
 Failures are sorted once, in :func:`from_worker`: a status about the request or its
 caller (:data:`CALLER_CODES`) is passed on as that status; anything else marks the
 worker down and raises :class:`router.errors.WorkerFailed`, which the router answers by
@@ -107,6 +114,7 @@ class Dispatcher:
         deadline = None if timeout is None else time.monotonic() + timeout
         decode, call, reservation = await self._reserve(wreq, deadline)
         routing.decode_worker = decode.address
+        choices, done = wreq.n or 1, set()  # choices in all, and those that ended
         context = len(wreq.prompt_token_ids)
         decode.context_tokens += context
         try:
@@ -126,31 +134,45 @@ class Dispatcher:
                 if prefilled is None:  # compute the whole prompt on the decode worker
                     await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
                 else:
-                    first = prefilled.first
-                    if first.finish_reason:  # ended at the first token; cancel frees the rest
-                        yield first
+                    firsts = [prefilled.first, *prefilled.choices]
+                    if all(f.finish_reason for f in firsts):
+                        # Every choice ended at its first token; cancel frees the rest.
+                        for i, first in enumerate(firsts):
+                            first.index = i
+                            yield first
                         return
                     # Commit first: a slow consumer must not hold the decode worker back.
                     await _write(call, worker_pb2.DecodeRequest(
-                        commit=worker_pb2.DecodeCommit(first_token=first.token_ids[0])))
-                    yield worker_pb2.WorkerGenerateResponse(
-                        token_ids=first.token_ids, text=first.text, logprobs=first.logprobs)
+                        commit=worker_pb2.DecodeCommit(
+                            first_token=firsts[0].token_ids[0],
+                            choice_tokens=[f.token_ids[0] for f in firsts[1:]])))
+                    for i, first in enumerate(firsts):
+                        if first.finish_reason:  # that choice ended there (n > 1)
+                            done.add(i)
+                            first.index = i
+                            yield first
+                        else:
+                            yield worker_pb2.WorkerGenerateResponse(
+                                token_ids=first.token_ids, text=first.text,
+                                logprobs=first.logprobs, index=i)
                 await _write(call, None)
-            while True:
+            while len(done) < choices:
                 msg = await call.read()
                 if msg is grpc.aio.EOF:
                     self.pool.mark_down(decode)
                     raise WorkerFailed(f"decode worker {decode.address} ended the stream early")
                 out = msg.output
+                if out.index in done:  # it ended on the prefill worker, which said so
+                    continue
                 decode.context_tokens += len(out.token_ids)
                 context += len(out.token_ids)
                 if out.finish_reason and prefilled is not None:
                     # The prompt was computed (or reused) on the prefill worker.
                     out.usage.cached_tokens = prefilled.first.usage.cached_tokens
                     out.queue_s = prefilled.first.queue_s
-                yield out
                 if out.finish_reason:
-                    return
+                    done.add(out.index)
+                yield out
         except grpc.aio.AioRpcError as e:
             if e.code() not in CALLER_CODES:
                 self.pool.failed(decode, e)

@@ -23,6 +23,8 @@ client (:mod:`router.client`) when the *router* it streams from is gone:
    :meth:`router.core.Router._finish` does for a migration) and timings as the client
    measured them (the routers' own each saw only a part).
 
+A request of several choices (``n`` > 1) is not resumed: its error is raised.
+
 Limits (the same as a migration's): greedy output is unchanged by a resume (tested
 token for token: tests/integration/test_client_resume.py). Seeded sampling restarts its
 random stream on the new router, so a resumed seeded request differs from an
@@ -94,6 +96,7 @@ class Resume:
         self.request_id = ""
         self.token_ids: list[int] = []
         self.finished = False
+        self._open = max(request.n, 1)  # choices not ended
         self.resumes = 0
         self._first_token_at: float | None = None
 
@@ -116,7 +119,8 @@ class Resume:
             self._first_token_at = time.monotonic()
         self.token_ids.extend(msg.token_ids)
         if msg.finish_reason:
-            self.finished = True
+            self._open -= 1
+            self.finished = self._open == 0
             if self.request is not self.original:  # resumed mid-stream
                 self._finish(msg)
         return msg
@@ -138,6 +142,7 @@ class Resume:
         :attr:`request` is now the one that continues it and the move is counted."""
         code = error.code() if callable(getattr(error, "code", None)) else None
         if (code not in RESUMABLE or self.resumes >= self.max_resumes
+                or self.original.n > 1  # a request of several choices is not resumed
                 or len(self.token_ids) >= self.max_tokens
                 or (self.deadline is not None and time.monotonic() >= self.deadline)):
             return False

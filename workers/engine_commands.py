@@ -42,9 +42,10 @@ class EngineCounters:
 
     def count(self, output: RequestOutput) -> None:
         self.generation_tokens += len(output.new_token_ids)
-        if output.finished:
+        if output.done:  # the prompt once, however many choices
             self.prompt_tokens += len(output.prompt_token_ids)
             self.cached_prompt_tokens += output.num_cached_tokens
+        if output.finished:
             reason = output.finish_reason or "unknown"
             self.finished[reason] = self.finished.get(reason, 0) + 1
 
@@ -75,6 +76,7 @@ class Abort:
 class Commit:
     add: Add
     first_token: int | None
+    choice_tokens: tuple[int, ...] = ()  # n > 1: the first tokens of choices 1..n-1
 
 
 @dataclass
@@ -96,6 +98,7 @@ class Reserve:
     machine: ReservationMachine
     handle: TransferHandle | None = None  # once placed
     committed: bool = False  # the machine takes one commit; a repeat is ignored
+    choice_tokens: tuple[int, ...] = ()  # the commit's first tokens of choices 1..n-1
     timers: list[threading.Timer] = field(default_factory=list)
 
 

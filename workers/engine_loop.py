@@ -158,16 +158,20 @@ class EngineLoop(ReservationDriver):
 
     def reserve(
         self, request: Request, local_threshold: int = 0
-    ) -> tuple[Callable[[int | None], None], AsyncIterator[Reservation | RequestOutput]]:
+    ) -> tuple[Callable[..., None], AsyncIterator[Reservation | RequestOutput]]:
         """Decode side: returns ``commit`` and the stream, whose first item is the
-        :class:`Reservation`. Call ``commit(first_token)`` once the prefill worker
-        sampled it (None: prefill failed, compute everything here); not needed when
-        the reservation is local. Waits (in order) while the KV pool is full."""
+        :class:`Reservation`. Call ``commit(first_token, choice_tokens=())`` once the
+        prefill worker sampled it (and, n > 1, the other choices' first tokens; None:
+        prefill failed, compute everything here); not needed when the reservation is
+        local. Waits (in order) while the KV pool is full."""
         if self._kv_expect is None:
             raise RuntimeError("this worker has no KV receiver (role is not decode)")
         add = Add(request, asyncio.get_running_loop(), asyncio.Queue(),
                    local_threshold=max(local_threshold, 0))
-        return (lambda token: self._commands.put(Commit(add, token))), self._stream(add)
+
+        def commit(token: int | None, choice_tokens: tuple[int, ...] = ()) -> None:
+            self._commands.put(Commit(add, token, tuple(choice_tokens)))
+        return commit, self._stream(add)
 
     async def _stream(self, add: Add) -> AsyncIterator[Reservation | RequestOutput]:
         self._commands.put(add)
@@ -180,14 +184,14 @@ class EngineLoop(ReservationDriver):
                 while (isinstance(item, RequestOutput) and not item.finished
                        and not add.out.empty()):
                     later = add.out.get_nowait()
-                    if not isinstance(later, RequestOutput):
+                    if not isinstance(later, RequestOutput) or later.index != item.index:
                         held = later
                         break
                     item = coalesce(item, later)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = isinstance(item, RequestOutput) and item.finished
+                finished = isinstance(item, RequestOutput) and item.done
                 yield item  # finished is set first: the consumer may stop here
                 if finished:
                     return
@@ -282,7 +286,10 @@ class EngineLoop(ReservationDriver):
         stream = self._streams.get(output.request_id)
         if stream is None:
             return
-        if output.finished:
+        if output.error is not None and not output.done:
+            # One choice failed: the request fails, and its other choices stop with it.
+            self.engine.abort_request(output.request_id)
+        if output.done or output.error is not None:
             del self._streams[output.request_id]
         self._deliver(stream, output if output.error is None else output.error)
 
@@ -337,9 +344,11 @@ class EngineLoop(ReservationDriver):
             rec = self._remote.get(cmd.add.request_id)
             if rec is not None and rec.add is cmd.add and not rec.committed:
                 rec.committed = True
+                rec.choice_tokens = cmd.choice_tokens
                 if cmd.first_token is not None:
                     try:  # it enters the next forward's input: checked before it counts
-                        self.engine.check_first_token(cmd.first_token)
+                        for token in (cmd.first_token, *cmd.choice_tokens):
+                            self.engine.check_first_token(token)
                     except InvalidRequestError as e:
                         self._fail_request(rec.add, e)
                         return
@@ -358,7 +367,7 @@ class EngineLoop(ReservationDriver):
             try:
                 r = cmd.request
                 self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.sampling,
-                                        r.cache_salt, cmd.on_prefilled)
+                                        r.cache_salt, cmd.on_prefilled, r.n)
             except Exception as e:  # noqa: BLE001 - the request's own: back to its caller
                 self._deliver(cmd, request_error(cmd.request_id, e))
                 return

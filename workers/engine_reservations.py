@@ -58,7 +58,7 @@ class ReservationDriver:
         try:
             r = add.request
             kv = self.engine.reserve_request(rid, list(r.prompt_token_ids), r.sampling,
-                                             r.cache_salt)
+                                             r.cache_salt, r.n)
         except Exception as e:  # noqa: BLE001 - the request's own: back to its caller
             machine.reject()
             self._deliver(add, request_error(rid, e))
@@ -125,11 +125,12 @@ class ReservationDriver:
         try:
             if state is ReservationState.RUNNING:
                 assert token is not None
-                final = self.engine.commit_request(rid, token)
+                finals = self.engine.commit_request(rid, token, rec.choice_tokens)
             else:
-                final = self.engine.recompute_request(rid, token)
+                finals = self.engine.recompute_request(
+                    rid, token, rec.choice_tokens if token is not None else ())
         except InvalidRequestError as e:  # checked when the commit came; in case
             self._fail_request(rec.add, e)
             return
-        if final is not None:
+        for final in finals:
             self._emit(final)

@@ -66,7 +66,8 @@ log = logging.getLogger(__name__)
 def to_proto(out: RequestOutput, first_index: int) -> worker_pb2.WorkerGenerateResponse:
     """An engine output as a stream message. A prefill worker's ``remote`` end carries
     usage but no finish reason: the request goes on elsewhere."""
-    msg = worker_pb2.WorkerGenerateResponse(token_ids=out.new_token_ids, text=out.delta_text)
+    msg = worker_pb2.WorkerGenerateResponse(token_ids=out.new_token_ids, text=out.delta_text,
+                                            index=out.index)
     if out.logprobs is not None:
         for lp in out.logprobs[first_index:]:
             msg.logprobs.append(common_pb2.TokenLogprob(
@@ -167,14 +168,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             handle.add_done_callback(_log_failed_send)
             handle.add_quiesced_callback(lambda: loop.call_soon(release))
 
-        last = None
+        last: dict[int, RequestOutput] = {}  # by choice
         try:
             async for out in self._loop.generate(req, send_kv):
-                last = out
+                last[out.index] = out
         except (InvalidRequestError, EngineUnavailableError) as e:
             await context.abort(_status(e), str(e))
-        assert last is not None and last.finished
-        return worker_pb2.PrefillResponse(first=to_proto(last, 0))
+        assert len(last) == req.n and all(out.finished for out in last.values())
+        return worker_pb2.PrefillResponse(
+            first=to_proto(last[0], 0), choices=[to_proto(last[i], 0) for i in range(1, req.n)])
 
     async def Decode(self, request_iterator, context):  # noqa: N802
         if self._receiver is None:
@@ -194,11 +196,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         async def read_commit() -> None:
             msg = await anext(requests, None)  # the caller hung up without one: compute here
             ok = msg is not None and msg.WhichOneof("kind") == "commit"
-            commit(msg.commit.first_token if ok and msg.commit.HasField("first_token")
-                   else None)
+            if ok and msg.commit.HasField("first_token"):
+                commit(msg.commit.first_token, tuple(msg.commit.choice_tokens))
+            else:
+                commit(None)
 
         reader: asyncio.Task | None = None
-        sent_logprobs = 0
+        sent_logprobs: dict[int, int] = {}  # by choice
         try:
             async for item in stream:
                 if isinstance(item, Reservation):
@@ -206,8 +210,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         reader = asyncio.create_task(read_commit())
                     yield worker_pb2.DecodeResponse(reservation=reservation_to_proto(item))
                     continue
-                yield worker_pb2.DecodeResponse(output=to_proto(item, sent_logprobs))
-                sent_logprobs = len(item.logprobs or ())
+                yield worker_pb2.DecodeResponse(
+                    output=to_proto(item, sent_logprobs.get(item.index, 0)))
+                sent_logprobs[item.index] = len(item.logprobs or ())
         except (InvalidRequestError, EngineUnavailableError) as e:
             await context.abort(_status(e), str(e))
         finally:
@@ -216,11 +221,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(self, request, context):  # noqa: N802 - gRPC method name
         req = await _typed(request, context)
-        sent_logprobs = 0
+        sent_logprobs: dict[int, int] = {}  # by choice
         try:
             async for out in self._loop.generate(req):
-                yield to_proto(out, sent_logprobs)
-                sent_logprobs = len(out.logprobs or ())
+                yield to_proto(out, sent_logprobs.get(out.index, 0))
+                sent_logprobs[out.index] = len(out.logprobs or ())
         except (InvalidRequestError, EngineUnavailableError) as e:
             await context.abort(_status(e), str(e))
 

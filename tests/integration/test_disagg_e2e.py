@@ -135,6 +135,54 @@ def test_shared_prefix_is_reused_and_streamed_text_is_whole(smol_disagg, smollm2
     assert_cluster_idle(smol_disagg)
 
 
+def _role_totals(cluster, role: str) -> tuple[int, int, int, int]:  # noqa: ANN001
+    """(transfers done, bytes moved, prompt tokens computed or reused, KV blocks held)
+    over every ``role`` worker, as the router's status reports them."""
+    with Client(cluster.target) as client:
+        ws = [w for w in client.status().workers if w.role == role]
+    return (sum(w.transfers.entered["done"] for w in ws),
+            sum(w.transfers.bytes_moved for w in ws), sum(w.prompt_tokens for w in ws),
+            sum(w.total_blocks - w.free_blocks for w in ws))
+
+
+def test_choices_prefill_once_move_kv_once_and_share_the_prompt_blocks(
+        smol_disagg, smollm2_path) -> None:
+    """n = 3 through the split: greedy choices equal HF's; seeded ones at temperature 1
+    are reproducible and differ; the prefill pool computed the prompt once and the
+    channel moved one prompt's KV once per request; while all three choices decode,
+    the decode pool holds the prompt's blocks once (plus a block or two per choice)."""
+    c = smol_disagg
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompt = prompt_of(tok, 200, fresh("Choices"))  # 12 full blocks of 16 and 8 tokens
+    before = {r: _role_totals(c, r) for r in ("prefill", "decode")}
+    with Client(c.target) as client:
+        greedy = client.choices(prompt, 3, **GREEDY)
+        served_equals_hf(smollm2_path, greedy, [prompt] * 3, GREEDY["max_tokens"])
+        after = {r: _role_totals(c, r) for r in ("prefill", "decode")}
+        assert after["prefill"][0] - before["prefill"][0] == 1  # one transfer
+        assert after["decode"][0] - before["decode"][0] == 1
+        assert after["prefill"][2] - before["prefill"][2] == len(prompt)  # computed once
+        one_prompt = after["prefill"][1] - before["prefill"][1]
+        seeded = {"max_tokens": 48, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+        held, counts = 0, [0, 0, 0]
+        first: list[list[int]] = [[], [], []]
+        for msg in client.stream(prompt, n=3, **seeded):
+            first[msg.index].extend(msg.token_ids)
+            counts[msg.index] += len(msg.token_ids)
+            if not held and min(counts) >= 4:  # every choice is decoding now
+                held = _role_totals(c, "decode")[3]
+        mid = _role_totals(c, "prefill")
+        again = client.choices(prompt, 3, **seeded)
+    assert held and held <= 13 + 2 * 3, f"{held} blocks held for 3 choices of 13 blocks"
+    assert [a.token_ids for a in again] == first and len({tuple(f) for f in first}) == 3
+    # Later requests move at most one prompt's KV each (less where the decode worker
+    # they land on caches some of it), in one transfer each.
+    final = _role_totals(c, "prefill")
+    assert 0 < final[1] - mid[1] <= one_prompt and 0 < mid[1] - after["prefill"][1] <= one_prompt
+    assert final[0] - after["prefill"][0] == 2
+    assert_cluster_idle(c)
+
+
 def test_tiny_model_through_prefill_and_decode_equals_hf_and_short_prompts_stay_local(
         tiny_checkpoints, tmp_path) -> None:
     """Real processes on the tiny llama: prompts from 1 token up go concurrently through

@@ -234,3 +234,78 @@ def test_flipped_kv_byte_would_change_the_tokens_and_is_recomputed_instead(
     finally:
         flipping.close()
     assert receiver_idle(channel)
+
+
+def run_choices(eng: LLMEngine, rid: str) -> dict[int, RequestOutput]:
+    """Step until every choice of ``rid`` has ended: choice index -> its last output."""
+    final: dict[int, RequestOutput] = {}
+    while True:
+        for out in eng.step():
+            if out.request_id == rid and out.finished:
+                final[out.index] = out
+                if out.done:
+                    return final
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_choices_prefill_once_transfer_once_and_share_the_prompt(tiny_checkpoints, channel,
+                                                                 drop: bool) -> None:
+    """n = 3, seeded at temperature 1: the prefill engine computes the prompt once and
+    samples three first tokens, the channel moves its KV once, the decode engine's three
+    choices share the full prompt blocks (a copy of the partial one each) and end
+    exactly as the same request run in one engine; a dropped transfer recomputes."""
+    path = tiny_checkpoints["llama"]
+    p, d, local = engine(path), engine(path), engine(path)
+    sender, receiver = channel
+    ids = list(range(5, 19))  # 14 tokens: 3 full blocks of 4 and a partial one
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
+    local.add_request("l", ids, params, n=3)
+    expected = run_choices(local, "l")
+    rid = f"choices-{drop}"
+    kv = d.reserve_request(rid, ids, params, n=3)
+    assert kv is not None and len(kv.target_block_ids) == 4
+    cache = d.kv_view().cache
+    handle = receiver.expect(rid, KVLayout.of_cache(cache, 4), list(kv.target_block_ids),
+                             PagedCacheDestination(cache, list(kv.target_block_ids), 4))
+    sent, releases, prefilled = [], [], []
+
+    def export(table: list[int], release) -> None:  # noqa: ANN001
+        releases.append(release)
+        if drop:
+            handle.cancel("test drops the transfer")
+            return
+        sent.append(sender.send_paged(receiver.address, rid, p.kv_view().cache, table,
+                                      list(kv.target_block_ids), 4))
+
+    p.add_request(rid, ids, params, on_prefilled=export, n=3)
+    p_steps = 0
+    while len(prefilled) < 3:
+        outs = p.step()
+        p_steps += 1
+        prefilled += [o for o in outs if o.finished]
+    assert p_steps == 1  # 14 tokens within one step's budget of 23: one forward
+    assert sorted(o.index for o in prefilled) == [0, 1, 2]
+    assert all(o.finish_reason == "remote" and len(o.token_ids) == 1 for o in prefilled)
+    firsts = [o.token_ids[0] for o in sorted(prefilled, key=lambda o: o.index)]
+    assert firsts == [expected[i].token_ids[0] for i in range(3)]
+    assert len(sent) == (0 if drop else 1) and len(releases) == 1  # one export, one send
+    result = handle.wait(30)
+    if result.ok:
+        d.commit_request(rid, firsts[0], firsts[1:])
+        tables = [d.scheduler.get(f"{rid}/{i}" if i else rid).block_table for i in range(3)]
+        assert tables[0][:3] == tables[1][:3] == tables[2][:3]  # the full blocks: shared
+        assert all(d.scheduler.block_manager.blocks[b].ref_count == 3 for b in tables[0][:3])
+        assert len({t[3] for t in tables}) == 3  # the partial block: one copy per choice
+    else:
+        d.recompute_request(rid, firsts[0], firsts[1:])
+    for s in sent:
+        assert s.wait(30).ok
+    for release in releases:
+        release()
+    got = run_choices(d, rid)
+    assert {i: o.token_ids for i, o in got.items()} == {
+        i: o.token_ids for i, o in expected.items()}
+    assert len({tuple(o.token_ids) for o in got.values()}) > 1  # the seeds differ
+    assert result.ok is not drop
+    for eng in (p, d, local):
+        assert_no_leaks(eng)

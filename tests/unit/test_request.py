@@ -53,3 +53,21 @@ def test_default_max_tokens_is_reduced_too_after_a_migration() -> None:
     r = request_from_proto(worker_pb2.WorkerGenerateRequest(request_id="r",
                                                             prompt_token_ids=[1]))
     assert r.continued([2, 3, 4, 5], "r#1").sampling.max_tokens == 12
+
+
+def test_choices_are_bounded_and_each_draws_with_its_own_seed() -> None:
+    from common.request import MAX_CHOICES, choice_sampling
+
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    r = Request("r", (1, 2), seeded, n=3)
+    assert [r.choice_sampling(i).seed for i in range(3)] == [5, 6, 7]
+    assert r.choice(2, "r2") == Request("r2", (1, 2), SamplingParams(temperature=1.0, seed=7))
+    assert choice_sampling(SamplingParams(), 4).seed is None  # unseeded stays unseeded
+    wrapped = choice_sampling(SamplingParams(seed=2**63 - 1), 1).seed
+    assert wrapped == -(2**63)  # wraps within int64
+    for bad in (0, MAX_CHOICES + 1, True, 1.5):
+        with pytest.raises(InvalidRequestError) as e:
+            Request("r", (1,), SamplingParams(), n=bad)
+        assert e.value.field == "n" and str(MAX_CHOICES) in str(e.value)
+    with pytest.raises(ValueError, match="one choice at a time"):
+        r.continued([3], "r3")

@@ -194,3 +194,59 @@ def test_many_requests_with_tight_memory_all_finish() -> None:
         s.add(str(i), [i % 7 + 1] * (3 + i % 9), SamplingParams(max_tokens=4 + i % 5))
     run_all(s)
     assert_empty(s)
+
+
+def _forkable(s: Scheduler, prompt_len: int, max_tokens: int = 4) -> tuple:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    parent = s.add("p", list(range(prompt_len)), params)
+    out = s.schedule()
+    assert [c.samples for c in out.chunks] == [True]  # the whole prompt in one chunk
+    kid = s.new_sequence("p/1", list(range(prompt_len)), params)
+    return parent, kid, out
+
+
+def test_fork_shares_full_prompt_blocks_and_copies_the_partial_one() -> None:
+    s = make(num_blocks=16)
+    parent, kid, out = _forkable(s, 10)  # 2 full blocks of 4, one partial
+    reason, copy = s.fork(parent, kid, 7, NO_EOS)
+    s.update(out, {"p": 6}, NO_EOS)
+    assert reason is None and kid.status is SequenceStatus.RUNNING
+    assert kid.block_table[:2] == parent.block_table[:2]
+    assert copy == (parent.block_table[2], kid.block_table[2]) and copy[0] != copy[1]
+    bm = s.block_manager
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2, 1]
+    assert kid.num_computed_tokens == 10 and kid.output_token_ids == [7]
+    assert bm.num_free_blocks == 16 - 4
+    run_all(s)
+    assert_empty(s)
+
+
+def test_fork_of_a_block_aligned_prompt_copies_nothing() -> None:
+    s = make(num_blocks=16)
+    parent, kid, out = _forkable(s, 8)
+    reason, copy = s.fork(parent, kid, 7, NO_EOS)
+    assert reason is None and copy is None and kid.block_table == parent.block_table
+    s.update(out, {"p": 6}, NO_EOS)
+    run_all(s)
+    assert_empty(s)
+
+
+def test_fork_without_a_free_block_waits_to_be_recomputed() -> None:
+    s = make(num_blocks=3)  # the parent's prompt takes all three
+    parent, kid, out = _forkable(s, 10, max_tokens=2)
+    reason, copy = s.fork(parent, kid, 7, NO_EOS)
+    assert reason is None and copy is None
+    assert kid.status is SequenceStatus.WAITING and not kid.block_table
+    assert kid.token_ids[-1] == 7 and kid.num_computed_tokens == 0
+    s.update(out, {"p": 6}, NO_EOS)
+    run_all(s)
+    assert_empty(s)
+
+
+def test_fork_whose_first_token_ends_it_frees_what_it_took() -> None:
+    s = make(num_blocks=16)
+    parent, kid, out = _forkable(s, 10, max_tokens=1)
+    reason, copy = s.fork(parent, kid, 7, NO_EOS)
+    assert reason is not None and copy is None and kid.is_finished and not kid.block_table
+    s.update(out, {"p": 6}, NO_EOS)
+    assert_empty(s)

@@ -115,6 +115,16 @@ class BlockManager:
         seq.num_computed_tokens = match.num_tokens
         seq.num_hashed_blocks = len(match.block_ids)
 
+    def share(self, seq: Sequence, block_ids: Iterable[int]) -> None:
+        """Append blocks another live sequence holds to ``seq``'s table (one more
+        reference each): the full prompt blocks the choices of one request share. A
+        shared block is never written again (it is full), so it needs no copy."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} is free: nothing to share"
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+
     def allocate(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow ``seq``'s block table to hold ``num_tokens``; False (no change) if short."""
         need = self.blocks_needed(seq, num_tokens)

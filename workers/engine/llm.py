@@ -87,7 +87,7 @@ class LLM:
             outputs = self.engine.step()
             for out in outputs:
                 generated += len(out.new_token_ids)
-                if out.finished:
+                if out.done:
                     final[out.request_id] = out
             now = time.monotonic()
             if progress and (now - last > 2.0 or len(final) == len(ids)):

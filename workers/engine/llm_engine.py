@@ -16,6 +16,17 @@ calls ``reserve_request`` (blocks for the whole prompt, the cached prefix reused
 first token, or ``recompute_request`` when the KV will not come; ``quarantine_request``
 keeps blocks a failed transfer may still write into away from the pool until released.
 
+Choices. A request of ``n`` choices is one prompt and ``n`` sequences: choice 0 is the
+request's own sequence and computes the prompt; choices 1..n-1 (ids
+:func:`choice_id`) wait, in no queue, until the step whose chunk reaches the prompt's
+end, are sampled from that same row of logits (each with its own seed,
+:func:`~common.request.choice_sampling`) and then fork it (:meth:`Scheduler.fork`: the
+full prompt blocks shared, the partial one copied). On a prefill worker they only take
+their first token (ending ``remote`` like choice 0); on a decode worker they fork the
+committed request with the first tokens the prefill worker sampled. Every output names
+its request and its choice (:attr:`RequestOutput.index`); :attr:`RequestOutput.done`
+marks the request's last. Aborting the request aborts every choice.
+
 Blast radius. What one request carries can fail only that request: its input is checked
 at the door (``add_request``/``reserve_request`` check the prompt against the vocabulary
 and the context, the salt against its bound; ``commit_request``/``recompute_request``
@@ -39,13 +50,14 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
+from collections.abc import Sequence as Sequence_
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig
 
-from common.request import check_cache_salt
+from common.request import MAX_CHOICES, check_cache_salt, choice_sampling
 from common.sampling import check_prompt, check_sampling_vocab
 
 from .block_manager import KVEventListener
@@ -54,7 +66,7 @@ from .model_runner import ModelRunner, model_context_len
 from .params import EngineConfig, InvalidRequestError, SamplingParams, SchedulerConfig
 from .sampler import TokenLogprobs
 from .scheduler import Scheduler
-from .sequence import FinishReason, Sequence
+from .sequence import FinishReason, Sequence, SequenceStatus
 from .structured import Grammars
 from .surface import EngineLoad, KVCapacity, KVReservation, KVView
 
@@ -82,6 +94,11 @@ class RequestOutput:
     error: InvalidRequestError | None = None
     """Set on the last output of a request that failed on its own (see the module
     docstring): it was aborted and its blocks freed; hand this to its caller."""
+    index: int = 0
+    """Which choice of the request (0 .. n-1); ``finished`` and the rest are that
+    choice's."""
+    done: bool = False
+    """Every choice of the request has finished: its last output."""
 
 
 def coalesce(first: RequestOutput, later: RequestOutput) -> RequestOutput:
@@ -106,6 +123,13 @@ class _Tracked:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     on_prefilled: OnPrefilled | None = None
     prompt_ids: list[int] | None = None  # copied once, shared by every output
+    request_id: str = ""  # the request this choice belongs to ("": its own seq id)
+    index: int = 0
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The sequence id of choice ``index`` of a request (choice 0: the request's id)."""
+    return request_id if index == 0 else f"{request_id}/{index}"
 
 
 def model_identity(model_path: Path, dtype: str, kv_cache_dtype: str = "auto",
@@ -158,7 +182,10 @@ class LLMEngine:
         """Structured output: compiled grammars and each constrained request's matcher."""
         self._capacity = KVCapacity(self.runner.num_blocks, config.block_size,
                                     self.max_model_len, self.model_id)
-        self._requests: dict[str, _Tracked] = {}
+        self._requests: dict[str, _Tracked] = {}  # by sequence id (one per choice)
+        self._choices: dict[str, list[str]] = {}  # n > 1: request id -> its sequence ids
+        self._open: dict[str, int] = {}  # n > 1: request id -> choices not finished
+        self._forks: dict[str, list[Sequence]] = {}  # choice 0's id -> choices to fork
         self.last_step_empty = False
         """Whether the last ``step`` found nothing it could run (no free blocks yet)."""
         self.step_shapes: list[tuple[int, int]] | None = None
@@ -201,19 +228,37 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         on_prefilled: OnPrefilled | None = None,
+        n: int = 1,
     ) -> None:
         """Validate and queue; raises :class:`InvalidRequestError` and changes nothing.
 
         With ``on_prefilled`` the request is prefill-only (see the module docstring);
-        the callback is skipped when the first token ends the request by itself."""
+        the callback is skipped when the first token ends every choice by itself."""
         ids = self.tokenize(prompt)
-        self._validate(request_id, ids, params, cache_salt)
-        matcher = self.grammars.start(params, ids)
+        self._validate(request_id, ids, params, cache_salt, n)
+        matchers = [self.grammars.start(choice_sampling(params, i), ids) for i in range(n)]
         seq = self.scheduler.add(request_id, ids, params, cache_salt)
         self._track(seq, on_prefilled)
-        self.grammars.bind(seq.seq_id, matcher)
+        self.grammars.bind(seq.seq_id, matchers[0])
+        self._add_choices(seq, n, matchers)
 
-    def _track(self, seq: Sequence, on_prefilled: OnPrefilled | None = None) -> None:
+    def _add_choices(self, seq: Sequence, n: int, matchers: list) -> None:
+        """Choices 1..n-1 of ``seq``'s request, waiting to fork it."""
+        if n == 1:
+            return
+        rid, kids = seq.seq_id, []
+        for i in range(1, n):
+            kid = self.scheduler.new_sequence(choice_id(rid, i), seq.token_ids,
+                                              choice_sampling(seq.params, i), seq.cache_salt)
+            self._track(kid, request_id=rid, index=i)
+            self.grammars.bind(kid.seq_id, matchers[i])
+            kids.append(kid)
+        self._forks[rid] = kids
+        self._choices[rid] = [rid] + [k.seq_id for k in kids]
+        self._open[rid] = n
+
+    def _track(self, seq: Sequence, on_prefilled: OnPrefilled | None = None,
+               request_id: str = "", index: int = 0) -> None:
         try:
             detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, seq.params.stop,
                                            seq.params.include_stop_str_in_output,
@@ -222,7 +267,8 @@ class LLMEngine:
             self.scheduler.abort(seq.seq_id)
             raise
         self._requests[seq.seq_id] = _Tracked(seq, detok, time.monotonic(),
-                                              on_prefilled=on_prefilled)
+                                              on_prefilled=on_prefilled,
+                                              request_id=request_id or seq.seq_id, index=index)
 
     def reserve_request(
         self,
@@ -230,50 +276,99 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        n: int = 1,
     ) -> KVReservation | None:
         """Decode side: validate, then hold blocks for the whole prompt (the cached
         prefix reused: its tokens need no transfer, the rest lands in
         ``target_block_ids``). None when there is no room now (retry after a step);
-        raises :class:`InvalidRequestError` like ``add_request``."""
+        raises :class:`InvalidRequestError` like ``add_request``. The other choices
+        (``n``) hold nothing until they fork the committed prompt."""
         ids = self.tokenize(prompt)
-        self._validate(request_id, ids, params, cache_salt)
-        matcher = self.grammars.start(params, ids)
+        self._validate(request_id, ids, params, cache_salt, n)
+        matchers = [self.grammars.start(choice_sampling(params, i), ids) for i in range(n)]
         seq = self.scheduler.reserve(request_id, ids, params, cache_salt)
         if seq is None:
             return None
         self._track(seq)
-        self.grammars.bind(seq.seq_id, matcher)
+        self.grammars.bind(seq.seq_id, matchers[0])
+        self._add_choices(seq, n, matchers)
         return KVReservation(tuple(seq.block_table), seq.num_computed_tokens, seq.num_tokens,
                              self.config.block_size)
 
-    def commit_request(self, request_id: str, first_token: int) -> RequestOutput | None:
+    def commit_request(self, request_id: str, first_token: int,
+                       choice_tokens: Sequence_[int] = ()) -> list[RequestOutput]:
         """The reserved request's KV has landed: join the running batch with the first
-        token the prefill worker sampled (its text was already streamed from there).
-        Returns the final output when that token ends the request (or, with ``error``
-        set, when it failed on its own). A token outside the vocabulary raises
-        :class:`InvalidRequestError` and changes nothing (abort the request then)."""
+        token the prefill worker sampled (its text was already streamed from there), and
+        fork the other choices with theirs (``choice_tokens``, choices 1..n-1). Returns
+        the final outputs of the choices those tokens end (or, with ``error`` set, that
+        failed on their own). A token outside the vocabulary, or the wrong number of
+        them, raises :class:`InvalidRequestError` and changes nothing (abort then)."""
         tracked = self._requests[request_id]
-        self.check_first_token(first_token)
+        kids = self._check_first_tokens(request_id, first_token, choice_tokens)
+        finals = []
+        for kid, token in zip(kids, choice_tokens, strict=True):  # before the commit may
+            finals.append(self._fork_committed(tracked.seq, kid, token))  # free the prompt
         try:
             reason = self.scheduler.commit(tracked.seq, first_token, self.eos_token_ids)
-            return self._after_first_token(tracked, first_token, reason)
+            finals.append(self._after_first_token(tracked, first_token, reason))
         except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
-            return self._fail(tracked, "committing its first token", e, time.monotonic())
+            finals.append(self._fail(tracked, "committing its first token", e,
+                                     time.monotonic()))
+        return [f for f in finals if f is not None]
 
-    def recompute_request(self, request_id: str, first_token: int | None) -> RequestOutput | None:
+    def recompute_request(self, request_id: str, first_token: int | None,
+                          choice_tokens: Sequence_[int] = ()) -> list[RequestOutput]:
         """The reserved request's KV will not come: compute its prompt here, after the
-        first token when the prefill worker sampled one (greedy output is unchanged).
-        Checks the token like :meth:`commit_request`."""
+        first token when the prefill worker sampled one (greedy output is unchanged);
+        the other choices then start from theirs (each computes the prompt again, most
+        of it from the prefix cache), or without, fork the prompt computed here. Checks
+        the tokens like :meth:`commit_request`; returns the final outputs likewise."""
         tracked = self._requests[request_id]
-        if first_token is not None:
-            self.check_first_token(first_token)
+        if first_token is None:
+            self.scheduler.recompute(tracked.seq, None, self.eos_token_ids)
+            return []
+        kids = self._check_first_tokens(request_id, first_token, choice_tokens)
+        self._forks.pop(request_id, None)
+        finals = []
+        for t, token in [(tracked, first_token)] + [
+                (self._requests[k.seq_id], tok) for k, tok in zip(kids, choice_tokens,
+                                                                  strict=True)]:
+            try:
+                if t is tracked:
+                    reason = self.scheduler.recompute(t.seq, token, self.eos_token_ids)
+                else:
+                    reason = self.scheduler.start(t.seq, token, self.eos_token_ids)
+                finals.append(self._after_first_token(t, token, reason))
+            except Exception as e:  # noqa: BLE001 - this choice's failure only
+                finals.append(self._fail(t, "recording its first token", e, time.monotonic()))
+        return [f for f in finals if f is not None]
+
+    def _check_first_tokens(self, request_id: str, first_token: int,
+                            choice_tokens: Sequence_[int]) -> list[Sequence]:
+        """The choices waiting to fork ``request_id``, after checking a first token for
+        each of them (raises :class:`InvalidRequestError` naming ``first_token``)."""
+        self.check_first_token(first_token)
+        kids = self._forks.get(request_id, [])
+        if len(choice_tokens) != len(kids):
+            raise InvalidRequestError(
+                "first_token", f"{len(choice_tokens)} first tokens for the other choices; "
+                f"the request has {len(kids)}")
+        for token in choice_tokens:
+            self.check_first_token(token)
+        return kids
+
+    def _fork_committed(self, parent: Sequence, kid: Sequence, token: int
+                        ) -> RequestOutput | None:
+        """A choice forks a committed prompt with its first token (sampled elsewhere)."""
+        self._forks.pop(parent.seq_id, None)
+        t = self._requests[kid.seq_id]
         try:
-            reason = self.scheduler.recompute(tracked.seq, first_token, self.eos_token_ids)
-            if first_token is None:
-                return None
-            return self._after_first_token(tracked, first_token, reason)
-        except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
-            return self._fail(tracked, "recording its first token", e, time.monotonic())
+            reason, copy = self.scheduler.fork(parent, kid, token, self.eos_token_ids)
+            if copy is not None:
+                self.runner.copy_blocks([copy])
+            return self._after_first_token(t, token, reason)
+        except Exception as e:  # noqa: BLE001 - this choice's failure only
+            return self._fail(t, "forking the prompt", e, time.monotonic())
 
     def check_first_token(self, token: object) -> None:
         """Raises :class:`InvalidRequestError` unless ``token`` is a token id of this
@@ -310,21 +405,30 @@ class LLMEngine:
         return self._output(tracked, [], tracked.detok.flush(), now)
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams,
-                  cache_salt: str | None) -> None:
-        if request_id in self._requests or request_id in self.scheduler.held:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already running")
+                  cache_salt: str | None, n: int = 1) -> None:
+        for i in range(n):
+            seq_id = choice_id(request_id, i)
+            if seq_id in self._requests or seq_id in self.scheduler.held:
+                raise InvalidRequestError("request_id", f"{seq_id!r} is already running")
+        if not 1 <= n <= MAX_CHOICES:
+            raise InvalidRequestError("n", f"must be from 1 to {MAX_CHOICES}, got {n}")
         check_prompt(ids, self.max_model_len, self.runner.vocab_size)
         check_sampling_vocab(params, self.runner.vocab_size)
         check_cache_salt(cache_salt)  # it is hashed again each time a block fills
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now and free its blocks; False if it was not running."""
-        tracked = self._requests.pop(request_id, None)
-        if tracked is None:
-            return False
-        self.scheduler.abort(request_id)
-        self._release(request_id)
-        return True
+        """Stop a request (every choice) now and free its blocks; False if it was not
+        running."""
+        self._forks.pop(request_id, None)
+        self._open.pop(request_id, None)
+        aborted = False
+        for seq_id in self._choices.pop(request_id, [request_id]):
+            if self._requests.pop(seq_id, None) is None:
+                continue
+            self.scheduler.abort(seq_id)
+            self._release(seq_id)
+            aborted = True
+        return aborted
 
     def _release(self, seq_id: str) -> None:
         """Forget a request's per-request sampling state (generator, grammar)."""
@@ -334,7 +438,7 @@ class LLMEngine:
     def abort_all(self, keep: Collection[str] = ()) -> int:
         """Abort every request but those in ``keep`` (after an engine failure); returns
         how many were aborted."""
-        doomed = [rid for rid in self._requests if rid not in keep]
+        doomed = {t.request_id for t in self._requests.values() if t.request_id not in keep}
         for rid in doomed:
             self.abort_request(rid)
         return len(doomed)
@@ -356,12 +460,13 @@ class LLMEngine:
         self.last_step_empty = out.is_empty
         if out.is_empty:
             return []
-        result = self.runner.execute(out.chunks, self.grammars or None)
+        result = self.runner.execute(out.chunks, self.grammars or None, self._forks or None)
         if self.step_shapes is not None:
             self.step_shapes.append((out.num_batched_tokens, len(result.seq_ids)))
         sampled = dict(zip(result.seq_ids, result.sample.token_ids, strict=True))
         failed: dict[str, tuple[str, Exception]] = {}
         self._export_prefilled(sampled, failed)
+        self._fork_sampled(sampled, failed)
         recording = {seq_id: e for seq_id, (_, e) in failed.items()}
         self.scheduler.update(out, sampled, self.eos_token_ids, recording)
         for seq_id, e in recording.items():
@@ -402,7 +507,7 @@ class LLMEngine:
         if tracked.on_prefilled is not None and not seq.is_finished:
             # Decoding goes on elsewhere, with this detokenizer state: no flush.
             self.scheduler.finish(seq, FinishReason.REMOTE)
-        elif seq.is_finished:
+        elif seq.is_finished and seq.finish_reason is not FinishReason.REMOTE:
             delta += tracked.detok.flush()
         if seq.is_finished:
             del self._requests[seq.seq_id]
@@ -423,25 +528,62 @@ class LLMEngine:
                 "request", f"failed while {phase} ({type(error).__name__}: {error}); it was "
                 "aborted, the other requests on this worker were not affected")
         self._requests.pop(seq.seq_id, None)
-        self.scheduler.finish(seq, FinishReason.ABORT)  # idempotent
+        waiting = self._forks.get(tracked.request_id)
+        if waiting and seq in waiting:
+            waiting.remove(seq)
+        if self.scheduler.get(seq.seq_id) is seq:
+            self.scheduler.finish(seq, FinishReason.ABORT)  # idempotent
+        elif not seq.is_finished:  # a choice that never joined the queues: holds nothing
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
         self._release(seq.seq_id)
         out = self._output(tracked, [], "", now)
         out.error = error
         return out
 
+    def _fork_sampled(self, sampled: dict[str, int],
+                      failed: dict[str, tuple[str, Exception]]) -> None:
+        """Choices sampled this step from their request's prompt: on a prefill worker
+        they end ``remote`` with that token; elsewhere they fork the prompt's blocks
+        (before the step's update, which may finish choice 0 and free them)."""
+        copies = []
+        for parent_id in [p for p in self._forks if p in sampled]:
+            parent = self._requests[parent_id]
+            for kid in self._forks.pop(parent_id):
+                token = sampled[kid.seq_id]
+                try:
+                    if parent.on_prefilled is not None:
+                        kid.append_token(token)
+                        reason = self.scheduler.stop_reason(kid, token, self.eos_token_ids)
+                        kid.status = SequenceStatus.FINISHED
+                        kid.finish_reason = reason or FinishReason.REMOTE
+                        continue
+                    _, copy = self.scheduler.fork(parent.seq, kid, token, self.eos_token_ids)
+                    if copy is not None:
+                        copies.append(copy)
+                except Exception as e:  # noqa: BLE001 - this choice's failure only
+                    failed[kid.seq_id] = ("forking the prompt", e)
+        self.runner.copy_blocks(copies)
+
+    def _continues(self, seq: Sequence, token: int) -> bool:
+        """Whether ``seq`` goes on after its first token ``token`` (not yet recorded)."""
+        return (seq.num_output_tokens + 1 < seq.params.max_tokens
+                and seq.num_tokens + 1 < self.max_model_len
+                and self.scheduler.stop_reason(seq, token, self.eos_token_ids) is None)
+
     def _export_prefilled(self, sampled: dict[str, int],
                           failed: dict[str, tuple[str, Exception]]) -> None:
-        """Hand prefill-only requests' blocks out while their KV is complete and held;
-        a callback that raises fails its request (into ``failed``) and holds nothing."""
+        """Hand prefill-only requests' blocks out while their KV is complete and held
+        (unless every choice ends at its first token); a callback that raises fails its
+        request (into ``failed``) and holds nothing."""
         for seq_id, token in sampled.items():
             tracked = self._requests[seq_id]
             if tracked.on_prefilled is None:
                 continue
             seq = tracked.seq
             try:
-                if (seq.num_output_tokens + 1 < seq.params.max_tokens
-                        and seq.num_tokens + 1 < self.max_model_len
-                        and self.scheduler.stop_reason(seq, token, self.eos_token_ids) is None):
+                if (self._continues(seq, token) or any(
+                        self._continues(kid, sampled[kid.seq_id])
+                        for kid in self._forks.get(seq_id, ()))):
                     self.scheduler.hold(seq)
                     tracked.on_prefilled(list(seq.block_table),
                                          partial(self.scheduler.release, seq))
@@ -455,8 +597,15 @@ class LLMEngine:
         seq = t.seq
         if t.prompt_ids is None:  # not per step: a long prompt would cost every token
             t.prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
+        done = seq.is_finished
+        if done and t.request_id in self._open:  # one of several choices
+            self._open[t.request_id] -= 1
+            done = self._open[t.request_id] == 0
+            if done:
+                del self._open[t.request_id]
+                self._choices.pop(t.request_id, None)
         return RequestOutput(
-            request_id=seq.seq_id,
+            request_id=t.request_id,
             prompt_token_ids=t.prompt_ids,
             token_ids=seq.output_token_ids,
             new_token_ids=new_ids,
@@ -469,6 +618,8 @@ class LLMEngine:
             arrival_time=t.arrival_time,
             first_token_time=t.first_token_time,
             finish_time=now if seq.is_finished else None,
+            index=t.index,
+            done=done,
         )
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from . import kernels
 from .params import EngineConfig
 from .sampler import Sampler, SampleResult, TokenMasks
 from .scheduler import ScheduledChunk
+from .sequence import Sequence
 
 NATIVE_OPS = ElementwiseOps(kernels.rms_norm, kernels.add_rms_norm, kernels.rope_, kernels.silu_mul)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -149,20 +151,25 @@ class ModelRunner:
         included (see :mod:`common.threads`)."""
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], masks: TokenMasks | None = None
-                ) -> StepResult:
-        """One forward over ``chunks``, then sampling (``masks``: structured output)."""
+    def execute(self, chunks: list[ScheduledChunk], masks: TokenMasks | None = None,
+                forks: Mapping[str, list[Sequence]] | None = None) -> StepResult:
+        """One forward over ``chunks``, then sampling (``masks``: structured output).
+        ``forks``: the other choices of a sequence whose chunk samples here; each gets a
+        row of its own, drawn from that sequence's logits (the prompt computed once)."""
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
         ordered = decode + prefill
         ids: list[int] = []
         sample_rows: list[int] = []
-        sampling: list[ScheduledChunk] = []
+        sampling: list[Sequence] = []
         for c in ordered:
             ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             if c.samples:
                 sample_rows.append(len(ids) - 1)
-                sampling.append(c)
+                sampling.append(c.seq)
+                for child in (forks or {}).get(c.seq.seq_id, ()):
+                    sample_rows.append(len(ids) - 1)
+                    sampling.append(child)
         batch, positions = build_attention_batch(
             [c.seq.block_table for c in decode],
             [c.start + 1 for c in decode],
@@ -181,7 +188,19 @@ class ModelRunner:
         self.forward_s += time.perf_counter() - wall
         if dev.type != "cpu":
             logits = logits.cpu()  # the sampler and its per-request generators live here
-        seq_ids = [c.seq.seq_id for c in sampling]
-        sample = self.sampler.sample(logits, seq_ids, [c.seq.params for c in sampling],
-                                     [c.seq for c in sampling], masks)
+        seq_ids = [seq.seq_id for seq in sampling]
+        sample = self.sampler.sample(logits, seq_ids, [seq.params for seq in sampling],
+                                     sampling, masks)
         return StepResult(seq_ids, sample)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks' K and V in every layer, (source, destination) each: the
+        copy-on-write of a forked choice's first block of its own."""
+        if not pairs:
+            return
+        bs = self.block_size
+        offsets = torch.arange(bs, device=self.device)
+        src = torch.cat([s * bs + offsets for s, _ in pairs])
+        dst = torch.cat([d * bs + offsets for _, d in pairs])
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]

@@ -25,6 +25,13 @@ computes it; :meth:`Scheduler.commit` then makes it RUNNING with its first token
 sequence is never scheduled or preempted; :meth:`Scheduler.finish` frees it like any other.
 A prefill worker's export uses :meth:`Scheduler.hold`: the sequence's blocks outlive its
 finish (in ``held``) until :meth:`Scheduler.release`, while a transfer reads them.
+
+A request of several choices (``n``) computes its prompt once, as one sequence; the
+other choices join at the end of that prompt through :meth:`Scheduler.fork`: they share
+its full blocks (reference-counted) and get a copy of its last, partial block (copy on
+write: the first block the choices write differently), then run as sequences of their
+own. A fork that finds no free block for that copy waits to be recomputed instead,
+like a preempted sequence (the shared blocks come back from the prefix cache).
 """
 
 from __future__ import annotations
@@ -170,6 +177,59 @@ class Scheduler:
         if first_token is None:
             return None
         return self._append(seq, first_token, eos_token_ids)
+
+    def fork(self, parent: Sequence, child: Sequence, first_token: int,
+             eos_token_ids: frozenset[int]) -> tuple[FinishReason | None, tuple[int, int] | None]:
+        """``child`` (a new sequence with ``parent``'s prompt, in no queue yet) starts
+        where ``parent``'s computed prompt ends, with its own first token: it shares
+        ``parent``'s full prompt blocks and gets a new block for the partial last one.
+        Returns (the finish reason when that token ends ``child``, the (source,
+        destination) block whose KV the caller must copy before the next forward, or
+        None). With no free block for the copy, ``child`` waits to be recomputed."""
+        cfg, bm = self.config, self.block_manager
+        prompt = child.num_tokens
+        assert child.num_prompt_tokens == prompt == parent.num_prompt_tokens, \
+            f"{child} is no fresh fork of {parent}"
+        if child.seq_id in self._seqs:
+            raise KeyError(f"request id {child.seq_id!r} is already in use")
+        full, partial = divmod(prompt, cfg.block_size)
+        assert len(parent.block_table) >= full + (partial > 0), f"{parent} lacks its prompt"
+        copy = None
+        bm.share(child, parent.block_table[:full])
+        if partial and not bm.allocate(child, prompt):
+            bm.free(child)  # no room: compute it again later, like a preempted sequence
+            return self.start(child, first_token, eos_token_ids), None
+        self._seqs[child.seq_id] = child
+        if partial:
+            copy = (parent.block_table[full], child.block_table[full])
+        child.num_computed_tokens = prompt
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        child.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=lambda s: s.arrival)
+        reason = self._append(child, first_token, eos_token_ids)
+        return reason, (copy if reason is None else None)
+
+    def start(self, seq: Sequence, first_token: int | None, eos_token_ids: frozenset[int]
+              ) -> FinishReason | None:
+        """Queue a sequence made by :meth:`new_sequence` to be computed here, after its
+        first token when one was sampled elsewhere (a choice whose prompt KV did not
+        come). Returns the finish reason when that token ends it."""
+        if seq.seq_id in self._seqs:
+            raise KeyError(f"request id {seq.seq_id!r} is already in use")
+        self._seqs[seq.seq_id] = seq
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+        if first_token is None:
+            return None
+        return self._append(seq, first_token, eos_token_ids)
+
+    def new_sequence(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     cache_salt: str | None = None) -> Sequence:
+        """A sequence in no queue (a choice waiting to :meth:`fork`); raises
+        ``KeyError`` on an id in use."""
+        return self._new(seq_id, prompt_token_ids, params, cache_salt)
 
     def _append(self, seq: Sequence, token: int, eos: frozenset[int]) -> FinishReason | None:
         seq.append_token(token)

@@ -70,6 +70,10 @@ class Sequence:
         self.num_hashed_blocks = 0  # leading blocks already offered to the prefix cache
 
     @property
+    def cache_salt(self) -> str | None:
+        return self._cache_salt
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

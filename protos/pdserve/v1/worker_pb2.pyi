@@ -8,32 +8,36 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "cache_salt", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs", "queue_s")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "logprobs", "queue_s", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     queue_s: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., queue_s: _Optional[float] = ..., index: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("address", "skip_blocks", "block_ids")
@@ -54,10 +58,12 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[WorkerGenerateRequest, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first",)
+    __slots__ = ("first", "choices")
     FIRST_FIELD_NUMBER: _ClassVar[int]
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
     first: WorkerGenerateResponse
-    def __init__(self, first: _Optional[_Union[WorkerGenerateResponse, _Mapping]] = ...) -> None: ...
+    choices: _containers.RepeatedCompositeFieldContainer[WorkerGenerateResponse]
+    def __init__(self, first: _Optional[_Union[WorkerGenerateResponse, _Mapping]] = ..., choices: _Optional[_Iterable[_Union[WorkerGenerateResponse, _Mapping]]] = ...) -> None: ...
 
 class Reservation(_message.Message):
     __slots__ = ("local", "cached_tokens", "target")
@@ -70,10 +76,12 @@ class Reservation(_message.Message):
     def __init__(self, local: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ...) -> None: ...
 
 class DecodeCommit(_message.Message):
-    __slots__ = ("first_token",)
+    __slots__ = ("first_token", "choice_tokens")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     first_token: int
-    def __init__(self, first_token: _Optional[int] = ...) -> None: ...
+    choice_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, first_token: _Optional[int] = ..., choice_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("start", "commit")
