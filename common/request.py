@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from .sampling import SEED_MAX, SEED_MIN, InvalidRequestError, SamplingParams
+from .sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN, InvalidRequestError, SamplingParams
 
 MAX_CACHE_SALT_BYTES = 256
 """A salt names a tenant (an id, or a 32-byte key as hex or base64: 44-64 bytes); it
@@ -83,6 +83,10 @@ class Request:
     n: int = 1
     """Choices: the prompt is computed (and its KV moved) once, then each choice samples
     on its own, in blocks that share the prompt's (:meth:`choice_sampling`)."""
+    prompt_logprobs: int | None = None
+    """Log-probabilities of the prompt's tokens (each given those before it) with this
+    many alternatives; the worker that computes the prompt computes them, and reuses no
+    cached prefix for it (a cached block has no logits)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_token_ids",
@@ -99,6 +103,11 @@ class Request:
                 or not 1 <= self.n <= MAX_CHOICES):
             raise InvalidRequestError("n", f"must be an integer from 1 to {MAX_CHOICES}, got "
                                       f"{self.n!r}")
+        k = self.prompt_logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int)
+                              or not 0 <= k <= MAX_LOGPROBS):
+            raise InvalidRequestError("prompt_logprobs", f"must be an integer from 0 to "
+                                      f"{MAX_LOGPROBS}, got {k!r}")
 
     def choice_sampling(self, index: int) -> SamplingParams:
         """The sampling of choice ``index``: a seeded request's choice i draws with seed
@@ -130,7 +139,7 @@ class Request:
             sampling = replace(sampling, structured=replace(
                 structured, prior_tokens=structured.prior_tokens + len(generated)))
         return Request(request_id, self.prompt_token_ids + tuple(generated), sampling,
-                       self.cache_salt, self.n)
+                       self.cache_salt, self.n)  # prompt log-probabilities came already
 
 
 def choice_sampling(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -92,10 +92,11 @@ def request_to_proto(r: Request) -> worker_pb2.WorkerGenerateRequest:
     return worker_pb2.WorkerGenerateRequest(
         request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
         sampling=sampling_to_proto(r.sampling), cache_salt=r.cache_salt or "",
-        n=r.n if r.n != 1 else 0)
+        n=r.n if r.n != 1 else 0, prompt_logprobs=r.prompt_logprobs)
 
 
 def request_from_proto(msg: worker_pb2.WorkerGenerateRequest) -> Request:
     """A worker's typed request; raises ``InvalidRequestError`` naming the field."""
     return Request(msg.request_id, tuple(msg.prompt_token_ids),
-                   sampling_from_proto(msg.sampling), msg.cache_salt or None, msg.n or 1)
+                   sampling_from_proto(msg.sampling), msg.cache_salt or None, msg.n or 1,
+                   msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None)

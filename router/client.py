@@ -40,7 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.sampling import SamplingParams
 from common.tls import client_credentials, load_ca
 from common.wire import FINISH_NAMES, sampling_to_proto
-from protos.pdserve.v1 import api_pb2, api_pb2_grpc
+from protos.pdserve.v1 import api_pb2, api_pb2_grpc, common_pb2
 
 from .resume import Resume
 
@@ -63,12 +63,15 @@ class Completion:
     """How the router placed it: policy, reason, worker, indexed_cached_tokens, ..."""
     resumes: int = 0
     """How many times the client moved the request to another router (its router died)."""
+    prompt_logprobs: list[common_pb2.TokenLogprob] = field(default_factory=list)
+    """Asked for: one per prompt token after the first (token id, log-probability, top)."""
 
     def add(self, msg: api_pb2.GenerateResponse) -> None:
         self.request_id = msg.request_id or self.request_id
         self.text += msg.text
         self.token_ids.extend(msg.token_ids)
         self.prompt_token_ids.extend(msg.prompt_token_ids)
+        self.prompt_logprobs.extend(msg.prompt_logprobs)
         if msg.finish_reason:
             self.finish_reason = FINISH_NAMES.get(msg.finish_reason, "unknown")
             u = msg.usage
@@ -108,12 +111,14 @@ def describe_busy(w: api_pb2.WorkerStatus) -> str:
 
 
 def build_request(prompt: Prompt, request_id: str = "", model: str = "",
-                  cache_salt: str = "", n: int = 1, **sampling: Any) -> api_pb2.GenerateRequest:
+                  cache_salt: str = "", n: int = 1, prompt_logprobs: int | None = None,
+                  **sampling: Any) -> api_pb2.GenerateRequest:
     """``sampling`` takes :class:`SamplingParams` fields; they are validated here too.
-    ``n``: choices (see :meth:`Client.choices`)."""
+    ``n``: choices (see :meth:`Client.choices`); ``prompt_logprobs``: the prompt tokens'
+    log-probabilities with this many alternatives (:attr:`Completion.prompt_logprobs`)."""
     req = api_pb2.GenerateRequest(request_id=request_id, model=model, cache_salt=cache_salt,
                                   sampling=sampling_to_proto(SamplingParams(**sampling)),
-                                  n=n if n != 1 else 0)
+                                  n=n if n != 1 else 0, prompt_logprobs=prompt_logprobs)
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], dict):

@@ -117,6 +117,7 @@ class _Relay:
     def __init__(self, request_id: str, prompt_ids: list[int], received: float) -> None:
         self.request_id, self.prompt_ids, self.received = request_id, prompt_ids, received
         self.first = True
+        self.prompt_logprobs_sent = False
         self.first_token_at: float | None = None
 
     def convert(self, msg: worker_pb2.WorkerGenerateResponse) -> api_pb2.GenerateResponse:
@@ -125,6 +126,9 @@ class _Relay:
         if self.first:
             out.prompt_token_ids.extend(self.prompt_ids)
             self.first = False
+        if msg.prompt_logprobs and not self.prompt_logprobs_sent:  # once (a recompute
+            out.prompt_logprobs.extend(msg.prompt_logprobs)       # sends them again)
+            self.prompt_logprobs_sent = True
         if self.first_token_at is None and msg.token_ids:
             self.first_token_at = time.monotonic()
         if msg.finish_reason:
@@ -308,7 +312,8 @@ class Router:
                 ids = await self.tokenize(req)
                 check_prompt(ids, self.max_model_len, len(self.tokenizer))
             request = Request(req.request_id or self.new_request_id(), tuple(ids), sampling,
-                              req.cache_salt or None, req.n or 1)  # checks salt and n
+                              req.cache_salt or None, req.n or 1,
+                              req.prompt_logprobs if req.HasField("prompt_logprobs") else None)
         except InvalidRequestError as e:
             raise RouterError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.field) from e
         if caller.tenant:

@@ -154,7 +154,8 @@ class Dispatcher:
                         else:
                             yield worker_pb2.WorkerGenerateResponse(
                                 token_ids=first.token_ids, text=first.text,
-                                logprobs=first.logprobs, index=i)
+                                logprobs=first.logprobs, index=i,
+                                prompt_logprobs=first.prompt_logprobs)
                 await _write(call, None)
             while len(done) < choices:
                 msg = await call.read()

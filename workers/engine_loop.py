@@ -367,7 +367,8 @@ class EngineLoop(ReservationDriver):
             try:
                 r = cmd.request
                 self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.sampling,
-                                        r.cache_salt, cmd.on_prefilled, r.n)
+                                        r.cache_salt, cmd.on_prefilled, r.n,
+                                        r.prompt_logprobs)
             except Exception as e:  # noqa: BLE001 - the request's own: back to its caller
                 self._deliver(cmd, request_error(cmd.request_id, e))
                 return

@@ -58,7 +58,7 @@ class ReservationDriver:
         try:
             r = add.request
             kv = self.engine.reserve_request(rid, list(r.prompt_token_ids), r.sampling,
-                                             r.cache_salt, r.n)
+                                             r.cache_salt, r.n, r.prompt_logprobs)
         except Exception as e:  # noqa: BLE001 - the request's own: back to its caller
             machine.reject()
             self._deliver(add, request_error(rid, e))

@@ -47,6 +47,7 @@ from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .config import WorkerConfig
 from .engine.llm_engine import LLMEngine, RequestOutput
+from .engine.sampler import TokenLogprobs
 from .engine_loop import EngineLoop, EngineUnavailableError
 from .kv_targets import KVTargets
 from .metrics import WorkerMetrics
@@ -69,10 +70,9 @@ def to_proto(out: RequestOutput, first_index: int) -> worker_pb2.WorkerGenerateR
     msg = worker_pb2.WorkerGenerateResponse(token_ids=out.new_token_ids, text=out.delta_text,
                                             index=out.index)
     if out.logprobs is not None:
-        for lp in out.logprobs[first_index:]:
-            msg.logprobs.append(common_pb2.TokenLogprob(
-                token_id=lp.token_id, logprob=lp.logprob,
-                top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+        msg.logprobs.extend(map(_logprob, out.logprobs[first_index:]))
+    if out.prompt_logprobs is not None:
+        msg.prompt_logprobs.extend(map(_logprob, out.prompt_logprobs))
     if out.finished:
         if out.finish_reason != "remote":
             msg.finish_reason = FINISH_REASONS[out.finish_reason or "abort"]
@@ -82,6 +82,12 @@ def to_proto(out: RequestOutput, first_index: int) -> worker_pb2.WorkerGenerateR
         if out.first_token_time is not None:
             msg.queue_s = max(0.0, out.first_token_time - out.arrival_time)
     return msg
+
+
+def _logprob(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(
+        token_id=lp.token_id, logprob=lp.logprob,
+        top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 
 def _log_failed_send(result: TransferResult) -> None:

@@ -173,11 +173,16 @@ def test_choices_prefill_once_move_kv_once_and_share_the_prompt_blocks(
                 held = _role_totals(c, "decode")[3]
         mid = _role_totals(c, "prefill")
         again = client.choices(prompt, 3, **seeded)
+        final = _role_totals(c, "prefill")
+        scored = client.generate(prompt[:40], prompt_logprobs=2, **GREEDY)
     assert held and held <= 13 + 2 * 3, f"{held} blocks held for 3 choices of 13 blocks"
+    # Prompt log-probabilities come from the prefill worker, once, one per token after
+    # the first (their values are checked against HF's in test_disagg_engines).
+    assert [e.token_id for e in scored.prompt_logprobs] == prompt[1:40]
+    assert all(e.logprob <= 0 and len(e.top) == 2 for e in scored.prompt_logprobs)
     assert [a.token_ids for a in again] == first and len({tuple(f) for f in first}) == 3
     # Later requests move at most one prompt's KV each (less where the decode worker
     # they land on caches some of it), in one transfer each.
-    final = _role_totals(c, "prefill")
     assert 0 < final[1] - mid[1] <= one_prompt and 0 < mid[1] - after["prefill"][1] <= one_prompt
     assert final[0] - after["prefill"][0] == 2
     assert_cluster_idle(c)

@@ -52,10 +52,11 @@ def run_until_done(eng: LLMEngine, rid: str) -> RequestOutput:
 
 
 def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],  # noqa: ANN001
-                  params: SamplingParams = GREEDY, drop: bool = False
+                  params: SamplingParams = GREEDY, drop: bool = False,
+                  prompt_logprobs: int | None = None,
                   ) -> tuple[RequestOutput, RequestOutput, TransferState]:
     sender, receiver = channel
-    kv = d.reserve_request(rid, ids, params)
+    kv = d.reserve_request(rid, ids, params, prompt_logprobs=prompt_logprobs)
     assert kv is not None
     bs, skip, dst = kv.block_size, kv.skip_blocks, list(kv.target_block_ids)
     cache = d.kv_view().cache
@@ -72,7 +73,7 @@ def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],
         sent.append(sender.send_paged(receiver.address, rid, p.kv_view().cache, table[skip:],
                                       dst, bs))
 
-    p.add_request(rid, ids, params, on_prefilled=export)
+    p.add_request(rid, ids, params, on_prefilled=export, prompt_logprobs=prompt_logprobs)
     first = run_until_done(p, rid)
     assert first.finish_reason == "remote" and len(first.token_ids) == 1
     result = handle.wait(30)
@@ -309,3 +310,51 @@ def test_choices_prefill_once_transfer_once_and_share_the_prompt(tiny_checkpoint
     assert result.ok is not drop
     for eng in (p, d, local):
         assert_no_leaks(eng)
+
+
+def _hf_prompt_logprobs(path, ids: list[int], top: int) -> list[tuple[float, list[int]]]:  # noqa: ANN001
+    """HF's log-probability of each prompt token after the first, and its top ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [(float(lp[i, ids[i + 1]]), lp[i].topk(top).indices.tolist())
+            for i in range(len(ids) - 1)]
+
+
+def test_prompt_logprobs_equal_hf_chunked_cached_and_across_the_split(tiny_checkpoints,
+                                                                     channel) -> None:
+    """Prompt log-probabilities (with 3 alternatives) equal HF's for a prompt computed in
+    two chunks, again when its blocks are cached (no cached prefix is reused for them),
+    and from the prefill engine of a split, with the first token; no block leaks."""
+    path = tiny_checkpoints["llama"]
+    ids = list(range(7, 47))  # 40 tokens: two chunks of the 23-token step budget
+    ref = _hf_prompt_logprobs(path, ids, 3)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def check(entries) -> None:  # noqa: ANN001
+        assert entries is not None and len(entries) == len(ids) - 1
+        for i, (e, (lp, top)) in enumerate(zip(entries, ref, strict=True)):
+            assert e.token_id == ids[i + 1] and abs(e.logprob - lp) < 1e-3, i
+            assert [t for t, _ in e.top] == top
+
+    eng = engine(path)
+    for rid in ("plp-1", "plp-2"):  # the second finds the prompt's blocks cached
+        eng.add_request(rid, ids, params, prompt_logprobs=3)
+        firsts = []
+        while True:
+            outs = [o for o in eng.step() if o.request_id == rid]
+            firsts += [o for o in outs if o.prompt_logprobs is not None]
+            if any(o.finished for o in outs):
+                break
+        assert len(firsts) == 1 and firsts[0].new_token_ids  # with the first token only
+        check(firsts[0].prompt_logprobs)
+    p, d = engine(path), engine(path)
+    first, _, state = disaggregated(p, d, channel, "plp-split", ids, params,
+                                    prompt_logprobs=3)
+    assert state is TransferState.DONE
+    check(first.prompt_logprobs)
+    for e in (eng, p, d):
+        assert_no_leaks(e)

@@ -85,7 +85,7 @@ class BlockManager:
         needed), so a fully cached prompt reuses all but its last block. Every hit is
         re-checked token by token: a hash collision is a miss, never a wrong token.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return PrefixMatch((), 0, 0)
         max_blocks = (seq.num_tokens - 1) // self.block_size
         ids: list[int] = []

@@ -97,6 +97,9 @@ class RequestOutput:
     index: int = 0
     """Which choice of the request (0 .. n-1); ``finished`` and the rest are that
     choice's."""
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """Asked for: on the first output of choice 0 that follows the prompt's computation
+    here, one entry per prompt token after the first."""
     done: bool = False
     """Every choice of the request has finished: its last output."""
 
@@ -125,6 +128,7 @@ class _Tracked:
     prompt_ids: list[int] | None = None  # copied once, shared by every output
     request_id: str = ""  # the request this choice belongs to ("": its own seq id)
     index: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # asked for: collected so far
 
 
 def choice_id(request_id: str, index: int) -> str:
@@ -186,6 +190,7 @@ class LLMEngine:
         self._choices: dict[str, list[str]] = {}  # n > 1: request id -> its sequence ids
         self._open: dict[str, int] = {}  # n > 1: request id -> choices not finished
         self._forks: dict[str, list[Sequence]] = {}  # choice 0's id -> choices to fork
+        self._prompt_lps: dict[str, int] = {}  # seq id -> alternatives: prompt logprobs due
         self.last_step_empty = False
         """Whether the last ``step`` found nothing it could run (no free blocks yet)."""
         self.step_shapes: list[tuple[int, int]] | None = None
@@ -229,6 +234,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         on_prefilled: OnPrefilled | None = None,
         n: int = 1,
+        prompt_logprobs: int | None = None,
     ) -> None:
         """Validate and queue; raises :class:`InvalidRequestError` and changes nothing.
 
@@ -237,7 +243,7 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         self._validate(request_id, ids, params, cache_salt, n)
         matchers = [self.grammars.start(choice_sampling(params, i), ids) for i in range(n)]
-        seq = self.scheduler.add(request_id, ids, params, cache_salt)
+        seq = self.scheduler.add(request_id, ids, params, cache_salt, prompt_logprobs)
         self._track(seq, on_prefilled)
         self.grammars.bind(seq.seq_id, matchers[0])
         self._add_choices(seq, n, matchers)
@@ -266,9 +272,12 @@ class LLMEngine:
         except Exception:  # an untracked sequence would fail the next step: none
             self.scheduler.abort(seq.seq_id)
             raise
-        self._requests[seq.seq_id] = _Tracked(seq, detok, time.monotonic(),
-                                              on_prefilled=on_prefilled,
-                                              request_id=request_id or seq.seq_id, index=index)
+        self._requests[seq.seq_id] = _Tracked(
+            seq, detok, time.monotonic(), on_prefilled=on_prefilled,
+            request_id=request_id or seq.seq_id, index=index,
+            prompt_logprobs=[] if seq.prompt_logprobs is not None else None)
+        if seq.prompt_logprobs is not None:
+            self._prompt_lps[seq.seq_id] = seq.prompt_logprobs
 
     def reserve_request(
         self,
@@ -277,6 +286,7 @@ class LLMEngine:
         params: SamplingParams,
         cache_salt: str | None = None,
         n: int = 1,
+        prompt_logprobs: int | None = None,
     ) -> KVReservation | None:
         """Decode side: validate, then hold blocks for the whole prompt (the cached
         prefix reused: its tokens need no transfer, the rest lands in
@@ -286,7 +296,7 @@ class LLMEngine:
         ids = self.tokenize(prompt)
         self._validate(request_id, ids, params, cache_salt, n)
         matchers = [self.grammars.start(choice_sampling(params, i), ids) for i in range(n)]
-        seq = self.scheduler.reserve(request_id, ids, params, cache_salt)
+        seq = self.scheduler.reserve(request_id, ids, params, cache_salt, prompt_logprobs)
         if seq is None:
             return None
         self._track(seq)
@@ -431,7 +441,9 @@ class LLMEngine:
         return aborted
 
     def _release(self, seq_id: str) -> None:
-        """Forget a request's per-request sampling state (generator, grammar)."""
+        """Forget a request's per-request sampling state (generator, grammar, prompt
+        log-probabilities still due)."""
+        self._prompt_lps.pop(seq_id, None)
         self.runner.sampler.release(seq_id)
         self.grammars.release(seq_id)
 
@@ -460,7 +472,9 @@ class LLMEngine:
         self.last_step_empty = out.is_empty
         if out.is_empty:
             return []
-        result = self.runner.execute(out.chunks, self.grammars or None, self._forks or None)
+        result = self.runner.execute(out.chunks, self.grammars or None, self._forks or None,
+                                     self._prompt_lps or None)
+        self._collect_prompt_logprobs(result.prompt_logprobs)
         if self.step_shapes is not None:
             self.step_shapes.append((out.num_batched_tokens, len(result.seq_ids)))
         sampled = dict(zip(result.seq_ids, result.sample.token_ids, strict=True))
@@ -564,6 +578,19 @@ class LLMEngine:
                     failed[kid.seq_id] = ("forking the prompt", e)
         self.runner.copy_blocks(copies)
 
+    def _collect_prompt_logprobs(self, got: dict[str, list[tuple[int, TokenLogprobs]]]
+                                 ) -> None:
+        """Append each position's entry in order (a recomputed chunk repeats none)."""
+        for seq_id, entries in got.items():
+            t = self._requests.get(seq_id)
+            if t is None or t.prompt_logprobs is None:
+                continue
+            for pos, entry in entries:
+                if pos == len(t.prompt_logprobs):
+                    t.prompt_logprobs.append(entry)
+            if len(t.prompt_logprobs) >= t.seq.num_prompt_tokens - 1:
+                self._prompt_lps.pop(seq_id, None)
+
     def _continues(self, seq: Sequence, token: int) -> bool:
         """Whether ``seq`` goes on after its first token ``token`` (not yet recorded)."""
         return (seq.num_output_tokens + 1 < seq.params.max_tokens
@@ -597,6 +624,10 @@ class LLMEngine:
         seq = t.seq
         if t.prompt_ids is None:  # not per step: a long prompt would cost every token
             t.prompt_ids = seq.token_ids[: seq.num_prompt_tokens]
+        prompt_lps = None
+        if (t.prompt_logprobs is not None and seq.seq_id not in self._prompt_lps
+                and new_ids):  # complete: with the first token that follows
+            prompt_lps, t.prompt_logprobs = t.prompt_logprobs, None
         done = seq.is_finished
         if done and t.request_id in self._open:  # one of several choices
             self._open[t.request_id] -= 1
@@ -620,6 +651,7 @@ class LLMEngine:
             finish_time=now if seq.is_finished else None,
             index=t.index,
             done=done,
+            prompt_logprobs=prompt_lps,
         )
 
 

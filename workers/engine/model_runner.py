@@ -27,7 +27,7 @@ from workers.models.linear import TORCH_LINEAR, onednn_linear
 
 from . import kernels
 from .params import EngineConfig
-from .sampler import Sampler, SampleResult, TokenMasks
+from .sampler import Sampler, SampleResult, TokenLogprobs, TokenMasks
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
 
@@ -41,6 +41,10 @@ class StepResult:
 
     seq_ids: list[str]
     sample: SampleResult
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = dataclasses.field(
+        default_factory=dict)
+    """seq id -> (prompt position, log-probability of the token after it) for the
+    positions this step computed, of the sequences that asked for them."""
 
 
 def model_context_len(model_path: Path) -> int:
@@ -152,10 +156,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], masks: TokenMasks | None = None,
-                forks: Mapping[str, list[Sequence]] | None = None) -> StepResult:
+                forks: Mapping[str, list[Sequence]] | None = None,
+                prompt_logprobs: Mapping[str, int] | None = None) -> StepResult:
         """One forward over ``chunks``, then sampling (``masks``: structured output).
         ``forks``: the other choices of a sequence whose chunk samples here; each gets a
-        row of its own, drawn from that sequence's logits (the prompt computed once)."""
+        row of its own, drawn from that sequence's logits (the prompt computed once).
+        ``prompt_logprobs``: seq id -> alternatives, for sequences whose prompt positions
+        computed here also get the log-probability of the prompt token that follows."""
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
         ordered = decode + prefill
@@ -170,6 +177,16 @@ class ModelRunner:
                 for child in (forks or {}).get(c.seq.seq_id, ()):
                     sample_rows.append(len(ids) - 1)
                     sampling.append(child)
+        prompt_rows: list[tuple[str, int, int, int]] = []  # (seq id, position, next, top)
+        offset = 0
+        for c in ordered:
+            top = (prompt_logprobs or {}).get(c.seq.seq_id)
+            if top is not None:
+                last = min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1)
+                prompt_rows += [(c.seq.seq_id, pos, c.seq.token_ids[pos + 1], top)
+                                for pos in range(c.start, last)]
+                sample_rows += [offset + pos - c.start for pos in range(c.start, last)]
+            offset += c.num_tokens
         batch, positions = build_attention_batch(
             [c.seq.block_table for c in decode],
             [c.start + 1 for c in decode],
@@ -189,9 +206,10 @@ class ModelRunner:
         if dev.type != "cpu":
             logits = logits.cpu()  # the sampler and its per-request generators live here
         seq_ids = [seq.seq_id for seq in sampling]
-        sample = self.sampler.sample(logits, seq_ids, [seq.params for seq in sampling],
-                                     sampling, masks)
-        return StepResult(seq_ids, sample)
+        sample = self.sampler.sample(logits[: len(sampling)], seq_ids,
+                                     [seq.params for seq in sampling], sampling, masks)
+        return StepResult(seq_ids, sample,
+                          _prompt_logprobs(logits[len(sampling):], prompt_rows))
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -204,3 +222,22 @@ class ModelRunner:
         src = torch.cat([s * bs + offsets for s, _ in pairs])
         dst = torch.cat([d * bs + offsets for _, d in pairs])
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+
+def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple[str, int, int, int]]
+                     ) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+    """Each row's log-probability of its next prompt token and its ``top`` most likely
+    alternatives, by sequence: (position, entry) in position order."""
+    out: dict[str, list[tuple[int, TokenLogprobs]]] = {}
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    nexts = torch.tensor([r[2] for r in rows])
+    chosen = lp.gather(1, nexts.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(r[3] for r in rows), lp.shape[-1])
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for i, (seq_id, pos, nxt, top) in enumerate(rows):
+        alts = tuple(zip(top_i[i][:top], top_v[i][:top], strict=True))
+        out.setdefault(seq_id, []).append((pos, TokenLogprobs(nxt, chosen[i], alts)))
+    return out

@@ -99,9 +99,11 @@ class Scheduler:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Sequence:
         """Queue a validated request. Raises ``KeyError`` on a duplicate id."""
         seq = self._new(seq_id, prompt_token_ids, params, cache_salt)
+        seq.prompt_logprobs = prompt_logprobs
         self._seqs[seq_id] = seq
         self.waiting.append(seq)
         return seq
@@ -124,6 +126,7 @@ class Scheduler:
         prompt_token_ids: list[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Sequence | None:
         """Hold blocks for the whole prompt of a request whose KV comes from elsewhere.
 
@@ -136,6 +139,7 @@ class Scheduler:
         if len(self.running) + len(self.reserved) >= cfg.max_num_seqs:
             return None
         seq = self._new(seq_id, prompt_token_ids, params, cache_salt)
+        seq.prompt_logprobs = prompt_logprobs
         match = bm.match_prefix(seq)
         need = -(-seq.num_tokens // cfg.block_size) - len(match.block_ids)
         reserve = cfg.watermark_blocks if self.running or self.reserved else 0

@@ -68,6 +68,9 @@ class Sequence:
             self.token_ids, block_size, model_id, cache_salt
         )
         self.num_hashed_blocks = 0  # leading blocks already offered to the prefix cache
+        self.prompt_logprobs: int | None = None
+        """Set: the prompt's log-probabilities are wanted (this many alternatives), so
+        no cached prefix is reused (a cached block has no logits)."""
 
     @property
     def cache_salt(self) -> str | None:

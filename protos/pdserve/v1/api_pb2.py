@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/pdserve/v1/api.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xf4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\rB\x08\n\x06prompt\"\xbb\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12$\n\x07routing\x18\t \x01(\x0b\x32\x13.pdserve.v1.Routing\x12\r\n\x05index\x18\n \x01(\r\"\xa5\x01\n\x07Routing\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\t\x12\x1d\n\x15indexed_cached_tokens\x18\x04 \x01(\r\x12 \n\x18\x65stimated_prefill_tokens\x18\x05 \x01(\r\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x12\n\nmigrations\x18\x07 \x01(\r\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"h\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x12\n\x10GetStatusRequest\"\x9b\x02\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x18\n\x10waiting_requests\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\r\x12\x19\n\x11reserved_requests\x18\x08 \x01(\r\x12,\n\ttransfers\x18\t \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x15\n\rprompt_tokens\x18\n \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x04\"\xab\x02\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x1a\n\x12requests_in_flight\x18\x03 \x01(\r\x12\x1e\n\x16max_requests_in_flight\x18\x04 \x01(\r\x12N\n\x11routing_decisions\x18\x05 \x03(\x0b\x32\x33.pdserve.v1.GetStatusResponse.RoutingDecisionsEntry\x12\x17\n\x0fprefix_index_up\x18\x06 \x01(\x08\x1a\x37\n\x15RoutingDecisionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xb0\x02\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12H\n\tGetStatus\x12\x1c.pdserve.v1.GetStatusRequest\x1a\x1d.pdserve.v1.GetStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/pdserve/v1/api.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xa6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12,\n\x08messages\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\t\n\x01n\x18\x08 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x12\n\x10_prompt_logprobs\"\xee\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x06 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x18\n\x10prompt_token_ids\x18\x08 \x03(\r\x12$\n\x07routing\x18\t \x01(\x0b\x32\x13.pdserve.v1.Routing\x12\r\n\x05index\x18\n \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xa5\x01\n\x07Routing\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06worker\x18\x03 \x01(\t\x12\x1d\n\x15indexed_cached_tokens\x18\x04 \x01(\r\x12 \n\x18\x65stimated_prefill_tokens\x18\x05 \x01(\r\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x12\n\nmigrations\x18\x07 \x01(\r\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo\"h\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\x08messages\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x42\x08\n\x06prompt\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\x12\n\x10GetStatusRequest\"\x9b\x02\n\x0cWorkerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07serving\x18\x03 \x01(\x08\x12\x18\n\x10running_requests\x18\x04 \x01(\r\x12\x18\n\x10waiting_requests\x18\x05 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x06 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x07 \x01(\r\x12\x19\n\x11reserved_requests\x18\x08 \x01(\r\x12,\n\ttransfers\x18\t \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x15\n\rprompt_tokens\x18\n \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0b \x01(\x04\"\xab\x02\n\x11GetStatusResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x1a\n\x12requests_in_flight\x18\x03 \x01(\r\x12\x1e\n\x16max_requests_in_flight\x18\x04 \x01(\r\x12N\n\x11routing_decisions\x18\x05 \x03(\x0b\x32\x33.pdserve.v1.GetStatusResponse.RoutingDecisionsEntry\x12\x17\n\x0fprefix_index_up\x18\x06 \x01(\x08\x1a\x37\n\x15RoutingDecisionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\xb0\x02\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponse\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12H\n\tGetStatus\x12\x1c.pdserve.v1.GetStatusRequest\x1a\x1d.pdserve.v1.GetStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,29 +41,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=146
   _globals['_CHATMESSAGES']._serialized_end=203
   _globals['_GENERATEREQUEST']._serialized_start=206
-  _globals['_GENERATEREQUEST']._serialized_end=450
-  _globals['_GENERATERESPONSE']._serialized_start=453
-  _globals['_GENERATERESPONSE']._serialized_end=768
-  _globals['_ROUTING']._serialized_start=771
-  _globals['_ROUTING']._serialized_end=936
-  _globals['_LISTMODELSREQUEST']._serialized_start=938
-  _globals['_LISTMODELSREQUEST']._serialized_end=957
-  _globals['_MODELINFO']._serialized_start=959
-  _globals['_MODELINFO']._serialized_end=1005
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1007
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1066
-  _globals['_TOKENIZEREQUEST']._serialized_start=1068
-  _globals['_TOKENIZEREQUEST']._serialized_end=1172
-  _globals['_TOKENIZERESPONSE']._serialized_start=1174
-  _globals['_TOKENIZERESPONSE']._serialized_end=1211
-  _globals['_GETSTATUSREQUEST']._serialized_start=1213
-  _globals['_GETSTATUSREQUEST']._serialized_end=1231
-  _globals['_WORKERSTATUS']._serialized_start=1234
-  _globals['_WORKERSTATUS']._serialized_end=1517
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1520
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1819
-  _globals['_GETSTATUSRESPONSE_ROUTINGDECISIONSENTRY']._serialized_start=1764
-  _globals['_GETSTATUSRESPONSE_ROUTINGDECISIONSENTRY']._serialized_end=1819
-  _globals['_PDSERVE']._serialized_start=1822
-  _globals['_PDSERVE']._serialized_end=2126
+  _globals['_GENERATEREQUEST']._serialized_end=500
+  _globals['_GENERATERESPONSE']._serialized_start=503
+  _globals['_GENERATERESPONSE']._serialized_end=869
+  _globals['_ROUTING']._serialized_start=872
+  _globals['_ROUTING']._serialized_end=1037
+  _globals['_LISTMODELSREQUEST']._serialized_start=1039
+  _globals['_LISTMODELSREQUEST']._serialized_end=1058
+  _globals['_MODELINFO']._serialized_start=1060
+  _globals['_MODELINFO']._serialized_end=1106
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1108
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1167
+  _globals['_TOKENIZEREQUEST']._serialized_start=1169
+  _globals['_TOKENIZEREQUEST']._serialized_end=1273
+  _globals['_TOKENIZERESPONSE']._serialized_start=1275
+  _globals['_TOKENIZERESPONSE']._serialized_end=1312
+  _globals['_GETSTATUSREQUEST']._serialized_start=1314
+  _globals['_GETSTATUSREQUEST']._serialized_end=1332
+  _globals['_WORKERSTATUS']._serialized_start=1335
+  _globals['_WORKERSTATUS']._serialized_end=1618
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1621
+  _globals['_GETSTATUSRESPONSE']._serialized_end=1920
+  _globals['_GETSTATUSRESPONSE_ROUTINGDECISIONSENTRY']._serialized_start=1865
+  _globals['_GETSTATUSRESPONSE_ROUTINGDECISIONSENTRY']._serialized_end=1920
+  _globals['_PDSERVE']._serialized_start=1923
+  _globals['_PDSERVE']._serialized_end=2227
 # @@protoc_insertion_point(module_scope)

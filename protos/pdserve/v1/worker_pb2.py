@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.pdserve.v1 import common_pb2 as protos_dot_pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\x92\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\t\n\x01n\x18\x05 \x01(\r\"\xd8\x01\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\r\n\x05index\x18\x07 \x01(\r\"C\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\"j\n\x0ePrefillRequest\x12\x32\n\x07request\x18\x01 \x01(\x0b\x32!.pdserve.v1.WorkerGenerateRequest\x12$\n\x06target\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"y\n\x0fPrefillResponse\x12\x31\n\x05\x66irst\x18\x01 \x01(\x0b\x32\".pdserve.v1.WorkerGenerateResponse\x12\x33\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\".pdserve.v1.WorkerGenerateResponse\"Y\n\x0bReservation\x12\r\n\x05local\x18\x01 \x01(\x08\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12$\n\x06target\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"O\n\x0c\x44\x65\x63odeCommit\x12\x18\n\x0b\x66irst_token\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rchoice_tokens\x18\x02 \x03(\rB\x0e\n\x0c_first_token\"w\n\rDecodeRequest\x12\x32\n\x05start\x18\x01 \x01(\x0b\x32!.pdserve.v1.WorkerGenerateRequestH\x00\x12*\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.DecodeCommitH\x00\x42\x06\n\x04kind\"~\n\x0e\x44\x65\x63odeResponse\x12.\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ReservationH\x00\x12\x34\n\x06output\x18\x02 \x01(\x0b\x32\".pdserve.v1.WorkerGenerateResponseH\x00\x42\x06\n\x04kind\"\x10\n\x0eGetLoadRequest\"\xc3\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\x18\n\x10waiting_requests\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x19\n\x11reserved_requests\x18\x08 \x01(\r\x12,\n\ttransfers\x18\t \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x10\n\x08model_id\x18\x0b \x01(\t\x12\x15\n\rprompt_tokens\x18\x0c \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\r \x01(\x04\"G\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\"]\n\x0fSetRoleResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x15\n\rprevious_role\x18\x02 \x01(\t\x12\x11\n\tdrained_s\x18\x03 \x01(\x01\x12\x12\n\nkv_address\x18\x04 \x01(\t2\xe9\x02\n\x06Worker\x12S\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\".pdserve.v1.WorkerGenerateResponse0\x01\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse(\x01\x30\x01\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1eprotos/pdserve/v1/common.proto\"\xc4\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x04 \x01(\t\x12\t\n\x01n\x18\x05 \x01(\r\x12\x1c\n\x0fprompt_logprobs\x18\x06 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_prompt_logprobs\"\x8b\x02\n\x16WorkerGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\x12\r\n\x05index\x18\x07 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"C\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x02 \x01(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\"j\n\x0ePrefillRequest\x12\x32\n\x07request\x18\x01 \x01(\x0b\x32!.pdserve.v1.WorkerGenerateRequest\x12$\n\x06target\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"y\n\x0fPrefillResponse\x12\x31\n\x05\x66irst\x18\x01 \x01(\x0b\x32\".pdserve.v1.WorkerGenerateResponse\x12\x33\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\".pdserve.v1.WorkerGenerateResponse\"Y\n\x0bReservation\x12\r\n\x05local\x18\x01 \x01(\x08\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12$\n\x06target\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\"O\n\x0c\x44\x65\x63odeCommit\x12\x18\n\x0b\x66irst_token\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rchoice_tokens\x18\x02 \x03(\rB\x0e\n\x0c_first_token\"w\n\rDecodeRequest\x12\x32\n\x05start\x18\x01 \x01(\x0b\x32!.pdserve.v1.WorkerGenerateRequestH\x00\x12*\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.DecodeCommitH\x00\x42\x06\n\x04kind\"~\n\x0e\x44\x65\x63odeResponse\x12.\n\x0breservation\x18\x01 \x01(\x0b\x32\x17.pdserve.v1.ReservationH\x00\x12\x34\n\x06output\x18\x02 \x01(\x0b\x32\".pdserve.v1.WorkerGenerateResponseH\x00\x42\x06\n\x04kind\"\x10\n\x0eGetLoadRequest\"\xc3\x02\n\nWorkerLoad\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10running_requests\x18\x03 \x01(\r\x12\x18\n\x10waiting_requests\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x14\n\x0ctotal_blocks\x18\x06 \x01(\r\x12\x15\n\rmax_model_len\x18\x07 \x01(\r\x12\x19\n\x11reserved_requests\x18\x08 \x01(\r\x12,\n\ttransfers\x18\t \x01(\x0b\x32\x19.pdserve.v1.TransferStats\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x10\n\x08model_id\x18\x0b \x01(\t\x12\x15\n\rprompt_tokens\x18\x0c \x01(\x04\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\r \x01(\x04\"G\n\x0eSetRoleRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x17\n\x0f\x64rain_timeout_s\x18\x03 \x01(\x01\"]\n\x0fSetRoleResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x15\n\rprevious_role\x18\x02 \x01(\t\x12\x11\n\tdrained_s\x18\x03 \x01(\x01\x12\x12\n\nkv_address\x18\x04 \x01(\t2\xe9\x02\n\x06Worker\x12S\n\x08Generate\x12!.pdserve.v1.WorkerGenerateRequest\x1a\".pdserve.v1.WorkerGenerateResponse0\x01\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse(\x01\x30\x01\x12=\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x16.pdserve.v1.WorkerLoad\x12\x42\n\x07SetRole\x12\x1a.pdserve.v1.SetRoleRequest\x1a\x1b.pdserve.v1.SetRoleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,31 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.worker_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERGENERATEREQUEST']._serialized_start=79
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=225
-  _globals['_WORKERGENERATERESPONSE']._serialized_start=228
-  _globals['_WORKERGENERATERESPONSE']._serialized_end=444
-  _globals['_KVTARGET']._serialized_start=446
-  _globals['_KVTARGET']._serialized_end=513
-  _globals['_PREFILLREQUEST']._serialized_start=515
-  _globals['_PREFILLREQUEST']._serialized_end=621
-  _globals['_PREFILLRESPONSE']._serialized_start=623
-  _globals['_PREFILLRESPONSE']._serialized_end=744
-  _globals['_RESERVATION']._serialized_start=746
-  _globals['_RESERVATION']._serialized_end=835
-  _globals['_DECODECOMMIT']._serialized_start=837
-  _globals['_DECODECOMMIT']._serialized_end=916
-  _globals['_DECODEREQUEST']._serialized_start=918
-  _globals['_DECODEREQUEST']._serialized_end=1037
-  _globals['_DECODERESPONSE']._serialized_start=1039
-  _globals['_DECODERESPONSE']._serialized_end=1165
-  _globals['_GETLOADREQUEST']._serialized_start=1167
-  _globals['_GETLOADREQUEST']._serialized_end=1183
-  _globals['_WORKERLOAD']._serialized_start=1186
-  _globals['_WORKERLOAD']._serialized_end=1509
-  _globals['_SETROLEREQUEST']._serialized_start=1511
-  _globals['_SETROLEREQUEST']._serialized_end=1582
-  _globals['_SETROLERESPONSE']._serialized_start=1584
-  _globals['_SETROLERESPONSE']._serialized_end=1677
-  _globals['_WORKER']._serialized_start=1680
-  _globals['_WORKER']._serialized_end=2041
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=275
+  _globals['_WORKERGENERATERESPONSE']._serialized_start=278
+  _globals['_WORKERGENERATERESPONSE']._serialized_end=545
+  _globals['_KVTARGET']._serialized_start=547
+  _globals['_KVTARGET']._serialized_end=614
+  _globals['_PREFILLREQUEST']._serialized_start=616
+  _globals['_PREFILLREQUEST']._serialized_end=722
+  _globals['_PREFILLRESPONSE']._serialized_start=724
+  _globals['_PREFILLRESPONSE']._serialized_end=845
+  _globals['_RESERVATION']._serialized_start=847
+  _globals['_RESERVATION']._serialized_end=936
+  _globals['_DECODECOMMIT']._serialized_start=938
+  _globals['_DECODECOMMIT']._serialized_end=1017
+  _globals['_DECODEREQUEST']._serialized_start=1019
+  _globals['_DECODEREQUEST']._serialized_end=1138
+  _globals['_DECODERESPONSE']._serialized_start=1140
+  _globals['_DECODERESPONSE']._serialized_end=1266
+  _globals['_GETLOADREQUEST']._serialized_start=1268
+  _globals['_GETLOADREQUEST']._serialized_end=1284
+  _globals['_WORKERLOAD']._serialized_start=1287
+  _globals['_WORKERLOAD']._serialized_end=1610
+  _globals['_SETROLEREQUEST']._serialized_start=1612
+  _globals['_SETROLEREQUEST']._serialized_end=1683
+  _globals['_SETROLERESPONSE']._serialized_start=1685
+  _globals['_SETROLERESPONSE']._serialized_end=1778
+  _globals['_WORKER']._serialized_start=1781
+  _globals['_WORKER']._serialized_end=2142
 # @@protoc_insertion_point(module_scope)
