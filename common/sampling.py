@@ -75,9 +75,11 @@ TOKEN_ID_MAX = 2**32 - 1
 vocabulary bound is checked where it is known (:func:`check_sampling_vocab`)."""
 
 
-STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice")
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 """What a grammar may constrain output to: any JSON object, a JSON schema (OpenAI's
-``json_schema``, vLLM's ``guided_json``), a regular expression, one of some strings."""
+``json_schema``, vLLM's ``guided_json``), a regular expression, one of some strings, or
+a context-free grammar (vLLM's ``guided_grammar``, and the router's tool-call grammars)
+in llguidance's Lark dialect, GBNF being converted to it on the worker."""
 
 MAX_STRUCTURED_SPEC_BYTES = 64 * 2**10
 """A schema, pattern or choice list is compiled into a grammar on the worker (once per
@@ -92,7 +94,8 @@ class StructuredOutput:
     """Output constrained by a grammar (the engine compiles ``spec`` on the worker, where
     the tokenizer is; a spec that does not compile fails the request, naming
     ``structured``). ``spec``: the schema's JSON text (``json_schema``), the pattern
-    (``regex``), a JSON list of strings (``choice``), empty (``json_object``).
+    (``regex``), a JSON list of strings (``choice``), the grammar's text (``grammar``:
+    llguidance's Lark dialect, or GBNF), empty (``json_object``).
 
     ``prior_tokens``: the last this many prompt tokens were generated under this grammar
     already (a request migrated after some output): the engine advances the grammar over
@@ -122,6 +125,10 @@ class StructuredOutput:
         elif self.kind == "regex":
             if not self.spec:
                 raise InvalidRequestError("structured", "regex needs a non-empty pattern")
+        elif self.kind == "grammar":
+            if not self.spec.strip():
+                raise InvalidRequestError("structured", "grammar needs a non-empty grammar "
+                                                        "(llguidance Lark, or GBNF)")
         else:
             self._check_json()
 

@@ -19,7 +19,9 @@ the details):
    :mod:`.app` sends them).
 6. **Cleanup** (:mod:`.app`): the router generator is closed however the request ends.
 
-Imports go one way: ``app`` -> ``responses`` -> ``protocol``.
+Imports go one way: ``app`` -> ``responses`` -> ``protocol`` -> ``structured``,
+``tool_parsers`` -> ``tools`` (tool calling: :mod:`.tools` has the request side and the
+flow, :mod:`.tool_parsers` the named prompt/grammar/output formats).
 """
 
 from .app import create_app

@@ -22,10 +22,11 @@ of every answer is :mod:`.responses`).
    sampling value, prompt too long, overload, unknown model) gets its real HTTP status and
    an OpenAI error body, streaming or not.
 5. **Answer.** Non-streaming: messages are accumulated and one JSON body is sent after the
-   message carrying ``finish_reason``. Streaming: ``text/event-stream``, one event per
-   router message that has something to say, the usage chunk when asked for, then
-   ``data: [DONE]``. A :class:`RouterError` after the stream started becomes an event
-   ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+   message carrying ``finish_reason``. Streaming: ``text/event-stream``, the events each
+   router message makes (:meth:`.responses.Renderer.chunks`: one per message that has
+   something to say, or several when a tool-call reader releases held text), the usage
+   chunk when asked for, then ``data: [DONE]``. A :class:`RouterError` after the stream
+   started becomes an event ``data: {"error": {...}}`` followed by ``data: [DONE]``.
 6. **Cleanup.** However the request ends, the router generator is closed: after the final
    message (``aclose()``, which must be a no-op for the router once the request finished),
    on an error, or when the client goes away, which is noticed three ways: a write raises
@@ -67,6 +68,7 @@ from .responses import (
     token_strings_of,
 )
 from .tokenization import TokenizingRouter, parse_detokenize, parse_tokenize
+from .tool_parsers import DEFAULT_PARSER, tool_parser
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +155,10 @@ class OpenAIFront:
 
     def __init__(self, router: RouterLike, *, max_body_bytes: int,
                  request_timeout: float | None, disconnect_poll_s: float,
-                 metrics_text: Callable[[], str] | None = None) -> None:
+                 metrics_text: Callable[[], str] | None = None,
+                 tool_format: str = DEFAULT_PARSER) -> None:
+        tool_parser(tool_format)  # an unknown name fails here, not on the first request
+        self.tool_format = tool_format
         self.router = router
         self.metrics_text = metrics_text
         self.max_body_bytes = max_body_bytes
@@ -266,7 +271,8 @@ class OpenAIFront:
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         # A body or request refused here raises ApiError/RouterError; _json_errors answers it.
-        call = parse_request(await self._read_body(request), self.router, chat=chat)
+        call = parse_request(await self._read_body(request), self.router, chat=chat,
+                             tool_format=self.tool_format)
         request[REQUEST_ID_KEY] = call.id
         caller = request.get(CALLER_KEY)
         gen = self.router.generate(call.req, timeout=self.request_timeout,
@@ -320,8 +326,7 @@ class OpenAIFront:
             await resp.prepare(request)
             try:
                 while True:
-                    chunk = renderer.chunk(msg)
-                    if chunk is not None:
+                    for chunk in renderer.chunks(msg):
                         event = sse(chunk)
                         self.router.count_sent("http", len(event))
                         await resp.write(event)
@@ -407,7 +412,8 @@ def create_app(router: RouterLike, max_body_bytes: int = MAX_MESSAGE_BYTES, *,
                request_timeout: float | None = None,
                disconnect_poll_s: float = DEFAULT_DISCONNECT_POLL_S,
                keys: KeyStore | None = None, metrics_text: Callable[[], str] | None = None,
-               metrics_public: bool = False) -> web.Application:
+               metrics_public: bool = False, tool_format: str = DEFAULT_PARSER
+               ) -> web.Application:
     """The OpenAI-compatible aiohttp application in front of ``router``.
 
     ``request_timeout`` is passed to every ``router.generate`` call; ``disconnect_poll_s``
@@ -416,9 +422,12 @@ def create_app(router: RouterLike, max_body_bytes: int = MAX_MESSAGE_BYTES, *,
     ``GET /metrics``: admin keys only, unless ``metrics_public``. ``GET /version`` and,
     when the router tokenizes (:class:`.tokenization.TokenizingRouter`), ``POST
     /tokenize`` and ``POST /detokenize`` need a key like every route but ``/health``.
+    ``tool_format`` names the tool-call parser (:data:`.tool_parsers.PARSERS`) that writes
+    tools into chat prompts and reads calls out of the output.
     """
     front = OpenAIFront(router, max_body_bytes=max_body_bytes, request_timeout=request_timeout,
-                        disconnect_poll_s=disconnect_poll_s, metrics_text=metrics_text)
+                        disconnect_poll_s=disconnect_poll_s, metrics_text=metrics_text,
+                        tool_format=tool_format)
     public = HEALTH_PATHS | ({METRICS_PATH} if metrics_public else set())
     admin = frozenset() if metrics_public else frozenset({METRICS_PATH})
     middlewares: list[Any] = [_json_errors]

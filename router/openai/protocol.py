@@ -4,14 +4,17 @@
    strings are all Unicode (a lone surrogate, ``"\\ud800"``, is a 400 naming where it is,
    e.g. ``messages[0].content``). Each field
    this front knows is type-checked here; a wrong type is a 400 naming the field. Fields
-   that ask for something pdserve does not do (``n`` > 1, ``echo``, beam search, tools,
-   ...) are refused with a 400 saying so, unless they carry their neutral value. Unknown fields
+   that ask for something pdserve does not do (``n`` > 1, ``echo``, beam search,
+   ``functions``, ...) are refused with a 400 saying so, unless they carry their neutral
+   value. Unknown fields
    are ignored (see *Fields* below). ``model``, when present, must be the served model
    (else 404, ``code: "model_not_found"``).
 3. **Translate.** One ``GenerateRequest``: ``request_id`` is the response id
    (``cmpl-<hex>`` / ``chatcmpl-<hex>``), the prompt is ``text``, ``token_ids`` or
-   ``messages`` (chat messages are rendered by the router with the chat template), the
-   sampling fields go to ``SamplingParams``, ``cache_salt`` passes through.
+   ``messages`` (chat messages are rendered by the router with the chat template, tool
+   turns first written as text by the tool-call parser, :mod:`.tool_parsers`), the
+   sampling fields go to ``SamplingParams`` (with a forcing ``tool_choice``, the call
+   grammar as its structured output), ``cache_salt`` passes through.
 
 Failures are raised, never answered here: :class:`RouterError` (``INVALID_ARGUMENT`` naming
 the field, or ``NOT_FOUND`` for the model) so they read like the router's own refusals, or
@@ -26,31 +29,36 @@ Both endpoints: ``model``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``
 ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` (an object of token ids as
 strings to numbers), ``min_tokens`` and ``allowed_token_ids`` (vLLM), and structured
 output: ``response_format`` (``text``, ``json_object``, ``json_schema``), vLLM's
-``guided_json``, ``guided_regex``, ``guided_choice`` and ``structured_outputs`` (one of
-them per request; see :mod:`router.openai.structured`). Their ranges are
-checked by :class:`~common.sampling.SamplingParams` in the router, like every other
-sampling field's.
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` and
+``structured_outputs`` (one of them per request; see :mod:`router.openai.structured`).
+Their ranges are checked by :class:`~common.sampling.SamplingParams` in the router, like
+every other sampling field's.
 
 ``/v1/completions``: ``prompt`` (a string, a list of token ids, or a list holding exactly
 one of those: several prompts per request are refused, send one request each),
 ``logprobs`` (int, 0..20).
 
 ``/v1/chat/completions``: ``messages`` (roles ``system``, ``developer`` (sent as
-``system``), ``user``, ``assistant``; ``content`` a string or a list of
-``{"type": "text", "text"}`` parts, joined with ``"\\n"``), ``max_completion_tokens``
-(wins over ``max_tokens``; without either the limit is ``max_model_len``, i.e. the rest
-of the context), ``logprobs`` (bool) and ``top_logprobs`` (0..20, needs ``logprobs: true``).
+``system``), ``user``, ``assistant`` (with ``tool_calls``, its content may be null),
+``tool`` (a result, with ``tool_call_id``; a run of them is one user turn); ``content`` a
+string or a list of ``{"type": "text", "text"}`` parts, joined with ``"\\n"``),
+``max_completion_tokens`` (wins over ``max_tokens``; without either the limit is
+``max_model_len``, i.e. the rest of the context), ``logprobs`` (bool) and
+``top_logprobs`` (0..20, needs ``logprobs: true``), ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (see :mod:`.tools`: ``"required"`` and a named function are
+enforced by a grammar, which no other structured-output field may join).
 
 Accepted only at their neutral value (anything else is a 400 naming the field): ``n`` 1,
 ``best_of`` 1, ``echo`` false, ``suffix`` "", ``use_beam_search`` false,
-``prompt_logprobs`` null, ``tools``/``functions`` empty, ``tool_choice`` "none"/"auto",
-``continue_final_message`` false, ``guided_grammar`` null.
+``prompt_logprobs`` null, ``functions`` empty (use ``tools``),
+``continue_final_message`` false.
 
-Ignored: ``user``, ``metadata``, ``store``, ``service_tier``, ``parallel_tool_calls``,
-``reasoning_effort``, ``stream_options.continuous_usage_stats``, ``skip_special_tokens``,
+Ignored: ``user``, ``metadata``, ``store``, ``service_tier``, ``reasoning_effort``,
+``stream_options.continuous_usage_stats``, ``skip_special_tokens``,
 ``spaces_between_special_tokens``, ``add_generation_prompt`` (the router always adds it),
-``chat_template``/``chat_template_kwargs``, ``priority``, a message's ``name``, and any field
-not named in this docstring.
+``chat_template``/``chat_template_kwargs``, ``priority``, a message's ``name``, a tool's
+``strict`` (a forcing ``tool_choice`` always follows the schemas; ``auto`` never
+constrains), and any field not named in this docstring.
 """
 
 from __future__ import annotations
@@ -64,12 +72,16 @@ from typing import Any, Protocol
 
 import grpc
 
+from common.sampling import MAX_STRUCTURED_SPEC_BYTES
 from protos.pdserve.v1 import api_pb2, common_pb2
 from router.auth import Principal
 from router.edge import unencodable_path
 from router.errors import RouterError
 
+from .structured import FIELDS as STRUCTURED_FIELDS
 from .structured import structured_output
+from .tool_parsers import DEFAULT_PARSER, ToolParser, tool_parser
+from .tools import ToolUse, history_calls, tool_result, tool_use
 
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -77,7 +89,9 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
 CHAT_TEXT_PART_SEPARATOR = "\n"
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user",
-              "assistant": "assistant"}
+              "assistant": "assistant", "tool": "user"}
+"""Roles a client may send -> the role the chat template sees (a tool result is a user
+turn, written by the tool-call parser)."""
 
 
 class RouterLike(Protocol):
@@ -286,12 +300,8 @@ NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_empty, "suffix is not supported"),
     "use_beam_search": (_eq(False), "beam search is not supported"),
     "prompt_logprobs": (_never, "prompt_logprobs is not supported"),
-    "tools": (_empty, "tools are not supported"),
-    "functions": (_empty, "functions are not supported"),
-    "tool_choice": (lambda v: v in ("none", "auto"), "tool_choice is not supported"),
+    "functions": (_empty, "functions (deprecated by OpenAI) are not supported; use tools"),
     "continue_final_message": (_eq(False), "continue_final_message is not supported"),
-    "guided_grammar": (_never, "guided_grammar is not supported; use guided_json, "
-                               "guided_regex or guided_choice"),
 }
 
 
@@ -404,10 +414,19 @@ def _completion_prompt(v: Any) -> str | list[int]:
                          f"one of those; got {describe(v)}")
 
 
-def chat_messages(v: Any) -> api_pb2.ChatMessages:
+def chat_messages(v: Any, tools: ToolUse | None = None,
+                  parser: ToolParser | None = None) -> api_pb2.ChatMessages:
+    """``messages`` as the router's chat template takes them (role and text). Tool turns
+    are written by ``parser`` (default: :data:`~.tool_parsers.DEFAULT_PARSER`): an
+    assistant's ``tool_calls`` after its text, a run of ``tool`` messages as one user
+    turn; with ``tools`` offered, the parser's tool list ends the system message (one is
+    added first when there is none)."""
     if not isinstance(v, list) or not v:
         raise bad("messages", "messages must be a non-empty list of {role, content} objects")
-    out = api_pb2.ChatMessages()
+    parser = parser or tool_parser(DEFAULT_PARSER)
+    turns: list[tuple[str, str]] = []
+    results: list[str] = []  # a run of tool messages, not written yet
+    answering = False  # the last turn was an assistant's tool calls (or their results)
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -417,39 +436,80 @@ def chat_messages(v: Any) -> api_pb2.ChatMessages:
             raise bad(f"{where}.role", f"{where}.role must be a string")
         if role not in CHAT_ROLES:
             raise bad(f"{where}.role", f"{where}.role {role!r} is not supported; use system, "
-                                        "developer, user or assistant")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise bad(f"{where}.tool_calls", "tool calls are not supported")
-        content = m.get("content")
-        if content is None:
-            if role != "assistant":
-                raise bad(f"{where}.content", f"{where}.content is required")
-            content = ""
-        elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                pwhere = f"{where}.content[{j}]"
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else describe(part)
-                    raise bad(pwhere, f"{pwhere}: only text parts are supported, got {kind!r}")
-                text = part.get("text")
-                if not isinstance(text, str):
-                    raise bad(f"{pwhere}.text", f"{pwhere}.text must be a string")
-                texts.append(text)
-            content = CHAT_TEXT_PART_SEPARATOR.join(texts)
-        elif not isinstance(content, str):
-            raise bad(f"{where}.content", f"{where}.content must be a string or a list of "
-                                           f"text parts, got {describe(content)}")
-        out.messages.add(role=CHAT_ROLES[role], content=content)
+                                        "developer, user, assistant or tool")
+        if m.get("function_call") is not None:
+            raise bad(f"{where}.function_call", f"{where}.function_call (deprecated by "
+                                                 "OpenAI) is not supported; use tool_calls")
+        calls = m.get("tool_calls")
+        if calls and role != "assistant":
+            raise bad(f"{where}.tool_calls", f"{where}.tool_calls: only assistant messages "
+                                              "carry tool calls")
+        content = _message_text(m.get("content"), where,
+                                optional=role == "assistant")
+        if role == "tool":
+            if not answering:
+                raise bad(f"{where}.role", f"{where}: a tool message answers the tool_calls "
+                                            "of an assistant message; it must follow one "
+                                            "(or another tool message)")
+            results.append(tool_result(m, content, where))
+            continue
+        answering = bool(calls)
+        if results:
+            turns.append(("user", parser.render_results(results)))
+            results = []
+        if calls:
+            content = parser.render_calls(content, history_calls(calls,
+                                                                 f"{where}.tool_calls"))
+        turns.append((CHAT_ROLES[role], content))
+    if results:
+        turns.append(("user", parser.render_results(results)))
+    if tools is not None:
+        listing = parser.system_prompt(tools.tools)
+        if turns[0][0] == "system":
+            turns[0] = ("system", f"{turns[0][1]}\n\n{listing}" if turns[0][1] else listing)
+        else:
+            turns.insert(0, ("system", listing))
+    out = api_pb2.ChatMessages()
+    for role, content in turns:
+        out.messages.add(role=role, content=content)
     return out
+
+
+def _message_text(content: Any, where: str, optional: bool) -> str:
+    """A message's ``content``: a string or a list of text parts (joined); null only
+    where ``optional`` (an assistant's, e.g. beside its tool calls)."""
+    if content is None:
+        if not optional:
+            raise bad(f"{where}.content", f"{where}.content is required")
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where}.content", f"{where}.content must be a string or a list of "
+                                       f"text parts, got {describe(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        pwhere = f"{where}.content[{j}]"
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else describe(part)
+            raise bad(pwhere, f"{pwhere}: only text parts are supported, got {kind!r}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise bad(f"{pwhere}.text", f"{pwhere}.text must be a string")
+        texts.append(text)
+    return CHAT_TEXT_PART_SEPARATOR.join(texts)
 
 
 class Call:
     """One parsed OpenAI request: what to send the router and how to answer."""
 
     def __init__(self, *, chat: bool, req: api_pb2.GenerateRequest, model: str, stream: bool,
-                 include_usage: bool, logprobs: bool) -> None:
+                 include_usage: bool, logprobs: bool, tools: ToolUse | None = None,
+                 tool_parser: ToolParser | None = None) -> None:
         self.chat = chat
+        self.tools = tools
+        """None: no tools offered, the output is plain content."""
+        self.tool_parser = tool_parser
         self.req = req
         self.id = req.request_id
         self.model = model
@@ -470,8 +530,10 @@ def check_model(f: Fields, served: str) -> str | None:
     return model
 
 
-def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool) -> Call:
-    """Validate an OpenAI request body and translate it; raises RouterError/ApiError."""
+def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool,
+                  tool_format: str = DEFAULT_PARSER) -> Call:
+    """Validate an OpenAI request body and translate it; raises RouterError/ApiError.
+    ``tool_format``: the tool-call parser's name (:data:`~.tool_parsers.PARSERS`)."""
     f = Fields(body)
     model = check_model(f, router.model_name)
     _check_neutral(f)
@@ -491,13 +553,47 @@ def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool) -> Ca
     prefix = "chatcmpl-" if chat else "cmpl-"
     req = api_pb2.GenerateRequest(request_id=prefix + uuid.uuid4().hex, model=model or "",
                                   sampling=sampling, cache_salt=cache_salt or "")
+    tools: ToolUse | None = None
+    parser: ToolParser | None = None
     if chat:
-        req.messages.CopyFrom(chat_messages(f.get("messages")))
+        parser = tool_parser(tool_format)
+        tools = tool_use(body)
+        req.messages.CopyFrom(chat_messages(f.get("messages"), tools, parser))
+        if tools is not None and tools.forced:
+            _force_calls(req.sampling, tools, parser, body)
     else:
+        if body.get("tools") or body.get("tool_choice") not in (None, "none", "auto"):
+            name = "tools" if body.get("tools") else "tool_choice"
+            raise bad(name, f"{name}: tool calling is a chat feature; send it to "
+                             "/v1/chat/completions")
         prompt = _completion_prompt(f.get("prompt"))
         if isinstance(prompt, str):
             req.text = prompt
         else:
             req.token_ids.ids.extend(prompt)
     return Call(chat=chat, req=req, model=router.model_name, stream=stream,
-                include_usage=include_usage, logprobs=sampling.HasField("logprobs"))
+                include_usage=include_usage, logprobs=sampling.HasField("logprobs"),
+                tools=tools, tool_parser=parser)
+
+
+def _force_calls(sampling: common_pb2.SamplingParams, tools: ToolUse, parser: ToolParser,
+                 body: dict[str, Any]) -> None:
+    """Constrain the output to calls (``tool_choice`` ``"required"`` or a named function)
+    with the parser's grammar, bounded like any structured-output spec."""
+    if sampling.HasField("structured"):
+        given = ", ".join(n for n in STRUCTURED_FIELDS if body.get(n) is not None)
+        raise bad("tool_choice", f"tool_choice {_choice_name(tools)} constrains the output "
+                                  f"to tool calls; it cannot be combined with structured "
+                                  f"output ({given})")
+    spec = parser.grammar(tools.callable, tools.parallel)
+    size = len(spec.encode("utf-8", "surrogatepass"))
+    if size > MAX_STRUCTURED_SPEC_BYTES:
+        raise bad("tools", f"the grammar forcing tool_choice {_choice_name(tools)} is {size} "
+                            f"bytes; at most {MAX_STRUCTURED_SPEC_BYTES} are accepted: offer "
+                            "fewer or smaller tools, or name one in tool_choice")
+    sampling.structured.CopyFrom(common_pb2.StructuredOutput(
+        kind=common_pb2.StructuredOutput.KIND_GRAMMAR, spec=spec))
+
+
+def _choice_name(tools: ToolUse) -> str:
+    return f"function {tools.function!r}" if tools.function else repr(tools.choice)

@@ -10,6 +10,16 @@ Nothing here does I/O: these functions build the dicts and bytes that :mod:`.app
    ``data: [DONE]``. Usage reports the router's ``prompt_tokens``, ``completion_tokens``
    and ``cached_tokens`` (as ``prompt_tokens_details.cached_tokens``).
 
+With tools offered (:mod:`.tools`), the text goes through the request's tool-call reader
+(:mod:`.tool_parsers`): the message has ``content`` (null when empty) and, when calls were
+read, ``tool_calls`` (``{"id", "type": "function", "function": {"name", "arguments"}}``,
+``arguments`` a JSON string) and ``finish_reason: "tool_calls"`` (unless the output was cut
+short: ``length`` stays). Streamed, as OpenAI does: a call's first delta is
+``tool_calls: [{"index", "id", "type", "function": {"name", "arguments": ""}}]``, then
+``{"index", "function": {"arguments": <piece>}}`` deltas; content deltas as usual; text
+the reader holds back goes out when it is decided (so one router message may make several
+chunks, or none; its logprobs then ride on an empty delta).
+
 Errors take OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: a
 :class:`RouterError` keeps the HTTP status of its gRPC code (:func:`router.errors.http_status`),
 its field as ``param`` and the code's name as ``code`` (``model_not_found`` for an unknown
@@ -39,6 +49,7 @@ from protos.pdserve.v1 import api_pb2, common_pb2
 from router.errors import RouterError, http_status, to_public
 
 from .protocol import ApiError, Call, RouterLike, dumps
+from .tool_parsers import Arguments, CallStart, Content, Event, ToolStream, fold
 
 LOGPROB_FLOOR = -9999.0  # what a -inf / NaN logprob is reported as (JSON has no inf)
 
@@ -150,6 +161,11 @@ class Renderer:
         self.completion_tokens = 0
         self.usage: common_pb2.Usage | None = None
         self.finish_reason: str | None = None
+        self.tool_stream: ToolStream | None = None
+        if call.tools is not None and call.tool_parser is not None:
+            self.tool_stream = call.tool_parser.stream(call.tools.names, call.tools.forced)
+        self.called = False
+        """A tool call was read (the finish reason is then ``tool_calls``)."""
 
     # -- bookkeeping shared by both modes
 
@@ -161,6 +177,11 @@ class Renderer:
             self.usage = msg.usage
         if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = FINISH_REASONS.get(msg.finish_reason, "abort")
+
+    def _finish_reason(self) -> str | None:
+        if self.called and self.finish_reason == "stop":
+            return "tool_calls"
+        return self.finish_reason
 
     def usage_json(self) -> dict[str, Any]:
         if self.usage is not None:
@@ -224,29 +245,55 @@ class Renderer:
             out["usage"] = None
         return out
 
-    def chunk(self, msg: api_pb2.GenerateResponse) -> dict[str, Any] | None:
-        """The SSE chunk for one router message, or None when it carries nothing to say."""
+    def chunks(self, msg: api_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """The SSE chunks for one router message (none when it carries nothing to say)."""
         self.observe(msg)
         want_lp = self.call.logprobs and len(msg.logprobs) > 0
-        finish = self.finish_reason if msg.finish_reason else None
-        if self.call.chat:
-            if not (msg.text or want_lp or finish or not self.sent_role):
-                return None
-            delta: dict[str, Any] = {}
-            if not self.sent_role:
-                delta["role"] = "assistant"
-                self.sent_role = True
-            if msg.text or "role" in delta:
-                delta["content"] = msg.text
-            lp = {"content": self.chat_logprobs(msg.logprobs), "refusal": None} if want_lp \
-                else None
-            choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        else:
+        finish = self._finish_reason() if msg.finish_reason else None
+        if not self.call.chat:
             if not (msg.text or want_lp or finish):
-                return None
+                return []
             lp = self.completion_logprobs(msg.logprobs) if want_lp else None
-            choice = {"index": 0, "text": msg.text, "logprobs": lp, "finish_reason": finish}
-        return self._envelope([choice])
+            return [self._envelope([{"index": 0, "text": msg.text, "logprobs": lp,
+                                     "finish_reason": finish}])]
+        deltas = self._deltas(msg.text, final=bool(msg.finish_reason))
+        finish = self._finish_reason() if msg.finish_reason else None  # after the reading
+        if not self.sent_role:
+            first = deltas[0] if deltas else {"content": ""}
+            deltas[:1] = [{"role": "assistant", **first}]
+            self.sent_role = True
+        if not deltas and (want_lp or finish):
+            deltas = [{}]
+        lp = {"content": self.chat_logprobs(msg.logprobs), "refusal": None} if want_lp \
+            else None
+        out = []
+        for i, delta in enumerate(deltas):
+            last = i == len(deltas) - 1
+            out.append(self._envelope([{"index": 0, "delta": delta,
+                                        "logprobs": lp if i == 0 else None,
+                                        "finish_reason": finish if last else None}]))
+        return out
+
+    def _deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
+        """The chat deltas for new text: the text itself, or what the tool-call reader
+        decides of it."""
+        if self.tool_stream is None:
+            return [{"content": text}] if text else []
+        events = self.tool_stream.feed(text) if text else []
+        if final:
+            events += self.tool_stream.finish()
+        return [self._delta(e) for e in events]
+
+    def _delta(self, event: Event) -> dict[str, Any]:
+        if isinstance(event, Content):
+            return {"content": event.text}
+        self.called = True
+        if isinstance(event, CallStart):
+            return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}}]}
+        assert isinstance(event, Arguments)
+        return {"tool_calls": [{"index": event.index,
+                                "function": {"arguments": event.text}}]}
 
     def usage_chunk(self) -> dict[str, Any]:
         out = self._envelope([])
@@ -264,9 +311,18 @@ class Renderer:
         if call.chat:
             lp = {"content": self.chat_logprobs(entries), "refusal": None} \
                 if call.logprobs else None
-            choice = {"index": 0, "message": {"role": "assistant", "content": text,
-                                              "refusal": None},
-                      "logprobs": lp, "finish_reason": self.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+            if self.tool_stream is not None:
+                parsed = fold(self.tool_stream.feed(text) + self.tool_stream.finish())
+                message["content"] = parsed.content
+                if parsed.calls:
+                    self.called = True
+                    message["tool_calls"] = [
+                        {"id": c.id, "type": "function",
+                         "function": {"name": c.name, "arguments": c.arguments}}
+                        for c in parsed.calls]
+            choice = {"index": 0, "message": message, "logprobs": lp,
+                      "finish_reason": self._finish_reason()}
         else:
             lp = self.completion_logprobs(entries) if call.logprobs else None
             choice = {"index": 0, "text": text, "logprobs": lp,

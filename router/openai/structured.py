@@ -6,9 +6,14 @@ Accepted (at most one of them per request; each names itself in a 400):
   ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"name",
   "schema", "strict"}}`` (the output always follows the schema, ``strict`` or not);
 - vLLM's ``guided_json`` (a schema object, or its JSON text), ``guided_regex`` (a
-  pattern), ``guided_choice`` (a list of strings);
-- vLLM's ``structured_outputs``: an object with one of ``json``, ``regex``, ``choice``
-  (as above) or ``json_object: true``.
+  pattern), ``guided_choice`` (a list of strings), ``guided_grammar`` (a context-free
+  grammar: llguidance's Lark dialect, or a GBNF grammar, which llguidance's converter
+  turns into Lark on the worker);
+- vLLM's ``structured_outputs``: an object with one of ``json``, ``regex``, ``choice``,
+  ``grammar`` (as above) or ``json_object: true``.
+
+Tool calls forced by ``tool_choice`` use the same grammar kind (:mod:`.tools`); they
+cannot be combined with these fields.
 
 Only shapes are checked here; :class:`~common.sampling.SamplingParams` bounds the spec's
 size and syntax in the router, and the worker compiles it (a schema that does not
@@ -32,11 +37,17 @@ def _bad(param: str, message: str) -> RouterError:
     return RouterError(grpc.StatusCode.INVALID_ARGUMENT, message, param)
 
 
+FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+          "structured_outputs")
+"""The body fields that ask for structured output."""
+
+_OUTPUTS_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+"""The keys of ``structured_outputs`` this front takes."""
+
+
 def structured_output(body: dict[str, Any]) -> common_pb2.StructuredOutput | None:
     """The one structured-output request of ``body``, or None (JSON null is absent)."""
-    found = [(name, body[name]) for name in ("response_format", "guided_json", "guided_regex",
-                                            "guided_choice", "structured_outputs")
-             if body.get(name) is not None]
+    found = [(name, body[name]) for name in FIELDS if body.get(name) is not None]
     parsed = [(name, _parse(name, v)) for name, v in found]
     parsed = [(name, s) for name, s in parsed if s is not None]
     if len(parsed) > 1:
@@ -84,6 +95,11 @@ def _guided(name: str, v: Any, label: str | None = None) -> common_pb2.Structure
         if not isinstance(v, str) or not v:
             raise _bad(param, f"{label} must be a non-empty string (a regular expression)")
         return Kind(kind=Kind.KIND_REGEX, spec=v)
+    if name in ("guided_grammar", "grammar"):
+        if not isinstance(v, str) or not v.strip():
+            raise _bad(param, f"{label} must be a non-empty string (a grammar in "
+                              "llguidance's Lark dialect, or GBNF)")
+        return Kind(kind=Kind.KIND_GRAMMAR, spec=v)
     if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
         raise _bad(param, f"{label} must be a non-empty list of non-empty strings")
     return Kind(kind=Kind.KIND_CHOICE, spec=_dumps(v))
@@ -93,13 +109,13 @@ def _structured_outputs(v: Any) -> common_pb2.StructuredOutput | None:
     if not isinstance(v, dict):
         raise _bad("structured_outputs", "structured_outputs must be an object")
     given = {k: x for k, x in v.items() if x is not None and x is not False}
-    unknown = sorted(set(given) - {"json", "regex", "choice", "json_object"})
+    unknown = sorted(set(given) - set(_OUTPUTS_KEYS))
     if unknown:
         raise _bad("structured_outputs", f"structured_outputs.{unknown[0]} is not supported; "
-                                         "use json, regex, choice or json_object")
+                                         f"use one of {', '.join(_OUTPUTS_KEYS)}")
     if len(given) > 1:
-        raise _bad("structured_outputs", "structured_outputs takes one of json, regex, "
-                                         f"choice, json_object; got {', '.join(given)}")
+        raise _bad("structured_outputs", "structured_outputs takes one of "
+                                         f"{', '.join(_OUTPUTS_KEYS)}; got {', '.join(given)}")
     if not given:
         return None
     [(key, x)] = given.items()

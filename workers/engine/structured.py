@@ -45,6 +45,9 @@ def _grammar(kind: str, spec: str) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema(spec)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec)
+    if kind == "grammar":
+        # Lark as is; anything else is read as GBNF and converted (llguidance's converter)
+        return llguidance.grammar_from("grammar", spec)
     # choice: each string literally (JSON string syntax is Lark's too)
     lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(spec))
     return llguidance.LLMatcher.grammar_from_lark(lark)

@@ -74,11 +74,13 @@ class StructuredOutput(_message.Message):
         KIND_JSON_SCHEMA: _ClassVar[StructuredOutput.Kind]
         KIND_REGEX: _ClassVar[StructuredOutput.Kind]
         KIND_CHOICE: _ClassVar[StructuredOutput.Kind]
+        KIND_GRAMMAR: _ClassVar[StructuredOutput.Kind]
     KIND_UNSPECIFIED: StructuredOutput.Kind
     KIND_JSON_OBJECT: StructuredOutput.Kind
     KIND_JSON_SCHEMA: StructuredOutput.Kind
     KIND_REGEX: StructuredOutput.Kind
     KIND_CHOICE: StructuredOutput.Kind
+    KIND_GRAMMAR: StructuredOutput.Kind
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     PRIOR_TOKENS_FIELD_NUMBER: _ClassVar[int]
