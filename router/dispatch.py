@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 
@@ -279,12 +280,18 @@ def same_kv(a: Worker, b: Worker) -> bool:
     return not a.model_id or not b.model_id or a.model_id == b.model_id
 
 
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]{0,63}): ")
+"""The field a worker's INVALID_ARGUMENT names (``InvalidRequestError``'s "field: ...")."""
+
+
 def from_worker(e: grpc.aio.AioRpcError, address: str) -> RouterError:
     """A worker's status as the router's: the caller's own codes pass through; anything
     else is the worker failing, which the router may answer by migrating."""
     code = e.code()
     if code in CALLER_CODES:
-        return RouterError(code, e.details() or code.name)
+        details = e.details() or code.name
+        field = _FIELD.match(details) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+        return RouterError(code, details, field.group(1) if field else None)
     return WorkerFailed(f"worker {address} failed: {code.name}: {e.details()}; retry the "
                         "request")
 

@@ -86,7 +86,7 @@ def to_proto(out: RequestOutput, first_index: int) -> worker_pb2.WorkerGenerateR
 
 def _logprob(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
-        token_id=lp.token_id, logprob=lp.logprob,
+        token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank,
         top=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
 
 

@@ -15,11 +15,11 @@ the details):
    unsupported features are refused unless neutral, unknown fields are ignored.
 3. **Translate** (:mod:`.protocol`): one ``GenerateRequest``.
 4. **Drive** (:mod:`.app`): ``router.generate``, watched for the client going away.
-5. **Answer** (:mod:`.responses` shapes the OpenAI objects, SSE chunks and error bodies;
-   :mod:`.app` sends them).
+5. **Answer** (:mod:`.render` shapes the OpenAI objects and SSE chunks, choice by choice;
+   :mod:`.responses` the SSE framing and error bodies; :mod:`.app` sends them).
 6. **Cleanup** (:mod:`.app`): the router generator is closed however the request ends.
 
-Imports go one way: ``app`` -> ``responses`` -> ``protocol`` -> ``structured``,
+Imports go one way: ``app`` -> ``render`` -> ``responses`` -> ``protocol`` -> ``structured``,
 ``tool_parsers`` -> ``tools`` (tool calling: :mod:`.tools` has the request side and the
 flow, :mod:`.tool_parsers` the named prompt/grammar/output formats).
 """

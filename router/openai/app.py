@@ -22,8 +22,9 @@ of every answer is :mod:`.responses`).
    sampling value, prompt too long, overload, unknown model) gets its real HTTP status and
    an OpenAI error body, streaming or not.
 5. **Answer.** Non-streaming: messages are accumulated and one JSON body is sent after the
-   message carrying ``finish_reason``. Streaming: ``text/event-stream``, the events each
-   router message makes (:meth:`.responses.Renderer.chunks`: one per message that has
+   message carrying ``finish_reason`` (of every choice, with ``n``/``best_of``).
+   Streaming: ``text/event-stream``, the events each
+   router message makes (:meth:`.render.Renderer.chunks`: one per message that has
    something to say, or several when a tool-call reader releases held text), the usage
    chunk when asked for, then ``data: [DONE]``. A :class:`RouterError` after the stream
    started becomes an event ``data: {"error": {...}}`` followed by ``data: [DONE]``.
@@ -57,10 +58,10 @@ from router.auth import KeyStore, Principal, bearer_key
 from router.errors import RouterError, to_public
 
 from .protocol import ApiError, Call, RouterLike, decode_body, dumps, parse_request
+from .render import Renderer
 from .responses import (
     SSE_DONE,
     SSE_HEADERS,
-    Renderer,
     api_error_body,
     as_api_error,
     error_body,
@@ -167,6 +168,10 @@ class OpenAIFront:
         self.created = int(time.time())
         self.background: set[asyncio.Future[None]] = set()
         self.token_strings = token_strings_of(router)
+        tokenizer = getattr(router, "tokenizer", None)
+        self.decode = tokenizer.decode if callable(getattr(tokenizer, "decode", None)) \
+            else None
+        """``echo`` of a token-id prompt (bounded by the context: fast, on the loop)."""
 
     # -- simple endpoints
 
@@ -299,23 +304,25 @@ class OpenAIFront:
     async def _collect(self, call: Call,
                        gen: AsyncIterator[api_pb2.GenerateResponse]) -> web.StreamResponse:
         msgs: list[api_pb2.GenerateResponse] = []
+        open_ = max(call.req.n, 1)  # choices not ended yet
         try:
-            while True:
+            while open_:
                 msg = await _next_message(gen, call.id)
                 msgs.append(msg)
                 if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    break
+                    open_ -= 1
         except RouterError as exc:
             return _error_response(exc, call.id)
         finally:
             await _close(gen)
-        body = Renderer(call, self.token_strings).body(msgs)
+        body = Renderer(call, self.token_strings, self.decode).body(msgs)
         return web.json_response(body, headers={"X-Request-Id": call.id}, dumps=dumps)
 
     async def _stream(self, request: web.Request, call: Call,
                       gen: AsyncIterator[api_pb2.GenerateResponse],
                       holder: list[web.StreamResponse]) -> web.StreamResponse:
-        renderer = Renderer(call, self.token_strings)
+        renderer = Renderer(call, self.token_strings, self.decode)
+        open_ = max(call.req.n, 1)  # choices not ended yet
         try:
             try:
                 msg = await _next_message(gen, call.id)
@@ -331,7 +338,9 @@ class OpenAIFront:
                         self.router.count_sent("http", len(event))
                         await resp.write(event)
                     if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                        break
+                        open_ -= 1
+                        if not open_:
+                            break
                     msg = await _next_message(gen, call.id)
                 if call.include_usage:
                     await resp.write(sse(renderer.usage_chunk()))

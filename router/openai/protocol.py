@@ -48,10 +48,20 @@ string or a list of ``{"type": "text", "text"}`` parts, joined with ``"\\n"``),
 ``parallel_tool_calls`` (see :mod:`.tools`: ``"required"`` and a named function are
 enforced by a grammar, which no other structured-output field may join).
 
-Accepted only at their neutral value (anything else is a 400 naming the field): ``n`` 1,
-``best_of`` 1, ``echo`` false, ``suffix`` "", ``use_beam_search`` false,
-``prompt_logprobs`` null, ``functions`` empty (use ``tools``),
-``continue_final_message`` false.
+Choices: ``n`` (1..16) on both, streamed or not, one ``index`` per choice (the prompt is
+computed once; choice i of a seeded request draws with seed + i). ``/v1/completions``
+also takes ``best_of`` (n..16, not streamed: the router generates ``best_of`` choices
+and the ``n`` with the highest summed token log-probability are answered, in that
+order; usage counts every generated token, as OpenAI bills) and ``echo`` (the prompt
+leads each choice's text, and with ``logprobs`` its tokens lead the logprobs, the first
+one ``null``). vLLM's ``prompt_logprobs`` (0..20 alternatives) on both: a list with
+``null`` first, then per prompt token ``{token_id: {"logprob", "rank",
+"decoded_token"}}`` for the token and its alternatives (completions: in the choice;
+chat: at the top of the response; streamed: on the first chunk).
+
+Accepted only at their neutral value (anything else is a 400 naming the field):
+``suffix`` "", ``use_beam_search`` false, ``functions`` empty (use ``tools``),
+``continue_final_message`` false; ``echo`` false on chat.
 
 Ignored: ``user``, ``metadata``, ``store``, ``service_tier``, ``reasoning_effort``,
 ``stream_options.continuous_usage_stats``, ``skip_special_tokens``,
@@ -72,6 +82,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from common.request import MAX_CHOICES
 from common.sampling import MAX_STRUCTURED_SPEC_BYTES
 from protos.pdserve.v1 import api_pb2, common_pb2
 from router.auth import Principal
@@ -287,19 +298,10 @@ def _empty(v: Any) -> bool:
     return isinstance(v, (list, dict, str)) and not v
 
 
-def _never(v: Any) -> bool:
-    return False
-
-
 # name -> (accepts, what to say when it does not). Checked only when the field is non-null.
 NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (_eq(1), "only n=1 is supported: pdserve returns one choice per request; send "
-                  "separate requests for more"),
-    "best_of": (_eq(1), "only best_of=1 is supported"),
-    "echo": (_eq(False), "echo is not supported"),
     "suffix": (_empty, "suffix is not supported"),
     "use_beam_search": (_eq(False), "beam search is not supported"),
-    "prompt_logprobs": (_never, "prompt_logprobs is not supported"),
     "functions": (_empty, "functions (deprecated by OpenAI) are not supported; use tools"),
     "continue_final_message": (_eq(False), "continue_final_message is not supported"),
 }
@@ -505,7 +507,15 @@ class Call:
 
     def __init__(self, *, chat: bool, req: api_pb2.GenerateRequest, model: str, stream: bool,
                  include_usage: bool, logprobs: bool, tools: ToolUse | None = None,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None, n: int = 1, echo: bool = False,
+                 prompt_logprobs: int | None = None) -> None:
+        self.n = n
+        """Choices answered; the router generates ``req.n`` (more with ``best_of``: the
+        ``n`` with the highest log-probability are answered)."""
+        self.echo = echo
+        """Completions: the prompt leads each choice's text (and its logprobs)."""
+        self.prompt_logprobs = prompt_logprobs
+        """vLLM's ``prompt_logprobs`` (alternatives per prompt token), when asked for."""
         self.chat = chat
         self.tools = tools
         """None: no tools offered, the output is plain content."""
@@ -550,9 +560,18 @@ def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool,
         include_usage = bool(v) and stream
     cache_salt = f.str_("cache_salt")
     sampling = _sampling(f, chat=chat, max_model_len=router.max_model_len)
+    logprobs = sampling.HasField("logprobs")
+    n, generated, echo = _choices(f, chat=chat, stream=stream)
+    if generated > n and not logprobs:  # best_of ranks by the tokens' log-probabilities
+        sampling.logprobs = 0
+    prompt_logprobs = f.int_("prompt_logprobs", 0, MAX_LOGPROBS)
     prefix = "chatcmpl-" if chat else "cmpl-"
     req = api_pb2.GenerateRequest(request_id=prefix + uuid.uuid4().hex, model=model or "",
-                                  sampling=sampling, cache_salt=cache_salt or "")
+                                  sampling=sampling, cache_salt=cache_salt or "",
+                                  n=generated if generated > 1 else 0)
+    if prompt_logprobs is not None or (echo and logprobs):
+        req.prompt_logprobs = max(prompt_logprobs or 0,
+                                  sampling.logprobs if echo and logprobs else 0)
     tools: ToolUse | None = None
     parser: ToolParser | None = None
     if chat:
@@ -572,8 +591,25 @@ def parse_request(body: dict[str, Any], router: RouterLike, *, chat: bool,
         else:
             req.token_ids.ids.extend(prompt)
     return Call(chat=chat, req=req, model=router.model_name, stream=stream,
-                include_usage=include_usage, logprobs=sampling.HasField("logprobs"),
-                tools=tools, tool_parser=parser)
+                include_usage=include_usage, logprobs=logprobs, tools=tools,
+                tool_parser=parser, n=n, echo=echo, prompt_logprobs=prompt_logprobs)
+
+
+def _choices(f: Fields, *, chat: bool, stream: bool) -> tuple[int, int, bool]:
+    """(``n``: choices answered, how many the router generates (``best_of``), ``echo``)."""
+    n = f.int_("n", 1, MAX_CHOICES) or 1
+    if chat:
+        if f.bool_("echo"):
+            raise bad("echo", "echo is a /v1/completions field; a chat reply never repeats "
+                               "the prompt")
+        return n, n, False
+    best_of = f.int_("best_of", 1, MAX_CHOICES)
+    if best_of is not None and best_of < n:
+        raise bad("best_of", f"best_of ({best_of}) must be at least n ({n})")
+    if best_of is not None and best_of > n and stream:
+        raise bad("best_of", "best_of greater than n cannot be streamed (the best choices "
+                              "are known only at the end); set stream to false")
+    return n, max(n, best_of or 1), bool(f.bool_("echo"))
 
 
 def _force_calls(sampling: common_pb2.SamplingParams, tools: ToolUse, parser: ToolParser,

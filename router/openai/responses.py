@@ -3,7 +3,8 @@
 Nothing here does I/O: these functions build the dicts and bytes that :mod:`.app` sends.
 
 5. **Answer.** Non-streaming: the accumulated messages become one ``text_completion`` /
-   ``chat.completion`` body (:meth:`Renderer.body`). Streaming: one ``data: {chunk}`` event
+   ``chat.completion`` body (:meth:`.render.Renderer.body`, which also renders choices,
+   ``best_of``, ``echo`` and prompt logprobs). Streaming: one ``data: {chunk}`` event
    per router message that carries text, logprobs or the finish reason (chat's first chunk
    carries ``role: "assistant"``), then, with ``stream_options.include_usage``, a chunk
    with ``choices: []`` and the usage (every other chunk then has ``usage: null``), then
@@ -39,17 +40,15 @@ Logprobs are rendered with token strings from the router's optional
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import grpc
 
-from protos.pdserve.v1 import api_pb2, common_pb2
+from protos.pdserve.v1 import common_pb2
 from router.errors import RouterError, http_status, to_public
 
-from .protocol import ApiError, Call, RouterLike, dumps
-from .tool_parsers import Arguments, CallStart, Content, Event, ToolStream, fold
+from .protocol import ApiError, RouterLike, dumps
 
 LOGPROB_FLOOR = -9999.0  # what a -inf / NaN logprob is reported as (JSON has no inf)
 
@@ -140,193 +139,3 @@ def token_strings_of(router: RouterLike) -> Callable[[Sequence[int]], list[str]]
     if callable(batch_decode):
         return lambda ids: list(batch_decode([[i] for i in ids]))
     return _token_id_strings
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-def _lp(x: float) -> float:
-    return x if math.isfinite(x) else LOGPROB_FLOOR
-
-
-class Renderer:
-    """Turns router messages into OpenAI chunks / bodies for one request."""
-
-    def __init__(self, call: Call, token_strings: Callable[[Sequence[int]], list[str]]) -> None:
-        self.call = call
-        self.token_strings = token_strings
-        self.text_offset = 0  # completions logprobs: where the next token starts
-        self.sent_role = False
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.usage: common_pb2.Usage | None = None
-        self.finish_reason: str | None = None
-        self.tool_stream: ToolStream | None = None
-        if call.tools is not None and call.tool_parser is not None:
-            self.tool_stream = call.tool_parser.stream(call.tools.names, call.tools.forced)
-        self.called = False
-        """A tool call was read (the finish reason is then ``tool_calls``)."""
-
-    # -- bookkeeping shared by both modes
-
-    def observe(self, msg: api_pb2.GenerateResponse) -> None:
-        if msg.prompt_token_ids:
-            self.prompt_tokens = len(msg.prompt_token_ids)
-        self.completion_tokens += len(msg.token_ids)
-        if msg.HasField("usage"):
-            self.usage = msg.usage
-        if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-            self.finish_reason = FINISH_REASONS.get(msg.finish_reason, "abort")
-
-    def _finish_reason(self) -> str | None:
-        if self.called and self.finish_reason == "stop":
-            return "tool_calls"
-        return self.finish_reason
-
-    def usage_json(self) -> dict[str, Any]:
-        if self.usage is not None:
-            p, c, k = (self.usage.prompt_tokens, self.usage.completion_tokens,
-                       self.usage.cached_tokens)
-        else:
-            p, c, k = self.prompt_tokens, self.completion_tokens, 0
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": k}}
-
-    # -- logprobs
-
-    def _strings(self, entries: Sequence[common_pb2.TokenLogprob]) -> tuple[list[str], list[str]]:
-        ids = [e.token_id for e in entries]
-        top_ids = [t.token_id for e in entries for t in e.top]
-        strings = self.token_strings(ids + top_ids)
-        return strings[:len(ids)], strings[len(ids):]
-
-    def completion_logprobs(self, entries: Sequence[common_pb2.TokenLogprob]) -> dict[str, Any]:
-        tokens, top_strings = self._strings(entries)
-        out: dict[str, Any] = {"tokens": tokens, "token_logprobs": [], "top_logprobs": [],
-                               "text_offset": []}
-        k = 0
-        for e, tok in zip(entries, tokens, strict=True):
-            top: dict[str, float] = {}
-            for t in e.top:
-                top[top_strings[k]] = _lp(t.logprob)
-                k += 1
-            top.setdefault(tok, _lp(e.logprob))
-            out["token_logprobs"].append(_lp(e.logprob))
-            out["top_logprobs"].append(top)
-            out["text_offset"].append(self.text_offset)
-            self.text_offset += len(tok)
-        return out
-
-    def chat_logprobs(self, entries: Sequence[common_pb2.TokenLogprob]) -> list[dict[str, Any]]:
-        tokens, top_strings = self._strings(entries)
-        content = []
-        k = 0
-        for e, tok in zip(entries, tokens, strict=True):
-            top = []
-            for t in e.top:
-                s = top_strings[k]
-                k += 1
-                top.append({"token": s, "logprob": _lp(t.logprob), "bytes": list(s.encode())})
-            content.append({"token": tok, "logprob": _lp(e.logprob),
-                            "bytes": list(tok.encode()), "top_logprobs": top})
-        return content
-
-    # -- streaming
-
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        call = self.call
-        out: dict[str, Any] = {
-            "id": call.id,
-            "object": "chat.completion.chunk" if call.chat else "text_completion",
-            "created": call.created, "model": call.model, "system_fingerprint": None,
-            "choices": choices,
-        }
-        if call.include_usage:
-            out["usage"] = None
-        return out
-
-    def chunks(self, msg: api_pb2.GenerateResponse) -> list[dict[str, Any]]:
-        """The SSE chunks for one router message (none when it carries nothing to say)."""
-        self.observe(msg)
-        want_lp = self.call.logprobs and len(msg.logprobs) > 0
-        finish = self._finish_reason() if msg.finish_reason else None
-        if not self.call.chat:
-            if not (msg.text or want_lp or finish):
-                return []
-            lp = self.completion_logprobs(msg.logprobs) if want_lp else None
-            return [self._envelope([{"index": 0, "text": msg.text, "logprobs": lp,
-                                     "finish_reason": finish}])]
-        deltas = self._deltas(msg.text, final=bool(msg.finish_reason))
-        finish = self._finish_reason() if msg.finish_reason else None  # after the reading
-        if not self.sent_role:
-            first = deltas[0] if deltas else {"content": ""}
-            deltas[:1] = [{"role": "assistant", **first}]
-            self.sent_role = True
-        if not deltas and (want_lp or finish):
-            deltas = [{}]
-        lp = {"content": self.chat_logprobs(msg.logprobs), "refusal": None} if want_lp \
-            else None
-        out = []
-        for i, delta in enumerate(deltas):
-            last = i == len(deltas) - 1
-            out.append(self._envelope([{"index": 0, "delta": delta,
-                                        "logprobs": lp if i == 0 else None,
-                                        "finish_reason": finish if last else None}]))
-        return out
-
-    def _deltas(self, text: str, final: bool) -> list[dict[str, Any]]:
-        """The chat deltas for new text: the text itself, or what the tool-call reader
-        decides of it."""
-        if self.tool_stream is None:
-            return [{"content": text}] if text else []
-        events = self.tool_stream.feed(text) if text else []
-        if final:
-            events += self.tool_stream.finish()
-        return [self._delta(e) for e in events]
-
-    def _delta(self, event: Event) -> dict[str, Any]:
-        if isinstance(event, Content):
-            return {"content": event.text}
-        self.called = True
-        if isinstance(event, CallStart):
-            return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
-                                    "function": {"name": event.name, "arguments": ""}}]}
-        assert isinstance(event, Arguments)
-        return {"tool_calls": [{"index": event.index,
-                                "function": {"arguments": event.text}}]}
-
-    def usage_chunk(self) -> dict[str, Any]:
-        out = self._envelope([])
-        out["usage"] = self.usage_json()
-        return out
-
-    # -- non-streaming
-
-    def body(self, msgs: Sequence[api_pb2.GenerateResponse]) -> dict[str, Any]:
-        for m in msgs:
-            self.observe(m)
-        text = "".join(m.text for m in msgs)
-        entries = [e for m in msgs for e in m.logprobs]
-        call = self.call
-        if call.chat:
-            lp = {"content": self.chat_logprobs(entries), "refusal": None} \
-                if call.logprobs else None
-            message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
-            if self.tool_stream is not None:
-                parsed = fold(self.tool_stream.feed(text) + self.tool_stream.finish())
-                message["content"] = parsed.content
-                if parsed.calls:
-                    self.called = True
-                    message["tool_calls"] = [
-                        {"id": c.id, "type": "function",
-                         "function": {"name": c.name, "arguments": c.arguments}}
-                        for c in parsed.calls]
-            choice = {"index": 0, "message": message, "logprobs": lp,
-                      "finish_reason": self._finish_reason()}
-        else:
-            lp = self.completion_logprobs(entries) if call.logprobs else None
-            choice = {"index": 0, "text": text, "logprobs": lp,
-                      "finish_reason": self.finish_reason}
-        return {"id": call.id, "object": "chat.completion" if call.chat else "text_completion",
-                "created": call.created, "model": call.model, "system_fingerprint": None,
-                "choices": [choice], "usage": self.usage_json()}

@@ -85,7 +85,7 @@ def test_penalties_and_logit_bias_change_greedy_output_on_both_apis(cluster) -> 
         ({"prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"prompt": "x", "top_p": 2}, 400, "top_p"),
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"prompt": "x", "n": 3}, 400, "n"),
+        ({"prompt": "x", "n": 17}, 400, "n must be in [1, 16]"),
         (b'{"prompt": "' + b"a" * (50 * 2**20) + b'"}', 413, ""),
     ],
 )
@@ -148,4 +148,52 @@ def test_structured_output_over_http_and_grpc(cluster) -> None:
     with pytest.raises(openai.BadRequestError, match="structured"):
         client.completions.create(model=model, prompt="x", max_tokens=4,
                                   extra_body={"guided_json": {"type": "nonsense"}})
+    assert_cluster_idle(cluster)
+
+
+def test_choices_best_of_echo_and_prompt_logprobs_over_http(cluster) -> None:
+    """n=3 greedy gives three identical texts equal to n=1; seeded n=3 at temperature 1
+    is reproducible and differs across choices (streamed: the same texts by index);
+    best_of=3 answers n=2; echo leads the text with the prompt and its logprobs with
+    null; prompt_logprobs take vLLM's shape; one prompt's tokens are counted once."""
+    client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+    [model] = [m.id for m in client.models.list().data]
+    base = {"model": model, "prompt": "Once upon a time", "max_tokens": 10}
+    one = client.completions.create(**base, temperature=0)
+    three = client.completions.create(**base, temperature=0, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.text for c in three.choices} == {one.choices[0].text}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    seeded = {**base, "temperature": 1.0, "seed": 7, "n": 3}
+    a = [c.text for c in client.completions.create(**seeded).choices]
+    b = [c.text for c in client.completions.create(**seeded).choices]
+    assert a == b and len(set(a)) > 1
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**seeded, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == a
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=6, n=2,
+        temperature=1.0, seed=3)
+    assert [c.index for c in chat.choices] == [0, 1]
+    best = client.completions.create(**base, temperature=1.0, seed=5, n=2, best_of=3,
+                                     logprobs=0)
+    assert len(best.choices) == 2 and best.usage.completion_tokens == 3 * 10
+    scores = [sum(c.logprobs.token_logprobs) for c in best.choices]
+    assert scores == sorted(scores, reverse=True)
+    echoed = client.completions.create(**base, temperature=0, echo=True, logprobs=1)
+    (e,) = echoed.choices
+    assert e.text == "Once upon a time" + one.choices[0].text
+    assert e.logprobs.token_logprobs[0] is None and e.logprobs.top_logprobs[0] is None
+    assert all(lp is not None for lp in e.logprobs.token_logprobs[1:])
+    assert len(e.logprobs.tokens) == one.usage.prompt_tokens + 10
+    status, body = post(cluster, "/v1/completions", {**base, "temperature": 0,
+                                                     "prompt_logprobs": 1})
+    assert status == 200, body
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == one.usage.prompt_tokens
+    assert all(1 <= len(d) <= 2 and all(v["logprob"] <= 0 for v in d.values())
+               for d in plp[1:])
     assert_cluster_idle(cluster)

@@ -25,7 +25,7 @@ from common.wire import sampling_from_proto
 from protos.pdserve.v1 import common_pb2
 from router.errors import RouterError
 from router.openai.protocol import parse_request
-from router.openai.responses import Renderer
+from router.openai.render import Renderer
 from router.openai.tool_parsers import (
     HERMES,
     Arguments,

@@ -233,11 +233,14 @@ def _prompt_logprobs(logits: torch.Tensor, rows: list[tuple[str, int, int, int]]
         return out
     lp = torch.log_softmax(logits.float(), dim=-1)
     nexts = torch.tensor([r[2] for r in rows])
-    chosen = lp.gather(1, nexts.unsqueeze(1)).squeeze(1).tolist()
+    chosen_t = lp.gather(1, nexts.unsqueeze(1))
+    ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     k = min(max(r[3] for r in rows), lp.shape[-1])
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
     for i, (seq_id, pos, nxt, top) in enumerate(rows):
         alts = tuple(zip(top_i[i][:top], top_v[i][:top], strict=True))
-        out.setdefault(seq_id, []).append((pos, TokenLogprobs(nxt, chosen[i], alts)))
+        out.setdefault(seq_id, []).append((pos, TokenLogprobs(nxt, chosen[i], alts,
+                                                              ranks[i])))
     return out

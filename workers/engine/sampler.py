@@ -32,6 +32,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    rank: int = 0  # 1 + tokens likelier than ``token_id`` (0: not computed)
 
 
 @dataclass(frozen=True)
