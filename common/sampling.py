@@ -70,6 +70,10 @@ MAX_ALLOWED_TOKEN_IDS = 2**16
 """``allowed_token_ids`` builds a vocabulary mask every step; 65536 ids is more than a
 constrained-choice prompt needs and well under any 8 MiB message."""
 
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
+"""``bad_words`` (vLLM): each word becomes one or two token sequences checked against
+every step's history; 128 words of up to 256 characters keep that small."""
+
 TOKEN_ID_MAX = 2**32 - 1
 """Token ids (``logit_bias`` keys, ``allowed_token_ids``) are uint32 on the wire; the
 vocabulary bound is checked where it is known (:func:`check_sampling_vocab`)."""
@@ -194,6 +198,10 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     """None: unconstrained. Else only tokens its grammar allows may be sampled, and the
     request ends (``stop``) when the grammar is complete."""
+    bad_words: tuple[str, ...] = ()
+    """vLLM's: words never generated. The worker tokenizes each (as written and after
+    a space); the last token of such a sequence cannot be sampled when the output so
+    far ends with the rest of it (a one-token word: never)."""
 
     def __post_init__(self) -> None:
         # Accept lists from callers but store tuples so the object stays hashable/frozen.
@@ -228,6 +236,15 @@ class SamplingParams:
                 "logit_bias", "must map token ids to numbers") from None
         object.__setattr__(self, "logit_bias", pairs)
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "bad_words", _as_tuple(self.bad_words))
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(
+                "bad_words", f"at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS:
+                raise InvalidRequestError(
+                    "bad_words", f"each bad word is a non-blank string of at most "
+                    f"{MAX_BAD_WORD_CHARS} characters, got {str(w)[:40]!r}")
         # Finite and > 0; a tiny penalty may push a logit past float32, which the sampler
         # clamps, so any positive value is safe (vLLM's range).
         if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
@@ -269,7 +286,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the sampler must change this request's logits before sampling."""
         return (self.penalized or bool(self.logit_bias) or bool(self.allowed_token_ids)
-                or self.min_tokens > 0)
+                or self.min_tokens > 0 or bool(self.bad_words))
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

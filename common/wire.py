@@ -46,6 +46,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos, include_stop_str_in_output=msg.include_stop_str_in_output,
         logit_bias=dict(msg.logit_bias), allowed_token_ids=tuple(msg.allowed_token_ids),
+        bad_words=tuple(msg.bad_words),
         structured=_structured_from_proto(msg.structured) if msg.HasField("structured")
         else None,
         **kwargs,  # type: ignore[arg-type]
@@ -66,6 +67,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         min_p=p.min_p, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
         ignore_eos=p.ignore_eos, include_stop_str_in_output=p.include_stop_str_in_output,
         logit_bias=dict(p.logit_bias), allowed_token_ids=list(p.allowed_token_ids),
+        bad_words=list(p.bad_words),
     )
     # Off values stay unset: the message of a plain request does not grow.
     if p.repetition_penalty != 1.0:

@@ -27,7 +27,8 @@ Both endpoints: ``model``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k``
 ``include_stop_str_in_output``, ``cache_salt``, ``stream``, ``stream_options``
 (``include_usage``; ignored without ``stream: true``), ``repetition_penalty`` (vLLM),
 ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` (an object of token ids as
-strings to numbers), ``min_tokens`` and ``allowed_token_ids`` (vLLM), and structured
+strings to numbers), ``min_tokens``, ``allowed_token_ids`` and ``bad_words`` (vLLM),
+and structured
 output: ``response_format`` (``text``, ``json_object``, ``json_schema``), vLLM's
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` and
 ``structured_outputs`` (one of them per request; see :mod:`router.openai.structured`).
@@ -352,6 +353,7 @@ def _sampling(f: Fields, *, chat: bool, max_model_len: int) -> common_pb2.Sampli
     for token, bias in _logit_bias(f.get("logit_bias")).items():
         s.logit_bias[token] = bias
     s.allowed_token_ids.extend(f.int_list("allowed_token_ids", 0, UINT32_MAX))
+    s.bad_words.extend(f.str_list("bad_words"))
     structured = structured_output(f.body)
     if structured is not None:
         s.structured.CopyFrom(structured)

@@ -197,3 +197,31 @@ def test_choices_best_of_echo_and_prompt_logprobs_over_http(cluster) -> None:
     assert all(1 <= len(d) <= 2 and all(v["logprob"] <= 0 for v in d.values())
                for d in plp[1:])
     assert_cluster_idle(cluster)
+
+
+def test_bad_words_keep_a_greedy_word_out(cluster, tiny_checkpoints) -> None:
+    """vLLM's bad_words: the word greedy decoding would write first is never written."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoints["llama"])
+    client = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+    [model] = [m.id for m in client.models.list().data]
+    kw = {"model": model, "prompt": "The story of the", "max_tokens": 8, "temperature": 0,
+          "extra_body": {"ignore_eos": True}}
+    with Client(cluster.target) as grpc_client:
+        ref = grpc_client.generate("The story of the", max_tokens=8, temperature=0.0,
+                                   ignore_eos=True)
+    word = next(w for w in (tok.decode([t]).strip() for t in ref.token_ids)
+                if w and len(tok.encode(w, add_special_tokens=False)) == 1)
+    banned = {seq[0] for seq in (tok.encode(word, add_special_tokens=False),
+                                 tok.encode(" " + word, add_special_tokens=False))
+              if len(seq) == 1}
+    assert banned & set(ref.token_ids)
+    done = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True,
+                                                             "bad_words": [word]}})
+    with Client(cluster.target) as grpc_client:
+        kept = grpc_client.generate("The story of the", max_tokens=8, temperature=0.0,
+                                    ignore_eos=True, bad_words=[word])
+    assert done.choices[0].text == kept.text != ref.text
+    assert not banned & set(kept.token_ids)
+    assert_cluster_idle(cluster)

@@ -225,3 +225,19 @@ def test_min_tokens_never_leaves_a_row_with_nothing_to_sample() -> None:
     out = sampler.sample(logits, ["a", "b"], params, histories)
     assert out.token_ids[0] == 3  # the only token it may sample
     assert out.token_ids[1] != 3  # the other row still holds EOS back
+
+
+def test_bad_words_ban_a_word_s_last_token_only_after_the_rest_of_it() -> None:
+    logits = torch.tensor([[3.0, 2.5, 2.0, 0.0], [3.0, 2.5, 2.0, 0.0]])
+    p = SamplingParams(temperature=0, bad_words=("x",))
+    s = Sampler()
+    s.set_bad_words("a", [(0,)])  # a one-token word: never
+    s.set_bad_words("b", [(2, 0), (3, 1)])  # two-token words: only after their first
+    after_2 = History([5, 2], num_prompt_tokens=1)
+    out = s.sample(logits, ["a", "b"], [p, p], [History([1], 1), after_2])
+    assert out.token_ids == [1, 1]
+    ones = torch.tensor([[2.5, 3.0, 2.0, 0.0]])  # 1 is the argmax
+    assert s.sample(ones, ["b"], [p], [History([5, 2], 1)]).token_ids == [1]  # (2, 0) only
+    assert s.sample(ones, ["b"], [p], [History([3], 1)]).token_ids == [0]  # prompt counts
+    s.release("b")
+    assert s.sample(logits[1:], ["b"], [p], [after_2]).token_ids == [0]  # forgotten

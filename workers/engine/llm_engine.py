@@ -278,6 +278,21 @@ class LLMEngine:
             prompt_logprobs=[] if seq.prompt_logprobs is not None else None)
         if seq.prompt_logprobs is not None:
             self._prompt_lps[seq.seq_id] = seq.prompt_logprobs
+        if seq.params.bad_words:
+            self.runner.sampler.set_bad_words(seq.seq_id, self._bad_word_ids(seq.params.bad_words))
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Each bad word as tokens, as vLLM does: as written (leading spaces dropped),
+        and after a space when that spells it with other tokens of the same count."""
+        out = []
+        for word in words:
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(),
+                                                 add_special_tokens=False))
+            out.append(plain)
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
 
     def reserve_request(
         self,

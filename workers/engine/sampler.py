@@ -10,7 +10,8 @@ temperature or filter), as in vLLM.
 Before either, the rows of requests that ask for it are processed, batched over the
 vocabulary (one index operation per kind, over all such rows): repetition, frequency
 and presence penalties from each row's token history, ``logit_bias``, then the
-``allowed_token_ids`` mask, the grammar mask of structured-output rows (one bitmask for
+``allowed_token_ids`` mask, the ``bad_words`` ban (one index operation over the
+rows and their banned tokens), the grammar mask of structured-output rows (one bitmask for
 all of them) and the ``min_tokens`` mask of EOS and stop token ids. Each
 row's history is the sequence's own tokens, so a prefill worker (first token) and a
 decode worker (the rest) penalize alike.
@@ -64,12 +65,19 @@ class Sampler:
         self._default = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self._prompts: dict[str, torch.Tensor] = {}
+        self._bad_words: dict[str, tuple[tuple[int, ...], ...]] = {}
         self.eos_token_ids = eos_token_ids
         """Masked (with ``stop_token_ids``) before a request's ``min_tokens``."""
 
     def release(self, seq_id: str) -> None:
         self._generators.pop(seq_id, None)
         self._prompts.pop(seq_id, None)
+        self._bad_words.pop(seq_id, None)
+
+    def set_bad_words(self, seq_id: str, sequences: Sequence[Sequence[int]]) -> None:
+        """A request's ``bad_words`` as token sequences (the engine tokenizes them): the
+        last token of each is banned whenever the tokens so far end with the rest."""
+        self._bad_words[seq_id] = tuple(tuple(s) for s in sequences if s)
 
     def skip(self, seq_id: str, p: SamplingParams, vocab_size: int) -> None:
         """Advance a seeded request's generator past one draw made elsewhere (the first
@@ -145,6 +153,12 @@ class Sampler:
                   for t in params[i].allowed_token_ids]
             allowed.index_put_(_index(at), torch.tensor(True))
             _keep_only(logits, (allowed_rows, allowed))
+        banned = [(i, seq[-1]) for i in rows if params[i].bad_words
+                  for seq in self._bad_words.get(seq_ids[i], ())
+                  if seq[-1] < vocab
+                  and (len(seq) == 1 or _ends_with(histories[i].token_ids, seq[:-1]))]
+        if banned:
+            logits.index_put_(_index(banned), torch.tensor(float("-inf")))
         if grammar is not None:
             _keep_only(logits, grammar)
         early = [(i, t) for i in rows if _before_min_tokens(params[i], histories[i])
@@ -247,6 +261,11 @@ def _keep_only(logits: torch.Tensor, allowed_rows: tuple[list[int], torch.Tensor
 def _index(at: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, token) pairs as the index tensors ``index_put_`` takes."""
     return tuple(torch.tensor(at, dtype=torch.long).T)  # type: ignore[return-value]
+
+
+def _ends_with(tokens: list[int], prefix: tuple[int, ...]) -> bool:
+    n = len(prefix)
+    return len(tokens) >= n and tuple(tokens[-n:]) == prefix
 
 
 def _before_min_tokens(p: SamplingParams, h: TokenHistory) -> bool:

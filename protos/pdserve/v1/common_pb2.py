@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/common.proto\x12\npdserve.v1\"\xe2\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokens\"\xe4\x01\n\x10StructuredOutput\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.pdserve.v1.StructuredOutput.Kind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x14\n\x0cprior_tokens\x18\x03 \x01(\r\"{\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_OBJECT\x10\x01\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x02\x12\x0e\n\nKIND_REGEX\x10\x03\x12\x0f\n\x0bKIND_CHOICE\x10\x04\x12\x10\n\x0cKIND_GRAMMAR\x10\x05\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"9\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\xc4\x01\n\rTransferStats\x12\x37\n\x07\x65ntered\x18\x01 \x03(\x0b\x32&.pdserve.v1.TransferStats.EnteredEntry\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x03 \x01(\x04\x12\x12\n\npairs_open\x18\x04 \x01(\r\x12\x0e\n\x06\x62usy_s\x18\x05 \x01(\x01\x1a.\n\x0c\x45nteredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eprotos/pdserve/v1/common.proto\x12\npdserve.v1\"\xf5\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\t\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\r\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x11\n\tbad_words\x18\x13 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\r\n\x0b_min_tokens\"\xe4\x01\n\x10StructuredOutput\x12/\n\x04kind\x18\x01 \x01(\x0e\x32!.pdserve.v1.StructuredOutput.Kind\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x14\n\x0cprior_tokens\x18\x03 \x01(\r\"{\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10KIND_JSON_OBJECT\x10\x01\x12\x14\n\x10KIND_JSON_SCHEMA\x10\x02\x12\x0e\n\nKIND_REGEX\x10\x03\x12\x0f\n\x0bKIND_CHOICE\x10\x04\x12\x10\n\x0cKIND_GRAMMAR\x10\x05\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"9\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x04 \x01(\r\"\xc4\x01\n\rTransferStats\x12\x37\n\x07\x65ntered\x18\x01 \x03(\x0b\x32&.pdserve.v1.TransferStats.EnteredEntry\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x13\n\x0b\x62ytes_moved\x18\x03 \x01(\x04\x12\x12\n\npairs_open\x18\x04 \x01(\r\x12\x0e\n\x06\x62usy_s\x18\x05 \x01(\x01\x1a.\n\x0c\x45nteredEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,26 +35,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TRANSFERSTATS_ENTEREDENTRY']._loaded_options = None
   _globals['_TRANSFERSTATS_ENTEREDENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1509
-  _globals['_FINISHREASON']._serialized_end=1629
+  _globals['_FINISHREASON']._serialized_start=1528
+  _globals['_FINISHREASON']._serialized_end=1648
   _globals['_SAMPLINGPARAMS']._serialized_start=47
-  _globals['_SAMPLINGPARAMS']._serialized_end=785
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=573
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=621
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=788
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1016
-  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_start=893
-  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_end=1016
-  _globals['_USAGE']._serialized_start=1018
-  _globals['_USAGE']._serialized_end=1098
-  _globals['_TIMINGS']._serialized_start=1100
-  _globals['_TIMINGS']._serialized_end=1157
-  _globals['_TOPLOGPROB']._serialized_start=1159
-  _globals['_TOPLOGPROB']._serialized_end=1206
-  _globals['_TOKENLOGPROB']._serialized_start=1208
-  _globals['_TOKENLOGPROB']._serialized_end=1308
-  _globals['_TRANSFERSTATS']._serialized_start=1311
-  _globals['_TRANSFERSTATS']._serialized_end=1507
-  _globals['_TRANSFERSTATS_ENTEREDENTRY']._serialized_start=1461
-  _globals['_TRANSFERSTATS_ENTEREDENTRY']._serialized_end=1507
+  _globals['_SAMPLINGPARAMS']._serialized_end=804
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=592
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=640
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=807
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1035
+  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_start=912
+  _globals['_STRUCTUREDOUTPUT_KIND']._serialized_end=1035
+  _globals['_USAGE']._serialized_start=1037
+  _globals['_USAGE']._serialized_end=1117
+  _globals['_TIMINGS']._serialized_start=1119
+  _globals['_TIMINGS']._serialized_end=1176
+  _globals['_TOPLOGPROB']._serialized_start=1178
+  _globals['_TOPLOGPROB']._serialized_end=1225
+  _globals['_TOKENLOGPROB']._serialized_start=1227
+  _globals['_TOKENLOGPROB']._serialized_end=1327
+  _globals['_TRANSFERSTATS']._serialized_start=1330
+  _globals['_TRANSFERSTATS']._serialized_end=1526
+  _globals['_TRANSFERSTATS_ENTEREDENTRY']._serialized_start=1480
+  _globals['_TRANSFERSTATS_ENTEREDENTRY']._serialized_end=1526
 # @@protoc_insertion_point(module_scope)
