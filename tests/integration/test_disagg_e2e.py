@@ -11,6 +11,7 @@ counting what they check as differences from what the cluster had counted before
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 import urllib.request
@@ -185,6 +186,49 @@ def test_choices_prefill_once_move_kv_once_and_share_the_prompt_blocks(
     # they land on caches some of it), in one transfer each.
     assert 0 < final[1] - mid[1] <= one_prompt and 0 < mid[1] - after["prefill"][1] <= one_prompt
     assert final[0] - after["prefill"][0] == 2
+    assert_cluster_idle(c)
+
+
+def test_openai_fields_through_the_split(smol_disagg) -> None:
+    """The openai SDK against the disaggregated cluster: n choices of a required tool
+    call are each a valid call of a declared function, n choices under a JSON schema
+    each validate, greedy n=3 gives one text three times, echo and prompt_logprobs
+    come from the prefill worker; one transfer per request."""
+    import jsonschema
+    import openai
+    from test_openai_tools import SCHEMAS, TOOLS
+
+    c = smol_disagg
+    client = openai.OpenAI(base_url=c.http_url + "/v1", api_key="unused", max_retries=0)
+    model = "SmolLM2-135M-Instruct"
+    before = _transfers(c, "prefill", "done")
+    calls = client.chat.completions.create(
+        model=model, n=2, temperature=0, max_tokens=60, tools=TOOLS, parallel_tool_calls=False,
+        tool_choice="required",
+        messages=[{"role": "user", "content": "What is the weather in Oslo right now?"}])
+    assert [ch.index for ch in calls.choices] == [0, 1]
+    for ch in calls.choices:
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    people = client.chat.completions.create(
+        model=model, n=2, temperature=1.0, seed=2, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        messages=[{"role": "user", "content": "Invent a person."}])
+    for ch in people.choices:
+        jsonschema.validate(json.loads(ch.message.content), schema)
+    greedy = client.completions.create(model=model, prompt=fresh("HTTP"), max_tokens=8,
+                                       temperature=0, n=3, echo=True, logprobs=0,
+                                       extra_body={"prompt_logprobs": 0})
+    texts = {ch.text for ch in greedy.choices}
+    assert len(texts) == 1 and texts.pop().startswith(fresh("HTTP"))
+    first = greedy.choices[0]
+    assert first.logprobs.token_logprobs[0] is None
+    assert len(first.model_extra["prompt_logprobs"]) == greedy.usage.prompt_tokens
+    assert _transfers(c, "prefill", "done") - before == 3  # one per request
     assert_cluster_idle(c)
 
 
