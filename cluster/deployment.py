@@ -29,6 +29,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+TOOL_CALL_PARSERS = ("hermes",)
+"""``router.openai.tool_parsers.PARSERS``' names, spelled out: importing the HTTP front
+here would load aiohttp into every command (a unit test keeps the two equal)."""
+
 ROLES = ("prefill", "decode", "mixed")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LAUNCHERS = ("ray", "process")
@@ -140,6 +144,9 @@ class DeploymentConfig:
         "tokens_per_minute=N overrides it"))
     metrics_public: bool = field(default=False, metadata=setting(
         "serve /metrics on the HTTP port without an API key (with keys, else admin only)"))
+    tool_call_parser: str = field(default="hermes", metadata=setting(
+        "format of tool calls in prompts and outputs (router/openai/tool_parsers.py)",
+        choices=TOOL_CALL_PARSERS))
     # -- prefix index and worker registry --------------------------------------------------
     redis_url: str | None = field(default=None, metadata=setting(
         "an existing Redis, redis://HOST:PORT/DB, for the prefix index and worker registry",
@@ -301,6 +308,8 @@ class DeploymentConfig:
             args += ["--tenant-tokens-per-minute", str(self.tenant_tokens_per_minute)]
         if self.metrics_public:
             args.append("--metrics-public")
+        if self.tool_call_parser != "hermes":
+            args += ["--tool-call-parser", self.tool_call_parser]
         if self.profile:
             t = self.threads(os.cpu_count() or 1)
             args += ["--profile", self.profile, "--itl-budget-ms", str(self.itl_budget_ms),

@@ -65,6 +65,9 @@ class ServerConfig:
     """The API key file (:mod:`router.auth`); None: no authentication."""
     metrics_public: bool = False
     """``/metrics`` on the HTTP port without a key (else it needs an admin key)."""
+    tool_call_parser: str = "hermes"
+    """How tool calls are written in prompts and read from outputs (the HTTP front's
+    :data:`router.openai.tool_parsers.PARSERS`)."""
     tls: ServerTLS | None = None
     """TLS on the public gRPC and HTTP ports (no client certificates asked); None:
     plaintext."""
@@ -164,7 +167,8 @@ async def serve(config: ServerConfig, on_ready: Callable[[Serving], None] | None
 
         runner = web.AppRunner(create_app(router, max_body_bytes=MAX_MESSAGE_BYTES, keys=keys,
                                           metrics_text=metrics.text,
-                                          metrics_public=config.metrics_public),
+                                          metrics_public=config.metrics_public,
+                                          tool_format=config.tool_call_parser),
                                  auto_decompress=False)  # compressed bodies: 415, see app
         await runner.setup()
         await web.TCPSite(runner, config.host, config.http_port,

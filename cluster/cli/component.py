@@ -69,6 +69,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_setting(r, "tenant_max_concurrency")
     add_setting(r, "tenant_tokens_per_minute")
     add_setting(r, "metrics_public")
+    add_setting(r, "tool_call_parser")
     add_setting(r, "profile")
     add_setting(r, "itl_budget_ms")
     for role in ("prefill", "decode"):
@@ -183,6 +184,7 @@ def router_config(args: argparse.Namespace,  # noqa: ANN201 - ServerConfig
         host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port,
         metrics_port=args.metrics_port, cluster_tls=cluster_tls(args),
         api_keys_file=args.api_keys, metrics_public=args.metrics_public,
+        tool_call_parser=args.tool_call_parser,
         tls=public_tls(args.tls_cert, args.tls_key))
 
 

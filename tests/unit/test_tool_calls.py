@@ -475,3 +475,10 @@ def test_any_tool_fields_are_served_or_refused_naming_a_field(
         assert e.code == grpc.StatusCode.INVALID_ARGUMENT and e.field, e
         return
     Renderer(call, list).body(scripted([CALL, NOOP]))
+
+
+def test_the_deployment_file_offers_every_parser_by_name() -> None:
+    from cluster.deployment import TOOL_CALL_PARSERS
+    from router.openai.tool_parsers import PARSERS
+
+    assert TOOL_CALL_PARSERS == tuple(PARSERS)
