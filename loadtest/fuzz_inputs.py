@@ -265,8 +265,10 @@ def _fields(chat: bool, vocab: int | None, model: str) -> dict[str, Field]:
         "stream": bools,
         "stream_options": (st.fixed_dictionaries({"include_usage": st.booleans()}),
                            st.dictionaries(hostile_text(), any_json(), max_size=2)),
-        "n": (st.just(1), num),
-        "echo": (st.just(False), num),
+        "n": (st.integers(1, 3), num),
+        "prompt_logprobs": (st.integers(0, 2), num),
+        "bad_words": (st.lists(st.sampled_from(["the", "a b", " end"]), max_size=2),
+                      st.one_of(hostile_text(), st.lists(hostile_text(), max_size=200))),
         "logit_bias": (st.just({}), st.dictionaries(st.text(max_size=5), num, max_size=3)),
         "response_format": (st.just({"type": "text"}),
                             st.fixed_dictionaries({"type": hostile_text()})),
@@ -277,11 +279,15 @@ def _fields(chat: bool, vocab: int | None, model: str) -> dict[str, Field]:
                    "logprobs": (st.booleans(), hostile_number()),
                    "top_logprobs": (st.integers(0, 5), hostile_number()),
                    "max_completion_tokens": budget,
-                   "tools": (st.just([]), any_json())}
+                   "tools": (st.just([]), any_json()),
+                   "tool_choice": (st.sampled_from(["none", "auto"]), any_json()),
+                   "echo": (st.just(False), num)}
     else:
         fields |= {"prompt": _prompt(vocab),
                    "logprobs": (st.integers(0, 5), hostile_number()),
-                   "suffix": (st.just(""), hostile_text())}
+                   "suffix": (st.just(""), hostile_text()),
+                   "echo": (st.booleans(), num),
+                   "best_of": (st.integers(3, 4), num)}
     return fields
 
 

@@ -189,7 +189,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
 
     async def _tokens(self, context: grpc.aio.ServicerContext,
                       req: worker_pb2.WorkerGenerateRequest, context_len: int, done: int):
-        """The outputs after ``done`` tokens of ``req`` were already produced."""
+        """The outputs after ``done`` tokens of ``req`` were already produced; with ``n``
+        choices, one token of each per round (every choice writes the same tokens)."""
         limit = (req.sampling.max_tokens if req.sampling.HasField("max_tokens")
                  else DEFAULT_MAX_TOKENS)
         fail, self.fail_after = self.fail_after, None
@@ -207,14 +208,16 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             context_len += 1
             done += 1
             n += 1
-            self.sent += 1
-            out = worker_pb2.WorkerGenerateResponse(token_ids=[t], text=f"<{t}>")
-            if not self.endless and done >= limit:
-                out.finish_reason = common_pb2.FINISH_REASON_LENGTH
-                out.usage.CopyFrom(common_pb2.Usage(
-                    prompt_tokens=len(req.prompt_token_ids), completion_tokens=done,
-                    cached_tokens=0))
-            yield out
+            for index in range(req.n or 1):
+                self.sent += 1
+                out = worker_pb2.WorkerGenerateResponse(token_ids=[t], text=f"<{t}>",
+                                                        index=index)
+                if not self.endless and done >= limit:
+                    out.finish_reason = common_pb2.FINISH_REASON_LENGTH
+                    out.usage.CopyFrom(common_pb2.Usage(
+                        prompt_tokens=len(req.prompt_token_ids), completion_tokens=done,
+                        cached_tokens=0))
+                yield out
 
     def _enter(self) -> None:
         self.open_calls += 1
@@ -266,7 +269,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 first.finish_reason = common_pb2.FINISH_REASON_LENGTH
                 first.usage.prompt_tokens = len(req.prompt_token_ids)
                 first.usage.completion_tokens = 1
-            return worker_pb2.PrefillResponse(first=first)
+            others = []
+            for index in range(1, req.n or 1):
+                other = worker_pb2.WorkerGenerateResponse()
+                other.CopyFrom(first)
+                other.index = index
+                others.append(other)
+            return worker_pb2.PrefillResponse(first=first, choices=others)
         except asyncio.CancelledError:
             cancelled = True
             raise

@@ -775,3 +775,39 @@ def test_prefix_lookup_merges_by_max_and_backs_off_while_redis_is_down() -> None
         assert await lookup.lookup([1, 2, 3]) == {"a": 2, "b": 1}
 
     run(body)
+
+
+def _by_choice(msgs: list[api_pb2.GenerateResponse], n: int) -> list[list[int]]:
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    for m in msgs:
+        tokens[m.index].extend(m.token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("roles", [["mixed", "mixed"], ["prefill", "decode", "decode"]])
+def test_choices_run_as_one_attempt_and_move_one_by_one_after_a_failure(roles) -> None:
+    """n = 3 is one worker request (one Prefill, one commit with every first token);
+    when its worker dies mid-stream, each unfinished choice moves on its own, with its
+    own tokens continuing the prompt, and every choice still ends once, complete."""
+    async def body() -> None:
+        async with Cluster(roles) as c:
+            target = c.workers[-2]  # the mixed or decode worker the pool picks first
+            target.die_after = 2
+            msgs = await collect(c, req(max_tokens=6, n=3))
+            assert target.dead
+            assert _by_choice(msgs, 3) == [expected_tokens(P, 6)] * 3
+            ends = [m.index for m in msgs if m.finish_reason]
+            assert sorted(ends) == [0, 1, 2]
+            assert all(m.usage.completion_tokens == 6 for m in msgs if m.finish_reason)
+            (first,) = [r for r in target.requests]
+            assert first.n == 3
+            moved = c.workers[-1].requests
+            assert [r.n for r in moved] == [0, 0, 0]  # one request per choice
+            k = 3 if "prefill" in roles else 2  # the prefill worker's first token too
+            assert all(list(r.prompt_token_ids) == PROMPT + expected_tokens(P, k)
+                       for r in moved)
+            assert msgs[-1].routing.migrations == 1  # one failure, whatever it moved
+            if "prefill" in roles:
+                assert c.workers[-2].commits == [expected_tokens(P, 1)[0]]
+
+    run(body)
