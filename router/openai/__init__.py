@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP front of the router (``/v1/completions``, ``/v1/chat/completions``).
+"""The OpenAI-compatible HTTP front of the router (``/v1/completions``, ``/v1/chat/completions``,
+``/v1/responses``).
 
 This package only translates: OpenAI JSON in, one :class:`api_pb2.GenerateRequest` to the
 router, the router's :class:`api_pb2.GenerateResponse` stream back out as OpenAI JSON or
@@ -19,9 +20,15 @@ the details):
    :mod:`.responses` the SSE framing and error bodies; :mod:`.app` sends them).
 6. **Cleanup** (:mod:`.app`): the router generator is closed however the request ends.
 
-Imports go one way: ``app`` -> ``render`` -> ``responses`` -> ``protocol`` -> ``structured``,
-``tool_parsers`` -> ``tools`` (tool calling: :mod:`.tools` has the request side and the
-flow, :mod:`.tool_parsers` the named prompt/grammar/output formats).
+``/v1/responses`` (OpenAI's Responses API, the subset for text models) is a translation
+onto the chat path (:mod:`.responses_api`): its body becomes a chat body that
+:mod:`.protocol` parses as usual, and the chat renderer's chunks become Responses output
+items and events; steps 1, 4 and 6 are the same code as the other routes'.
+
+Imports go one way: ``app`` -> ``responses_api`` -> ``render`` -> ``responses`` ->
+``protocol`` -> ``structured``, ``tool_parsers`` -> ``tools`` (tool calling: :mod:`.tools`
+has the request side and the flow, :mod:`.tool_parsers` the named prompt/grammar/output
+formats).
 """
 
 from .app import create_app

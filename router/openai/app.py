@@ -28,6 +28,9 @@ of every answer is :mod:`.responses`).
    something to say, or several when a tool-call reader releases held text), the usage
    chunk when asked for, then ``data: [DONE]``. A :class:`RouterError` after the stream
    started becomes an event ``data: {"error": {...}}`` followed by ``data: [DONE]``.
+   How a route answers is its :class:`Answer` (``/v1/responses``:
+   :class:`.responses_api.ResponsesRenderer`, with its own events and no ``[DONE]``); the
+   driving, disconnect handling and cleanup are shared (:meth:`OpenAIFront._drive`).
 6. **Cleanup.** However the request ends, the router generator is closed: after the final
    message (``aclose()``, which must be a no-op for the router once the request finished),
    on an error, or when the client goes away, which is noticed three ways: a write raises
@@ -45,8 +48,8 @@ import importlib.metadata
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import grpc
 from aiohttp import web
@@ -68,6 +71,7 @@ from .responses import (
     sse,
     token_strings_of,
 )
+from .responses_api import ResponsesRenderer, parse_responses
 from .tokenization import TokenizingRouter, parse_detokenize, parse_tokenize
 from .tool_parsers import DEFAULT_PARSER, tool_parser
 
@@ -149,6 +153,49 @@ async def _wait_disconnected(request: web.Request, poll_s: float) -> None:
         if transport is None or transport.is_closing():
             return
         await asyncio.sleep(poll_s)
+
+
+class Answer(Protocol):
+    """How one request's router messages are answered (lifecycle step 5): ``body`` of the
+    messages when not streamed; streamed, ``opening`` after the headers, ``events`` per
+    message, then ``closing``, or ``failure`` when the router fails after the stream began.
+    The stream methods return server-sent events, framed. One per request, not shared."""
+
+    def body(self, msgs: Sequence[api_pb2.GenerateResponse]) -> dict[str, Any]: ...
+
+    def opening(self) -> list[bytes]: ...
+
+    def events(self, msg: api_pb2.GenerateResponse) -> list[bytes]: ...
+
+    def closing(self) -> list[bytes]: ...
+
+    def failure(self, err: ApiError) -> list[bytes]: ...
+
+
+class _ChatAnswer:
+    """``/v1/completions`` and ``/v1/chat/completions``: the :class:`.render.Renderer`'s
+    chunks as ``data:`` events, then the usage chunk when asked for and ``data: [DONE]``;
+    a failure is an error event and ``[DONE]``."""
+
+    def __init__(self, call: Call, renderer: Renderer) -> None:
+        self.call = call
+        self.renderer = renderer
+
+    def body(self, msgs: Sequence[api_pb2.GenerateResponse]) -> dict[str, Any]:
+        return self.renderer.body(msgs)
+
+    def opening(self) -> list[bytes]:
+        return []
+
+    def events(self, msg: api_pb2.GenerateResponse) -> list[bytes]:
+        return [sse(chunk) for chunk in self.renderer.chunks(msg)]
+
+    def closing(self) -> list[bytes]:
+        usage = [sse(self.renderer.usage_chunk())] if self.call.include_usage else []
+        return [*usage, SSE_DONE]
+
+    def failure(self, err: ApiError) -> list[bytes]:
+        return [sse(api_error_body(err)), SSE_DONE]
 
 
 class OpenAIFront:
@@ -274,17 +321,29 @@ class OpenAIFront:
         if self.background:
             await asyncio.wait(list(self.background))
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        parsed = parse_responses(await self._read_body(request), self.router,
+                                 tool_format=self.tool_format)
+        return await self._drive(request, parsed.call,
+                                 ResponsesRenderer(parsed, self.token_strings, self.decode))
+
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         # A body or request refused here raises ApiError/RouterError; _json_errors answers it.
         call = parse_request(await self._read_body(request), self.router, chat=chat,
                              tool_format=self.tool_format)
+        renderer = Renderer(call, self.token_strings, self.decode)
+        return await self._drive(request, call, _ChatAnswer(call, renderer))
+
+    async def _drive(self, request: web.Request, call: Call, answer: Answer
+                     ) -> web.StreamResponse:
+        """Lifecycle steps 4 to 6 for a parsed request, answered by ``answer``."""
         request[REQUEST_ID_KEY] = call.id
         caller = request.get(CALLER_KEY)
         gen = self.router.generate(call.req, timeout=self.request_timeout,
                                    caller=caller if isinstance(caller, Principal) else None)
         holder: list[web.StreamResponse] = []
-        driver = (self._stream(request, call, gen, holder) if call.stream
-                  else self._collect(call, gen))
+        driver = (self._stream(request, call, answer, gen, holder) if call.stream
+                  else self._collect(call, answer, gen))
         task = asyncio.ensure_future(driver)
         watcher = asyncio.ensure_future(_wait_disconnected(request, self.disconnect_poll_s))
         try:
@@ -301,7 +360,7 @@ class OpenAIFront:
             return _client_gone(call, holder)
         return task.result()
 
-    async def _collect(self, call: Call,
+    async def _collect(self, call: Call, answer: Answer,
                        gen: AsyncIterator[api_pb2.GenerateResponse]) -> web.StreamResponse:
         msgs: list[api_pb2.GenerateResponse] = []
         open_ = max(call.req.n, 1)  # choices not ended yet
@@ -315,13 +374,12 @@ class OpenAIFront:
             return _error_response(exc, call.id)
         finally:
             await _close(gen)
-        body = Renderer(call, self.token_strings, self.decode).body(msgs)
-        return web.json_response(body, headers={"X-Request-Id": call.id}, dumps=dumps)
+        return web.json_response(answer.body(msgs), headers={"X-Request-Id": call.id},
+                                 dumps=dumps)
 
-    async def _stream(self, request: web.Request, call: Call,
+    async def _stream(self, request: web.Request, call: Call, answer: Answer,
                       gen: AsyncIterator[api_pb2.GenerateResponse],
                       holder: list[web.StreamResponse]) -> web.StreamResponse:
-        renderer = Renderer(call, self.token_strings, self.decode)
         open_ = max(call.req.n, 1)  # choices not ended yet
         try:
             try:
@@ -332,9 +390,10 @@ class OpenAIFront:
             holder.append(resp)
             await resp.prepare(request)
             try:
+                for event in answer.opening():
+                    await resp.write(event)
                 while True:
-                    for chunk in renderer.chunks(msg):
-                        event = sse(chunk)
+                    for event in answer.events(msg):
                         self.router.count_sent("http", len(event))
                         await resp.write(event)
                     if msg.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -342,11 +401,11 @@ class OpenAIFront:
                         if not open_:
                             break
                     msg = await _next_message(gen, call.id)
-                if call.include_usage:
-                    await resp.write(sse(renderer.usage_chunk()))
+                tail = answer.closing()
             except RouterError as exc:
-                await resp.write(sse(api_error_body(as_api_error(exc, call.id))))
-            await resp.write(SSE_DONE)
+                tail = answer.failure(as_api_error(exc, call.id))
+            for event in tail:
+                await resp.write(event)
             return resp
         except ConnectionError:
             return _client_gone(call, holder)
@@ -456,4 +515,5 @@ def create_app(router: RouterLike, max_body_bytes: int = MAX_MESSAGE_BYTES, *,
         app.router.add_post("/detokenize", front.detokenize)
     app.router.add_post("/v1/completions", front.completions)
     app.router.add_post("/v1/chat/completions", front.chat_completions)
+    app.router.add_post("/v1/responses", front.responses)
     return app

@@ -143,3 +143,40 @@ def test_guided_grammar_output_follows_lark_and_gbnf_grammars(smol, client) -> N
     assert info.value.body["message"].startswith("structured: the grammar spec does not "
                                                  "compile"), info.value.body
     assert_cluster_idle(smol)
+
+
+def test_responses_api_function_tools_and_their_history(smol, client) -> None:  # noqa: ANN001
+    """``/v1/responses`` (flat function tools): a required call is the chat API's call as a
+    function_call item, a named one streams its arguments, and the call sent back with its
+    output as input items continues the conversation."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    question = "What is the weather in Paris right now?"
+    done = client.responses.create(model="SmolLM2-135M-Instruct", temperature=0,
+                                   max_output_tokens=60, tools=tools, input=question,
+                                   tool_choice="required", parallel_tool_calls=False)
+    [call] = done.output
+    assert done.status == "completed" and call.type == "function_call", done
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    [chat] = ask(client, "Paris", tool_choice="required",
+                 parallel_tool_calls=False).choices[0].message.tool_calls
+    assert (call.name, call.arguments) == (chat.function.name, chat.function.arguments)
+
+    named = {"type": "function", "name": "get_time"}
+    events = list(client.responses.create(model="SmolLM2-135M-Instruct", temperature=0,
+                                          max_output_tokens=60, tools=tools, input=question,
+                                          tool_choice=named, parallel_tool_calls=False,
+                                          stream=True))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    [item] = events[-1].response.output
+    assert events[-1].type == "response.completed" and item.name == "get_time"
+    assert len(deltas) > 1 and "".join(deltas) == item.arguments
+    jsonschema.validate(json.loads(item.arguments), TIME)
+
+    history = [{"role": "user", "content": question}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id,
+                "output": '{"temperature": 19}'}]
+    after = client.responses.create(model="SmolLM2-135M-Instruct", temperature=0,
+                                    max_output_tokens=8, tools=tools, input=history)
+    assert after.status in ("completed", "incomplete") and after.output
+    assert_cluster_idle(smol)
