@@ -25,7 +25,8 @@ onto the chat path (:mod:`.responses_api`): its body becomes a chat body that
 :mod:`.protocol` parses as usual, and the chat renderer's chunks become Responses output
 items and events; steps 1, 4 and 6 are the same code as the other routes'.
 
-Imports go one way: ``app`` -> ``responses_api`` -> ``render`` -> ``responses`` ->
+Imports go one way: ``app`` -> ``responses_events`` -> ``responses_api`` -> ``render`` ->
+``responses`` ->
 ``protocol`` -> ``structured``, ``tool_parsers`` -> ``tools`` (tool calling: :mod:`.tools`
 has the request side and the flow, :mod:`.tool_parsers` the named prompt/grammar/output
 formats).

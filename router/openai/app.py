@@ -71,7 +71,8 @@ from .responses import (
     sse,
     token_strings_of,
 )
-from .responses_api import ResponsesRenderer, parse_responses
+from .responses_api import parse_responses
+from .responses_events import ResponsesRenderer
 from .tokenization import TokenizingRouter, parse_detokenize, parse_tokenize
 from .tool_parsers import DEFAULT_PARSER, tool_parser
 
