@@ -16,6 +16,11 @@ First of all, per dtype, the decode step profile (:mod:`benchmarks.step_profile`
 a step's time goes at batch 1, 32 and 256, beside that step's GEMM and bandwidth floors,
 with the GEMM backend and the CPU (``profile_only`` runs just this: ~25 s on 2 cores).
 Everything prints as tables with the workload and machine, and lands in a JSON file.
+
+``quantization="int8"`` (``pdserve bench-engine --quantization int8``) runs instead the
+weight-quantization comparison: single-stream decode tok/s of every dtype with and
+without int8 weights, at each thread count of ``compare_threads``, in one process
+(:func:`run_weight_quant`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.machine import cpu_name
+from benchmarks.machine import cpu_name, machine_line
 from benchmarks.step_profile import (
     BATCHES,
     PROMPT_LEN,
@@ -58,6 +63,8 @@ class BenchOptions:
     skip_hf: bool = False
     quick: bool = False
     profile_only: bool = False
+    quantization: str | None = None
+    compare_threads: tuple[int, ...] = (1, 2)
     profile_batches: tuple[int, ...] = BATCHES
     profile_steps: int = 8
 
@@ -207,6 +214,56 @@ def step_profile(llm: LLM, batches: tuple[int, ...], steps: int) -> dict:
     return {"backend": backend, "copy_bandwidth_gbs": bw, "steps": steps, "rows": rows}
 
 
+def decode_tok_s(llm: LLM, n_out: int, repeats: int = 3) -> dict[str, float]:
+    """Lone-request decode speed: one 128-token random prompt, ``n_out`` greedy tokens,
+    best inter-token time of ``repeats`` runs (the prefix cache reset between)."""
+    [prompt] = random_prompts(1, 128, llm.engine.runner.vocab_size, 7)
+    params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    itls = []
+    for _ in range(repeats):
+        llm.engine.scheduler.block_manager.reset_prefix_cache()
+        out = llm.generate([prompt], params)[0]
+        itls.append((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
+    return {"decode_itl_ms": min(itls) * 1e3, "tok_s": 1.0 / min(itls),
+            "weight_mb": llm.engine.runner.model.weight_bytes() / 1e6}
+
+
+def run_weight_quant(opts: BenchOptions, model_path: str) -> list[dict]:
+    """Single-stream decode of each dtype in fp and int8 weights, per thread count."""
+    from workers.engine import kernels
+
+    kernels.load()
+    isa = kernels.int8_isa() if kernels.available() else "unavailable (torch fallback)"
+    print(f"cpu: {machine_line()}\nint8 GEMV code path: {isa}")
+    n_out = 16 if opts.quick else 64
+    rows = []
+    for threads in opts.compare_threads:
+        for dtype in opts.dtypes:
+            for quant in (None, "int8"):
+                llm = LLM(model_path, dtype=dtype, kv_cache_memory_gb=1.0,
+                          num_threads=threads, quantization=quant)
+                r = {"threads": threads, "dtype": llm.engine.dtype,
+                     "weights": quant or llm.engine.dtype} | decode_tok_s(llm, n_out)
+                del llm
+                rows.append(r)
+                print(f"  threads {threads}  {r['dtype']:9} weights {r['weights']:9} "
+                      f"{r['tok_s']:7.1f} tok/s  ITL {r['decode_itl_ms']:6.2f} ms  "
+                      f"weights read per step {r['weight_mb']:6.0f} MB", flush=True)
+    print(f"\nsingle-stream decode, {n_out} tokens after a 128-token prompt, greedy "
+          f"(best of 3); speedup: int8 weights over the same dtype's float weights")
+    print(f"  {'threads':>7} {'dtype':>9} {'fp tok/s':>9} {'int8 tok/s':>10} {'speedup':>8}")
+    for r in rows:
+        if r["weights"] != "int8":
+            continue
+        base = next(b for b in rows if b["threads"] == r["threads"]
+                    and b["dtype"] == r["dtype"] and b["weights"] != "int8")
+        r["speedup"] = r["tok_s"] / base["tok_s"]
+        print(f"  {r['threads']:>7} {r['dtype']:>9} {base['tok_s']:9.1f} {r['tok_s']:10.1f} "
+              f"{r['speedup']:7.2f}x")
+    return rows
+
+
 def run_bench(opts: BenchOptions) -> int:
     from workers.model_store import resolve_model
 
@@ -217,7 +274,9 @@ def run_bench(opts: BenchOptions) -> int:
     host = machine()
     print(f"machine: {host}\nmodel: {model_path}\nload: {os.getloadavg()[0]:.2f} (1-min avg)")
     results: list[dict] = []
-    for asked in opts.dtypes:
+    if opts.quantization == "int8":
+        results = [{"weight_quant": run_weight_quant(opts, model_path)}]
+    for asked in opts.dtypes if opts.quantization != "int8" else ():
         llm = LLM(model_path, dtype=asked, kv_cache_memory_gb=4.0, num_threads=opts.threads)
         dtype_name = llm.engine.dtype  # "auto" resolved for this machine
         if asked == "auto":

@@ -18,6 +18,11 @@ For each ``--kv-cache-dtype`` (``auto``, the model-precision cache, is the refer
    native kernel reading quantized blocks where it is built); share of streams identical
    to the reference, mean tokens before the first difference, and position-wise equality.
 
+``weights`` adds weight formats to the same comparison, each with the model-precision
+KV cache: ``int8`` (``--quantization int8``: int8 decoder-layer weights, activations in
+the model dtype) and ``bfloat16`` / ``float32`` (the whole model in that dtype), scored
+against the same reference (``auto`` KV, the model dtype's own weights).
+
 The corpus is :mod:`pydoc_data.topics` (the Python reference's topic texts that ship in
 every CPython; ``help()`` prints them): fixed for a Python version, offline, English
 prose with code. The result says which Python. Pure measurement: no processes, no network.
@@ -73,6 +78,29 @@ ABLATIONS = {"K only": {"values": False}, "V only": {"keys": False},
 """What ``--ablate`` adds per quantized format: perplexity and KL only (no greedy)."""
 
 
+WEIGHT_FORMATS = ("int8", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compared configuration: its row label, KV cache format, weight quantization
+    and model dtype (None: the options')."""
+
+    label: str
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    dtype: str | None = None
+
+
+def compared_variants(options: EvalOptions) -> list[Variant]:
+    """The KV formats (``auto``, the reference, first), then the weight formats."""
+    out = [Variant(name, name) for name in options.kv_dtypes]
+    for w in options.weights:
+        out.append(Variant(f"weights {w}", quantization="int8") if w == "int8"
+                   else Variant(f"weights {w}", dtype=w))
+    return out
+
+
 @dataclass(frozen=True)
 class EvalOptions:
     model: str
@@ -86,9 +114,16 @@ class EvalOptions:
     threads: int | None = None
     block_size: int = 16
     ablate: bool = False
+    weights: tuple[str, ...] = ()
+    """Weight formats compared too (see the module docstring): ``int8``, ``bfloat16``,
+    ``float32``."""
 
     def __post_init__(self) -> None:
         check_compared_kv_dtypes(self.kv_dtypes)
+        bad = sorted(set(self.weights) - set(WEIGHT_FORMATS))
+        if bad:
+            raise ValueError(f"unknown weight formats {bad}; choose from "
+                             f"{', '.join(WEIGHT_FORMATS)}")
         for name in ("windows", "window_tokens", "prompts", "prompt_tokens", "gen_tokens"):
             if getattr(self, name) < (2 if name == "window_tokens" else 1):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -142,9 +177,11 @@ class WindowScorer:
     """One format's engine forward over whole windows, returning every position's
     log-probabilities (``[tokens, vocab]``, fp32)."""
 
-    def __init__(self, options: EvalOptions, kv_cache_dtype: str, tokenizer=None) -> None:  # noqa: ANN001
+    def __init__(self, options: EvalOptions, kv_cache_dtype: str, tokenizer=None,  # noqa: ANN001
+                 quantization: str | None = None, dtype: str | None = None) -> None:
         blocks = -(-options.window_tokens // options.block_size) + 1
-        config, _ = EngineConfig(model=options.model, dtype=options.dtype,
+        config, _ = EngineConfig(model=options.model, dtype=dtype or options.dtype,
+                                 quantization=quantization,
                                  kv_cache_dtype=kv_cache_dtype, num_blocks=blocks,
                                  block_size=options.block_size,
                                  num_threads=options.threads).resolved()
@@ -165,9 +202,9 @@ class WindowScorer:
         return torch.log_softmax(logits.float(), dim=-1)
 
 
-def _greedy(options: EvalOptions, kv_cache_dtype: str, prompts: list[list[int]]
-            ) -> list[list[int]]:
-    llm = LLM(options.model, dtype=options.dtype, kv_cache_dtype=kv_cache_dtype,
+def _greedy(options: EvalOptions, v: Variant, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(options.model, dtype=v.dtype or options.dtype, kv_cache_dtype=v.kv_cache_dtype,
+              quantization=v.quantization,
               num_threads=options.threads, block_size=options.block_size,
               kv_cache_memory_gb=0.25,
               max_model_len=options.prompt_tokens + options.gen_tokens + options.block_size)
@@ -210,19 +247,22 @@ def run_eval(options: EvalOptions, log: Callable[[str], None] = print) -> EvalRe
     ids = tok(text, add_special_tokens=False).input_ids
     wins = windows(ids, options.windows, options.window_tokens)
     starts = windows(ids, options.prompts, options.prompt_tokens)
-    scorers = {name: WindowScorer(options, name, tok) for name in options.kv_dtypes}
+    compared = compared_variants(options)
+    names = [v.label for v in compared]
+    scorers = {v.label: WindowScorer(options, v.kv_cache_dtype, tok, v.quantization, v.dtype)
+               for v in compared}
     reference = scorers["auto"]
     report = EvalReport(options.model, reference.config.dtype, description,
                         options.windows * (options.window_tokens - 1), asdict(options))
     row_bytes = {name: sc.runner.kv_format.row_bytes for name, sc in scorers.items()}
     variants = _ablations(options, reference, tok) if options.ablate else []
-    tallies = {name: _Tally() for name in options.kv_dtypes}
+    tallies = {name: _Tally() for name in names}
     tallies.update({(name, label): _Tally() for name, label, _, _ in variants})
     model = reference.runner.model
     for w, window in enumerate(wins):
         target = torch.tensor(window[1:]).unsqueeze(1)
         ref = None
-        for name in options.kv_dtypes:
+        for name in names:
             t0 = time.perf_counter()
             lp = scorers[name].log_probs(window)[:-1]
             tallies[name].seconds += time.perf_counter() - t0
@@ -241,9 +281,10 @@ def run_eval(options: EvalOptions, log: Callable[[str], None] = print) -> EvalRe
     del scorers, reference, model
     pos = report.positions
     greedy_ref = None
-    for name in options.kv_dtypes:
+    for v in compared:
+        name = v.label
         t0 = time.perf_counter()
-        streams = _greedy(options, name, starts)
+        streams = _greedy(options, v, starts)
         greedy_ref = greedy_ref or streams
         t = tallies[name]
         row = FormatResult(
@@ -307,13 +348,15 @@ def markdown(report: EvalReport, header: str) -> str:
              f"({report.options['windows']} windows x {report.options['window_tokens']} "
              f"tokens); greedy: {report.options['prompts']} prompts x "
              f"{report.options['gen_tokens']} tokens.", "",
-             "| KV cache | bytes/row | perplexity | increase | mean KL | top-1 agree | "
+             "| KV cache / weights | bytes/row | perplexity | increase | mean KL | top-1 agree | "
              "greedy identical | tokens before 1st diff | greedy token agree |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in report.results:
         if r.variant:
             continue
-        name = f"auto ({report.dtype})" if r.kv_cache_dtype == "auto" else r.kv_cache_dtype
+        name = (f"auto ({report.dtype})" if r.kv_cache_dtype == "auto"
+                else r.kv_cache_dtype + (" (KV auto)" if r.kv_cache_dtype.startswith("weights")
+                                         else ""))
         lines.append(
             f"| {name} | {r.row_bytes} | {r.perplexity:.4f} | {r.perplexity_increase_pct:+.2f}% "
             f"| {r.kl_mean:.5f} | {r.top1_agreement:.2%} | {r.greedy_identical:.0%} | "

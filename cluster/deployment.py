@@ -86,6 +86,11 @@ class DeploymentConfig:
         "how the paged KV cache stores K/V: auto (the model's dtype), fp8_e4m3, fp8_e5m2 "
         "or nvfp4 (quantized rows with their scales; more tokens per GiB, smaller "
         "transfers); prefill and decode workers must agree"))
+    quantization: str = field(default="none", metadata=setting(
+        "weight quantization of the decoder layers' linear layers: none (the model "
+        "dtype) or int8 (weight-only, per-output-channel scales; embeddings and LM head "
+        "stay in the model dtype); a plain checkpoint is quantized at load, a `pdserve "
+        "quantize` directory needs int8; prefill and decode workers must agree"))
     kv_cache_gb: float = field(default=1.0, metadata=setting(
         "GiB preallocated for each worker's paged KV cache"))
     block_size: int = field(default=16, metadata=setting("tokens per KV cache block"))
@@ -269,6 +274,7 @@ class DeploymentConfig:
         """``pdserve worker`` arguments for one worker of ``role``."""
         args = ["worker", "--role", role, "--host", host, "--port", str(port),
                 "--dtype", self.dtype, "--kv-cache-dtype", self.kv_cache_dtype,
+                "--quantization", self.quantization,
                 "--kv-cache-gb", str(self.kv_cache_gb),
                 "--block-size", str(self.block_size), "--threads", str(threads),
                 "--local-prefill-threshold", str(self.local_prefill_threshold),

@@ -36,6 +36,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "1, 32, 256, beside its floors; under a minute)")
     b.add_argument("--profile-steps", type=int, default=8, metavar="N",
                    help="timed decode steps per batch size in the step profile (>= 1)")
+    b.add_argument("--quantization", choices=("none", "int8"), default="none",
+                   help="int8: instead, single-stream decode tok/s with int8 vs the dtype's "
+                        "own weights, per --dtype and per --compare-threads count")
+    b.add_argument("--compare-threads", default="1,2", metavar="N,N",
+                   help="thread counts of the --quantization comparison (default: 1,2)")
     b.set_defaults(func=cmd_bench_engine)
 
     bd = sub.add_parser("bench-disagg", help="KV transfer rate vs raw TCP, and disaggregated "
@@ -254,6 +259,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         dtypes=tuple(args.dtype), threads=args.threads, out=args.out,
         skip_hf=args.skip_hf, quick=args.quick, profile_only=args.profile_only,
         profile_steps=args.profile_steps,
+        quantization=None if args.quantization == "none" else args.quantization,
+        compare_threads=tuple(int(t) for t in args.compare_threads.split(",") if t),
     ))
 
 

@@ -1,5 +1,6 @@
 """``pdserve worker`` and ``pdserve router``: one component as a plain process, from
-flags or from the deployment file (``--config``), and ``pdserve convert-model``.
+flags or from the deployment file (``--config``), ``pdserve convert-model`` and
+``pdserve quantize`` (a pre-quantized int8 checkpoint, :mod:`workers.models.int8_checkpoint`).
 
 These command lines are what every launcher runs (:mod:`cluster.deployment` writes
 them): a plain process parses them here, a Ray actor through :func:`component_config`.
@@ -87,6 +88,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("convert-model", help="convert the default model once; print its path")
     c.add_argument("--cache-dir", default=None)
     c.set_defaults(func=cmd_convert)
+
+    q = sub.add_parser("quantize", help="write a pre-quantized int8 checkpoint (load it "
+                                        "with --quantization int8)")
+    q.add_argument("--model", default=None,
+                   help="local checkpoint directory (default: the default model)")
+    q.add_argument("--out", required=True, help="new directory for the int8 checkpoint")
+    q.add_argument("--cache-dir", default=None)
+    q.set_defaults(func=cmd_quantize)
 
 
 def expand_config(argv: list[str]) -> list[str]:
@@ -258,6 +267,21 @@ def api_keys_checked(config: DeploymentConfig) -> DeploymentConfig:
     path = os.path.abspath(path)
     check_api_keys(path)
     return dataclasses.replace(config, api_keys=path)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from workers.model_store import resolve_model
+    from workers.models.int8_checkpoint import save_quantized
+
+    src = resolve_model(args.model, cache_dir(args))
+    try:
+        counts = save_quantized(src, args.out)
+    except ValueError as e:
+        print(f"pdserve quantize: {e}", file=sys.stderr)
+        return EXIT_INVALID
+    print(f"{args.out}: {counts['quantized']} projections in int8, "
+          f"{counts['bytes'] / 1e6:.1f} MB of weights (from {src})")
+    return 0
 
 
 def cmd_convert(args: argparse.Namespace) -> int:

@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ablate", action="store_true",
                    help="also score each format with only K or only V quantized, and "
                         "without the rotation")
+    p.add_argument("--weights", default="", metavar="FORMATS",
+                   help="comma-separated weight formats to compare too, with the "
+                        "model-precision KV cache: int8 (--quantization int8), bfloat16, "
+                        "float32 (the whole model in that dtype)")
     p.add_argument("--out", default="bench-results/eval-kv")
     p.set_defaults(func=cmd_eval_kv)
     register_bench_kv(sub)
@@ -62,7 +66,8 @@ def cmd_eval_kv(args: argparse.Namespace) -> int:
                               windows=args.windows, window_tokens=args.window_tokens,
                               prompts=args.prompts, prompt_tokens=args.prompt_tokens,
                               gen_tokens=args.gen_tokens, threads=args.threads,
-                              ablate=args.ablate)
+                              ablate=args.ablate,
+                              weights=tuple(w for w in args.weights.split(",") if w))
     except ValueError as e:
         print(f"pdserve eval-kv: {e}", file=sys.stderr)
         return EXIT_INVALID

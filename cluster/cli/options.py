@@ -16,12 +16,13 @@ from pathlib import Path
 from cluster.deployment import DeploymentConfig, flag_of
 from common.redis_url import PASSWORD_ENV
 from router.policies import POLICIES
-from workers.engine.params import DTYPE_CHOICES, KV_CACHE_DTYPES
+from workers.engine.params import DTYPE_CHOICES, KV_CACHE_DTYPES, QUANTIZATION_CHOICES
 
 EXIT_INVALID = 2
 
 CHOICES: dict[str, tuple[str, ...]] = {"dtype": DTYPE_CHOICES,
                                         "kv_cache_dtype": KV_CACHE_DTYPES,
+                                        "quantization": QUANTIZATION_CHOICES,
                                         "policy": tuple(sorted(POLICIES))}
 """Choices of settings whose valid values live with the component that checks them (the
 engine, the router), not in the deployment file's module."""
@@ -132,6 +133,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "~/.cache/pdserve)")
     add_setting(p, "dtype")
     add_setting(p, "kv_cache_dtype")
+    add_setting(p, "quantization")
     add_setting(p, "kv_cache_gb")
     add_setting(p, "block_size")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -151,6 +153,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "dtype": args.dtype,
         "kv_cache_memory_gb": args.kv_cache_gb,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": None if args.quantization == "none" else args.quantization,
         "block_size": args.block_size,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,

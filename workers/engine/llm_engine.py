@@ -137,13 +137,14 @@ def choice_id(request_id: str, index: int) -> str:
 
 
 def model_identity(model_path: Path, dtype: str, kv_cache_dtype: str = "auto",
-                   kv_digest: int = 0) -> str:
-    """Seeds the block-hash chain: KV from another model, dtype or KV cache format (and
-    key offsets) must never match (a quantized cache's blocks hash apart from the
-    model-precision ones)."""
+                   kv_digest: int = 0, quantization: str | None = None) -> str:
+    """Seeds the block-hash chain: KV from another model, dtype, weight quantization or
+    KV cache format (and key offsets) must never match (a quantized cache's blocks hash
+    apart from the model-precision ones)."""
     digest = hashlib.sha256((model_path / "config.json").read_bytes()).hexdigest()[:16]
     kv = "" if kv_cache_dtype == "auto" else f":kv={kv_cache_dtype}:{kv_digest:04x}"
-    return f"{model_path.name}:{digest}:{dtype}{kv}"
+    weights = f":w={quantization}" if quantization else ""
+    return f"{model_path.name}:{digest}:{dtype}{weights}{kv}"
 
 
 class LLMEngine:
@@ -168,7 +169,7 @@ class LLMEngine:
         # A sequence must always fit in the whole cache, or it could never be scheduled.
         self.max_model_len = min(max_len, self.runner.num_blocks * config.block_size)
         self.model_id = model_identity(path, config.dtype, config.kv_cache_dtype,
-                                       self.runner.kv_digest)
+                                       self.runner.kv_digest, config.quantization)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.runner.num_blocks,

@@ -22,8 +22,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from workers.models.attention import build_attention_batch
 from workers.models.decoder import TORCH_OPS, DecoderModel, ElementwiseOps
+from workers.models.int8_checkpoint import load_model as load_int8_model
+from workers.models.int8_checkpoint import quantization_of
 from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS, OFFSET_KEY_FORMATS
-from workers.models.linear import TORCH_LINEAR, onednn_linear
+from workers.models.linear import TORCH_LINEAR, int8_linear, onednn_linear
 
 from . import kernels
 from .params import EngineConfig
@@ -96,13 +98,29 @@ class ModelRunner:
         keep_freed_memory()
         self.dtype = TORCH_DTYPES[config.dtype]
         self.device = torch.device(config.device)
-        hf = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype)
+        prequantized = None
+        stored = quantization_of(config.model)
+        if stored is not None and config.quantization != stored:
+            raise ValueError(f"{config.model} holds {stored} weights (written by `pdserve "
+                             f"quantize`): pass --quantization {stored} "
+                             f"(EngineConfig.quantization={stored!r})")
+        if stored is not None:
+            hf, prequantized = load_int8_model(config.model, self.dtype)
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(config.model, dtype=self.dtype)
         hf.eval().to(self.device)
+        if prequantized and self.device.type != "cpu":
+            prequantized = {k: type(w)(w.q.to(self.device), w.scale.to(self.device))
+                            for k, w in prequantized.items()}
         native = (self.device.type == "cpu" and config.use_native_kernels
                   and kernels.load(config.kernel_cache_dir) is not None)
         linear = None
         if self.device.type == "cpu" and config.prepacked_weights:
             linear = onednn_linear()
+        layer_linear = None  # None: the same ops as the LM head
+        if config.quantization == "int8":
+            # Native: the int8 GEMV/GEMM kernel; else dequantize per call (slow, any device).
+            layer_linear = int8_linear(kernels.int8_linear if native else None)
         # RoPE tables reach the calibration's positions too, whatever max_model_len is:
         # workers with different limits must calibrate the same key offsets.
         self.model = DecoderModel(
@@ -110,8 +128,10 @@ class ModelRunner:
                     if config.kv_cache_dtype in OFFSET_KEY_FORMATS else 0),
             decode_op=kernels.paged_decode_attention if native else None,
             ops=NATIVE_OPS if native else TORCH_OPS,
-            linear=linear or TORCH_LINEAR,
+            linear=layer_linear or linear or TORCH_LINEAR,
             kv_cache_dtype=config.kv_cache_dtype,
+            head_linear=(linear or TORCH_LINEAR) if layer_linear else None,
+            prequantized=prequantized,
         )
         del hf  # its weights now live in the model's own (fused, reordered) tensors
         self.vocab_size = self.model.shape.vocab_size

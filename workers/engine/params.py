@@ -15,8 +15,13 @@ from common.sampling import InvalidRequestError, SamplingParams
 
 from .dtype_choice import DTYPE_CHOICES, DTYPES, resolve_dtype
 
-__all__ = ["DTYPES", "DTYPE_CHOICES", "KV_CACHE_DTYPES", "EngineConfig", "InvalidRequestError",
-           "SamplingParams", "SchedulerConfig"]
+__all__ = ["DTYPES", "DTYPE_CHOICES", "KV_CACHE_DTYPES", "QUANTIZATIONS",
+           "QUANTIZATION_CHOICES", "EngineConfig", "InvalidRequestError", "SamplingParams",
+           "SchedulerConfig"]
+
+QUANTIZATIONS: tuple[str | None, ...] = (None, "int8")
+"""``EngineConfig.quantization`` values; the CLI spells None ``none``."""
+QUANTIZATION_CHOICES = ("none", "int8")
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,12 @@ class EngineConfig:
     prepacked_weights: bool = True
     """CPU: GEMM weights reordered once into oneDNN's blocked layout (faster small-batch
     GEMMs, same memory; :mod:`workers.models.linear`); False: plain ``F.linear``."""
+    quantization: str | None = None
+    """Weight quantization of the decoder layers' linear layers: None (the model dtype)
+    or ``int8`` (weight-only, per-output-channel scales; :mod:`workers.models.linear`).
+    Embeddings and the LM head stay in the model dtype. A plain checkpoint is quantized
+    at load; a ``pdserve quantize`` directory must be loaded with ``int8``. Prefill and
+    decode workers must use the same one (the KV they compute differs)."""
     device: str = "cpu"
     """Where weights, the KV cache and the forward live: ``cpu`` or ``cuda[:N]``. The
     native kernels are CPU-only (CUDA runs the torch ops); sampling stays on the CPU."""
@@ -93,6 +104,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, "
                              f"got {self.dtype!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of None, "
+                             f"{', '.join(q for q in QUANTIZATIONS if q)}, "
+                             f"got {self.quantization!r}")
         if self.kv_cache_memory_gb <= 0 and self.num_blocks is None:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.num_blocks is not None and self.num_blocks < 1:

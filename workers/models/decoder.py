@@ -15,15 +15,24 @@ model runner prepares once per step; see ``workers/engine/attention.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from workers.models.attention import AttentionBatch, build_attention_batch, paged_attention
 from workers.models.kv_format import KVFormat, offsets_digest
-from workers.models.linear import TORCH_LINEAR, LinearOps
+from workers.models.linear import (
+    TORCH_LINEAR,
+    Int8Weight,
+    LinearOps,
+    Weight,
+    by_weight,
+    cat_weights,
+    weight_nbytes,
+)
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -35,16 +44,19 @@ SUPPORTED_ARCHITECTURES = (
 
 @dataclass
 class LayerWeights:
+    """A layer's weights; the four projections in their ``LinearOps.prepare`` form (a
+    tensor, or an :class:`Int8Weight` when quantized)."""
+
     input_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Any
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
+    o: Any
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Any
+    down: Any
 
 
 @dataclass(frozen=True)
@@ -115,10 +127,25 @@ class DecoderModel:
         ops: ElementwiseOps = TORCH_OPS,
         linear: LinearOps = TORCH_LINEAR,
         kv_cache_dtype: str = "auto",
+        head_linear: LinearOps | None = None,
+        prequantized: Mapping[str, Int8Weight] | None = None,
     ) -> None:
+        """``linear``: the decoder layers' projections; ``head_linear``: the LM head's
+        (None: ``linear``). A quantized ``linear`` (int8) keeps the embeddings and, given
+        a plain ``head_linear``, the LM head in the model dtype. ``prequantized``: int8
+        weights by module name (``model.layers.0.self_attn.q_proj``) from a pre-quantized
+        checkpoint, used instead of the module's weight (``linear`` must be quantized)."""
         self.decode_op = decode_op  # fused paged decode attention; None: the torch path
         self.ops = ops
-        self.linear = linear.apply  # on weights already in linear.prepare's form
+        head = head_linear or linear
+        if prequantized and not linear.quantized:
+            raise ValueError(f"pre-quantized int8 weights need int8 linear ops, got "
+                             f"{linear.name!r}")
+        if head is not linear and not linear.quantized:
+            raise ValueError("head_linear is for quantized layer ops only")
+        # On weights already in their prepare's form; one callable for the whole model.
+        self.linear = (linear.apply if head is linear
+                       else by_weight(linear.apply, head.apply))
         cfg = hf_model.config
         arch = (cfg.architectures or [type(hf_model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -150,8 +177,15 @@ class DecoderModel:
         self.embed = inner.embed_tokens.weight.detach()
         self.final_norm = inner.norm.weight.detach()
         # Often tied to embed; prepared, it is its own copy in the GEMM's layout.
-        self.lm_head = linear.prepare(hf_model.lm_head.weight.detach())
-        self.layers = [self._layer_weights(layer, linear.prepare) for layer in inner.layers]
+        self.lm_head = head.prepare(hf_model.lm_head.weight.detach())
+        names = {m: n for n, m in hf_model.named_modules()} if prequantized else {}
+
+        def source(module: torch.nn.Module) -> Weight:
+            pre = prequantized.get(names[module]) if prequantized else None
+            return pre if pre is not None else module.weight.detach()
+
+        self.layers = [self._layer_weights(layer, linear.prepare, source)
+                       for layer in inner.layers]
         # RoPE tables for every position, computed by the model's own rotary module.
         with torch.no_grad():
             device = self.embed.device
@@ -162,8 +196,8 @@ class DecoderModel:
         self.sin = sin[0].unsqueeze(1).contiguous()
 
     @staticmethod
-    def _layer_weights(layer: torch.nn.Module,
-                       prepare: Callable[[torch.Tensor], torch.Tensor]) -> LayerWeights:
+    def _layer_weights(layer: torch.nn.Module, prepare: Callable[[Weight], Any],
+                       source: Callable[[torch.nn.Module], Weight]) -> LayerWeights:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         biases = [p.bias for p in projections]
@@ -175,16 +209,15 @@ class DecoderModel:
 
         return LayerWeights(
             input_norm=layer.input_layernorm.weight.detach(),
-            qkv=prepare(torch.cat([p.weight.detach() for p in projections]).contiguous()),
+            qkv=prepare(cat_weights([source(p) for p in projections])),
             qkv_bias=None if biases[0] is None else torch.cat([b.detach() for b in biases]),
             q_norm=w(getattr(attn, "q_norm", None) and attn.q_norm.weight),
             k_norm=w(getattr(attn, "k_norm", None) and attn.k_norm.weight),
-            o=prepare(attn.o_proj.weight.detach()),
+            o=prepare(source(attn.o_proj)),
             o_bias=w(attn.o_proj.bias),
             post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=prepare(torch.cat([mlp.gate_proj.weight.detach(),
-                                       mlp.up_proj.weight.detach()])),
-            down=prepare(mlp.down_proj.weight.detach()),
+            gate_up=prepare(cat_weights([source(mlp.gate_proj), source(mlp.up_proj)])),
+            down=prepare(source(mlp.down_proj)),
         )
 
     @torch.inference_mode()
@@ -214,11 +247,11 @@ class DecoderModel:
 
     def weight_bytes(self) -> int:
         """Bytes a decode step must read: every layer weight plus the LM head."""
-        total = self.lm_head.numel() * self.lm_head.element_size()
+        total = weight_nbytes(self.lm_head)
         for lw in self.layers:
             for t in vars(lw).values():
                 if t is not None:
-                    total += t.numel() * t.element_size()
+                    total += weight_nbytes(t)
         return total
 
     def forward(

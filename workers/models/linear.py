@@ -11,24 +11,102 @@ the plain one (no extra memory).
 
 Both compute the same product up to summation order (fp32: ~1e-5 relative), like any
 two GEMM kernels; greedy output still equals Hugging Face's (tests/integration).
+
+:func:`int8_linear` is weight-only int8 (``--quantization int8``): each weight row
+(output channel) becomes int8 values and one float32 scale, symmetric absmax
+(:func:`quantize_int8`); activations stay in the model dtype, so a request's output
+never depends on its batch-mates' values. Its prepared weight is an :class:`Int8Weight`,
+not a tensor; the kernel is passed in (``workers.engine.kernels.int8_linear`` on CPU),
+so this module needs nothing from the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """A weight ``[out, in]`` as ``q * scale[:, None]``: q int8 (values in [-127, 127],
+    contiguous), scale float32 ``[out]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * self.scale.element_size()
+
+
+Weight = torch.Tensor | Int8Weight
+"""A weight as a checkpoint gives it: float, or already quantized (pre-quantized
+checkpoints, :mod:`workers.models.int8_checkpoint`)."""
+Linear = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class LinearOps:
+    """``prepare(weight)`` once per weight when the model is built, then ``apply(x,
+    prepared, bias)`` per call. ``prepare`` takes a float weight; only ops with
+    ``quantized`` set also take an :class:`Int8Weight` (used as is)."""
+
     name: str
-    prepare: Callable[[torch.Tensor], torch.Tensor]
+    prepare: Callable[[Weight], Any]
     apply: Linear
+    quantized: bool = False
+
+
+def by_weight(quantized: Linear, plain: Linear) -> Linear:
+    """One ``apply`` for a model whose layers are quantized but whose LM head is not:
+    :class:`Int8Weight` goes to ``quantized``, anything else to ``plain``."""
+
+    def apply(x: torch.Tensor, w: Any, bias: torch.Tensor | None) -> torch.Tensor:  # noqa: ANN401
+        return (quantized if isinstance(w, Int8Weight) else plain)(x, w, bias)
+
+    return apply
+
+
+def weight_nbytes(w: Any) -> int:  # noqa: ANN401 - a prepared weight of any LinearOps
+    """Bytes a prepared weight occupies (what one pass over it reads)."""
+    if isinstance(w, Int8Weight):
+        return w.nbytes()
+    return w.numel() * w.element_size()
+
+
+def cat_weights(ws: list[Weight]) -> Weight:
+    """Weights stacked along the output dim (fused q/k/v, gate/up): per-output-channel
+    quantization commutes with this, so int8 weights stack by rows and scales."""
+    if all(isinstance(w, Int8Weight) for w in ws):
+        return Int8Weight(torch.cat([w.q for w in ws]).contiguous(),
+                          torch.cat([w.scale for w in ws]))
+    if any(isinstance(w, Int8Weight) for w in ws):
+        raise ValueError("cannot fuse int8 and float weights into one projection")
+    return torch.cat(ws).contiguous()
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Weight:
+    """Symmetric per-output-channel int8: ``scale = max|row| / 127`` (float32, computed
+    from the weight in float32), ``q = round(w / scale)`` in [-127, 127] (-128 never
+    used, so negation is exact); an all-zero row gets scale 1. Error per weight: at most
+    ``scale / 2``."""
+    w32 = w.detach().to(torch.float32)
+    absmax = w32.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    q = torch.round(w32 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return Int8Weight(q.contiguous(), scale.contiguous())
+
+
+def dequantize_int8(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """``q * scale`` in float32, rounded to ``dtype``."""
+    return (w.q.to(torch.float32) * w.scale[:, None]).to(dtype)
 
 
 TORCH_LINEAR = LinearOps("torch", lambda w: w, F.linear)
@@ -56,3 +134,32 @@ def onednn_linear() -> LinearOps | None:
         return pointwise(x, w, bias, "none", [], "")
 
     return LinearOps("onednn", prepare, apply)
+
+
+Int8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
+                      torch.Tensor]
+"""``kernel(x, q, scale, bias)``: ``workers.engine.kernels.int8_linear``'s contract."""
+
+
+def _int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's contract in torch ops (any device): dequantize, then the GEMM."""
+    return F.linear(x, dequantize_int8(Int8Weight(q, scale), x.dtype),
+                    None if bias is None else bias.to(x.dtype))
+
+
+def int8_linear(kernel: Int8Kernel | None = None) -> LinearOps:
+    """Weight-only int8 linear layers: weights quantized at ``prepare`` (or taken as
+    :class:`Int8Weight`), ``apply`` through ``kernel`` (the native CPU kernel); None:
+    dequantize per call and ``F.linear`` (any device; slower than the float model, a
+    fallback only)."""
+    run = kernel or _int8_reference
+
+    def prepare(w: Weight) -> Int8Weight:
+        return w if isinstance(w, Int8Weight) else quantize_int8(w)
+
+    def apply(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        return run(x, w.q, w.scale, bias)
+
+    return LinearOps("int8" if kernel is not None else "int8-torch", prepare, apply,
+                     quantized=True)

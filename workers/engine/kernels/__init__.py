@@ -13,6 +13,10 @@ kernel, same exp as torch's silu.
 :func:`quantize_kv_rows` (``kv_encode.cpp``) is the quantized KV cache's write path,
 ``KVFormat.quantize`` in one pass per row, byte for byte.
 
+:func:`int8_linear` (``int8_linear.cpp``) is the weight-only int8 linear layer: a
+dequantize-in-register GEMV for decode-sized batches (AVX-512 or AVX2), a blockwise
+dequantized GEMM for prefill-sized ones.
+
 All run on torch's intra-op thread pool (``at::parallel_for``), so they honour
 ``torch.set_num_threads``. All sources build into one library.
 
@@ -50,7 +54,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n)
-                for n in ("paged_attention.cpp", "fused_ops.cpp", "kv_encode.cpp"))
+                for n in ("paged_attention.cpp", "fused_ops.cpp", "kv_encode.cpp",
+                          "int8_linear.cpp"))
 DEFAULT_CACHE_DIR = Path("~/.cache/pdserve/kernels")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 # -fopenmp compiles at::parallel_for's OpenMP region inline; -lgomp resolves to the
@@ -98,7 +103,8 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
             _fused.update(
                 (name, getattr(ns, name).default)
                 for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul",
-                             "quantize_kv_rows")
+                             "quantize_kv_rows", "int8_linear", "int8_dequantize",
+                             "int8_best_isa")
             )
             _op = ns.paged_decode_attention
             log.info(
@@ -228,6 +234,43 @@ def quantize_kv_rows(x: torch.Tensor, kv_format: int) -> torch.Tensor:
     kernels are unavailable, for another code or an nvfp4 head_dim not divisible by 16.
     """
     return _fused_op("quantize_kv_rows")(x, int(kv_format))
+
+
+INT8_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+"""The int8 GEMV's code paths, by name (:func:`int8_linear`'s ``isa``)."""
+INT8_GEMV_ROWS = 16
+"""Rows of x up to which :func:`int8_linear` runs its GEMV; more: the dequantized GEMM
+(measured crossover on a 2-core AVX-512 Xeon, fp32 and bf16; see
+``tests/unit/test_int8_linear.py``'s sibling benchmark in ``pdserve bench-engine``)."""
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                bias: torch.Tensor | None = None, max_gemv_rows: int = INT8_GEMV_ROWS,
+                isa: str | None = None) -> torch.Tensor:
+    """``x @ (q * scale[:, None]).T + bias`` with the weight read as int8.
+
+    x: float32 or bfloat16 ``[..., K]``; q: contiguous int8 ``[N, K]``; scale: float32
+    ``[N]``; bias: ``[N]`` (float32 or x's dtype) or None. Returns ``[..., N]`` in x's
+    dtype. Up to ``max_gemv_rows`` rows of x: the GEMV, each output ``(sum_k x * q) *
+    scale + bias`` in float32, rounded once; more rows: the weight dequantized to x's
+    dtype in blocks and torch's GEMM (see ``int8_linear.cpp``). ``isa``: ``avx512``,
+    ``avx2`` or ``scalar`` forces the GEMV's code path (tests); None: the best this build
+    has (:func:`int8_isa`). Raises RuntimeError for a path the build lacks, or if the
+    kernels are unavailable.
+    """
+    code = -1 if isa is None else INT8_ISAS[isa]
+    return _fused_op("int8_linear")(x, q, scale, bias, int(max_gemv_rows), code)
+
+
+def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(q.float() * scale[:, None]).to(dtype)``, natively (float32 or bfloat16)."""
+    return _fused_op("int8_dequantize")(q, scale, dtype)
+
+
+def int8_isa() -> str:
+    """The int8 GEMV's best code path in this build: ``avx512``, ``avx2`` or ``scalar``."""
+    code = _fused_op("int8_best_isa")()
+    return {v: k for k, v in INT8_ISAS.items()}[code]
 
 
 def _cache_key() -> str:

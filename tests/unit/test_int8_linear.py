@@ -1,0 +1,139 @@
+"""Weight-only int8: quantize/dequantize, and the native kernel against a float reference.
+
+The reference is float64 ``x @ (q * scale).T + bias`` on the same int8 weight, so only
+the kernel's own arithmetic is judged. Tolerance: the kernel sums K products in float32,
+in another order than any reference, so each output may differ by a few float32 ulps
+of the sum of the products' magnitudes: ``1e-5 * (|x| @ |W|.T + |bias|)`` (K <= 600:
+the worst-case bound ``K * 2^-24`` is ~4e-5, random-sign errors are ~sqrt(K) times
+smaller). bfloat16 outputs are rounded once to bfloat16, half an ulp: ``2^-8 * |ref|``
+more; the GEMM path (more rows than the GEMV takes) also rounds each dequantized weight
+to bfloat16 (``2^-9`` relative each, as a bf16 model's weights are) and accumulates in
+oneDNN's order: ``2^-8 * (|x| @ |W|.T)`` there. Every GEMV code path this build has is
+checked (AVX-512 and AVX2 on an AVX-512 machine, AVX2 alone on an AVX2 one, scalar
+always). Skipped when the extension cannot be built here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from workers.engine import kernels
+from workers.models.linear import (
+    Int8Weight,
+    cat_weights,
+    dequantize_int8,
+    int8_linear,
+    quantize_int8,
+)
+
+DTYPES = [torch.float32, torch.bfloat16]
+SHAPES = [(37, 53), (5, 17), (64, 576), (130, 31)]  # (N, K): odd sizes, vector tails
+
+
+@pytest.fixture(scope="module")
+def native():
+    cache = os.environ.get("PDSERVE_TEST_CACHE_DIR")
+    if kernels.load(Path(cache) / "kernels" if cache else None) is None:
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+    return kernels
+
+
+def paths() -> list[str]:
+    if kernels.load() is None:
+        return ["scalar"]
+    best = kernels.int8_isa()
+    return {"avx512": ["avx512", "avx2", "scalar"], "avx2": ["avx2", "scalar"]}.get(
+        best, ["scalar"])
+
+
+def weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * (torch.rand(n, 1, generator=g) * 0.1 + 0.001)
+    w[0] = 0.0  # an all-zero row
+    return w
+
+
+def test_quantize_round_trip_error_is_at_most_half_a_step() -> None:
+    w = weight(37, 53, 0)
+    qw = quantize_int8(w)
+    assert qw.q.dtype == torch.int8 and qw.scale.dtype == torch.float32
+    assert int(qw.q.abs().max()) == 127 and int(qw.q.min()) >= -127
+    assert torch.equal(qw.scale[0], torch.tensor(1.0)) and not qw.q[0].any()
+    err = (dequantize_int8(qw, torch.float32) - w).abs()
+    assert bool((err <= qw.scale[:, None] / 2 * (1 + 1e-6)).all())
+    # Per-channel scales commute with stacking rows (the fused q/k/v and gate/up).
+    a, b = weight(8, 53, 1), weight(5, 53, 2)
+    fused = cat_weights([quantize_int8(a), quantize_int8(b)])
+    whole = quantize_int8(torch.cat([a, b]))
+    assert torch.equal(fused.q, whole.q) and torch.equal(fused.scale, whole.scale)
+    with pytest.raises(ValueError, match="int8 and float"):
+        cat_weights([quantize_int8(a), b])
+
+
+def reference(x: torch.Tensor, qw: Int8Weight, bias: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    w = qw.q.double() * qw.scale.double()[:, None]
+    ref = x.double() @ w.T
+    mag = x.double().abs() @ w.abs().T
+    if bias is not None:
+        ref, mag = ref + bias.double(), mag + bias.double().abs()
+    return ref, mag
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_kernel_matches_reference(native, dtype: torch.dtype, rows: int) -> None:
+    for i, (n, k) in enumerate(SHAPES):
+        qw = quantize_int8(weight(n, k, 10 + i))
+        x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(i)) * 3).to(dtype)
+        for bias in (None, torch.randn(n).to(dtype)):
+            ref, mag = reference(x, qw, bias)
+            gemv = rows <= kernels.INT8_GEMV_ROWS
+            tol = 1e-5 * mag + 1e-6
+            if dtype == torch.bfloat16:
+                tol = tol + 2.0**-8 * ref.abs() + (0 if gemv else 2.0**-8 * mag)
+            for isa in paths() if gemv else [None]:
+                y = native.int8_linear(x, qw.q, qw.scale, bias, isa=isa)
+                assert y.dtype == dtype and y.shape == (rows, n)
+                assert bool(((y.double() - ref).abs() <= tol).all()), (isa, n, k, bias)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_and_gemm_paths_agree_and_shapes_pass_through(native, dtype) -> None:
+    qw = quantize_int8(weight(96, 80, 3))
+    x = torch.randn(2, 5, 80).to(dtype)  # leading dims kept
+    y_gemv = native.int8_linear(x, qw.q, qw.scale, None, max_gemv_rows=64)
+    y_gemm = native.int8_linear(x, qw.q, qw.scale, None, max_gemv_rows=0)
+    assert y_gemv.shape == (2, 5, 96)
+    ref, mag = reference(x.reshape(10, 80), qw, None)
+    tol = 1e-5 * mag + (2.0**-7 * (mag + ref.abs()) if dtype == torch.bfloat16 else 0)
+    for y in (y_gemv, y_gemm):
+        assert bool(((y.reshape(10, 96).double() - ref).abs() <= tol + 1e-6).all())
+    assert torch.equal(native.int8_dequantize(qw.q, qw.scale, dtype),
+                       dequantize_int8(qw, dtype))
+
+
+def test_kernel_rejects_bad_inputs(native) -> None:
+    qw = quantize_int8(weight(8, 16, 4))
+    with pytest.raises(RuntimeError, match="last dim"):
+        native.int8_linear(torch.randn(2, 15), qw.q, qw.scale)
+    with pytest.raises(RuntimeError, match="int8"):
+        native.int8_linear(torch.randn(2, 16), qw.q.float(), qw.scale)
+    with pytest.raises(RuntimeError, match="scale"):
+        native.int8_linear(torch.randn(2, 16), qw.q, qw.scale[:4])
+
+
+@pytest.mark.parametrize("with_kernel", [True, False])
+def test_linear_ops_quantize_at_prepare_and_take_int8_as_is(native, with_kernel) -> None:
+    ops = int8_linear(native.int8_linear if with_kernel else None)
+    w = weight(24, 40, 5)
+    prepared = ops.prepare(w)
+    assert isinstance(prepared, Int8Weight) and ops.prepare(prepared) is prepared
+    x, bias = torch.randn(3, 40), torch.randn(24)
+    ref, mag = reference(x, prepared, bias)
+    y = ops.apply(x, prepared, bias)
+    assert bool(((y.double() - ref).abs() <= 1e-5 * mag + 1e-6).all())

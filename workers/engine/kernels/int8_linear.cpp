@@ -1,0 +1,398 @@
+// Weight-only int8 linear layer for CPU: y = x · (q · scale)ᵀ (+ bias).
+//
+//   int8_linear(x, q, scale, bias, max_gemv_rows, isa) -> y
+//     x      float32 or bfloat16 [..., K] (made contiguous if it is not)
+//     q      int8 [N, K], contiguous: the weight, one row per output channel
+//     scale  float32 [N]: row n of the weight is q[n] * scale[n]
+//     bias   optional [N], float32 or x's dtype
+//     y      [..., N] in x's dtype
+//
+// Small batches (rows M <= max_gemv_rows: decode) run a dequantize-in-register GEMV:
+// every weight row is read from memory once for all M rows of x; 16 (AVX-512) or 8
+// (AVX2) int8 weights at a time are widened to float32 in registers and multiplied into
+// float32 accumulators, a tile of 4 weight rows by up to 4 x rows at a time (16
+// independent FMA chains). x (bfloat16: converted to a float32 copy once per call) and
+// the accumulators stay in L1. Each output is (sum_k x[m,k] * q[n,k]) * scale[n] +
+// bias[n], in float32, then rounded to x's dtype once.
+//
+// Larger batches (prefill) dequantize the weight in blocks of rows to x's dtype
+// (q * scale rounded to it) and call torch's GEMM (at::mm, MKL/oneDNN) block by block:
+// there a GEMM's blocking beats any GEMV, and dequantizing costs ~1/M of the GEMM.
+// In float32 both paths compute the same product up to summation order (~1e-6
+// relative); in bfloat16 the GEMM path also rounds each dequantized weight to bfloat16
+// (relative 2^-9), as the unquantized bf16 model's weights are.
+//
+// Code paths, chosen at compile time by what -march=native enables and at run time by
+// ``isa``: 2 AVX-512 (F, BW, VL), 1 AVX2 + FMA, 0 portable scalar; -1 picks the best
+// compiled in. Asking for a path this build lacks is an error, so tests can run every
+// path the machine has (an AVX-512 build compiles the AVX2 path too). Work is split
+// over tiles of output rows on ATen's intra-op pool (at::parallel_for), so it honours
+// torch.set_num_threads; below kGrain weight bytes x rows it stays on the caller.
+//
+// Registered as torch.ops.pdserve_kernels.{int8_linear, int8_dequantize}.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PDS_I8_AVX512 1
+#else
+#define PDS_I8_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define PDS_I8_AVX2 1
+#else
+#define PDS_I8_AVX2 0
+#endif
+#if PDS_I8_AVX512 || PDS_I8_AVX2
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+constexpr int kTileN = 4;  // weight rows per tile
+constexpr int kTileM = 4;  // x rows per tile
+// Weight bytes x rows per parallel chunk below which a call stays on one thread.
+constexpr int64_t kGrain = 32768;
+// Bytes of one dequantized weight block on the GEMM path (fits L2 with room for x).
+constexpr int64_t kBlockBytes = 1 << 20;
+
+enum Isa : int64_t { kAuto = -1, kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// The accumulator tile: acc[m][n] = sum_k x[m][k] * q[n][k].
+template <int MT, int NT>
+struct Tile {
+  float acc[MT][NT];
+};
+
+// ---------------------------------------------------------------- scalar
+
+template <int MT, int NT>
+void tile_scalar(const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) {
+      const float* xr = x + m * K;
+      const int8_t* qr = q + n * K;
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += xr[k] * static_cast<float>(qr[k]);
+      t.acc[m][n] = s;
+    }
+}
+
+// ---------------------------------------------------------------- AVX2
+
+#if PDS_I8_AVX2
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int MT, int NT>
+void tile_avx2(const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
+  __m256 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
+  const int64_t kv = K / 8 * 8;
+  for (int64_t k = 0; k < kv; k += 8) {
+    __m256 w[NT];
+    for (int n = 0; n < NT; ++n) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + n * K + k));
+      w[n] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(xv, w[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) {
+      float s = hsum256(acc[m][n]);
+      for (int64_t k = kv; k < K; ++k) s += x[m * K + k] * static_cast<float>(q[n * K + k]);
+      t.acc[m][n] = s;
+    }
+}
+#endif
+
+// ---------------------------------------------------------------- AVX-512
+
+#if PDS_I8_AVX512
+template <int MT, int NT>
+inline void step_avx512(const float* x, int64_t K, const int8_t* q, int64_t k, __mmask16 mask,
+                        __m512 (&acc)[MT][NT]) {
+  __m512 w[NT];
+  for (int n = 0; n < NT; ++n) {
+    const __m128i b = _mm_maskz_loadu_epi8(mask, q + n * K + k);
+    w[n] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+  }
+  for (int m = 0; m < MT; ++m) {
+    const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_fmadd_ps(xv, w[n], acc[m][n]);
+  }
+}
+
+template <int MT, int NT>
+void tile_avx512(const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
+  __m512 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps();
+  const int64_t kv = K / 16 * 16;
+  for (int64_t k = 0; k < kv; k += 16)
+    step_avx512<MT, NT>(x, K, q, k, static_cast<__mmask16>(0xFFFF), acc);
+  if (kv < K)
+    step_avx512<MT, NT>(x, K, q, kv, static_cast<__mmask16>((1u << (K - kv)) - 1), acc);
+  for (int m = 0; m < MT; ++m)
+    for (int n = 0; n < NT; ++n) t.acc[m][n] = _mm512_reduce_add_ps(acc[m][n]);
+}
+#endif
+
+// ---------------------------------------------------------------- driver
+
+template <int MT, int NT>
+void run_tile(Isa isa, const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
+  switch (isa) {
+#if PDS_I8_AVX512
+    case kAvx512:
+      return tile_avx512<MT, NT>(x, K, q, t);
+#endif
+#if PDS_I8_AVX2
+    case kAvx2:
+      return tile_avx2<MT, NT>(x, K, q, t);
+#endif
+    default:
+      return tile_scalar<MT, NT>(x, K, q, t);
+  }
+}
+
+struct Gemv {
+  Isa isa;
+  const float* x;  // [M, K] float32
+  const int8_t* q;  // [N, K]
+  const float* scale;
+  const float* bias;  // [N] float32 or null
+  int64_t M, K, N;
+
+  template <typename T, int MT, int NT>
+  void block(int64_t m0, int64_t n0, T* y) const {
+    Tile<MT, NT> t;
+    run_tile<MT, NT>(isa, x + m0 * K, K, q + n0 * K, t);
+    for (int m = 0; m < MT; ++m)
+      for (int n = 0; n < NT; ++n) {
+        float v = t.acc[m][n] * scale[n0 + n];
+        if (bias) v += bias[n0 + n];
+        y[(m0 + m) * N + n0 + n] = static_cast<T>(v);
+      }
+  }
+
+  template <typename T, int NT>
+  void rows(int64_t n0, T* y) const {
+    int64_t m0 = 0;
+    for (; m0 + kTileM <= M; m0 += kTileM) block<T, kTileM, NT>(m0, n0, y);
+    switch (M - m0) {
+      case 3: block<T, 3, NT>(m0, n0, y); break;
+      case 2: block<T, 2, NT>(m0, n0, y); break;
+      case 1: block<T, 1, NT>(m0, n0, y); break;
+      default: break;
+    }
+  }
+
+  template <typename T>
+  void operator()(T* y) const {
+    const int64_t tiles = (N + kTileN - 1) / kTileN;
+    const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, kTileN * K * M));
+    at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t n0 = i * kTileN;
+        switch (std::min<int64_t>(kTileN, N - n0)) {
+          case 4: rows<T, 4>(n0, y); break;
+          case 3: rows<T, 3>(n0, y); break;
+          case 2: rows<T, 2>(n0, y); break;
+          default: rows<T, 1>(n0, y); break;
+        }
+      }
+    });
+  }
+};
+
+Isa resolve_isa(int64_t isa) {
+  constexpr Isa best = PDS_I8_AVX512 ? kAvx512 : (PDS_I8_AVX2 ? kAvx2 : kScalar);
+  if (isa == kAuto) return best;
+  TORCH_CHECK(isa == kScalar || (isa == kAvx2 && PDS_I8_AVX2) ||
+                  (isa == kAvx512 && PDS_I8_AVX512),
+              "int8_linear: code path ", isa,
+              " is not compiled in this build (0 scalar, 1 AVX2, 2 AVX-512; best here: ",
+              static_cast<int64_t>(best), ")");
+  return static_cast<Isa>(isa);
+}
+
+void check_weight(const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(q.device().is_cpu() && scale.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
+              "q must be a contiguous int8 [N, K] tensor, got ", q.scalar_type(), " ",
+              q.sizes());
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 &&
+                  scale.size(0) == q.size(0) && scale.is_contiguous(),
+              "scale must be a contiguous float32 [N] tensor with N = ", q.size(0),
+              ", got ", scale.scalar_type(), " ", scale.sizes());
+}
+
+// v rounded to bfloat16, nearest-even, as c10::BFloat16 does for finite v (q * scale
+// is never NaN); integer ops only, so the loop below vectorizes.
+inline uint16_t to_bf16_bits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+inline void dequantize_row(const int8_t* qr, float s, int64_t K, T* o) {
+#if PDS_I8_AVX512
+  // The same values as the scalar loop below, 16 at a time.
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    const __mmask16 mask =
+        K - k0 >= 16 ? static_cast<__mmask16>(0xFFFF)
+                     : static_cast<__mmask16>((1u << (K - k0)) - 1);
+    const __m512 v = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, qr + k0))), sv);
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_mask_storeu_ps(o + k0, mask, v);
+    } else {
+      __m512i u = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      u = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+      _mm256_mask_storeu_epi16(o + k0, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    }
+  }
+  return;
+#endif
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t k = 0; k < K; ++k) o[k] = static_cast<float>(qr[k]) * s;
+  } else {
+    uint16_t* ob = reinterpret_cast<uint16_t*>(o);
+    for (int64_t k = 0; k < K; ++k) ob[k] = to_bf16_bits(static_cast<float>(qr[k]) * s);
+  }
+}
+
+// Rows [n0, n1) of q * scale in dtype T, into out (contiguous [n1 - n0, K]).
+template <typename T>
+void dequantize_rows(const int8_t* q, const float* scale, int64_t K, int64_t n0, int64_t n1,
+                     T* out) {
+  at::parallel_for(n0, n1, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, K)),
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      dequantize_row<T>(q + n * K, scale[n], K, out + (n - n0) * K);
+    }
+  });
+}
+
+at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale,
+                           c10::ScalarType dtype) {
+  check_weight(q, scale);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "int8_dequantize: dtype must be float32 or bfloat16, got ", dtype);
+  at::Tensor out = at::empty(q.sizes(), q.options().dtype(dtype));
+  const int64_t N = q.size(0), K = q.size(1);
+  if (dtype == at::kFloat) {
+    dequantize_rows<float>(q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, 0, N,
+                           out.data_ptr<float>());
+  } else {
+    dequantize_rows<bf16>(q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, 0, N,
+                          static_cast<bf16*>(out.data_ptr()));
+  }
+  return out;
+}
+
+at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
+                       const std::optional<at::Tensor>& bias_in, int64_t max_gemv_rows,
+                       int64_t isa_in) {
+  check_weight(q, scale);
+  TORCH_CHECK(x_in.device().is_cpu(), "CPU tensor expected");
+  const auto dt = x_in.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16,
+              "int8_linear: x must be float32 or bfloat16, got ", dt);
+  const int64_t N = q.size(0), K = q.size(1);
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "int8_linear: x's last dim must be K = ",
+              K, ", got ", x_in.sizes());
+  const Isa isa = resolve_isa(isa_in);
+  at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N &&
+                    (bias_in->scalar_type() == at::kFloat || bias_in->scalar_type() == dt),
+                "int8_linear: bias must be [N] in float32 or x's dtype, got ",
+                bias_in->scalar_type(), " ", bias_in->sizes());
+    bias = bias_in->to(at::kFloat).contiguous();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.view(shape);
+
+  if (M > max_gemv_rows) {
+    // GEMM path: dequantize a block of weight rows, multiply, copy into y's columns.
+    const int64_t block = std::max<int64_t>(
+        16, kBlockBytes / (K * static_cast<int64_t>(c10::elementSize(dt))) / 16 * 16);
+    at::Tensor w = at::empty({std::min(block, N), K}, x.options());
+    for (int64_t n0 = 0; n0 < N; n0 += block) {
+      const int64_t n1 = std::min(N, n0 + block);
+      at::Tensor wb = w.narrow(0, 0, n1 - n0);
+      if (dt == at::kFloat) {
+        dequantize_rows<float>(q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, n0, n1,
+                               wb.data_ptr<float>());
+      } else {
+        dequantize_rows<bf16>(q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, n0, n1,
+                              static_cast<bf16*>(wb.data_ptr()));
+      }
+      at::Tensor part = at::mm(x, wb.t());
+      if (bias.defined()) part.add_(bias.narrow(0, n0, n1 - n0).to(dt));
+      y.narrow(1, n0, n1 - n0).copy_(part);
+    }
+    return y.view(shape);
+  }
+
+  at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
+  const Gemv g{isa,     xf.data_ptr<float>(),
+               q.data_ptr<int8_t>(), scale.data_ptr<float>(),
+               bias.defined() ? bias.data_ptr<float>() : nullptr,
+               M,       K,
+               N};
+  if (dt == at::kFloat) {
+    g(y.data_ptr<float>());
+  } else {
+    g(static_cast<bf16*>(y.data_ptr()));
+  }
+  return y.view(shape);
+}
+
+int64_t int8_best_isa() { return resolve_isa(kAuto); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
+  m.def(
+      "int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int max_gemv_rows=16, "
+      "int isa=-1) -> Tensor");
+  m.def("int8_dequantize(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");
+  m.def("int8_best_isa() -> int", &int8_best_isa);
+}
+
+TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
+  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_dequantize", &int8_dequantize);
+}
