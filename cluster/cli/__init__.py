@@ -28,6 +28,10 @@ configs handed down. One module per command group, each registering its subcomma
   ``bench-routing``, ``bench-router`` and ``bench-serving`` run the benchmarks in
   ``benchmarks/`` (``bench-serving`` reads ``PDSERVE_VLLM_PYTHON``, the python of a
   vLLM install to compare with, when no ``--vllm-python`` is given);
+* ``harness.py``: ``pdserve bench-harness`` runs ``pdserve bench``, guidellm, aiperf and
+  ``vllm bench serve`` on one server and workload, side by side
+  (``benchmarks/external_harness.py``; the tools' paths from their flags, else
+  ``PDSERVE_GUIDELLM``, ``PDSERVE_AIPERF``, ``PDSERVE_VLLM_PYTHON``, else ``PATH``);
 * ``security.py``: ``pdserve certs --out DIR`` makes a development CA, the cluster's
   and the router's certificates and the KV channel's secret (``cluster/certs.py``);
 * ``plan.py``: ``pdserve plan --profile FILE [--cores N | --gpus N]`` predicts every pool
@@ -46,7 +50,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, chaos, client, component, fuzz, kv, plan, security, serve
+from . import bench, chaos, client, component, fuzz, harness, kv, plan, security, serve
 from .component import component_config, expand_config, router_config, worker_config
 from .options import EXIT_INVALID
 from .serve import deployment_config
@@ -58,7 +62,8 @@ __all__ = ["EXIT_INVALID", "build_parser", "component_config", "deployment_confi
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for group in (serve, component, client, bench, plan, security, fuzz, chaos, kv):
+    for group in (serve, component, client, bench, harness, plan, security, fuzz, chaos,
+                  kv):
         group.register(sub)
     return parser
 
