@@ -11,5 +11,9 @@ runs our path and its baseline in the same run and prints workload, machine and 
 - :mod:`benchmarks.routing`: cache-aware routing against round robin;
 - :mod:`benchmarks.headline`: 1 prefill + 1 decode against 2 mixed under load;
 - :mod:`benchmarks.serving`: pdserve against vLLM on one OpenAI workload, and where
-  pdserve's CPU time per token goes (:mod:`benchmarks.serving_profile`).
+  pdserve's CPU time per token goes (:mod:`benchmarks.serving_profile`);
+- :mod:`benchmarks.external_harness`: ``pdserve bench`` against guidellm, aiperf and
+  ``vllm bench serve`` on one server (:mod:`benchmarks.external_tools` runs and reads them);
+- :mod:`benchmarks.choices`: n choices of one prompt against one request per choice;
+- :mod:`benchmarks.structured`: structured-output decoding against unconstrained.
 """
