@@ -27,6 +27,7 @@ the JSON, the markdown table and the TTFT-around-the-fault plot.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import random
 import time
@@ -194,8 +195,11 @@ async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
             rid = f"chaos-{scenario}-{k}-{n}"
             if scenario == "flip-kv" and flip_window[0] <= t < flip_window[1]:
                 rid += f"-{FLIP_MARK}"
-            cancel = (rng.uniform(0.02, 1.5) if scenario == "cancel"
-                      and t >= o.pre_s and rng.random() < o.cancel_fraction else None)
+            # Log-uniform over 5 ms .. 1.5 s: as many cuts early as late in a request's
+            # life, for a tiny model's 50 ms requests as for a real one's seconds.
+            cancel = (math.exp(rng.uniform(math.log(0.005), math.log(1.5)))
+                      if scenario == "cancel" and t >= o.pre_s
+                      and rng.random() < o.cancel_fraction else None)
             return await _one(client, prompts[i], i, t, start, rid, o.max_tokens, cancel)
 
         fault_task = asyncio.ensure_future(do_fault())

@@ -76,6 +76,27 @@ def cluster(tiny_checkpoints, tmp_path_factory):
     c.stop()
 
 
+def kv_test_config():  # noqa: ANN201 - TransferConfig, imported lazily
+    """The KV channel's timeouts for in-process engine tests: short enough to fail a
+    hung test, long enough for a loaded 2-core box."""
+    from workers.transfer import TransferConfig
+
+    return TransferConfig(connect_timeout_s=20.0, offer_timeout_s=10.0, data_timeout_s=10.0)
+
+
+@pytest.fixture(scope="module")
+def channel():
+    """A KV channel in this process, (sender, receiver), one per test module: the
+    engines' disaggregation hooks over real gloo threads (tests/integration)."""
+    from workers.transfer import KVReceiver, KVSender
+
+    receiver = KVReceiver("decode-test", kv_test_config())
+    sender = KVSender("prefill-test", kv_test_config())
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+
+
 async def on_engine(loop, fn, timeout: float):  # noqa: ANN001, ANN201 - EngineLoop, any
     """``fn()`` on the engine loop's thread, after every command posted before this call;
     its result (or exception) comes back to the awaiting test."""

@@ -43,6 +43,7 @@ engine's bf16 GEMMs down to one thread.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -176,18 +177,12 @@ class EngineLoop(ReservationDriver):
     async def _stream(self, add: Add) -> AsyncIterator[Reservation | RequestOutput]:
         self._commands.put(add)
         finished = False
-        held = None  # taken from the queue while coalescing, not yet handed out
+        backlog: collections.deque = collections.deque()  # taken, not yet handed out
         try:
             while True:
-                item, held = (held if held is not None else await add.out.get()), None
-                # Outputs that piled up while the consumer was busy leave as one.
-                while (isinstance(item, RequestOutput) and not item.finished
-                       and not add.out.empty()):
-                    later = add.out.get_nowait()
-                    if not isinstance(later, RequestOutput) or later.index != item.index:
-                        held = later
-                        break
-                    item = coalesce(item, later)
+                if not backlog:
+                    backlog.extend(_piled_up(await add.out.get(), add.out))
+                item = backlog.popleft()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -411,3 +406,20 @@ class EngineLoop(ReservationDriver):
         for rec in pending:
             rec.machine.abort(reason)
             self._deliver(rec.add, error)
+
+
+def _piled_up(first: object, queue: asyncio.Queue) -> list:
+    """``first`` and whatever else is already queued, the outputs that piled up while
+    the consumer was busy merged into one per choice (:func:`coalesce`), in the order
+    the choices first appear; the request's last output stays last, and anything else
+    (a reservation, an error) ends the batch in its place."""
+    items = [first]
+    while isinstance(items[-1], RequestOutput) and not items[-1].done and not queue.empty():
+        items.append(queue.get_nowait())
+    tail = [] if isinstance(items[-1], RequestOutput) else [items.pop()]
+    merged: dict[int, RequestOutput] = {}
+    for out in items:
+        before = merged.get(out.index)
+        merged[out.index] = out if before is None else coalesce(before, out)
+    outs = sorted(merged.values(), key=lambda o: o.done)  # stable: the last one last
+    return [*outs, *tail]

@@ -11,7 +11,7 @@ import json
 from dataclasses import replace
 
 import pytest
-from conftest import assert_no_leaks, hf_greedy
+from conftest import assert_no_leaks, hf_greedy, kv_test_config
 from tiny_models import ARCHS
 
 from common.sampling import StructuredOutput
@@ -22,26 +22,16 @@ from workers.transfer import (
     KVReceiver,
     KVSender,
     PagedCacheDestination,
-    TransferConfig,
     TransferState,
 )
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-CFG = TransferConfig(connect_timeout_s=20.0, offer_timeout_s=10.0, data_timeout_s=10.0)
+CFG = kv_test_config()
 
 
 def engine(path, **kw) -> LLMEngine:  # noqa: ANN001
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", num_blocks=96,
                                   block_size=4, max_num_batched_tokens=23, **kw))
-
-
-@pytest.fixture(scope="module")
-def channel():
-    receiver = KVReceiver("decode-test", CFG)
-    sender = KVSender("prefill-test", CFG)
-    yield sender, receiver
-    sender.close()
-    receiver.close()
 
 
 def run_until_done(eng: LLMEngine, rid: str) -> RequestOutput:

@@ -103,6 +103,37 @@ def test_outputs_a_slow_consumer_missed_arrive_coalesced_and_complete(tiny_check
         loop.close()
 
 
+def test_coalesced_outputs_keep_prompt_logprobs_and_never_mix_choices(tiny_checkpoints) -> None:
+    """A consumer that misses the first steps of a request of two choices with prompt
+    log-probabilities still gets them once, whole, and each choice's tokens complete."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32",
+                                    num_blocks=64))
+    loop = EngineLoop(engine)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3)
+    ids = engine.tokenize("coalesce these prompt tokens please")
+
+    async def run() -> list:
+        outs = []
+        stream = loop.generate(Request("slow", ids, params, n=2, prompt_logprobs=1))
+        time.sleep(0.3)  # before the first read: the engine thread runs ahead
+        async for out in stream:
+            outs.append(out)
+        return outs
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(run(), timeout=30))
+        scored = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+        assert len(scored) == 1 and len(scored[0]) == len(ids) - 1
+        for index in (0, 1):
+            mine = [o for o in outs if o.index == index]
+            assert [t for o in mine for t in o.new_token_ids] == mine[-1].token_ids
+            assert len(mine[-1].token_ids) == 12 and mine[-1].finished
+        assert outs[-1].done and len(outs) < 2 * 12
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
+
+
 # -- the decode side: EngineLoop.reserve, driven by fake transfer handles ----------------
 #
 # No KV moves: the loop's ``kv_expect`` hands out bare TransferHandles and the test plays

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_no_leaks
-from test_disagg_engines import CFG, GREEDY, disaggregated, run_until_done
+from test_disagg_engines import GREEDY, disaggregated, run_until_done
 
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.params import EngineConfig
 from workers.models.int8_checkpoint import save_quantized
-from workers.transfer import KVReceiver, KVSender, TransferState
+from workers.transfer import TransferState
 
 
 def engine(path, **kw) -> LLMEngine:  # noqa: ANN001
@@ -21,13 +21,6 @@ def engine(path, **kw) -> LLMEngine:  # noqa: ANN001
                                   quantization="int8", **kw))
 
 
-@pytest.fixture(scope="module")
-def channel():
-    receiver = KVReceiver("decode-int8", CFG)
-    sender = KVSender("prefill-int8", CFG)
-    yield sender, receiver
-    sender.close()
-    receiver.close()
 
 
 def offline(eng: LLMEngine, rid: str, ids: list[int]) -> list[int]:

@@ -108,7 +108,8 @@ def coalesce(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one: ``later``'s state with both steps'
     new tokens and text (a consumer that fell behind sends one message, not two)."""
     return dataclasses.replace(later, new_token_ids=first.new_token_ids + later.new_token_ids,
-                               delta_text=first.delta_text + later.delta_text)
+                               delta_text=first.delta_text + later.delta_text,
+                               prompt_logprobs=first.prompt_logprobs or later.prompt_logprobs)
 
 
 OnPrefilled = Callable[[list[int], Callable[[], None]], None]

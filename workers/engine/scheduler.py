@@ -175,12 +175,7 @@ class Scheduler:
         assert seq.status is SequenceStatus.RESERVED, f"{seq} is not reserved"
         del self.reserved[seq.seq_id]
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
-        if first_token is None:
-            return None
-        return self._append(seq, first_token, eos_token_ids)
+        return self._requeue(seq, first_token, eos_token_ids)
 
     def fork(self, parent: Sequence, child: Sequence, first_token: int,
              eos_token_ids: frozenset[int]) -> tuple[FinishReason | None, tuple[int, int] | None]:
@@ -222,12 +217,17 @@ class Scheduler:
         if seq.seq_id in self._seqs:
             raise KeyError(f"request id {seq.seq_id!r} is already in use")
         self._seqs[seq.seq_id] = seq
+        return self._requeue(seq, first_token, eos_token_ids)
+
+    def _requeue(self, seq: Sequence, first_token: int | None, eos: frozenset[int]
+                 ) -> FinishReason | None:
+        """``seq`` (holding no blocks) waits to be computed from its first token on."""
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
         if first_token is None:
             return None
-        return self._append(seq, first_token, eos_token_ids)
+        return self._append(seq, first_token, eos)
 
     def new_sequence(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None) -> Sequence:
