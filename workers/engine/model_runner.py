@@ -117,8 +117,10 @@ class ModelRunner:
         linear = None
         if self.device.type == "cpu" and config.prepacked_weights:
             linear = onednn_linear()
-        layer_linear = None  # None: the same ops as the LM head
+        layer_linear = None
         if config.quantization == "int8":
+            # Every layer's projections and the LM head (the step's biggest GEMV: 113 of
+            # SmolLM2's 220 MB per fp32 step with it in fp32; +0.13 points of perplexity).
             # Native: the int8 GEMV/GEMM kernel; else dequantize per call (slow, any device).
             layer_linear = int8_linear(kernels.int8_linear if native else None)
         # RoPE tables reach the calibration's positions too, whatever max_model_len is:
@@ -130,7 +132,6 @@ class ModelRunner:
             ops=NATIVE_OPS if native else TORCH_OPS,
             linear=layer_linear or linear or TORCH_LINEAR,
             kv_cache_dtype=config.kv_cache_dtype,
-            head_linear=(linear or TORCH_LINEAR) if layer_linear else None,
             prequantized=prequantized,
         )
         del hf  # its weights now live in the model's own (fused, reordered) tensors
