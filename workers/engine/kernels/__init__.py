@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("paged_attention.cpp", "fused_ops.cpp", "kv_encode.cpp",
                           "int8_linear.cpp"))
+HEADERS = (Path(__file__).with_name("pds_common.h"),)
+"""Included by the sources, so part of the cache key (never compiled on their own)."""
 DEFAULT_CACHE_DIR = Path("~/.cache/pdserve/kernels")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")
 # -fopenmp compiles at::parallel_for's OpenMP region inline; -lgomp resolves to the
@@ -275,7 +277,7 @@ def int8_isa() -> str:
 
 def _cache_key() -> str:
     h = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         h.update(source.name.encode())
         h.update(b"\0")
         h.update(source.read_bytes())

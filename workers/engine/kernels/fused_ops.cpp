@@ -39,6 +39,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "pds_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -60,23 +62,8 @@ using bf16 = c10::BFloat16;
 // Elements per op below which it runs on the calling thread (torch's GRAIN_SIZE).
 constexpr int64_t kGrain = 32768;
 
-// Opaque copy: stops the compiler contracting the multiply that produced v into a
-// following add (torch rounds the product first).
-inline float keep(float v) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm("" : "+x"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#else
-  asm volatile("" : "+m"(v));
-#endif
-  return v;
-}
-
-template <typename T>
-inline float to_f(T v) {
-  return static_cast<float>(v);
-}
+using pds::keep;  // pds_common.h: the FMA-contraction barrier, and element -> float
+using pds::to_f;
 
 // v rounded to T, as a float (identity for float).
 template <typename T>
@@ -217,10 +204,7 @@ float sumsq_generic(const T* x, int64_t n, int W) {
 
 #if PDS_FUSED_AVX512
 
-inline __m512 keepv(__m512 v) {
-  asm("" : "+v"(v));
-  return v;
-}
+using pds::keepv;
 
 inline __mmask16 tail_mask(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);

@@ -32,6 +32,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "pds_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -56,21 +58,8 @@ constexpr int kE8M0Bias = 127;
 constexpr float kLevels[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 constexpr float kBounds[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
 
-inline float keep(float v) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm("" : "+x"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#else
-  asm volatile("" : "+m"(v));
-#endif
-  return v;
-}
-
-template <typename T>
-inline float to_f(T v) {
-  return static_cast<float>(v);
-}
+using pds::keep;  // pds_common.h: the FMA-contraction barrier, and element -> float
+using pds::to_f;
 
 // max(m, |v|) propagating NaN, as torch's amax.
 inline float amax_step(float m, float v) {
@@ -253,10 +242,7 @@ inline void pack_codes(const uint8_t* codes, uint8_t* out) {
 }
 
 #if PDS_KVENC_AVX512
-inline __m512 keepv(__m512 v) {
-  asm("" : "+v"(v));
-  return v;
-}
+using pds::keepv;
 
 template <typename T>
 inline __m512 load16(const T* p);
