@@ -113,9 +113,11 @@ def test_coalesced_outputs_keep_prompt_logprobs_and_never_mix_choices(tiny_check
     ids = engine.tokenize("coalesce these prompt tokens please")
 
     async def run() -> list:
-        outs = []
         stream = loop.generate(Request("slow", ids, params, n=2, prompt_logprobs=1))
-        time.sleep(0.3)  # before the first read: the engine thread runs ahead
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.sleep(0)  # the request is posted; its reader waits for an output
+        time.sleep(0.3)  # blocks the event loop: the engine thread runs ahead
+        outs = [await first]
         async for out in stream:
             outs.append(out)
         return outs
