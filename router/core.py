@@ -388,11 +388,12 @@ class Router:
                             self._finish(out, routing, ids, choices, index, migrations,
                                          received, caller, last=not open_)
                         yield out
-                    if solo is not None or not open_:
-                        solo = min(open_, default=None)
-                        continue
-                    raise WorkerFailed(f"the worker ended the stream of request {request_id} "
-                                       f"with choices {sorted(open_)} unfinished")
+                    unfinished = open_ if solo is None else open_ & {solo}
+                    if unfinished:  # a stream that ends early is a failed attempt
+                        raise WorkerFailed(f"the worker ended the stream of request "
+                                           f"{request_id} with choices {sorted(unfinished)} "
+                                           "unfinished")
+                    solo = min(open_, default=None)  # the next choice to move, if any
                 except WorkerFailed as e:
                     generated = choices[solo if solo is not None else min(open_)].generated
                     if (migrations >= self.config.migration_limit

@@ -136,20 +136,15 @@ class Dispatcher:
                     await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
                 else:
                     firsts = [prefilled.first, *prefilled.choices]
-                    if all(f.finish_reason for f in firsts):
-                        # Every choice ended at its first token; cancel frees the rest.
-                        for i, first in enumerate(firsts):
-                            first.index = i
-                            yield first
-                        return
-                    # Commit first: a slow consumer must not hold the decode worker back.
-                    await _write(call, worker_pb2.DecodeRequest(
-                        commit=worker_pb2.DecodeCommit(
-                            first_token=firsts[0].token_ids[0],
-                            choice_tokens=[f.token_ids[0] for f in firsts[1:]])))
+                    done.update(i for i, f in enumerate(firsts) if f.finish_reason)
+                    if len(done) < choices:
+                        # Commit first: a slow consumer must not hold the decode worker back.
+                        await _write(call, worker_pb2.DecodeRequest(
+                            commit=worker_pb2.DecodeCommit(
+                                first_token=firsts[0].token_ids[0],
+                                choice_tokens=[f.token_ids[0] for f in firsts[1:]])))
                     for i, first in enumerate(firsts):
-                        if first.finish_reason:  # that choice ended there (n > 1)
-                            done.add(i)
+                        if first.finish_reason:  # that choice ended there: its last word
                             first.index = i
                             yield first
                         else:
@@ -157,6 +152,8 @@ class Dispatcher:
                                 token_ids=first.token_ids, text=first.text,
                                 logprobs=first.logprobs, index=i,
                                 prompt_logprobs=first.prompt_logprobs)
+                    if len(done) == choices:  # all ended at the first token; cancel frees
+                        return                # the reservation
                 await _write(call, None)
             while len(done) < choices:
                 msg = await call.read()

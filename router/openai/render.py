@@ -21,6 +21,7 @@ Side-effect free apart from the state it keeps; :mod:`.app` does the I/O.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ Strings = Callable[[Sequence[int]], list[str]]
 
 
 def _lp(x: float) -> float:
-    return x if x == x and abs(x) != float("inf") else LOGPROB_FLOOR
+    return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
 class _Choice:
@@ -272,15 +273,18 @@ class Renderer:
         ranked = sorted(self.choices.values(), key=lambda c: c.index)
         if len(ranked) > call.n:  # best_of: the n likeliest, best first
             ranked = sorted(ranked, key=lambda c: -c.score())[: call.n]
-        choices = [self._choice_body(i, c) for i, c in enumerate(ranked)]
+        scored = self.prompt_logprobs_json()  # once, however many choices show it
+        choices = [self._choice_body(i, c, scored) for i, c in enumerate(ranked)]
         out = {"id": call.id, "object": "chat.completion" if call.chat else "text_completion",
                "created": call.created, "model": call.model, "system_fingerprint": None,
                "choices": choices, "usage": self.usage_json()}
-        if call.chat and call.prompt_logprobs is not None:
-            out["prompt_logprobs"] = self.prompt_logprobs_json()
+        if call.chat and scored is not None:
+            out["prompt_logprobs"] = scored
         return out
 
-    def _choice_body(self, index: int, choice: _Choice) -> dict[str, Any]:
+    def _choice_body(self, index: int, choice: _Choice,
+                     scored: list[dict[str, dict[str, Any]] | None] | None
+                     ) -> dict[str, Any]:
         call = self.call
         text = "".join(m.text for m in choice.msgs)
         entries = [e for m in choice.msgs for e in m.logprobs]
@@ -289,8 +293,8 @@ class Renderer:
                 else None
             out = {"index": index, "text": (self._echo_text() if call.echo else "") + text,
                    "logprobs": lp, "finish_reason": choice.finish_reason}
-            if call.prompt_logprobs is not None:
-                out["prompt_logprobs"] = self.prompt_logprobs_json()
+            if scored is not None:
+                out["prompt_logprobs"] = scored
             return out
         lp = {"content": self.chat_logprobs(entries), "refusal": None} if call.logprobs \
             else None

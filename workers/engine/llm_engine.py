@@ -190,7 +190,6 @@ class LLMEngine:
                                     self.max_model_len, self.model_id)
         self._requests: dict[str, _Tracked] = {}  # by sequence id (one per choice)
         self._choices: dict[str, list[str]] = {}  # n > 1: request id -> its sequence ids
-        self._open: dict[str, int] = {}  # n > 1: request id -> choices not finished
         self._forks: dict[str, list[Sequence]] = {}  # choice 0's id -> choices to fork
         self._prompt_lps: dict[str, int] = {}  # seq id -> alternatives: prompt logprobs due
         self.last_step_empty = False
@@ -246,16 +245,18 @@ class LLMEngine:
         self._validate(request_id, ids, params, cache_salt, n)
         matchers = [self.grammars.start(choice_sampling(params, i), ids) for i in range(n)]
         seq = self.scheduler.add(request_id, ids, params, cache_salt, prompt_logprobs)
+        self._track_request(seq, matchers, on_prefilled)
+
+    def _track_request(self, seq: Sequence, matchers: list,
+                       on_prefilled: OnPrefilled | None = None) -> None:
+        """Track a request the scheduler took (choice 0) with its grammar matchers, one
+        per choice, and its choices 1..n-1, waiting to fork it."""
         self._track(seq, on_prefilled)
         self.grammars.bind(seq.seq_id, matchers[0])
-        self._add_choices(seq, n, matchers)
-
-    def _add_choices(self, seq: Sequence, n: int, matchers: list) -> None:
-        """Choices 1..n-1 of ``seq``'s request, waiting to fork it."""
-        if n == 1:
+        if len(matchers) == 1:
             return
         rid, kids = seq.seq_id, []
-        for i in range(1, n):
+        for i in range(1, len(matchers)):
             kid = self.scheduler.new_sequence(choice_id(rid, i), seq.token_ids,
                                               choice_sampling(seq.params, i), seq.cache_salt)
             self._track(kid, request_id=rid, index=i)
@@ -263,7 +264,6 @@ class LLMEngine:
             kids.append(kid)
         self._forks[rid] = kids
         self._choices[rid] = [rid] + [k.seq_id for k in kids]
-        self._open[rid] = n
 
     def _track(self, seq: Sequence, on_prefilled: OnPrefilled | None = None,
                request_id: str = "", index: int = 0) -> None:
@@ -316,9 +316,7 @@ class LLMEngine:
         seq = self.scheduler.reserve(request_id, ids, params, cache_salt, prompt_logprobs)
         if seq is None:
             return None
-        self._track(seq)
-        self.grammars.bind(seq.seq_id, matchers[0])
-        self._add_choices(seq, n, matchers)
+        self._track_request(seq, matchers)
         return KVReservation(tuple(seq.block_table), seq.num_computed_tokens, seq.num_tokens,
                              self.config.block_size)
 
@@ -356,19 +354,21 @@ class LLMEngine:
             return []
         kids = self._check_first_tokens(request_id, first_token, choice_tokens)
         self._forks.pop(request_id, None)
-        finals = []
-        for t, token in [(tracked, first_token)] + [
-                (self._requests[k.seq_id], tok) for k, tok in zip(kids, choice_tokens,
-                                                                  strict=True)]:
-            try:
-                if t is tracked:
-                    reason = self.scheduler.recompute(t.seq, token, self.eos_token_ids)
-                else:
-                    reason = self.scheduler.start(t.seq, token, self.eos_token_ids)
-                finals.append(self._after_first_token(t, token, reason))
-            except Exception as e:  # noqa: BLE001 - this choice's failure only
-                finals.append(self._fail(t, "recording its first token", e, time.monotonic()))
+        finals = [self._queue_from(tracked, first_token, self.scheduler.recompute)]
+        finals += [self._queue_from(self._requests[kid.seq_id], token, self.scheduler.start)
+                   for kid, token in zip(kids, choice_tokens, strict=True)]
         return [f for f in finals if f is not None]
+
+    def _queue_from(self, t: _Tracked, token: int,
+                    queue: Callable[[Sequence, int, frozenset[int]], FinishReason | None]
+                    ) -> RequestOutput | None:
+        """One choice waits to be computed here from its first token (``queue``: the
+        scheduler's recompute of a reservation, or start of a choice in no queue)."""
+        try:
+            reason = queue(t.seq, token, self.eos_token_ids)
+            return self._after_first_token(t, token, reason)
+        except Exception as e:  # noqa: BLE001 - this choice's failure only
+            return self._fail(t, "recording its first token", e, time.monotonic())
 
     def _check_first_tokens(self, request_id: str, first_token: int,
                             choice_tokens: Sequence_[int]) -> list[Sequence]:
@@ -433,12 +433,12 @@ class LLMEngine:
 
     def _validate(self, request_id: str, ids: list[int], params: SamplingParams,
                   cache_salt: str | None, n: int = 1) -> None:
+        if not 1 <= n <= MAX_CHOICES:
+            raise InvalidRequestError("n", f"must be from 1 to {MAX_CHOICES}, got {n}")
         for i in range(n):
             seq_id = choice_id(request_id, i)
             if seq_id in self._requests or seq_id in self.scheduler.held:
                 raise InvalidRequestError("request_id", f"{seq_id!r} is already running")
-        if not 1 <= n <= MAX_CHOICES:
-            raise InvalidRequestError("n", f"must be from 1 to {MAX_CHOICES}, got {n}")
         check_prompt(ids, self.max_model_len, self.runner.vocab_size)
         check_sampling_vocab(params, self.runner.vocab_size)
         check_cache_salt(cache_salt)  # it is hashed again each time a block fills
@@ -447,7 +447,6 @@ class LLMEngine:
         """Stop a request (every choice) now and free its blocks; False if it was not
         running."""
         self._forks.pop(request_id, None)
-        self._open.pop(request_id, None)
         aborted = False
         for seq_id in self._choices.pop(request_id, [request_id]):
             if self._requests.pop(seq_id, None) is None:
@@ -646,12 +645,11 @@ class LLMEngine:
                 and new_ids):  # complete: with the first token that follows
             prompt_lps, t.prompt_logprobs = t.prompt_logprobs, None
         done = seq.is_finished
-        if done and t.request_id in self._open:  # one of several choices
-            self._open[t.request_id] -= 1
-            done = self._open[t.request_id] == 0
+        siblings = self._choices.get(t.request_id)  # n > 1
+        if done and siblings is not None:  # a finished choice has left _requests already
+            done = not any(s in self._requests for s in siblings)
             if done:
-                del self._open[t.request_id]
-                self._choices.pop(t.request_id, None)
+                del self._choices[t.request_id]
         return RequestOutput(
             request_id=t.request_id,
             prompt_token_ids=t.prompt_ids,

@@ -190,7 +190,10 @@ class ModelRunner:
         ids: list[int] = []
         sample_rows: list[int] = []
         sampling: list[Sequence] = []
+        scored_rows: list[int] = []  # rows whose logits score the prompt token after them
+        prompt_rows: list[tuple[str, int, int, int]] = []  # (seq id, position, next, top)
         for c in ordered:
+            offset = len(ids)  # this chunk's first row
             ids.extend(c.seq.token_ids[c.start : c.start + c.num_tokens])
             if c.samples:
                 sample_rows.append(len(ids) - 1)
@@ -198,16 +201,13 @@ class ModelRunner:
                 for child in (forks or {}).get(c.seq.seq_id, ()):
                     sample_rows.append(len(ids) - 1)
                     sampling.append(child)
-        prompt_rows: list[tuple[str, int, int, int]] = []  # (seq id, position, next, top)
-        offset = 0
-        for c in ordered:
             top = (prompt_logprobs or {}).get(c.seq.seq_id)
             if top is not None:
                 last = min(c.start + c.num_tokens, c.seq.num_prompt_tokens - 1)
                 prompt_rows += [(c.seq.seq_id, pos, c.seq.token_ids[pos + 1], top)
                                 for pos in range(c.start, last)]
-                sample_rows += [offset + pos - c.start for pos in range(c.start, last)]
-            offset += c.num_tokens
+                scored_rows += [offset + pos - c.start for pos in range(c.start, last)]
+        sample_rows += scored_rows  # after the sampled ones: the sampler takes the first
         batch, positions = build_attention_batch(
             [c.seq.block_table for c in decode],
             [c.start + 1 for c in decode],

@@ -102,14 +102,13 @@ class Scheduler:
         prompt_logprobs: int | None = None,
     ) -> Sequence:
         """Queue a validated request. Raises ``KeyError`` on a duplicate id."""
-        seq = self._new(seq_id, prompt_token_ids, params, cache_salt)
-        seq.prompt_logprobs = prompt_logprobs
+        seq = self._new(seq_id, prompt_token_ids, params, cache_salt, prompt_logprobs)
         self._seqs[seq_id] = seq
         self.waiting.append(seq)
         return seq
 
     def _new(self, seq_id: str, prompt_token_ids: list[int], params: SamplingParams,
-             cache_salt: str | None) -> Sequence:
+             cache_salt: str | None, prompt_logprobs: int | None = None) -> Sequence:
         if seq_id in self._seqs:
             raise KeyError(f"request id {seq_id!r} is already in use")
         cfg = self.config
@@ -118,6 +117,7 @@ class Scheduler:
             cache_salt,
         )
         self._arrivals += 1
+        seq.prompt_logprobs = prompt_logprobs
         return seq
 
     def reserve(
@@ -138,8 +138,7 @@ class Scheduler:
         cfg, bm = self.config, self.block_manager
         if len(self.running) + len(self.reserved) >= cfg.max_num_seqs:
             return None
-        seq = self._new(seq_id, prompt_token_ids, params, cache_salt)
-        seq.prompt_logprobs = prompt_logprobs
+        seq = self._new(seq_id, prompt_token_ids, params, cache_salt, prompt_logprobs)
         match = bm.match_prefix(seq)
         need = -(-seq.num_tokens // cfg.block_size) - len(match.block_ids)
         reserve = cfg.watermark_blocks if self.running or self.reserved else 0
