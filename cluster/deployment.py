@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -197,6 +198,19 @@ class DeploymentConfig:
         "Ray: placement-group strategy of the decode pool", choices=STRATEGIES))
     mixed_strategy: str = field(default="PACK", metadata=setting(
         "Ray: placement-group strategy of the mixed pool", choices=STRATEGIES))
+    prefill_node_labels: str | None = field(default=None, metadata=setting(
+        "Ray: labels a node must carry to hold the prefill pool's workers, "
+        "KEY=VALUE[,KEY=VALUE] (nodes get theirs from `ray start --labels`), e.g. "
+        "pdserve.io/pool=prefill", shown="any node"))
+    decode_node_labels: str | None = field(default=None, metadata=setting(
+        "Ray: labels a node must carry to hold the decode pool's workers",
+        shown="any node"))
+    mixed_node_labels: str | None = field(default=None, metadata=setting(
+        "Ray: labels a node must carry to hold the mixed pool's workers",
+        shown="any node"))
+    router_node_labels: str | None = field(default=None, metadata=setting(
+        "Ray: labels of the node the router runs on (it then binds that node's IP)",
+        shown="the node `pdserve up` runs on, binding --host"))
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or (self.mixed or 0) < 0:
@@ -215,6 +229,8 @@ class DeploymentConfig:
             raise DeploymentError("cpus_per_worker and gpus_per_worker must be >= 0")
         if self.itl_budget_ms <= 0 or self.autoscale_interval_s <= 0:
             raise DeploymentError("itl_budget_ms and autoscale_interval_s must be > 0")
+        for role in (*ROLES, "router"):
+            node_labels(getattr(self, f"{role}_node_labels"), f"{role}_node_labels")
         if self.tenant_max_concurrency < 0 or self.tenant_tokens_per_minute < 0:
             raise DeploymentError("tenant_max_concurrency and tenant_tokens_per_minute must "
                                   "be >= 0 (0: unlimited)")
@@ -259,6 +275,10 @@ class DeploymentConfig:
 
     def strategy(self, role: str) -> str:
         return str(getattr(self, f"{role}_strategy"))
+
+    def labels(self, role: str) -> dict[str, str]:
+        """The Ray node labels ``role`` (a pool, or ``router``) must be placed on."""
+        return node_labels(getattr(self, f"{role}_node_labels"), f"{role}_node_labels")
 
     def roles(self) -> list[tuple[str, str]]:
         """(name, role) of every worker, in start order."""
@@ -329,6 +349,25 @@ class DeploymentConfig:
         if redis_url:
             args += ["--redis-url", redis_url]
         return args + self._trust_args("cluster_tls_dir", "tls_cert", "tls_key")
+
+
+_LABEL_KEY = re.compile(r"([a-z0-9A-Z.-]+/)?[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+
+def node_labels(text: str | None, key: str = "node_labels") -> dict[str, str]:
+    """``KEY=VALUE[,KEY=VALUE]`` as a Ray label selector; a value may carry Ray's
+    operators (``!v``, ``in(a|b)`` is not: one value per key). Raises DeploymentError
+    naming ``key``."""
+    if not text:
+        return {}
+    labels: dict[str, str] = {}
+    for part in text.split(","):
+        name, eq, value = part.strip().partition("=")
+        if not eq or not _LABEL_KEY.fullmatch(name) or not value or name in labels:
+            raise DeploymentError(f"{key}: {text!r}; use KEY=VALUE[,KEY=VALUE], each key "
+                                  "once (e.g. pdserve.io/pool=prefill)")
+        labels[name] = value
+    return labels
 
 
 def load_yaml(path: str | Path) -> dict[str, object]:

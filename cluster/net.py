@@ -66,3 +66,17 @@ def free_port(host: str = "127.0.0.1") -> int:
             if port not in _issued:
                 _issued.append(port)
                 return port
+
+
+def source_address(peer: str) -> str:
+    """The address this machine's routes reach ``peer`` (``HOST[:PORT]``) from: the
+    interface a multi-node service should bind so the peer's nodes can reach it. A UDP
+    ``connect`` only consults the routing table; no packet is sent. Loopback when the
+    peer is not an IP/name with a route."""
+    host = peer.rsplit("://", 1)[-1].rsplit(":", 1)[0] if ":" in peer else peer
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

@@ -195,14 +195,18 @@ class Controller:
         slots = self._free_bundles(role)[:n]
         if len(slots) < n:
             bundle, extra = self._bundle(), n - len(slots)
+            labels = c.labels(role)
             pg = placement_group([bundle] * extra, strategy=c.strategy(role),
-                                 name=f"pdserve-{role}-{len(self._groups)}") if bundle else None
+                                 name=f"pdserve-{role}-{len(self._groups)}",
+                                 bundle_label_selector=[labels] * extra if labels else None
+                                 ) if bundle else None
             if pg is not None and not _wait_group(pg, 60.0):
                 remove_placement_group(pg)
                 raise RuntimeError(
                     f"the Ray cluster cannot place {extra} more {role} worker(s) of {bundle} "
-                    f"({c.strategy(role)}): add nodes, or lower cpus_per_worker / "
-                    "gpus_per_worker (a local Ray has max(cores, workers at start) CPUs)")
+                    f"({c.strategy(role)}{_on(labels)}): add nodes, or lower "
+                    "cpus_per_worker / gpus_per_worker (a local Ray has max(cores, workers "
+                    "at start) CPUs)")
             self._groups.append(_Group(role, pg, extra))
             slots += [(len(self._groups) - 1, b) for b in range(extra)]
         members = []
@@ -228,12 +232,16 @@ class Controller:
             started = [m for role, n in self.config.pool_sizes().items() if n
                        for m in self._add(role, n)]
             self._members += started
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                                  soft=False)
+            labels = self.config.labels("router")
+            where: dict[str, object] = {"label_selector": labels} if labels else {
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(
+                    ray.get_runtime_context().get_node_id(), soft=False)}
+            config = (dataclasses.replace(self.config, host="{node_ip}") if labels
+                      else self.config)
             self._router = ComponentActor.options(
-                name=ROUTER, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here,
-                runtime_env={"env_vars": _env(1)},
-            ).remote(self.config.router_args([], self.redis_url), 1, self._parse,
+                name=ROUTER, namespace=NAMESPACE, num_cpus=0, runtime_env={"env_vars": _env(1)},
+                **where,
+            ).remote(config.router_args([], self.redis_url), 1, self._parse,
                      self._redis_password)
             self._await(started, timeout_s)
             self._router_info = ray.get(self._router.ready.remote(timeout_s))  # type: ignore[attr-defined]
@@ -308,6 +316,37 @@ class Controller:
             rows.append(row)
         return rows
 
+    def placement(self) -> list[dict]:
+        """One row per placement group: its pool, strategy, labels, Ray's state and the
+        node of each bundle (``""``: none now), and, when not every bundle has a node,
+        ``short``: why, in words (what the pool asks for against the nodes alive)."""
+        with self._lock:
+            groups = [(i, g) for i, g in enumerate(self._groups)
+                      if g is not None and g.pg is not None]
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in alive}
+        rows = []
+        for i, g in groups:
+            table = ray.util.placement_group_table(g.pg)
+            labels = self.config.labels(g.role)
+            nodes = [ips.get(table["bundles_to_node_id"].get(b, ""), "")
+                     for b in range(g.bundles)]
+            row = {"name": table.get("name") or f"pdserve-{g.role}-{i}", "role": g.role,
+                   "strategy": table.get("strategy", self.config.strategy(g.role)),
+                   "state": table.get("state", "?"), "labels": labels, "nodes": nodes}
+            if row["state"] != "CREATED" or not all(nodes):
+                fits = [n for n in alive if all(n.get("Labels", {}).get(k) == v
+                                                for k, v in labels.items())]
+                row["short"] = (
+                    f"{sum(not n for n in nodes)} of {g.bundles} bundle(s) of "
+                    f"{self._bundle()} have no node; {len(fits)} alive node(s)"
+                    f"{_on(labels) or ' in all'}"
+                    + (f", and {row['strategy']} needs {g.bundles} distinct ones"
+                       if row["strategy"] == "STRICT_SPREAD" else "")
+                    + ": add or restart a node that fits, or lower the pool's size")
+            rows.append(row)
+        return rows
+
     def actor_pid(self, name: str) -> int:
         """The process hosting ``name`` now (tests kill it to check restarts)."""
         return int(ray.get(ray.get_actor(name, namespace=NAMESPACE).ready.remote(60))["pid"])
@@ -323,6 +362,11 @@ class Controller:
                 ray.kill(a, no_restart=True)
             self._members.clear()
             self._release_groups()
+
+
+def _on(labels: dict[str, str]) -> str:
+    return (" on nodes labelled " + ",".join(f"{k}={v}" for k, v in labels.items())
+            if labels else "")
 
 
 def _env(threads: int) -> dict[str, str]:

@@ -205,13 +205,15 @@ def _ray_view(address: str) -> dict:
 
     connect(address)
     try:
-        rows = ray.get(controller().describe.remote(), timeout=30)  # type: ignore[attr-defined]
+        ctl = controller()
+        rows = ray.get(ctl.describe.remote(), timeout=30)  # type: ignore[attr-defined]
+        groups = ray.get(ctl.placement.remote(), timeout=30)  # type: ignore[attr-defined]
         nodes = [{"node_id": n["NodeID"], "ip": n["NodeManagerAddress"],
                   "metrics_export_port": n.get("MetricsExportPort"),
                   "resources": n.get("Resources", {})} for n in ray.nodes() if n.get("Alive")]
     finally:
         ray.shutdown()
-    return {"actors": rows, "nodes": nodes}
+    return {"actors": rows, "nodes": nodes, "placement_groups": groups}
 
 
 def _ray_status(address: str) -> int:
@@ -233,4 +235,11 @@ def _ray_status(address: str) -> int:
         restarts = "?" if r["restarts"] is None else r["restarts"]
         print(f"{r['name']:22}{r['role']:9}{r['state']:12}{r['address']:24}{r['node_ip']:16}"
               f"{r['pid']:>8}{restarts:>10}")
+    print(f"{'placement group':22}{'strategy':14}{'state':14}bundles on nodes")
+    for g in view["placement_groups"]:
+        print(f"{g['name']:22}{g['strategy']:14}{g['state']:14}"
+              + ", ".join(ip or "-" for ip in g["nodes"]))
+    for g in view["placement_groups"]:
+        if "short" in g:
+            print(f"pool {g['role']} is short: {g['name']}: {g['short']}")
     return 0

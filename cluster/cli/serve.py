@@ -101,14 +101,17 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _up_on_ray(config: DeploymentConfig, allow_unauthenticated: bool = False) -> int:
     from cluster.local import banner, start_redis, stop_on_signals
+    from cluster.net import source_address
     from cluster.ray_auth import RayAuthError
     from cluster.ray_cluster import RayDeployment
 
-    if config.ray_address and not config.redis_url:
-        print("pdserve up: with --ray-address give --redis-url too (a Redis every node can "
-              "reach); starting one on 127.0.0.1 serves workers on this node only",
+    redis_host = config.host
+    if config.ray_address and not config.redis_url and config.host.startswith("127."):
+        redis_host = source_address(config.ray_address)  # every node must reach it
+        print(f"pdserve up: starting Redis (with a password) on {redis_host}, the address "
+              "this node reaches the Ray head from; give --redis-url to use your own",
               file=sys.stderr)
-    redis = start_redis(config)
+    redis = start_redis(dataclasses.replace(config, host=redis_host))
     deployment = RayDeployment(config, redis.url if redis else config.redis_url,
                                component_config, allow_unauthenticated)
 

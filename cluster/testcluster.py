@@ -1,0 +1,122 @@
+"""A Ray cluster over test hosts (:mod:`cluster.testhosts`), with ``pdserve up`` on it:
+what the multi-node tests and ``pdserve bench-multinode`` run.
+
+Lifecycle. :meth:`RayOnHosts.start` runs ``ray start --head`` on host 0 (no CPUs: the
+pools go to the other hosts) and ``ray start --address`` on each other host with its own
+``--node-ip-address``, CPUs and ``--labels``; all with Ray's token authentication (the
+token file is shared: the hosts share a filesystem). :meth:`RayOnHosts.up` runs ``pdserve
+up --ray-address`` on host 0 with the router and Redis bound to host 0's address, and
+returns once its banner says it serves. :meth:`RayOnHosts.lose` kills everything on a host
+at once; :meth:`RayOnHosts.rejoin` starts its Ray node again. :meth:`RayOnHosts.stop`
+stops ``pdserve up`` (SIGTERM, as Ctrl-C) and Ray; the hosts' teardown kills whatever is
+left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .testhosts import TestHosts
+
+PDSERVE = [sys.executable, "-m", "cluster.cli"]
+RAY = str(Path(sys.executable).with_name("ray"))
+RAY_PORT = 6380
+
+
+class RayOnHosts:
+    """Ray's head on host 0, a node on each other host (labels per host)."""
+
+    def __init__(self, hosts: TestHosts, labels: dict[int, str], log_dir: Path,
+                 cpus: int = 1) -> None:
+        """``labels``: host index -> ``KEY=VALUE[,...]`` (``ray start --labels``); every
+        host but 0 gets a Ray node with ``cpus`` CPUs."""
+        self.hosts, self.labels, self.log_dir, self.cpus = hosts, labels, log_dir, cpus
+        self.head = f"{hosts[0].ip}:{RAY_PORT}"
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
+                    "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        self.proc: subprocess.Popen | None = None
+        self.log: Path = log_dir / "up.log"
+        self.target = ""
+
+    def _ray(self, i: int, *args: str) -> None:
+        r = self.hosts[i].run([RAY, *args], env=self.env, capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"ray {' '.join(args)} on host {i}: {r.stderr[-2000:]}")
+
+    def start(self) -> RayOnHosts:
+        self._ray(0, "start", "--head", "--node-ip-address", self.hosts[0].ip,
+                  "--port", str(RAY_PORT), "--num-cpus", "0", "--include-dashboard", "false",
+                  "--labels", "pdserve.io/host=0")
+        for i in range(1, len(self.hosts)):
+            self.rejoin(i)
+        return self
+
+    def rejoin(self, i: int) -> None:
+        """Start host ``i``'s Ray node (again, after :meth:`lose`)."""
+        labels = ",".join(x for x in (f"pdserve.io/host={i}", self.labels.get(i)) if x)
+        self._ray(i, "start", "--address", self.head, "--node-ip-address", self.hosts[i].ip,
+                  "--num-cpus", str(self.cpus), "--labels", labels)
+
+    def up(self, *args: str, timeout: float = 300) -> str:
+        """``pdserve up --ray-address`` on host 0 with ``args``; returns the router's
+        gRPC target once it serves."""
+        port = "50051"
+        self._out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = self.hosts[0].popen(
+            [*PDSERVE, "up", "--ray-address", self.head, "--host", self.hosts[0].ip,
+             "--port", port, "--http-port", "0", "--metrics-port", "0", *args],
+            env=self.env, stdout=self._out, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        while "Press Ctrl-C to stop." not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"pdserve up did not serve: {self.log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        self.target = f"{self.hosts[0].ip}:{port}"
+        return self.target
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Each actor's /metrics URL, by actor name (from ``pdserve status --ray``)."""
+        return {a["name"]: f"http://{a['node_ip']}:{a['metrics_port']}/metrics"
+                for a in self.view()["ray"]["actors"] if a.get("metrics_port")}
+
+    def status(self, *args: str) -> subprocess.CompletedProcess:
+        """``pdserve status --ray`` run on host 0 (a driver joins the cluster there)."""
+        return self.hosts[0].run([*PDSERVE, "status", "--target", self.target, "--ray",
+                                  "--ray-address", self.head, *args],
+                                 env=self.env, capture_output=True, text=True)
+
+    def view(self) -> dict:
+        r = self.status("--json")
+        if r.returncode:
+            raise RuntimeError(f"pdserve status --ray: {r.stderr[-2000:]}")
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def lose(self, i: int) -> int:
+        """Kill every process on host ``i`` at once (its raylet, workers and all)."""
+        return self.hosts[i].kill_all()
+
+    def started_s(self) -> float:
+        found = re.search(r"Started in ([\d.]+)s", self.log.read_text())
+        return float(found.group(1)) if found else float("nan")
+
+    def stop(self) -> int | None:
+        """Stop ``pdserve up`` (SIGTERM) and Ray on every host; ``pdserve up``'s exit
+        code."""
+        code = None
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                code = self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self._out.close()
+        for i in reversed(range(len(self.hosts))):
+            self.hosts[i].run([RAY, "stop", "--force"], env=self.env, capture_output=True)
+        return code

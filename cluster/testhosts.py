@@ -1,0 +1,249 @@
+"""Test hosts: N network namespaces on a private bridge, the project's own "machines".
+
+Multi-node behaviour (Ray nodes, KV crossing a link, a node lost) is tested on one
+machine with separate network stacks: each host is a network namespace with its own
+``lo`` and one ``eth0`` (a veth pair) on a bridge, address ``10.77.0.<i+1>/24``; the
+bridge itself holds ``10.77.0.254``, so the process that made the hosts (a test, a
+benchmark) reaches every host the way a client reaches a cluster. Hosts share the
+filesystem, users and processes view; only the network is theirs.
+
+Lifecycle. ``with TestHosts(3) as hosts:`` creates the bridge and the hosts, ``hosts[i]
+.popen(argv)`` runs a command inside host i (``nsenter --net``), ``hosts[i].kill_all()``
+kills every process in that host's namespace at once (a node lost: raylet, workers and
+all), and leaving the block kills every process in every host and removes the links,
+whether the body failed or not. ``Host.counters()`` reads the host's ``eth0`` byte
+counters (what crossed its link), ``Host.shape(rate=..., delay_ms=...)`` puts a token
+bucket (``tc tbf``) or a delay (``tc netem``, where the kernel has it) on its link.
+
+Safety. The bridge is made only inside a private network namespace: the calling process
+must see no interface but ``lo`` (``unshare -n``, as ``make test`` runs), so no packet
+from a test host can reach anything but another test host. Needs root (or a user
+namespace) and iproute2's ``ip``; :func:`unavailable` says why not, for a skip reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "10.77.0"
+SWITCH_IP = f"{SUBNET}.254"
+BRIDGE = "pdsbr0"
+
+
+class HostsError(RuntimeError):
+    """The test hosts cannot be made here; the message says why and what to do."""
+
+
+def _interfaces(pid: str = "self") -> list[str]:
+    lines = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
+    return sorted(line.split(":", 1)[0].strip() for line in lines)
+
+
+def _run(*argv: str) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if r.returncode:
+        raise HostsError(f"`{' '.join(argv)}` failed: {r.stderr.strip()}")
+
+
+def unavailable() -> str | None:
+    """Why test hosts cannot be made in this process (None: they can)."""
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"iproute2/util-linux `{tool}` is not installed"
+    if _interfaces() != ["lo"]:
+        return ("test hosts are made only inside a private network namespace "
+                "(`unshare -n`, as `make test` runs): this one has " + ", ".join(_interfaces()))
+    probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
+    if probe.returncode:
+        return f"cannot create network namespaces here: {probe.stderr.strip()}"
+    probe = subprocess.run(["ip", "link", "add", "pdsprobe0", "type", "bridge"],
+                           capture_output=True, text=True)
+    if probe.returncode:
+        return f"cannot create a bridge here: {probe.stderr.strip()}"
+    subprocess.run(["ip", "link", "del", "pdsprobe0"], capture_output=True)
+    return None
+
+
+@dataclass
+class Host:
+    """One test host: a network namespace held open by a ``sleep`` process."""
+
+    index: int
+    ip: str
+    holder: subprocess.Popen
+    veth: str  # the bridge-side end of its link (the host's end is ``eth0``)
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    @property
+    def netns(self) -> str:
+        return f"/proc/{self.holder.pid}/ns/net"
+
+    def argv(self, argv: list[str]) -> list[str]:
+        """``argv`` as a command that runs inside this host."""
+        return ["nsenter", f"--net={self.netns}", "--", *argv]
+
+    def popen(self, argv: list[str], **kw: object) -> subprocess.Popen:
+        """Start ``argv`` inside this host (kept for :meth:`kill_all` and teardown)."""
+        proc = subprocess.Popen(self.argv(argv), **kw)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    def run(self, argv: list[str], timeout: float = 120, **kw: object
+            ) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside this host to the end."""
+        return subprocess.run(self.argv(argv), timeout=timeout, **kw)  # type: ignore[call-overload]
+
+    def pids(self) -> list[int]:
+        """Every process whose network namespace is this host's (but the holder)."""
+        try:
+            mine = os.readlink(self.netns)
+        except OSError:
+            return []
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != self.holder.pid:
+                try:
+                    if os.readlink(f"/proc/{entry}/ns/net") == mine:
+                        found.append(int(entry))
+                except OSError:
+                    continue
+        return found
+
+    def kill_all(self, timeout: float = 10.0) -> int:
+        """SIGKILL every process in this host at once (the namespace stays: the host
+        can come back); returns how many were killed."""
+        killed = 0
+        for _ in range(5):  # a dying parent may spawn; sweep until none is left
+            pids = self.pids()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                    killed += 1
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+        deadline = time.monotonic() + timeout
+        while self.pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in self.procs:
+            if p.poll() is None:
+                p.wait(timeout)
+        self.procs.clear()
+        return killed
+
+    def counters(self) -> dict[str, int]:
+        """``eth0``'s byte and packet counters as this host sees them: ``rx_bytes`` came
+        over the link into the host, ``tx_bytes`` left it."""
+        for line in Path(f"/proc/{self.holder.pid}/net/dev").read_text().splitlines()[2:]:
+            name, rest = line.split(":", 1)
+            if name.strip() == "eth0":
+                v = [int(x) for x in rest.split()]
+                return {"rx_bytes": v[0], "rx_packets": v[1], "tx_bytes": v[8],
+                        "tx_packets": v[9]}
+        raise HostsError(f"host {self.index} has no eth0")
+
+    def shape(self, rate: str | None = None, delay_ms: float = 0.0) -> None:
+        """Shape the link into this host (the bridge-side end's egress): ``rate`` such
+        as ``1gbit`` (tc tbf) and/or ``delay_ms`` (tc netem; raises HostsError naming the
+        missing kernel module where netem is not built). ``shape()`` removes it."""
+        subprocess.run(["ip", "link", "set", self.veth, "txqueuelen", "1000"],
+                       capture_output=True)
+        subprocess.run(["tc", "qdisc", "del", "dev", self.veth, "root"], capture_output=True)
+        if delay_ms:
+            spec = ["netem", "delay", f"{delay_ms}ms"] + (["rate", rate] if rate else [])
+            r = subprocess.run(["tc", "qdisc", "add", "dev", self.veth, "root", *spec],
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise HostsError(f"tc netem is not available here ({r.stderr.strip()}): "
+                                 "the kernel lacks sch_netem")
+        elif rate:
+            _run("tc", "qdisc", "add", "dev", self.veth, "root", "tbf", "rate", rate,
+                 "burst", "256kb", "latency", "50ms")
+
+
+def netem_available() -> str | None:
+    """None when ``tc netem`` works in this namespace, else why not."""
+    _run("ip", "link", "add", "pdsnetem0", "type", "dummy")
+    try:
+        r = subprocess.run(["tc", "qdisc", "add", "dev", "pdsnetem0", "root", "netem",
+                            "delay", "1ms"], capture_output=True, text=True)
+        return None if r.returncode == 0 else f"tc netem: {r.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "link", "del", "pdsnetem0"], capture_output=True)
+
+
+class TestHosts:
+    """N test hosts on one bridge; a context manager (see the module docstring)."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, n: int) -> None:
+        if not 1 <= n <= 32:
+            raise ValueError(f"1..32 test hosts, not {n}")
+        self.n = n
+        self.hosts: list[Host] = []
+
+    def __enter__(self) -> TestHosts:
+        why = unavailable()
+        if why:
+            raise HostsError(why)
+        try:
+            _run("ip", "link", "add", BRIDGE, "type", "bridge")
+            _run("ip", "addr", "add", f"{SWITCH_IP}/24", "dev", BRIDGE)
+            _run("ip", "link", "set", BRIDGE, "up")
+            for i in range(self.n):
+                self.hosts.append(self._host(i))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _host(self, i: int) -> Host:
+        holder = subprocess.Popen(["unshare", "-n", "sleep", "infinity"])
+        mine = os.readlink("/proc/self/ns/net")
+        deadline = time.monotonic() + 10
+        while True:  # until unshare has made the namespace (the same pid execs sleep)
+            try:
+                if os.readlink(f"/proc/{holder.pid}/ns/net") != mine:
+                    break
+            except OSError:
+                pass
+            if holder.poll() is not None or time.monotonic() > deadline:
+                raise HostsError("`unshare -n sleep infinity` did not make a namespace")
+            time.sleep(0.01)
+        host = Host(i, f"{SUBNET}.{i + 1}", holder, f"pdsv{i}")
+        _run("ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
+             "netns", str(holder.pid))
+        _run("ip", "link", "set", host.veth, "master", BRIDGE, "up")
+        inside = ["nsenter", f"--net={host.netns}", "--", "ip"]
+        _run(*inside, "link", "set", "lo", "up")
+        _run(*inside, "addr", "add", f"{host.ip}/24", "dev", "eth0")
+        _run(*inside, "link", "set", "eth0", "up")
+        return host
+
+    def __getitem__(self, i: int) -> Host:
+        return self.hosts[i]
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Kill everything in every host, then remove the links and the bridge."""
+        for host in self.hosts:
+            host.kill_all()
+            host.holder.kill()
+            host.holder.wait(10)
+            subprocess.run(["ip", "link", "del", host.veth], capture_output=True)
+        self.hosts.clear()
+        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
