@@ -160,10 +160,11 @@ class Controller:
     """Owns the placement groups and component actors of one deployment."""
 
     def __init__(self, config: DeploymentConfig, redis_url: str | None, threads: int,
-                 parse: ParseComponent) -> None:
+                 parse: ParseComponent, home: str) -> None:
         """``redis_url`` may carry a password: command lines get the URL without it,
-        actors the password beside them."""
-        self.config, self.threads = config, threads
+        actors the password beside them. ``home``: the node ``pdserve up`` runs on, where
+        the router binds ``--host`` (unless ``router_node_labels`` place it)."""
+        self.config, self.threads, self.home = config, threads, home
         self.redis_url = without_password(redis_url)
         self._redis_password = password_of(redis_url)
         self._parse = parse
@@ -234,8 +235,7 @@ class Controller:
             self._members += started
             labels = self.config.labels("router")
             where: dict[str, object] = {"label_selector": labels} if labels else {
-                "scheduling_strategy": NodeAffinitySchedulingStrategy(
-                    ray.get_runtime_context().get_node_id(), soft=False)}
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(self.home, soft=False)}
             config = (dataclasses.replace(self.config, host="{node_ip}") if labels
                       else self.config)
             self._router = ComponentActor.options(
@@ -469,11 +469,13 @@ class RayDeployment:
         c = self.config
         self.ray = connect(c.ray_address, c.host, c.dashboard, None if c.ray_address
                            else self._cpus, require_token=not self.allow_unauthenticated)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                              soft=True)  # the router binds this node's ports
+        # The controller and the router stay on this node: the router binds its ports,
+        # and losing another node must not take the controller with it.
+        home = ray.get_runtime_context().get_node_id()
+        here = NodeAffinitySchedulingStrategy(home, soft=False)
         self.controller = Controller.options(name=CONTROLLER, namespace=NAMESPACE,
                                              scheduling_strategy=here).remote(
-            c, self.redis_url, self.threads, self.parse)
+            c, self.redis_url, self.threads, self.parse, home)
         self.router = ray.get(self.controller.start.remote())  # type: ignore[attr-defined]
         self.started_s = time.monotonic() - t0
 

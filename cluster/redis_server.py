@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -52,10 +53,12 @@ class RedisServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None,
                  binary: str | None = None, guard: bool = False,
-                 password: str | None = None) -> None:
+                 password: str | None = None,
+                 wrap: Callable[[list[str]], list[str]] | None = None) -> None:
         """``guard``: the server gets SIGTERM if this process dies (see cluster.child).
         ``password``: clients must give it (None: no authentication, for tests of a
-        user's own password-less Redis)."""
+        user's own password-less Redis). ``wrap``: how to run the command line elsewhere
+        (a test host's ``Host.argv``)."""
         binary = binary or find_redis_server()
         if binary is None:
             raise FileNotFoundError("no redis-server: install Debian's redis-server, or "
@@ -72,7 +75,8 @@ class RedisServer:
                                  "backslashes or line breaks")
             settings.append(f"user default reset on >{password} ~* &* +@all -@admin")
         argv = [binary, "-"]  # the settings come on stdin: no password in argv
-        self.proc = subprocess.Popen(guarded(argv) if guard else argv,
+        argv = guarded(argv) if guard else argv
+        self.proc = subprocess.Popen(wrap(argv) if wrap else argv,
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         assert self.proc.stdin is not None

@@ -34,12 +34,16 @@ class RayOnHosts:
     """Ray's head on host 0, a node on each other host (labels per host)."""
 
     def __init__(self, hosts: TestHosts, labels: dict[int, str], log_dir: Path,
-                 cpus: int = 1) -> None:
+                 cpus: int = 1, health_check_s: float = 1.0) -> None:
         """``labels``: host index -> ``KEY=VALUE[,...]`` (``ray start --labels``); every
-        host but 0 gets a Ray node with ``cpus`` CPUs."""
+        host but 0 gets a Ray node with ``cpus`` CPUs. ``health_check_s``: the GCS's
+        node health-check period (Ray's default is 3 s, and 5 misses mark a node dead;
+        here 3 misses of this period do)."""
         self.hosts, self.labels, self.log_dir, self.cpus = hosts, labels, log_dir, cpus
         self.head = f"{hosts[0].ip}:{RAY_PORT}"
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_health_check_period_ms": str(int(health_check_s * 1000)),
+                    "RAY_health_check_failure_threshold": "3",
                     "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         self.proc: subprocess.Popen | None = None
         self.log: Path = log_dir / "up.log"
@@ -64,15 +68,17 @@ class RayOnHosts:
         self._ray(i, "start", "--address", self.head, "--node-ip-address", self.hosts[i].ip,
                   "--num-cpus", str(self.cpus), "--labels", labels)
 
-    def up(self, *args: str, timeout: float = 300) -> str:
-        """``pdserve up --ray-address`` on host 0 with ``args``; returns the router's
-        gRPC target once it serves."""
+    def up(self, *args: str, redis_password: str | None = None, timeout: float = 300) -> str:
+        """``pdserve up --ray-address`` on host 0 with ``args`` (``redis_password``: for
+        a ``--redis-url`` among them); returns the router's gRPC target once it serves."""
         port = "50051"
+        env = {**self.env, **({"PDSERVE_REDIS_PASSWORD": redis_password}
+                              if redis_password else {})}
         self._out = open(self.log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = self.hosts[0].popen(
             [*PDSERVE, "up", "--ray-address", self.head, "--host", self.hosts[0].ip,
              "--port", port, "--http-port", "0", "--metrics-port", "0", *args],
-            env=self.env, stdout=self._out, stderr=subprocess.STDOUT, text=True)
+            env=env, stdout=self._out, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
         while "Press Ctrl-C to stop." not in self.log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -119,8 +119,8 @@ class Load:
     stopped; each result is (prompt index, completion or the exception)."""
 
     def __init__(self, target: str, prompts: list[list[int]], max_tokens: int,
-                 threads: int = 3) -> None:
-        self.target, self.stop = target, threading.Event()
+                 threads: int = 3, ignore_eos: bool = True) -> None:
+        self.target, self.stop, self.ignore_eos = target, threading.Event(), ignore_eos
         self.prompts, self.max_tokens = prompts, max_tokens
         self.results: list[tuple[int, object]] = []
         self._threads = [threading.Thread(target=self._run, args=(k,)) for k in range(threads)]
@@ -134,7 +134,8 @@ class Load:
                 p = i % len(self.prompts)
                 try:
                     got: object = client.generate(self.prompts[p], max_tokens=self.max_tokens,
-                                                  temperature=0.0, ignore_eos=True, timeout=60)
+                                                  temperature=0.0, ignore_eos=self.ignore_eos,
+                                                  timeout=60)
                 except Exception as e:  # noqa: BLE001 - the test reports it
                     got = e
                 self.results.append((p, got))

@@ -1,0 +1,196 @@
+"""pdserve across nodes for real: four test hosts (network namespaces on a private
+bridge, ``cluster/testhosts.py``), Ray's head, Redis and the router on host 0, a Ray node
+on each other host, the pools placed by node labels (prefill on host 1, the decode pool
+STRICT_SPREAD over hosts 2 and 3), SmolLM2 loaded by transformers, KV over gloo across
+the veth links.
+
+In order, on one cluster: the pools land where their labels say and greedy output equals
+Hugging Face's, with the KV bytes the transfer metrics count seen on the hosts' links
+(their interface counters) -> host 3 is lost under load (every process in it killed at
+once): every stream completes token-exact on the survivors, the lost worker's blocks leave
+the index, ``pdserve status --ray`` says why the decode pool is short, no block leaks ->
+host 3 comes back, its worker rejoins and serves.
+
+Runs inside ``unshare -n`` like the other Ray tests (``make test``); skips with the reason
+where namespaces or bridges cannot be made.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from types import SimpleNamespace
+
+import pytest
+import redis as redis_lib
+from cluster_helpers import Load, assert_cluster_idle, needs_private_netns
+from conftest import hf_greedy
+from transformers import AutoTokenizer
+
+from cluster.redis_server import RedisServer
+from cluster.testcluster import RayOnHosts
+from cluster.testhosts import TestHosts, unavailable
+from common.prefix_index.redis_backend import RedisPrefixIndex
+from router.client import Client
+
+_why = unavailable()  # outside a private namespace, it says so without probing
+pytestmark = [needs_private_netns,
+              pytest.mark.skipif(_why is not None, reason=f"no test hosts: {_why}")]
+
+LABELS = {1: "pdserve.io/pool=prefill", 2: "pdserve.io/pool=decode",
+          3: "pdserve.io/pool=decode"}
+REDIS_PORT = 6390
+MAX_TOKENS = 16
+TEXT = ("Across the valley the old railway bridge still carries freight at night, and "
+        "the town below sets its clocks by the sound of it. ")
+
+
+@pytest.fixture(scope="module")
+def workload(smollm2_path):
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    prompts = [tok(TEXT * 5).input_ids[: 48 + 19 * i] for i in range(6)]
+    return prompts, hf_greedy(smollm2_path, prompts, MAX_TOKENS, stop_at_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mn(smollm2_path, tmp_path_factory):
+    log = tmp_path_factory.mktemp("multinode")
+    with TestHosts(4) as hosts:
+        password = secrets.token_urlsafe(16)
+        redis = RedisServer(hosts[0].ip, REDIS_PORT, password=password,
+                            wrap=hosts[0].argv).wait_ready()
+        ray = RayOnHosts(hosts, LABELS, log)
+        code = None
+        try:
+            ray.start()
+            ray.up("--model", str(smollm2_path), "--prefill", "1", "--decode", "2",
+                   "--decode-strategy", "STRICT_SPREAD",
+                   "--prefill-node-labels", LABELS[1], "--decode-node-labels", LABELS[2],
+                   "--redis-url", f"redis://{hosts[0].ip}:{REDIS_PORT}/0",
+                   "--dtype", "float32", "--kv-cache-gb", "0.1", "--max-model-len", "512",
+                   "--local-prefill-threshold", "0", "--transfer-timeout-s", "5",
+                   "--no-dashboard", redis_password=password)
+            index = RedisPrefixIndex(redis_lib.Redis.from_url(redis.url),
+                                     smollm2_path.name)
+            yield SimpleNamespace(hosts=hosts, ray=ray, target=ray.target, index=index)
+        finally:
+            code = ray.stop()
+            redis.stop()
+        assert code == 0, ray.log.read_text()[-3000:]
+
+
+def _actors(mn) -> dict[str, dict]:
+    return {a["name"]: a for a in mn.ray.view()["ray"]["actors"]}
+
+
+def _workers(mn) -> dict[str, object]:
+    with Client(mn.target) as client:
+        return {w.address: w for w in client.status().workers}
+
+
+def test_pools_land_on_their_hosts_and_kv_crosses_the_links(mn, workload):
+    prompts, expected = workload
+    hosts = mn.hosts
+    actors = _actors(mn)
+    assert actors["pdserve-router"]["node_ip"] == hosts[0].ip
+    assert actors["pdserve-prefill-0"]["node_ip"] == hosts[1].ip
+    assert {actors[f"pdserve-decode-{i}"]["node_ip"] for i in (0, 1)} == \
+        {hosts[2].ip, hosts[3].ip}  # STRICT_SPREAD over the two decode-labelled hosts
+    for a in actors.values():  # every worker binds its own host's address
+        assert a["address"].startswith(a["node_ip"] + ":"), a
+    text = mn.ray.status()
+    assert "pdserve-decode-1" in text.stdout and "STRICT_SPREAD" in text.stdout, text.stdout
+    assert "is short" not in text.stdout, text.stdout
+
+    moved0 = {a: w.transfers.bytes_moved for a, w in _workers(mn).items()}
+    links0 = [h.counters() for h in hosts]
+    with Client(mn.target) as client:
+        got = [client.generate(p, max_tokens=MAX_TOKENS, temperature=0.0) for p in prompts]
+    assert [g.token_ids for g in got] == expected
+    assert {g.routing["worker"].rsplit(":")[0] for g in got} == {hosts[1].ip}
+    links = [h.counters() for h in hosts]
+    moved = {a: w.transfers.bytes_moved - moved0.get(a, 0) for a, w in _workers(mn).items()}
+    sent = sum(m for a, m in moved.items() if a.startswith(hosts[1].ip + ":"))
+    assert sent > 1_000_000, moved  # 6 prompts of SmolLM2 fp32 KV: megabytes
+    # What the prefill worker's transfer metrics count left host 1 over its link and
+    # entered host 2 or 3 over theirs (plus gRPC, Redis and Ray's own chatter).
+    assert links[1]["tx_bytes"] - links0[1]["tx_bytes"] >= sent
+    for h in (2, 3):
+        into = sum(m for a, m in moved.items() if a.startswith(hosts[h].ip + ":"))
+        assert links[h]["rx_bytes"] - links0[h]["rx_bytes"] >= into
+    assert sum(links[h]["rx_bytes"] - links0[h]["rx_bytes"] for h in (2, 3)) >= sent
+    assert_cluster_idle(mn)
+
+
+def test_a_lost_host_costs_no_stream_and_comes_back(mn, workload):
+    prompts, expected = workload
+    hosts = mn.hosts
+    lost = next(a for a in _workers(mn) if a.startswith(hosts[3].ip + ":"))
+    load = Load(mn.target, prompts, MAX_TOKENS, threads=3, ignore_eos=False)
+    try:
+        load.wait_routed("decode_worker", lost, since=0, timeout=60)
+        assert mn.index.blocks_of(lost), "the decode worker on host 3 published no block"
+        deadline = time.monotonic() + 30
+        while _workers(mn)[lost].running_requests == 0:  # kill it mid-stream
+            assert time.monotonic() < deadline, "no request ever running on host 3"
+        killed_at = len(load.results)
+        t0 = time.monotonic()
+        assert mn.ray.lose(3) > 0
+        # The registry's TTL ends the lost worker's entry and the router, the first
+        # reader to notice, purges its blocks from the index.
+        while mn.index.blocks_of(lost):
+            assert time.monotonic() - t0 < 20, "the lost worker's blocks stay indexed"
+            time.sleep(0.1)
+        gone_s = time.monotonic() - t0
+        w = _workers(mn).get(lost)
+        assert w is None or not w.serving
+        while len(load.results) < killed_at + 2 * len(prompts):
+            assert time.monotonic() - t0 < 120, "the load stalled after the loss"
+            time.sleep(0.2)
+    finally:
+        load.finish()
+    errors = [r for _, r in load.results if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    for p, r in load.results:
+        assert r.token_ids == expected[p], (p, r.routing)
+    assert any(r.routing.get("migrations") for _, r in load.results[killed_at:]), \
+        "no stream was on the lost host when it died"
+    survivors = {r.routing["decode_worker"] for _, r in load.results[killed_at + 3:]}
+    assert lost not in survivors
+    assert_cluster_idle(mn)
+
+    deadline = time.monotonic() + 60  # Ray marks the node dead: the pool is short
+    while True:
+        groups = {g["role"]: g for g in mn.ray.view()["ray"]["placement_groups"]}
+        if "short" in groups["decode"]:
+            break
+        assert time.monotonic() < deadline, groups
+        time.sleep(1)
+    ray_dead_s = time.monotonic() - t0
+    assert "STRICT_SPREAD needs 2 distinct ones" in groups["decode"]["short"]
+    assert "1 alive node(s) on nodes labelled pdserve.io/pool=decode" in \
+        groups["decode"]["short"]
+    assert "pool decode is short" in mn.ray.status().stdout
+
+    t1 = time.monotonic()
+    mn.ray.rejoin(3)  # the host comes back: the bundle and its worker with it
+
+    def back() -> str | None:
+        return next((a for a, w in _workers(mn).items()
+                     if a.startswith(hosts[3].ip + ":") and a != lost and w.serving), None)
+
+    while back() is None:
+        assert time.monotonic() - t1 < 180, mn.ray.status().stdout
+        time.sleep(0.5)
+    rejoin_s = time.monotonic() - t1
+    groups = {g["role"]: g for g in mn.ray.view()["ray"]["placement_groups"]}
+    assert "short" not in groups["decode"] and groups["decode"]["state"] == "CREATED"
+    load = Load(mn.target, prompts, MAX_TOKENS, threads=3, ignore_eos=False)
+    try:
+        load.wait_routed("decode_worker", back(), since=0, timeout=60)
+    finally:
+        load.finish()
+    assert all(r.token_ids == expected[p] for p, r in load.results), load.results
+    assert_cluster_idle(mn)
+    print(f"\nnode loss: router dropped the worker in {gone_s:.1f}s, Ray marked the node "
+          f"dead within {ray_dead_s:.1f}s, the host rejoined and served in {rejoin_s:.1f}s")
