@@ -1,6 +1,8 @@
 """Transfer benchmark: KV bytes/s prefill -> decode over the channel vs a raw TCP copy.
 
     python -m benchmarks.transfer [--tokens 2048] [--iters 10] [--dtypes float32,bfloat16]
+        [--modes raw,direct,staged,gather] [--bind ADDR] [--child-bind ADDR]
+        [--child-netns /proc/PID/ns/net] [--json FILE]
 
 Workload: one request's KV shaped like SmolLM2-135M (30 layers, 3 KV heads, head_dim 64,
 block 16). This process plays the prefill worker; a child process (this module with
@@ -19,11 +21,19 @@ block 16). This process plays the prefill worker; a child process (this module w
 Each timing runs from the send call to the child's "done" line, so both paths pay the
 same notification. The modes alternate per iteration so load drift hits both alike.
 Parent and child talk in text lines over the child's stdin/stdout (no pickle).
+
+By default both ends are on loopback (127.0.0.1). Across a link (``pdserve
+bench-multinode``): ``--bind`` is the address this process's sender and raw socket use,
+``--child-bind`` the one the child's receiver and raw listener bind, and
+``--child-netns`` a network namespace the child runs in (``nsenter --net``), such as
+another test host's (:mod:`cluster.testhosts`). ``--modes`` picks the modes timed (raw
+always among them); ``--json`` writes every timing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import socket
@@ -31,6 +41,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -42,6 +54,8 @@ from workers.transfer.sender import KVSender
 from workers.transfer.state import TransferState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MODES = ("raw", "direct", "staged", "gather")
+LOOPBACK = "127.0.0.1"
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 
 
@@ -75,12 +89,12 @@ class _Discard:
 
 
 def child(args: argparse.Namespace) -> None:
-    cfg = TransferConfig(chunk_bytes=args.chunk_bytes, recv_window=args.window)
+    cfg = TransferConfig(host=args.bind, chunk_bytes=args.chunk_bytes, recv_window=args.window)
     rx = KVReceiver("bench-decode", cfg)
     raw = socket.socket()
-    raw.bind(("127.0.0.1", 0))
+    raw.bind((args.bind, 0))
     raw.listen(1)
-    print(f"ready {rx.address} {raw.getsockname()[1]}", flush=True)
+    print(f"ready {rx.address} {raw.getsockname()[1]} {args.bind}", flush=True)
     conn, _ = raw.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     caches: dict[str, torch.Tensor] = {}
@@ -116,15 +130,25 @@ def child(args: argparse.Namespace) -> None:
 
 # --- the parent: prefill worker stand-in -------------------------------------------------
 
+def in_netns(netns: str) -> Callable[[list[str]], list[str]]:
+    """A command wrapper that runs it in the network namespace ``netns`` (a
+    ``/proc/PID/ns/net`` path)."""
+    return lambda argv: ["nsenter", f"--net={netns}", "--", *argv]
+
+
 class Child:
-    def __init__(self, args: argparse.Namespace):
+    """The decode stand-in, a child process: ``bind`` is the address it serves on,
+    ``wrap`` turns its command line into one that runs elsewhere (another host)."""
+
+    def __init__(self, args: argparse.Namespace, bind: str = LOOPBACK,
+                 wrap: Callable[[list[str]], list[str]] | None = None):
         cmd = [sys.executable, "-m", "benchmarks.transfer", "--child",
                "--chunk-bytes", str(args.chunk_bytes), "--window", str(args.window),
-               "--dest", args.dest]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, bufsize=1)
+               "--dest", args.dest, "--bind", bind]
+        self.proc = subprocess.Popen(wrap(cmd) if wrap else cmd, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
         words = self.read().split()
-        self.address, self.raw_port = words[1], int(words[2])
+        self.address, self.raw_port, self.raw_host = words[1], int(words[2]), words[3]
 
     def say(self, line: str) -> None:
         assert self.proc.stdin is not None
@@ -139,12 +163,32 @@ class Child:
         return line.strip()
 
 
-def run(args: argparse.Namespace) -> None:
+def parse_modes(text: str) -> tuple[str, ...]:
+    """``--modes``: known modes, raw among them (every ratio is against it), in the
+    canonical order."""
+    asked = {m.strip() for m in text.split(",") if m.strip()}
+    unknown = asked - set(MODES)
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(sorted(unknown))}: "
+                         f"choose from {', '.join(MODES)}")
+    if "raw" not in asked:
+        raise ValueError("--modes must include raw (the baseline every ratio is against)")
+    return tuple(m for m in MODES if m in asked)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Time every mode per dtype; print the table and return the timings (what
+    ``--json`` writes)."""
     torch.manual_seed(0)
-    child_proc = Child(args)
-    raw = socket.create_connection(("127.0.0.1", child_proc.raw_port))
+    modes = parse_modes(args.modes)
+    child_bind = args.child_bind or args.bind
+    child_proc = Child(args, bind=child_bind,
+                       wrap=in_netns(args.child_netns) if args.child_netns else None)
+    raw = socket.create_connection((child_proc.raw_host, child_proc.raw_port),
+                                   source_address=(args.bind, 0))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sender = KVSender("bench-prefill", TransferConfig(chunk_bytes=args.chunk_bytes,
+    sender = KVSender("bench-prefill", TransferConfig(host=args.bind,
+                                                       chunk_bytes=args.chunk_bytes,
                                                        recv_window=args.window))
     n = args.tokens // BLOCK
     load_before = os.getloadavg()
@@ -152,12 +196,18 @@ def run(args: argparse.Namespace) -> None:
           f"{KV_HEADS} kv heads, head_dim {HEAD_DIM}, block {BLOCK}), {n} blocks; "
           f"{args.iters} timed iterations after {args.warmup} warm-up, modes interleaved; "
           f"chunk_bytes={args.chunk_bytes} window={args.window} dest={args.dest}")
+    if (args.bind, child_bind, args.child_netns) != (LOOPBACK, LOOPBACK, None):
+        print(f"link: {args.bind} -> {child_bind}"
+              + (f" (child in {args.child_netns})" if args.child_netns else ""))
     print(f"machine: {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), python {platform.python_version()}, "
           f"loadavg {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
     print(f"{'dtype':<9} {'mode':<8} {'bytes':>11} {'median s':>9} {'best s':>8} "
           f"{'GB/s med':>9} {'GB/s best':>9} {'vs raw':>7}")
     counter = 0
+    result: dict = {"tokens": args.tokens, "blocks": n, "iters": args.iters,
+                    "warmup": args.warmup, "bind": args.bind, "child_bind": child_bind,
+                    "modes": list(modes), "dtypes": {}}
     for dtype in args.dtypes.split(","):
         lay = layout(dtype)
         src_cache = cache_for(lay, n)
@@ -166,7 +216,7 @@ def run(args: argparse.Namespace) -> None:
         kv = gather_blocks(src_cache, src_ids, BLOCK)
         nbytes = kv.numel() * kv.element_size()
         payload = memoryview(kv.view(torch.uint8).numpy()).cast("B")
-        times: dict[str, list[float]] = {"raw": [], "direct": [], "staged": [], "gather": []}
+        times: dict[str, list[float]] = {m: [] for m in modes}
         for it in range(args.warmup + args.iters):
             for mode in times:
                 counter += 1
@@ -199,6 +249,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"{dtype:<9} {mode:<8} {nbytes:>11} {med:>9.4f} {best:>8.4f} "
                   f"{nbytes / med / 1e9:>9.2f} {nbytes / best / 1e9:>9.2f} "
                   f"{raw_med / med:>6.0%}")
+        result["dtypes"][dtype] = {"bytes": nbytes, "times_s": times}
     load_after = os.getloadavg()
     print(f"loadavg after: {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}; "
           "'vs raw' = raw median time / mode median time (target >= 80%)")
@@ -206,6 +257,9 @@ def run(args: argparse.Namespace) -> None:
     child_proc.say("exit")
     child_proc.proc.wait(30)
     raw.close()
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -218,12 +272,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--window", type=int, default=TransferConfig.recv_window)
     p.add_argument("--dest", choices=("paged", "discard"), default="paged",
                    help="decode-side destination; 'discard' skips the scatter (diagnostic)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated modes to time, raw among them (default: all)")
+    p.add_argument("--bind", default=LOOPBACK,
+                   help="address this process sends from (the child: the one it serves on)")
+    p.add_argument("--child-bind", default=None,
+                   help="address the child serves on (default: --bind)")
+    p.add_argument("--child-netns", default=None, metavar="/proc/PID/ns/net",
+                   help="run the child in this network namespace (nsenter --net)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write every timing here")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         child(args)
-    else:
-        run(args)
+        return
+    try:
+        parse_modes(args.modes)
+    except ValueError as e:
+        p.error(str(e))
+    run(args)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ token file is shared: the hosts share a filesystem). :meth:`RayOnHosts.up` runs 
 up --ray-address`` on host 0 with the router and Redis bound to host 0's address, and
 returns once its banner says it serves. :meth:`RayOnHosts.lose` kills everything on a host
 at once; :meth:`RayOnHosts.rejoin` starts its Ray node again. :meth:`RayOnHosts.stop`
-stops ``pdserve up`` (SIGTERM, as Ctrl-C) and Ray; the hosts' teardown kills whatever is
-left.
+stops ``pdserve up`` (SIGTERM, as Ctrl-C), then kills what is left on each host (Ray's
+daemons among it).
 """
 
 from __future__ import annotations
@@ -113,8 +113,8 @@ class RayOnHosts:
         return float(found.group(1)) if found else float("nan")
 
     def stop(self) -> int | None:
-        """Stop ``pdserve up`` (SIGTERM) and Ray on every host; ``pdserve up``'s exit
-        code."""
+        """Stop ``pdserve up`` (SIGTERM), then everything on every host; ``pdserve up``'s
+        exit code."""
         code = None
         if self.proc is not None:
             self.proc.send_signal(signal.SIGTERM)
@@ -123,6 +123,6 @@ class RayOnHosts:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
             self._out.close()
-        for i in reversed(range(len(self.hosts))):
-            self.hosts[i].run([RAY, "stop", "--force"], env=self.env, capture_output=True)
+        for i in reversed(range(len(self.hosts))):  # not `ray stop`: it stops every Ray
+            self.hosts[i].kill_all()                # on the machine, in any namespace
         return code

@@ -18,6 +18,7 @@ where namespaces or bridges cannot be made.
 from __future__ import annotations
 
 import secrets
+import sys
 import time
 from types import SimpleNamespace
 
@@ -122,6 +123,15 @@ def test_pools_land_on_their_hosts_and_kv_crosses_the_links(mn, workload):
     assert_cluster_idle(mn)
 
 
+def test_a_redis_started_by_up_binds_where_the_ray_head_is_reached(mn):
+    """``pdserve up --ray-address`` without ``--redis-url`` and with a loopback
+    ``--host`` starts Redis on the address its node reaches the head from."""
+    r = mn.hosts[2].run([sys.executable, "-c", "from cluster.net import source_address; "
+                         f"print(source_address('{mn.ray.head}'))"],
+                        capture_output=True, text=True, env=mn.ray.env)
+    assert r.stdout.strip() == mn.hosts[2].ip, r.stderr
+
+
 def test_a_lost_host_costs_no_stream_and_comes_back(mn, workload):
     prompts, expected = workload
     hosts = mn.hosts
@@ -194,3 +204,4 @@ def test_a_lost_host_costs_no_stream_and_comes_back(mn, workload):
     assert_cluster_idle(mn)
     print(f"\nnode loss: router dropped the worker in {gone_s:.1f}s, Ray marked the node "
           f"dead within {ray_dead_s:.1f}s, the host rejoined and served in {rejoin_s:.1f}s")
+

@@ -40,6 +40,9 @@ def test_bad_files_are_refused_with_the_key(tmp_path: Path, text: str, message: 
     ({"mixed": 0}, "no workers"),
     ({"prefill": 1, "decode": 1, "decode_strategy": "RANDOM"}, "decode_strategy"),
     ({"launcher": "k8s"}, "launcher"),
+    ({"prefill": 1, "decode": 1, "decode_node_labels": "pool"}, "decode_node_labels"),
+    ({"prefill": 1, "decode": 1, "prefill_node_labels": "a=1,a=2"}, "each key once"),
+    ({"router_node_labels": "bad key=x"}, "router_node_labels"),
 ])
 def test_configs_that_cannot_run_are_refused(kw: dict, message: str) -> None:
     with pytest.raises(DeploymentError, match=message):
@@ -151,6 +154,8 @@ def _other_value(f: dataclasses.Field, action: argparse.Action) -> tuple[list[st
     if action.choices:
         value = next(c for c in action.choices if c != f.default)
         return [flag_of(f), value], value
+    if f.name.endswith("_node_labels"):  # KEY=VALUE: "/x" is no label
+        return [flag_of(f), "pdserve.io/pool=x"], "pdserve.io/pool=x"
     value = {int: 7, float: 0.5, str: "/x"}[action.type or str]
     return [flag_of(f), str(value)], value
 
@@ -210,3 +215,14 @@ def test_autoscale_needs_a_profile_and_the_process_launcher() -> None:
     with pytest.raises(DeploymentError, match="launcher process"):
         DeploymentConfig(autoscale=True, profile="p.json").check_autoscale()
     DeploymentConfig(autoscale=True, profile="p.json", launcher="process").check_autoscale()
+
+
+def test_node_labels_read_as_ray_label_selectors() -> None:
+    config = DeploymentConfig(prefill=1, decode=1, prefill_node_labels="pdserve.io/pool=prefill",
+                              decode_node_labels=" zone=b , pdserve.io/pool=!prefill")
+    assert config.labels("prefill") == {"pdserve.io/pool": "prefill"}
+    assert config.labels("decode") == {"zone": "b", "pdserve.io/pool": "!prefill"}
+    assert config.labels("mixed") == {} and config.labels("router") == {}
+    args = build_parser().parse_args(["up", "--prefill", "1", "--decode", "1",
+                                      "--decode-node-labels", "zone=b"])
+    assert deployment_config(args).labels("decode") == {"zone": "b"}

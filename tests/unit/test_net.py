@@ -18,3 +18,12 @@ def test_picks_are_outside_the_ephemeral_range_unique_and_bindable() -> None:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", p))
 
+
+
+def test_source_address_is_the_interface_that_routes_to_the_peer() -> None:
+    from cluster.net import source_address
+
+    assert source_address("127.0.0.5:6379") == "127.0.0.1"
+    assert source_address("ray://127.0.0.1:10001") == "127.0.0.1"
+    assert source_address("127.0.0.1") == "127.0.0.1"
+    assert source_address("no such host:1") == "127.0.0.1"  # no route: loopback
