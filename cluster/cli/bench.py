@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     bd.add_argument("--out", default="bench-results/disagg.json")
     bd.set_defaults(func=cmd_bench_disagg)
 
+    _add_bench_multinode(sub)
+
     bh = sub.add_parser("bench-headline", help="colocated vs static 1P+1D vs adaptive (live "
                                                "planner) on the same cores, at loads "
                                                "relative to this machine's capacity")
@@ -104,6 +106,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_bench_tenant_probe(sub)
     _add_bench_serving(sub)
     _add_profile(sub)
+
+
+def _add_bench_multinode(sub: argparse._SubParsersAction) -> None:
+    bm = sub.add_parser("bench-multinode",
+                        help="across test hosts (network namespaces on a bridge): KV "
+                             "transfer rate vs raw TCP over the same link, and TTFT and "
+                             "the first -> second token gap under link rates and delays "
+                             "(re-runs itself under `unshare -n` when needed)")
+    bm.add_argument("--model", default=None)
+    bm.add_argument("--cache-dir", default=None)
+    bm.add_argument("--tokens", type=int, default=2048,
+                    help="KV of this many tokens for the link rate")
+    bm.add_argument("--dtypes", default="float32,bfloat16", help="link rate: KV dtypes")
+    bm.add_argument("--transfer-iters", type=int, default=4,
+                    help="link rate: timed iterations per mode (after 1 warm-up)")
+    bm.add_argument("--link-conditions", default="none,rate=1gbit",
+                    help="link rate: conditions of the link into host 2, comma-separated: "
+                         "none, rate=RATE (tc tbf), delay=DELAY (tc netem), RATE+DELAY")
+    bm.add_argument("--conditions", default="none,rate=1gbit,rate=100mbit,delay=1ms,"
+                                            "delay=10ms",
+                    help="serving: conditions of the links into hosts 1 and 2 (as "
+                         "--link-conditions)")
+    bm.add_argument("--requests", type=int, default=8, help="serving: requests per condition")
+    bm.add_argument("--prompt-tokens", type=int, default=512)
+    bm.add_argument("--max-tokens", type=int, default=8)
+    bm.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="serving: the workers' dtype")
+    bm.add_argument("--seed", type=int, default=0)
+    bm.add_argument("--out", default="loadtest/results/multinode",
+                    help="results.json, results.md and results.png go here")
+    bm.set_defaults(func=cmd_bench_multinode)
 
 
 def _add_bench_serving(sub: argparse._SubParsersAction) -> None:
@@ -356,6 +389,47 @@ def cmd_bench_disagg(args: argparse.Namespace) -> int:
     path = resolve_model(args.model, cache_dir(args))
     run(DisaggBenchOptions(model=str(path), tokens=args.tokens, ttft_tokens=args.ttft_tokens,
                            iters=args.iters, out=args.out))
+    return 0
+
+
+def cmd_bench_multinode(args: argparse.Namespace) -> int:
+    from benchmarks.multinode import (
+        REEXEC_ENV,
+        MultinodeOptions,
+        ensure_private_netns,
+        parse_conditions,
+        run,
+    )
+    from workers.model_store import resolve_model
+
+    def say(line: str) -> None:
+        print(f"pdserve bench-multinode: {line}", file=sys.stderr, flush=True)
+
+    try:
+        link, conditions = parse_conditions(args.link_conditions), parse_conditions(
+            args.conditions)
+        if min(args.requests, args.transfer_iters, args.prompt_tokens, args.tokens) < 1 \
+                or args.max_tokens < 2:
+            raise ValueError("counts must be positive and --max-tokens at least 2 (the "
+                             "gap is to the second token)")
+    except ValueError as e:
+        say(str(e))
+        return EXIT_INVALID
+    code = ensure_private_netns([sys.executable, "-m", "cluster.cli", *sys.argv[1:]],
+                                {**os.environ, REEXEC_ENV: "1"},
+                                bool(os.environ.get(REEXEC_ENV)), say)
+    if code is not None:
+        return code
+    path = resolve_model(args.model, cache_dir(args))
+    try:
+        run(MultinodeOptions(
+            model=str(path), tokens=args.tokens, dtypes=args.dtypes,
+            link_conditions=link, transfer_iters=args.transfer_iters, conditions=conditions,
+            requests=args.requests, prompt_tokens=args.prompt_tokens,
+            max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed, out=args.out))
+    except (RuntimeError, OSError) as e:
+        say(f"failed: {e}")
+        return 1
     return 0
 
 

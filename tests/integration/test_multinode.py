@@ -2,7 +2,9 @@
 bridge, ``cluster/testhosts.py``), Ray's head, Redis and the router on host 0, a Ray node
 on each other host, the pools placed by node labels (prefill on host 1, the decode pool
 STRICT_SPREAD over hosts 2 and 3), SmolLM2 loaded by transformers, KV over gloo across
-the veth links.
+the veth links. Inside the cluster it runs as a user should: mutual TLS between the
+router and the workers, the KV channel's joins and offers authenticated with the key
+derived from the cluster's TLS key, Redis with a password.
 
 In order, on one cluster: the pools land where their labels say and greedy output equals
 Hugging Face's, with the KV bytes the transfer metrics count seen on the hosts' links
@@ -28,6 +30,7 @@ from cluster_helpers import Load, assert_cluster_idle, needs_private_netns
 from conftest import hf_greedy
 from transformers import AutoTokenizer
 
+from cluster.certs import make_dev_pki
 from cluster.redis_server import RedisServer
 from cluster.testcluster import RayOnHosts
 from cluster.testhosts import TestHosts, unavailable
@@ -70,6 +73,7 @@ def mn(smollm2_path, tmp_path_factory):
                    "--redis-url", f"redis://{hosts[0].ip}:{REDIS_PORT}/0",
                    "--dtype", "float32", "--kv-cache-gb", "0.1", "--max-model-len", "512",
                    "--local-prefill-threshold", "0", "--transfer-timeout-s", "5",
+                   "--cluster-tls-dir", str(make_dev_pki(log / "pki").directory),
                    "--no-dashboard", redis_password=password)
             index = RedisPrefixIndex(redis_lib.Redis.from_url(redis.url),
                                      smollm2_path.name)
