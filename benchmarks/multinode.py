@@ -314,11 +314,35 @@ def _prefill_counters(client: Client, prefill_ip: str) -> tuple[int, float]:
     return w.transfers.bytes_moved, w.transfers.busy_s
 
 
+RAY_PORT = 6480  # not RayOnHosts' 6380, see _OwnRay
+
+
+class _OwnRay(RayOnHosts):
+    """:class:`RayOnHosts` on its own GCS port and Ray temp dir. ``ray start --head``
+    refuses to start when the last cluster its temp dir recorded has the same address as
+    a GCS process running anywhere on the machine (it scans processes, whatever their
+    network namespace), so a test run of test hosts at the same time (10.77.0.1:6380 in
+    its own namespace) and this one would refuse each other."""
+
+    def __init__(self, hosts: TestHosts, labels: dict[int, str], log_dir: Path) -> None:
+        super().__init__(hosts, labels, log_dir)
+        self.head = f"{hosts[0].ip}:{RAY_PORT}"
+        self.env["RAY_TMPDIR"] = str(log_dir)
+
+    def start(self) -> _OwnRay:
+        self._ray(0, "start", "--head", "--node-ip-address", self.hosts[0].ip,
+                  "--port", str(RAY_PORT), "--num-cpus", "0", "--include-dashboard", "false",
+                  "--labels", "pdserve.io/host=0")
+        for i in range(1, len(self.hosts)):
+            self.rejoin(i)
+        return self
+
+
 def measure_serving(hosts: TestHosts, opts: MultinodeOptions, log_dir: Path
                     ) -> tuple[list[SweepRow], dict]:
     """The cluster on the hosts, and every condition of ``opts.conditions`` on it."""
     rng = random.Random(opts.seed)
-    ray = RayOnHosts(hosts, LABELS, log_dir)
+    ray = _OwnRay(hosts, LABELS, log_dir)
     rows: list[SweepRow] = []
     info: dict = {}
     try:
@@ -389,8 +413,8 @@ def _redis_auth(address: str) -> str:
     host, port = address.rsplit(":", 1)
     try:
         redis.Redis(host=host, port=int(port), socket_timeout=5).ping()
-    except redis.AuthenticationError as e:
-        return f"password required ({e})"
+    except redis.AuthenticationError:
+        return "refuses a client without the password"
     except redis.RedisError as e:
         return f"no answer ({e})"
     return "NO PASSWORD: answered a client without one"
@@ -422,13 +446,16 @@ def plot(link: Sequence[LinkRow], sweep: Sequence[SweepRow], path: Path, title: 
                                gridspec_kw={"width_ratios": [2, 3]})
     ok = [r for r in link if not r.unavailable]
     xs = range(len(ok))
-    w = 0.38
-    a.bar([x - w / 2 for x in xs], [r.gbps("raw") for r in ok], w, label="raw TCP",
-          color="#999999")
-    a.bar([x + w / 2 for x in xs], [r.gbps("direct") for r in ok], w,
-          label="KV channel (direct)", color="#4c72b0")
+    w = 0.27
+    for k, (mode, label, color) in enumerate((("raw", "raw TCP", "#999999"),
+                                              ("direct", "KV channel, direct", "#4c72b0"),
+                                              ("gather", "KV channel, gather", "#8172b3"))):
+        a.bar([x + (k - 1) * w for x in xs], [r.gbps(mode) for r in ok], w, label=label,
+              color=color)
+    a.set_yscale("log")
     a.set_xticks(list(xs), [f"{r.condition}\n{r.dtype}" for r in ok], fontsize=8)
-    a.set_ylabel("GB/s, host 1 → host 2 (p50)")
+    a.set_ylabel("GB/s, host 1 → host 2 (p50, log scale)")
+    w = 0.38
     a.set_title("KV transfer across the veth link", fontsize=10)
     a.legend(fontsize=8)
     xs = range(len(sweep))
@@ -519,7 +546,7 @@ def run(opts: MultinodeOptions) -> dict:
     load0 = os.getloadavg()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="pds-multinode-") as tmp, TestHosts(3) as hosts:
+    with tempfile.TemporaryDirectory(prefix="pdsmn-") as tmp, TestHosts(3) as hosts:
         work = Path(tmp)
         link: list[LinkRow] = []
         for i, cond in enumerate(opts.link_conditions):

@@ -23,6 +23,7 @@ namespace) and iproute2's ``ip``; :func:`unavailable` says why not, for a skip r
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import signal
@@ -247,3 +248,32 @@ class TestHosts:
             subprocess.run(["ip", "link", "del", host.veth], capture_output=True)
         self.hosts.clear()
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """The (address, port) of every TCP socket process ``pid`` listens on (IPv4 and
+    IPv6; read from its namespace's /proc tables and its own file descriptors)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, width in (("tcp", 8), ("tcp6", 32)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                continue
+            hexip, hexport = cols[1].split(":")
+            raw = bytes.fromhex(hexip)
+            if width == 8:
+                ip = ".".join(str(b) for b in reversed(raw))
+            else:  # four little-endian 32-bit words
+                v6 = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1]
+                                                    for i in range(0, 16, 4)))
+                ip = str(v6.ipv4_mapped or v6)  # ::ffff:10.77.0.2 is 10.77.0.2
+            found.append((ip, int(hexport, 16)))
+    return found

@@ -33,7 +33,7 @@ from transformers import AutoTokenizer
 from cluster.certs import make_dev_pki
 from cluster.redis_server import RedisServer
 from cluster.testcluster import RayOnHosts
-from cluster.testhosts import TestHosts, unavailable
+from cluster.testhosts import TestHosts, listening, unavailable
 from common.prefix_index.redis_backend import RedisPrefixIndex
 from router.client import Client
 
@@ -74,6 +74,7 @@ def mn(smollm2_path, tmp_path_factory):
                    "--dtype", "float32", "--kv-cache-gb", "0.1", "--max-model-len", "512",
                    "--local-prefill-threshold", "0", "--transfer-timeout-s", "5",
                    "--cluster-tls-dir", str(make_dev_pki(log / "pki").directory),
+                   "--router-node-labels", "pdserve.io/host=0",  # RayOnHosts' head label
                    "--no-dashboard", redis_password=password)
             index = RedisPrefixIndex(redis_lib.Redis.from_url(redis.url),
                                      smollm2_path.name)
@@ -101,8 +102,14 @@ def test_pools_land_on_their_hosts_and_kv_crosses_the_links(mn, workload):
     assert actors["pdserve-prefill-0"]["node_ip"] == hosts[1].ip
     assert {actors[f"pdserve-decode-{i}"]["node_ip"] for i in (0, 1)} == \
         {hosts[2].ip, hosts[3].ip}  # STRICT_SPREAD over the two decode-labelled hosts
-    for a in actors.values():  # every worker binds its own host's address
+    for a in actors.values():  # every component binds its own host's address
         assert a["address"].startswith(a["node_ip"] + ":"), a
+        # ... and listens nowhere else: its gRPC, metrics and KV rendezvous ports. The
+        # one exception is Ray's own core-worker server in the actor's process, on
+        # [::] in Ray's worker port range (10002-19999; Ray offers no bind address).
+        for ip, port in listening(a["pid"]):
+            assert ip == a["node_ip"] or (ip == "::" and 10002 <= port <= 19999), \
+                (a["name"], ip, port)
     text = mn.ray.status()
     assert "pdserve-decode-1" in text.stdout and "STRICT_SPREAD" in text.stdout, text.stdout
     assert "is short" not in text.stdout, text.stdout
