@@ -7,6 +7,8 @@ runs our path and its baseline in the same run and prints workload, machine and 
 - :mod:`benchmarks.engine`: the engine against Hugging Face ``generate`` and a GEMM floor;
 - :mod:`benchmarks.transfer`: the bare KV channel against raw TCP;
 - :mod:`benchmarks.disagg`: disaggregated TTFT against colocated;
+- :mod:`benchmarks.multinode`: the KV channel against raw TCP across a veth link between
+  test hosts, and TTFT / the first-to-second-token gap under link conditions;
 - :mod:`benchmarks.router`: the router's overhead per request;
 - :mod:`benchmarks.routing`: cache-aware routing against round robin;
 - :mod:`benchmarks.headline`: 1 prefill + 1 decode against 2 mixed under load;

@@ -37,7 +37,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -314,35 +313,14 @@ def _prefill_counters(client: Client, prefill_ip: str) -> tuple[int, float]:
     return w.transfers.bytes_moved, w.transfers.busy_s
 
 
-RAY_PORT = 6480  # not RayOnHosts' 6380, see _OwnRay
-
-
-class _OwnRay(RayOnHosts):
-    """:class:`RayOnHosts` on its own GCS port and Ray temp dir. ``ray start --head``
-    refuses to start when the last cluster its temp dir recorded has the same address as
-    a GCS process running anywhere on the machine (it scans processes, whatever their
-    network namespace), so a test run of test hosts at the same time (10.77.0.1:6380 in
-    its own namespace) and this one would refuse each other."""
-
-    def __init__(self, hosts: TestHosts, labels: dict[int, str], log_dir: Path) -> None:
-        super().__init__(hosts, labels, log_dir)
-        self.head = f"{hosts[0].ip}:{RAY_PORT}"
-        self.env["RAY_TMPDIR"] = str(log_dir)
-
-    def start(self) -> _OwnRay:
-        self._ray(0, "start", "--head", "--node-ip-address", self.hosts[0].ip,
-                  "--port", str(RAY_PORT), "--num-cpus", "0", "--include-dashboard", "false",
-                  "--labels", "pdserve.io/host=0")
-        for i in range(1, len(self.hosts)):
-            self.rejoin(i)
-        return self
+RAY_PORT = 6480  # not RayOnHosts' default: a test run beside this one keeps its own
 
 
 def measure_serving(hosts: TestHosts, opts: MultinodeOptions, log_dir: Path
                     ) -> tuple[list[SweepRow], dict]:
     """The cluster on the hosts, and every condition of ``opts.conditions`` on it."""
     rng = random.Random(opts.seed)
-    ray = _OwnRay(hosts, LABELS, log_dir)
+    ray = RayOnHosts(hosts, LABELS, log_dir, port=RAY_PORT)
     rows: list[SweepRow] = []
     info: dict = {}
     try:
@@ -367,7 +345,8 @@ def measure_serving(hosts: TestHosts, opts: MultinodeOptions, log_dir: Path
                 rows.append(_condition(client, hosts, opts, cond, rng))
     finally:
         clear([hosts[1], hosts[2]])
-        _stop(ray)
+        code = ray.stop()  # SIGTERM to pdserve up, then every process on every host
+    info["pdserve_up_exit"] = code
     return rows, info
 
 
@@ -418,22 +397,6 @@ def _redis_auth(address: str) -> str:
     except redis.RedisError as e:
         return f"no answer ({e})"
     return "NO PASSWORD: answered a client without one"
-
-
-def _stop(ray: RayOnHosts) -> None:
-    """Stop ``pdserve up`` (SIGTERM, as Ctrl-C); the hosts' teardown kills the Ray
-    processes in them. Not ``RayOnHosts.stop``: its ``ray stop --force`` kills every Ray
-    process on the machine by name, whatever namespace (another run's too)."""
-    proc = ray.proc
-    if proc is None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-    ray._out.close()
 
 
 def plot(link: Sequence[LinkRow], sweep: Sequence[SweepRow], path: Path, title: str) -> None:
@@ -531,9 +494,12 @@ def report(opts: MultinodeOptions, link: Sequence[LinkRow], sweep: Sequence[Swee
             lines.append(f"- {r.condition} vs unshaped: TTFT x{_num(t, '.2f')}, first → "
                          f"second token gap x{_num(g, '.2f')}")
     if info:
-        lines += ["", f"Placement (node IP per actor): {info.get('actors')}. Redis started "
-                  f"by `pdserve up`: listening on {info.get('redis')}, "
-                  f"{info.get('redis_auth')}."]
+        redis = "; ".join(f"{a} ({why})" for a, why in
+                          zip(info.get("redis", []), info.get("redis_auth", []), strict=True))
+        actors = ", ".join(f"{k} on {v}" for k, v in sorted(info.get("actors", {}).items()))
+        lines += ["", f"Placement: {actors}. Redis started by `pdserve up`: "
+                  f"{redis or 'none found listening on host 0'}. `pdserve up` exited "
+                  f"{info.get('pdserve_up_exit')} on SIGTERM."]
     lines += ["", "The first token comes from the prefill worker before any KV moves (TTFT "
               "pays the prompt's trip and the prefill); the gap to the second pays the KV "
               "transfer into host 2 and the decode worker's first step. tbf shapes the "

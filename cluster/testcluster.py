@@ -17,9 +17,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,16 +36,25 @@ class RayOnHosts:
     """Ray's head on host 0, a node on each other host (labels per host)."""
 
     def __init__(self, hosts: TestHosts, labels: dict[int, str], log_dir: Path,
-                 cpus: int = 1, health_check_s: float = 1.0) -> None:
+                 cpus: int = 1, health_check_s: float = 1.0, port: int = RAY_PORT) -> None:
         """``labels``: host index -> ``KEY=VALUE[,...]`` (``ray start --labels``); every
         host but 0 gets a Ray node with ``cpus`` CPUs. ``health_check_s``: the GCS's
-        node health-check period (Ray's default is 3 s, and 5 misses mark a node dead;
-        here 3 misses of this period do)."""
+        node health-check period and timeout (Ray's defaults: every 3 s, 10 s to answer,
+        5 misses mark a node dead; here 3 misses of this period do). Ray keeps its files
+        in a temp dir of its own (``RAY_TMPDIR``): ``ray start --head`` refuses to start
+        when the cluster its temp dir last recorded has the address of a GCS running
+        anywhere on the machine (it scans processes across namespaces), so two runs of
+        test hosts would refuse each
+        other in the shared ``/tmp/ray``."""
         self.hosts, self.labels, self.log_dir, self.cpus = hosts, labels, log_dir, cpus
-        self.head = f"{hosts[0].ip}:{RAY_PORT}"
+        self.port = port
+        self.head = f"{hosts[0].ip}:{port}"
+        self.tmp = tempfile.mkdtemp(prefix="pdsray", dir="/tmp")  # short: Ray's socket paths
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_TMPDIR": self.tmp,
                     "RAY_health_check_period_ms": str(int(health_check_s * 1000)),
                     "RAY_health_check_failure_threshold": "3",
+                    "RAY_health_check_timeout_ms": str(int(health_check_s * 1000)),
                     "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         self.proc: subprocess.Popen | None = None
         self.log: Path = log_dir / "up.log"
@@ -56,7 +67,7 @@ class RayOnHosts:
 
     def start(self) -> RayOnHosts:
         self._ray(0, "start", "--head", "--node-ip-address", self.hosts[0].ip,
-                  "--port", str(RAY_PORT), "--num-cpus", "0", "--include-dashboard", "false",
+                  "--port", str(self.port), "--num-cpus", "0", "--include-dashboard", "false",
                   "--labels", "pdserve.io/host=0")
         for i in range(1, len(self.hosts)):
             self.rejoin(i)
@@ -125,4 +136,5 @@ class RayOnHosts:
             self._out.close()
         for i in reversed(range(len(self.hosts))):  # not `ray stop`: it stops every Ray
             self.hosts[i].kill_all()                # on the machine, in any namespace
+        shutil.rmtree(self.tmp, ignore_errors=True)
         return code

@@ -10,8 +10,9 @@ filesystem, users and processes view; only the network is theirs.
 Lifecycle. ``with TestHosts(3) as hosts:`` creates the bridge and the hosts, ``hosts[i]
 .popen(argv)`` runs a command inside host i (``nsenter --net``), ``hosts[i].kill_all()``
 kills every process in that host's namespace at once (a node lost: raylet, workers and
-all), and leaving the block kills every process in every host and removes the links,
-whether the body failed or not. ``Host.counters()`` reads the host's ``eth0`` byte
+all), ``hosts[i].cut()`` partitions it (its link down) until ``cut(False)``, and leaving
+the block kills every process in every host and removes the links, whether the body
+failed or not. ``Host.counters()`` reads the host's ``eth0`` byte
 counters (what crossed its link), ``Host.shape(rate=..., delay_ms=...)`` puts a token
 bucket (``tc tbf``) or a delay (``tc netem``, where the kernel has it) on its link.
 
@@ -150,6 +151,11 @@ class Host:
                 return {"rx_bytes": v[0], "rx_packets": v[1], "tx_bytes": v[8],
                         "tx_packets": v[9]}
         raise HostsError(f"host {self.index} has no eth0")
+
+    def cut(self, down: bool = True) -> None:
+        """Partition this host from the others (its link down: every packet to or from
+        it is lost, connections stay open on both sides), or heal it (``down=False``)."""
+        _run("ip", "link", "set", self.veth, "down" if down else "up")
 
     def shape(self, rate: str | None = None, delay_ms: float = 0.0) -> None:
         """Shape the link into this host (the bridge-side end's egress): ``rate`` such

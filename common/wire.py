@@ -17,6 +17,23 @@ MAX_MESSAGE_BYTES = 8 * 2**20
 server, its channels to the workers, the workers' servers, and the HTTP front's body
 limit. One number, so a request the router accepts is never refused further in."""
 
+KEEPALIVE_CHANNEL = (("grpc.keepalive_time_ms", 2000), ("grpc.keepalive_timeout_ms", 3000),
+                     ("grpc.keepalive_permit_without_calls", 1),
+                     ("grpc.http2.max_pings_without_data", 0))
+"""The router's channels to the workers ping every 2 s and give up after 3 s without
+an answer: a worker whose node died without closing its connections (power, a cut link:
+no FIN, no RST) fails its streams within ~5 s, and the router migrates them, instead of
+waiting on a peer that will never speak (TCP alone would wait forever on an idle
+stream)."""
+
+KEEPALIVE_SERVER = (("grpc.keepalive_time_ms", 10000), ("grpc.keepalive_timeout_ms", 5000),
+                    ("grpc.keepalive_permit_without_calls", 1),
+                    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+                    ("grpc.http2.max_ping_strikes", 0))
+"""The workers' servers accept the router's pings (at most one a second counts as
+polite) and ping it themselves every 10 s: a request whose router vanished is
+cancelled, and its blocks freed, within ~15 s."""
+
 FINISH_REASONS = {
     "stop": common_pb2.FINISH_REASON_STOP,
     "length": common_pb2.FINISH_REASON_LENGTH,

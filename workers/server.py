@@ -42,7 +42,7 @@ from common.metrics import Metrics
 from common.registry import WorkerInfo
 from common.request import Request
 from common.sampling import InvalidRequestError
-from common.wire import FINISH_REASONS, MAX_MESSAGE_BYTES, request_from_proto
+from common.wire import FINISH_REASONS, KEEPALIVE_SERVER, MAX_MESSAGE_BYTES, request_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .config import WorkerConfig
@@ -284,7 +284,8 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     aborting what is left."""
     server = grpc.aio.server(options=[  # the router's limit, so both ends agree
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0)])
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES), ("grpc.so_reuseport", 0),
+        *KEEPALIVE_SERVER])
     bind = f"{config.host}:{config.port}"
     port = (server.add_secure_port(bind, config.cluster_tls.server_credentials())
             if config.cluster_tls else server.add_insecure_port(bind))

@@ -25,8 +25,9 @@ configs handed down. One module per command group, each registering its subcomma
   the pools' actors, nodes and restarts); exit 0 once the router serves;
 * ``bench.py``: ``pdserve bench --target HOST:PORT`` load-tests a running router
   (``loadtest/``); ``pdserve bench-engine``, ``bench-disagg``, ``bench-headline``,
-  ``bench-routing``, ``bench-router`` and ``bench-serving`` run the benchmarks in
-  ``benchmarks/`` (``bench-serving`` reads ``PDSERVE_VLLM_PYTHON``, the python of a
+  ``bench-routing``, ``bench-router``, ``bench-serving`` and ``bench-multinode`` (on test
+  hosts: ``cluster/testhosts.py``) run the benchmarks in ``benchmarks/`` (``bench-serving``
+  reads ``PDSERVE_VLLM_PYTHON``, the python of a
   vLLM install to compare with, when no ``--vllm-python`` is given);
 * ``harness.py``: ``pdserve bench-harness`` runs ``pdserve bench``, guidellm, aiperf and
   ``vllm bench serve`` on one server and workload, side by side
