@@ -36,16 +36,18 @@ class RayOnHosts:
     """Ray's head on host 0, a node on each other host (labels per host)."""
 
     def __init__(self, hosts: TestHosts, labels: dict[int, str], log_dir: Path,
-                 cpus: int = 1, health_check_s: float = 1.0, port: int = RAY_PORT) -> None:
+                 cpus: int = 1, health_check_s: float = 2.0, port: int = RAY_PORT) -> None:
         """``labels``: host index -> ``KEY=VALUE[,...]`` (``ray start --labels``); every
         host but 0 gets a Ray node with ``cpus`` CPUs. ``health_check_s``: the GCS's
-        node health-check period and timeout (Ray's defaults: every 3 s, 10 s to answer,
-        5 misses mark a node dead; here 3 misses of this period do). Ray keeps its files
-        in a temp dir of its own (``RAY_TMPDIR``): ``ray start --head`` refuses to start
-        when the cluster its temp dir last recorded has the address of a GCS running
-        anywhere on the machine (it scans processes across namespaces), so two runs of
-        test hosts would refuse each
-        other in the shared ``/tmp/ray``."""
+        node health-check period and timeout (Ray's defaults: every 3 s, 10 s to answer;
+        5 misses mark a node dead, and a node cut off that long is dead for good: its
+        raylet exits once it hears). Here a node is dead 10-20 s after it went silent.
+
+        Ray keeps its files in a temp dir of its own (``RAY_TMPDIR``): ``ray start
+        --head`` refuses to start when the cluster its temp dir last recorded has the
+        address of a GCS running anywhere on the machine (it scans processes across
+        namespaces), so two runs of test hosts would refuse each other in the shared
+        ``/tmp/ray``."""
         self.hosts, self.labels, self.log_dir, self.cpus = hosts, labels, log_dir, cpus
         self.port = port
         self.head = f"{hosts[0].ip}:{port}"
@@ -53,7 +55,7 @@ class RayOnHosts:
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
                     "RAY_TMPDIR": self.tmp,
                     "RAY_health_check_period_ms": str(int(health_check_s * 1000)),
-                    "RAY_health_check_failure_threshold": "3",
+                    "RAY_health_check_failure_threshold": "5",
                     "RAY_health_check_timeout_ms": str(int(health_check_s * 1000)),
                     "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
         self.proc: subprocess.Popen | None = None
