@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.pdserve-installed
 
-.PHONY: install run test bench lint
+.PHONY: install run test bench lint multinode
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,12 @@ bench: install
 	$(VENV)/bin/pdserve profile --out bench-results/profile.json  # the planner's cost model
 	$(VENV)/bin/pdserve bench-headline --profile bench-results/profile.json
 	$(VENV)/bin/pdserve bench-serving  # vLLM too when PDSERVE_VLLM_PYTHON names its venv
+
+# Across nodes on this machine: the multi-node tests (four test hosts: network namespaces
+# on a private bridge, cluster/testhosts.py), then the link benchmark (three hosts).
+multinode: install
+	unshare -n sh -c 'ip link set lo up && exec $(PY) -m pytest -q tests/integration/test_multinode.py'
+	$(VENV)/bin/pdserve bench-multinode
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -96,6 +96,19 @@ def _workers(mn) -> dict[str, object]:
         return {w.address: w for w in client.status().workers}
 
 
+def _worker_on(mn, i: int) -> str:
+    """The address of the worker the router lists on host ``i``."""
+    return next(a for a in _workers(mn) if a.startswith(mn.hosts[i].ip + ":"))
+
+
+def _all_exact(load: Load, expected: list[list[int]]) -> None:
+    """Every request of ``load`` succeeded with Hugging Face's greedy tokens."""
+    errors = [r for _, r in load.results if isinstance(r, Exception)]
+    assert not errors, errors[:3]
+    for p, r in load.results:
+        assert r.token_ids == expected[p], (p, r.routing)
+
+
 def test_pools_land_on_their_hosts_and_kv_crosses_the_links(mn, workload):
     prompts, expected = workload
     hosts = mn.hosts
@@ -154,7 +167,7 @@ def test_a_partition_that_heals_costs_no_stream(mn, workload):
     nothing it held leaks."""
     prompts, expected = workload
     hosts = mn.hosts
-    cut = next(a for a in _workers(mn) if a.startswith(hosts[2].ip + ":"))
+    cut = _worker_on(mn, 2)
     load = Load(mn.target, prompts, MAX_TOKENS, threads=3, ignore_eos=False)
     try:
         load.wait_routed("decode_worker", cut, since=0, timeout=60)
@@ -165,17 +178,14 @@ def test_a_partition_that_heals_costs_no_stream(mn, workload):
     finally:
         hosts[2].cut(False)
         load.finish()
-    errors = [r for _, r in load.results if isinstance(r, Exception)]
-    assert not errors, errors[:3]
-    for p, r in load.results:
-        assert r.token_ids == expected[p], (p, r.routing)
+    _all_exact(load, expected)
     assert_cluster_idle(mn, timeout=30)
 
 
 def test_a_lost_host_costs_no_stream_and_comes_back(mn, workload):
     prompts, expected = workload
     hosts = mn.hosts
-    lost = next(a for a in _workers(mn) if a.startswith(hosts[3].ip + ":"))
+    lost = _worker_on(mn, 3)
     load = Load(mn.target, prompts, MAX_TOKENS, threads=3, ignore_eos=False)
     try:
         load.wait_routed("decode_worker", lost, since=0, timeout=60)
@@ -200,10 +210,7 @@ def test_a_lost_host_costs_no_stream_and_comes_back(mn, workload):
             time.sleep(0.2)
     finally:
         load.finish()
-    errors = [r for _, r in load.results if isinstance(r, Exception)]
-    assert not errors, errors[:3]
-    for p, r in load.results:
-        assert r.token_ids == expected[p], (p, r.routing)
+    _all_exact(load, expected)
     moved = [r for _, r in load.results[killed_at:] if r.routing.get("migrations")]
     assert moved, "no stream was on the lost host when it died"
     survivors = {r.routing["decode_worker"] for _, r in load.results[killed_at + 3:]}
@@ -242,7 +249,7 @@ def test_a_lost_host_costs_no_stream_and_comes_back(mn, workload):
         load.wait_routed("decode_worker", back(), since=0, timeout=60)
     finally:
         load.finish()
-    assert all(r.token_ids == expected[p] for p, r in load.results), load.results
+    _all_exact(load, expected)
     assert_cluster_idle(mn)
     print(f"\nnode loss: {len(moved)} stream(s) moved, the slowest done in "
           f"{max(r.e2e_s for r in moved):.1f}s; the lost worker's blocks left the index in "
