@@ -422,7 +422,9 @@ def connect(address: str | None, host: str = "127.0.0.1", dashboard: bool = True
                 "token authentication: run with RAY_AUTH_MODE=token (the token is read from "
                 "~/.ray/auth_token, or $RAY_AUTH_TOKEN / $RAY_AUTH_TOKEN_PATH)") from e
     else:
-        ctx = ray.init(_node_ip_address=host, include_dashboard=dashboard,
+        # "local": a new cluster even when $RAY_ADDRESS or /tmp/ray/ray_current_cluster
+        # (left by a `ray start` whose processes died without `ray stop`) names another.
+        ctx = ray.init(address="local", _node_ip_address=host, include_dashboard=dashboard,
                        dashboard_host=host, num_cpus=num_cpus, num_gpus=num_gpus,
                        namespace=NAMESPACE, log_to_driver=False)
     if require_token:

@@ -22,7 +22,8 @@ pytestmark = needs_private_netns
 
 DRIVER = """
 import sys, ray
-ctx = ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=1)
+ctx = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=False,
+               num_cpus=1)
 print(ctx.address_info["gcs_address"], flush=True)
 sys.stdin.read()  # until the test closes it; ray.shutdown() at exit ends the cluster
 """

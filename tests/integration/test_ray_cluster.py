@@ -69,6 +69,7 @@ class RayUp:
             assert time.monotonic() < deadline, f"not serving in 240s: {log.read_text()[-3000:]}"
             time.sleep(0.5)
         self.started_s = float(re.search(r"Started in ([\d.]+)s", log.read_text()).group(1))
+        self.ray_address = re.search(r"Ray:\s+([\d.]+:\d+)", log.read_text()).group(1)
 
     def view(self) -> dict:
         r = run_cli("status", "--target", self.target, "--ray", "--json")
@@ -165,7 +166,8 @@ def test_serves_equal_to_hf_and_lists_named_actors(ray_up, workload) -> None:
     # Reported, not asserted (a timed test flakes on a busy machine): the README records
     # the measured start-up against its 30 s target; `pdserve up` prints it each time.
     print(f"pdserve up (2 prefill + 2 decode, SmolLM2) serving after {ray_up.started_s:.1f}s")
-    listed = subprocess.run(["ray", "list", "actors", "--format", "json", "--limit", "100"],
+    listed = subprocess.run(["ray", "list", "actors", "--format", "json", "--limit", "100",
+                             "--address", ray_up.ray_address],  # not a stale ray start's
                             capture_output=True, text=True, timeout=60,
                             env={**os.environ, "RAY_AUTH_MODE": "token",  # ~/.ray/auth_token
                                  "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
