@@ -67,16 +67,19 @@ class RayOnHosts:
         if r.returncode:
             raise RuntimeError(f"ray {' '.join(args)} on host {i}: {r.stderr[-2000:]}")
 
-    def start(self) -> RayOnHosts:
+    def start(self, later: tuple[int, ...] = ()) -> RayOnHosts:
+        """The head, and a node on every other host but those ``later`` (spares that
+        :meth:`rejoin` starts when the test wants them)."""
         self._ray(0, "start", "--head", "--node-ip-address", self.hosts[0].ip,
                   "--port", str(self.port), "--num-cpus", "0", "--include-dashboard", "false",
                   "--labels", "pdserve.io/host=0")
         for i in range(1, len(self.hosts)):
-            self.rejoin(i)
+            if i not in later:
+                self.rejoin(i)
         return self
 
     def rejoin(self, i: int) -> None:
-        """Start host ``i``'s Ray node (again, after :meth:`lose`)."""
+        """Start host ``i``'s Ray node (again, after :meth:`lose`; or a spare's)."""
         labels = ",".join(x for x in (f"pdserve.io/host={i}", self.labels.get(i)) if x)
         self._ray(i, "start", "--address", self.head, "--node-ip-address", self.hosts[i].ip,
                   "--num-cpus", str(self.cpus), "--labels", labels)
