@@ -51,7 +51,7 @@ bench: install
 	$(VENV)/bin/pdserve bench-headline --profile bench-results/profile.json
 	$(VENV)/bin/pdserve bench-serving  # vLLM too when PDSERVE_VLLM_PYTHON names its venv
 
-# Across nodes on this machine: the multi-node tests (four test hosts: network namespaces
+# Across nodes on this machine: the multi-node tests (five test hosts: network namespaces
 # on a private bridge, cluster/testhosts.py), then the link benchmark (three hosts).
 multinode: install
 	unshare -n sh -c 'ip link set lo up && exec $(PY) -m pytest -q tests/integration/test_multinode.py'

@@ -352,18 +352,21 @@ class DeploymentConfig:
 
 
 _LABEL_KEY = re.compile(r"([a-z0-9A-Z.-]+/)?[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"!?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?")
 
 
 def node_labels(text: str | None, key: str = "node_labels") -> dict[str, str]:
-    """``KEY=VALUE[,KEY=VALUE]`` as a Ray label selector; a value may carry Ray's
-    operators (``!v``, ``in(a|b)`` is not: one value per key). Raises DeploymentError
-    naming ``key``."""
+    """``KEY=VALUE[,KEY=VALUE]`` as a Ray label selector: keys and values in Ray's (and
+    Kubernetes') label syntax, a value optionally negated (``KEY=!VALUE``: any node whose
+    label differs). Checked here, so a bad one stops ``pdserve up`` before Ray starts.
+    Raises DeploymentError naming ``key``."""
     if not text:
         return {}
     labels: dict[str, str] = {}
     for part in text.split(","):
         name, eq, value = part.strip().partition("=")
-        if not eq or not _LABEL_KEY.fullmatch(name) or not value or name in labels:
+        if (not eq or not _LABEL_KEY.fullmatch(name) or not _LABEL_VALUE.fullmatch(value)
+                or name in labels):
             raise DeploymentError(f"{key}: {text!r}; use KEY=VALUE[,KEY=VALUE], each key "
                                   "once (e.g. pdserve.io/pool=prefill)")
         labels[name] = value

@@ -71,12 +71,29 @@ def free_port(host: str = "127.0.0.1") -> int:
 def source_address(peer: str) -> str:
     """The address this machine's routes reach ``peer`` (``HOST[:PORT]``) from: the
     interface a multi-node service should bind so the peer's nodes can reach it. A UDP
-    ``connect`` only consults the routing table; no packet is sent. Loopback when the
-    peer is not an IP/name with a route."""
-    host = peer.rsplit("://", 1)[-1].rsplit(":", 1)[0] if ":" in peer else peer
+    ``connect`` only consults the routing table; no packet is sent. ``127.0.0.1`` when
+    the peer is no address or name with a route (``auto``, say): the caller says so."""
+    host = peer.rsplit("://", 1)[-1]
+    if host.startswith("["):  # [v6]:port
+        host = host[1:].split("]", 1)[0]
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((host, 9))
             return str(s.getsockname()[0])
     except OSError:
         return "127.0.0.1"
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (IPv4 or IPv6)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

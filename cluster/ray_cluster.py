@@ -215,12 +215,15 @@ class Controller:
             name = f"pdserve-{role}-{self._next[role]}"
             self._next[role] += 1
             pg = self._groups[g].pg  # type: ignore[union-attr]
-            strategy = (PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=b)
-                        if pg is not None else None)
+            # No group when workers ask for no resources: the labels go on the actor.
+            where: dict[str, object] = (
+                {"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=b)} if pg is not None
+                else {"label_selector": c.labels(role)} if c.labels(role) else {})
             actor = ComponentActor.options(
                 name=name, namespace=NAMESPACE, num_cpus=c.cpus_per_worker,
-                num_gpus=c.gpus_per_worker, scheduling_strategy=strategy,
-                runtime_env={"env_vars": _env(self.threads)},
+                num_gpus=c.gpus_per_worker, runtime_env={"env_vars": _env(self.threads)},
+                **where,
             ).remote(c.worker_args(role, "{node_ip}", 0, self.redis_url, self.threads,
                                    metrics_port=0), self.threads, self._parse,
                      self._redis_password)
@@ -335,8 +338,7 @@ class Controller:
                    "strategy": table.get("strategy", self.config.strategy(g.role)),
                    "state": table.get("state", "?"), "labels": labels, "nodes": nodes}
             if row["state"] != "CREATED" or not all(nodes):
-                fits = [n for n in alive if all(n.get("Labels", {}).get(k) == v
-                                                for k, v in labels.items())]
+                fits = [n for n in alive if _matches(n.get("Labels", {}), labels)]
                 row["short"] = (
                     f"{sum(not n for n in nodes)} of {g.bundles} bundle(s) of "
                     f"{self._bundle()} have no node; {len(fits)} alive node(s)"
@@ -362,6 +364,12 @@ class Controller:
                 ray.kill(a, no_restart=True)
             self._members.clear()
             self._release_groups()
+
+
+def _matches(node: dict[str, str], selector: dict[str, str]) -> bool:
+    """Whether a node's labels satisfy a selector of ``KEY=VALUE`` / ``KEY=!VALUE``."""
+    return all(node.get(k) != v[1:] if v.startswith("!") else node.get(k) == v
+               for k, v in selector.items())
 
 
 def _on(labels: dict[str, str]) -> str:

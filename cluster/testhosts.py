@@ -176,17 +176,6 @@ class Host:
                  "burst", "256kb", "latency", "50ms")
 
 
-def netem_available() -> str | None:
-    """None when ``tc netem`` works in this namespace, else why not."""
-    _run("ip", "link", "add", "pdsnetem0", "type", "dummy")
-    try:
-        r = subprocess.run(["tc", "qdisc", "add", "dev", "pdsnetem0", "root", "netem",
-                            "delay", "1ms"], capture_output=True, text=True)
-        return None if r.returncode == 0 else f"tc netem: {r.stderr.strip()}"
-    finally:
-        subprocess.run(["ip", "link", "del", "pdsnetem0"], capture_output=True)
-
-
 class TestHosts:
     """N test hosts on one bridge; a context manager (see the module docstring)."""
 
@@ -202,12 +191,12 @@ class TestHosts:
         why = unavailable()
         if why:
             raise HostsError(why)
+        _run("ip", "link", "add", BRIDGE, "type", "bridge")  # fails: nothing of ours to undo
         try:
-            _run("ip", "link", "add", BRIDGE, "type", "bridge")
             _run("ip", "addr", "add", f"{SWITCH_IP}/24", "dev", BRIDGE)
             _run("ip", "link", "set", BRIDGE, "up")
             for i in range(self.n):
-                self.hosts.append(self._host(i))
+                self._host(i)
         except BaseException:
             self.close()
             raise
@@ -224,9 +213,12 @@ class TestHosts:
             except OSError:
                 pass
             if holder.poll() is not None or time.monotonic() > deadline:
+                holder.kill()
+                holder.wait()
                 raise HostsError("`unshare -n sleep infinity` did not make a namespace")
             time.sleep(0.01)
         host = Host(i, f"{SUBNET}.{i + 1}", holder, f"pdsv{i}")
+        self.hosts.append(host)  # from here on, close() undoes it
         _run("ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
              "netns", str(holder.pid))
         _run("ip", "link", "set", host.veth, "master", BRIDGE, "up")
@@ -248,10 +240,17 @@ class TestHosts:
     def close(self) -> None:
         """Kill everything in every host, then remove the links and the bridge."""
         for host in self.hosts:
-            host.kill_all()
-            host.holder.kill()
-            host.holder.wait(10)
-            subprocess.run(["ip", "link", "del", host.veth], capture_output=True)
+            try:
+                host.kill_all()
+            except subprocess.TimeoutExpired:
+                pass  # a process that outlives SIGKILL's wait: go on with the rest
+            finally:
+                host.holder.kill()
+                try:
+                    host.holder.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+                subprocess.run(["ip", "link", "del", host.veth], capture_output=True)
         self.hosts.clear()
         subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
 

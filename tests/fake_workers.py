@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 
 from common.registry import LiveWorker, WorkerInfo
+from common.wire import KEEPALIVE_SERVER
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from router.core import Router, RouterConfig
 
@@ -172,7 +173,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.dead = False
 
     async def start(self) -> str:
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # The real workers' ping policy: the router's channels ping every 2 s.
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *KEEPALIVE_SERVER])
         worker_pb2_grpc.add_WorkerServicer_to_server(self, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()

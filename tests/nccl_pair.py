@@ -1,5 +1,5 @@
 """One end of a KV transfer pair on CUDA, for the cross-host NCCL test
-(``tests/integration/test_multinode.py``): ``python tests/nccl_pair.py recv HOST`` prints
+(``tests/integration/test_nccl_hosts.py``): ``python tests/nccl_pair.py recv HOST`` prints
 its channel address, then the SHA-256 of the blocks it received; ``python
 tests/nccl_pair.py send HOST ADDRESS`` sends seeded blocks there and prints theirs. Each
 runs in its own test host with its own GPU (``CUDA_VISIBLE_DEVICES``)."""

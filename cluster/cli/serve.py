@@ -101,16 +101,23 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def _up_on_ray(config: DeploymentConfig, allow_unauthenticated: bool = False) -> int:
     from cluster.local import banner, start_redis, stop_on_signals
-    from cluster.net import source_address
+    from cluster.net import is_loopback, source_address
     from cluster.ray_auth import RayAuthError
     from cluster.ray_cluster import RayDeployment
 
     redis_host = config.host
-    if config.ray_address and not config.redis_url and config.host.startswith("127."):
+    if config.ray_address and config.redis and not config.redis_url \
+            and is_loopback(config.host):
         redis_host = source_address(config.ray_address)  # every node must reach it
-        print(f"pdserve up: starting Redis (with a password) on {redis_host}, the address "
-              "this node reaches the Ray head from; give --redis-url to use your own",
-              file=sys.stderr)
+        if is_loopback(redis_host):
+            print(f"pdserve up: cannot tell which address of this node the other nodes "
+                  f"reach from --ray-address {config.ray_address}; Redis binds 127.0.0.1 "
+                  "and only workers on this node can use it: give --host THIS_NODE_IP "
+                  "or --redis-url", file=sys.stderr)
+        else:
+            print(f"pdserve up: starting Redis (with a password) on {redis_host}, the "
+                  "address this node reaches the Ray head from; give --redis-url to use "
+                  "your own", file=sys.stderr)
     redis = start_redis(dataclasses.replace(config, host=redis_host))
     deployment = RayDeployment(config, redis.url if redis else config.redis_url,
                                component_config, allow_unauthenticated)

@@ -43,6 +43,9 @@ def test_bad_files_are_refused_with_the_key(tmp_path: Path, text: str, message: 
     ({"prefill": 1, "decode": 1, "decode_node_labels": "pool"}, "decode_node_labels"),
     ({"prefill": 1, "decode": 1, "prefill_node_labels": "a=1,a=2"}, "each key once"),
     ({"router_node_labels": "bad key=x"}, "router_node_labels"),
+    ({"router_node_labels": "pool=bad value"}, "router_node_labels"),
+    ({"router_node_labels": "pool=a=b"}, "router_node_labels"),
+    ({"router_node_labels": "pool=-x"}, "router_node_labels"),
 ])
 def test_configs_that_cannot_run_are_refused(kw: dict, message: str) -> None:
     with pytest.raises(DeploymentError, match=message):
@@ -226,3 +229,13 @@ def test_node_labels_read_as_ray_label_selectors() -> None:
     args = build_parser().parse_args(["up", "--prefill", "1", "--decode", "1",
                                       "--decode-node-labels", "zone=b"])
     assert deployment_config(args).labels("decode") == {"zone": "b"}
+
+
+def test_status_counts_the_nodes_a_label_selector_matches() -> None:
+    from cluster.ray_cluster import _matches
+
+    node = {"pdserve.io/pool": "decode", "zone": "b"}
+    assert _matches(node, {}) and _matches(node, {"pdserve.io/pool": "decode"})
+    assert _matches(node, {"pdserve.io/pool": "!prefill", "zone": "b"})
+    assert not _matches(node, {"pdserve.io/pool": "!decode"})
+    assert not _matches(node, {"rack": "r1"}) and _matches(node, {"rack": "!r1"})

@@ -27,3 +27,13 @@ def test_source_address_is_the_interface_that_routes_to_the_peer() -> None:
     assert source_address("ray://127.0.0.1:10001") == "127.0.0.1"
     assert source_address("127.0.0.1") == "127.0.0.1"
     assert source_address("no such host:1") == "127.0.0.1"  # no route: loopback
+    assert source_address("auto") == "127.0.0.1"
+    assert source_address("[::1]:6379") in ("::1", "127.0.0.1")  # no IPv6 here: loopback
+
+
+def test_is_loopback() -> None:
+    from cluster.net import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("127.3.2.1") and is_loopback("::1")
+    assert is_loopback("localhost") and is_loopback("[::1]")
+    assert not is_loopback("10.77.0.1") and not is_loopback("example.org")
