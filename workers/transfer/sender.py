@@ -27,7 +27,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from queue import SimpleQueue
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -73,6 +77,38 @@ from workers.transfer.state import (
 )
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _StoreCalls:
+    """One daemon thread running a pair's store calls in order. Not a
+    ThreadPoolExecutor: its threads are joined at exit, and a call hung on a silent peer
+    would then hold the whole process."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: SimpleQueue = SimpleQueue()
+        self._closed = False
+        threading.Thread(target=self._run, daemon=True, name=name).start()
+
+    def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        if self._closed:
+            raise ChannelError("the pair is closed")
+        future: Future[T] = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def shutdown(self) -> None:
+        """Run what was submitted, then end (without waiting)."""
+        self._closed = True
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                future.set_exception(e)
 
 
 class _SendPair:
@@ -90,9 +126,25 @@ class _SendPair:
         self._next_seq = 1
         self._waiters: dict[int, threading.Event] = {}
         self.broken: str | None = None
+        # TCPStore's client has no receive timeout but for wait/get: a call to a decode
+        # worker whose host went silent (a cut link, a node lost: no FIN, no RST) blocks
+        # until TCP gives up, minutes later, holding the transfer's prefill blocks. So
+        # the transfer path's store calls run here, each awaited for connect_timeout_s.
+        self._calls = _StoreCalls(f"kvx-store-{pair_id}")
         self._replies = threading.Thread(target=self._reply_loop, daemon=True,
                                          name=f"kvx-replies-{pair_id}")
         self._replies.start()
+
+    def call(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` (a call on this pair's store) within ``connect_timeout_s``, else
+        ChannelError (a timeout); the call that hangs stays on the pair's store thread
+        and every later one times out behind it: the pair is broken."""
+        future = self._calls.submit(fn, *args)
+        try:
+            return future.result(timeout=self.config.connect_timeout_s)
+        except FutureTimeout:
+            raise ChannelError(f"the decode worker's store at {self.address} did not answer "
+                               f"within {self.config.connect_timeout_s}s (timeout)") from None
 
     def next_seq(self) -> tuple[int, threading.Event]:
         """A new transfer number and the event its decision will set."""
@@ -115,11 +167,18 @@ class _SendPair:
             waiters = list(self._waiters.values())
         for ev in waiters:
             ev.set()
-        try:
-            self.root.queue_push("inbox", self.signed(BYE_PREFIX, "bye", str(self.pair_id)))
-            self.store.queue_push("replies", STOP)
-        except Exception:  # noqa: BLE001 - the peer's store may be dead; nothing to tell
-            pass
+
+        def tell() -> None:
+            try:
+                self.root.queue_push("inbox", self.signed(BYE_PREFIX, "bye",
+                                                          str(self.pair_id)))
+                self.store.queue_push("replies", STOP)
+            except Exception:  # noqa: BLE001 - the peer's store may be dead; nothing to tell
+                pass
+
+        # Not awaited: a silent peer would hold the caller (see ``call``).
+        self._calls.submit(tell)
+        self._calls.shutdown()
 
     def signed(self, prefix: bytes, kind: str, body: str) -> bytes:
         """``prefix + body``, and its stamp when the channel is keyed."""
@@ -333,9 +392,9 @@ class KVSender:
                         deadline: float) -> bool:
         """Offer, wait for the decision, send. False when the pair turned out closed
         before anything was offered (the caller retries on a new pair)."""
-        if pair.broken is None and pair.store.check(["closed"]):
+        if pair.broken is None and pair.call(pair.store.check, ["closed"]):
             pair.close("closed by the decode worker: "
-                       + pair.store.get("closed").decode(errors="replace"))
+                       + pair.call(pair.store.get, "closed").decode(errors="replace"))
         if pair.broken is not None:
             return False
         if not handle.seal():
@@ -349,12 +408,12 @@ class KVSender:
             header = TransferHeader(request_id64(handle.request_id), seq, pair.pair_id, n,
                                     layout, layout.payload_bytes(n), chunk_planes, checksum)
             key = f"decision/{seq}"
-            pair.root.queue_push("inbox", pair.offer(encode_offer(header, block_ids)))
+            pair.call(pair.root.queue_push, "inbox", pair.offer(encode_offer(header, block_ids)))
             if decided.wait(max(deadline - time.monotonic(), 0.0)) and pair.broken is None:
-                answer = pair.store.get(key)
-            else:
-                answer = pair.store.compare_set(key, "", CANCEL)  # first decision holds
-            pair.store.delete_key(key)
+                answer = pair.call(pair.store.get, key)
+            else:  # first decision holds
+                answer = pair.call(pair.store.compare_set, key, "", CANCEL)
+            pair.call(pair.store.delete_key, key)
         finally:
             pair.done(seq)
         if answer == CANCEL:
