@@ -176,9 +176,15 @@ class _SendPair:
             except Exception:  # noqa: BLE001 - the peer's store may be dead; nothing to tell
                 pass
 
-        # Not awaited: a silent peer would hold the caller (see ``call``).
-        self._calls.submit(tell)
+        # Awaited as any store call is (a silent peer holds the caller connect_timeout_s
+        # at most, see ``call``): once close returns, the peer was told and the reply
+        # thread woken.
+        told = self._calls.submit(tell)
         self._calls.shutdown()
+        try:
+            told.result(timeout=self.config.connect_timeout_s)
+        except FutureTimeout:
+            pass
 
     def signed(self, prefix: bytes, kind: str, body: str) -> bytes:
         """``prefix + body``, and its stamp when the channel is keyed."""
