@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -50,4 +51,12 @@ def test_a_transfer_to_a_silent_host_ends_within_its_timeouts() -> None:
             # the offer's store calls (3 s each at most) and the decision's 3 s
             assert took < 30, (took, result)
         finally:
+            # The store call that hung is still blocked in TCP on the pair's thread:
+            # heal the link so it returns, then close, so no channel thread outlives
+            # this test (test_transfer_channel counts them).
+            hosts[0].cut(False)
             sender.close()
+            deadline = time.monotonic() + 60
+            while [t for t in threading.enumerate() if t.name.startswith("kvx-")]:
+                assert time.monotonic() < deadline, threading.enumerate()
+                time.sleep(0.2)
