@@ -49,7 +49,7 @@ from pathlib import Path
 from benchmarks.machine import machine_line
 from benchmarks.transfer import BLOCK, HEAD_DIM, KV_HEADS, LAYERS
 from cluster.testcluster import RayOnHosts
-from cluster.testhosts import HostsError, TestHosts, unavailable
+from cluster.testhosts import HostsError, TestHosts, interfaces, unavailable
 from router.client import Client
 
 PREFILL_LABEL = "pdserve.io/pool=prefill"
@@ -556,11 +556,6 @@ def _no_nan(x: object) -> object:
 
 # --- a private network namespace ---------------------------------------------------------
 
-def _interfaces() -> list[str]:
-    lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
-    return sorted(line.split(":", 1)[0].strip() for line in lines)
-
-
 def private_netns_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` run in a new, private network namespace with only ``lo`` up."""
     return ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
@@ -575,7 +570,7 @@ def ensure_private_netns(argv: Sequence[str], env: dict[str, str], again: bool,
     why = unavailable()
     if why is None:
         return None
-    if again or _interfaces() == ["lo"]:
+    if again or interfaces() == ["lo"]:
         say(f"cannot make test hosts: {why}")
         return 1
     probe = subprocess.run(private_netns_argv(["true"]), capture_output=True, text=True)

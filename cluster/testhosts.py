@@ -42,7 +42,9 @@ class HostsError(RuntimeError):
     """The test hosts cannot be made here; the message says why and what to do."""
 
 
-def _interfaces(pid: str = "self") -> list[str]:
+def interfaces(pid: str = "self") -> list[str]:
+    """The network interfaces of process ``pid``'s namespace (/sys/class/net may show
+    another namespace's)."""
     lines = Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]
     return sorted(line.split(":", 1)[0].strip() for line in lines)
 
@@ -58,9 +60,9 @@ def unavailable() -> str | None:
     for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"iproute2/util-linux `{tool}` is not installed"
-    if _interfaces() != ["lo"]:
+    if interfaces() != ["lo"]:
         return ("test hosts are made only inside a private network namespace "
-                "(`unshare -n`, as `make test` runs): this one has " + ", ".join(_interfaces()))
+                "(`unshare -n`, as `make test` runs): this one has " + ", ".join(interfaces()))
     probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, text=True)
     if probe.returncode:
         return f"cannot create network namespaces here: {probe.stderr.strip()}"

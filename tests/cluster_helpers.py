@@ -14,6 +14,7 @@ import pytest
 
 from cluster.child import guarded
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
+from cluster.testhosts import interfaces
 from common.redis_url import PASSWORD_ENV, password_of, without_password
 from router.client import Client, busy_workers, describe_busy
 
@@ -157,14 +158,8 @@ class Load:
             t.join(90)
 
 
-def _interfaces() -> list[str]:
-    """Network interfaces of this process's namespace (/sys/class/net may be the host's)."""
-    lines = Path("/proc/net/dev").read_text().splitlines()[2:]
-    return sorted(line.split(":", 1)[0].strip() for line in lines)
-
-
 needs_private_netns = pytest.mark.skipif(
-    _interfaces() != ["lo"],
+    interfaces() != ["lo"],
     reason="starts Ray, which binds every interface: run inside a private network namespace "
            "(`make test` does: unshare -n with lo up)")
 """For a module that starts Ray: ``pytestmark = needs_private_netns``."""
