@@ -103,11 +103,6 @@ class RayOnHosts:
         self.target = f"{self.hosts[0].ip}:{port}"
         return self.target
 
-    def metrics_urls(self) -> dict[str, str]:
-        """Each actor's /metrics URL, by actor name (from ``pdserve status --ray``)."""
-        return {a["name"]: f"http://{a['node_ip']}:{a['metrics_port']}/metrics"
-                for a in self.view()["ray"]["actors"] if a.get("metrics_port")}
-
     def status(self, *args: str) -> subprocess.CompletedProcess:
         """``pdserve status --ray`` run on host 0 (a driver joins the cluster there)."""
         return self.hosts[0].run([*PDSERVE, "status", "--target", self.target, "--ray",
