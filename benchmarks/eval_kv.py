@@ -11,8 +11,8 @@ For each ``--kv-cache-dtype`` (``auto``, the model-precision cache, is the refer
    every position of those windows, and **teacher-forced top-1 agreement** (the argmax
    equals the reference's).
 3. **Ablation** (``--ablate``): the same perplexity and KL with only the keys or only
-   the values quantized, without the Hadamard rotation, and (NVFP4) without the key
-   offset, per format.
+   the values quantized, without the Hadamard rotation, and without each part of the key
+   transform (the offset, the per-channel scales, both), per format.
 4. **Greedy agreement**: ``prompts`` prompts of ``prompt_tokens`` tokens from the corpus,
    ``gen_tokens`` greedy tokens each through the offline engine (its decode path: the
    native kernel reading quantized blocks where it is built); share of streams identical
@@ -43,21 +43,32 @@ from workers.engine.llm import LLM
 from workers.engine.model_runner import ModelRunner, model_context_len
 from workers.engine.params import EngineConfig, SamplingParams
 from workers.models.attention import build_attention_batch
-from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS, KVFormat
+from workers.models.kv_format import (
+    CALIBRATION_TEXT,
+    CALIBRATION_TOKENS,
+    KeyTransform,
+    KVFormat,
+)
 
 
 class AblatedFormat:
     """A quantized format with parts of it switched off, for ``--ablate``: quantize only
-    the keys or only the values, or store rows without the Hadamard rotation. Duck-types
-    the part of :class:`KVFormat` a prefill from position 0 uses, on the reference
-    (model-dtype) cache: such a prefill never reads the cache back, so the "rows" it
-    writes there are the values attention used. It serves :class:`WindowScorer` only."""
+    the keys or only the values, store rows without the Hadamard rotation, or without
+    (parts of) the key transform. Duck-types the part of :class:`KVFormat` a prefill from
+    position 0 uses, on the reference (model-dtype) cache: such a prefill never reads the
+    cache back, so the "rows" it writes there are the values attention used. It serves
+    :class:`WindowScorer` only."""
 
     def __init__(self, base: KVFormat, keys: bool = True, values: bool = True,
-                 rotate: bool = True, offset: bool = True) -> None:
+                 rotate: bool = True, key_offset: bool = True, key_scales: bool = True
+                 ) -> None:
         self.base, self.keys, self.values, self.rotated = base, keys, values, rotate
-        self.offset = offset and base.offsets_keys
+        self.key_offset, self.key_scales = key_offset, key_scales
         self.quantized, self.code = True, base.code
+
+    def transform(self, calibrated: KeyTransform) -> KeyTransform | None:
+        """The engine's calibrated key transform less the parts switched off."""
+        return calibrated.without(scales=not self.key_scales, offsets=not self.key_offset)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         return self.base.rotate(x) if self.rotated else x
@@ -74,7 +85,9 @@ class AblatedFormat:
 
 
 ABLATIONS = {"K only": {"values": False}, "V only": {"keys": False},
-             "no rotation": {"rotate": False}, "no key offset": {"offset": False}}
+             "no rotation": {"rotate": False}, "no key offset": {"key_offset": False},
+             "no key scales": {"key_scales": False},
+             "no key transform": {"key_offset": False, "key_scales": False}}
 """What ``--ablate`` adds per quantized format: perplexity and KL only (no greedy)."""
 
 
@@ -269,14 +282,14 @@ def run_eval(options: EvalOptions, log: Callable[[str], None] = print) -> EvalRe
             if ref is None:
                 ref, ref_top = lp, lp.argmax(-1)
             tallies[name].add(lp, ref, ref_top, target)
-        for name, label, fmt, offsets in variants:  # on the reference's model, swapped
+        for name, label, fmt, keys in variants:  # on the reference's model, swapped
             own = model.kv_format
-            model.kv_format, model.key_offsets = fmt, offsets
+            model.kv_format, model.key_transform = fmt, keys
             try:
                 tallies[(name, label)].add(reference.log_probs(window)[:-1], ref, ref_top,
                                            target)
             finally:
-                model.kv_format, model.key_offsets = own, None
+                model.kv_format, model.key_transform = own, None
         log(f"window {w + 1}/{len(wins)} scored")
     del scorers, reference, model
     pos = report.positions
@@ -318,10 +331,11 @@ def run_eval(options: EvalOptions, log: Callable[[str], None] = print) -> EvalRe
 
 
 def _ablations(options: EvalOptions, reference: WindowScorer, tok
-               ) -> list[tuple[str, str, AblatedFormat, list[torch.Tensor] | None]]:
-    """(format, variant label, the ablated format, its key offsets) for ``--ablate``: each
-    quantized format with one part switched off, to run on the reference scorer's model.
-    The offsets are the ones the engine would calibrate for that format."""
+               ) -> list[tuple[str, str, AblatedFormat, KeyTransform | None]]:
+    """(format, variant label, the ablated format, its key transform) for ``--ablate``:
+    each quantized format with one part switched off, to run on the reference scorer's
+    model. The transform is the one the engine calibrates for that format, less the
+    parts switched off."""
     model = reference.runner.model
     own = model.kv_format
     calibration = tok(CALIBRATION_TEXT).input_ids[:CALIBRATION_TOKENS]
@@ -330,15 +344,13 @@ def _ablations(options: EvalOptions, reference: WindowScorer, tok
         for name in options.kv_dtypes[1:]:
             base = KVFormat(name, own.head_dim, own.model_dtype)
             model.kv_format = base
-            model.calibrate_key_offsets(calibration, options.block_size)
-            offsets = model.key_offsets
+            model.calibrate_keys(calibration, options.block_size)
+            calibrated = model.key_transform
             for label, switch in ABLATIONS.items():
-                if label == "no key offset" and not base.offsets_keys:
-                    continue
                 variant = AblatedFormat(base, **switch)
-                out.append((name, label, variant, offsets if variant.offset else None))
+                out.append((name, label, variant, variant.transform(calibrated)))
     finally:
-        model.kv_format, model.key_offsets = own, None
+        model.kv_format, model.key_transform = own, None
     return out
 
 

@@ -38,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gen-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--ablate", action="store_true",
-                   help="also score each format with only K or only V quantized, and "
-                        "without the rotation")
+                   help="also score each format with only K or only V quantized, "
+                        "without the rotation, and without (parts of) the key transform")
     p.add_argument("--weights", default="", metavar="FORMATS",
                    help="comma-separated weight formats to compare too, with the "
                         "model-precision KV cache: int8 (--quantization int8), bfloat16, "

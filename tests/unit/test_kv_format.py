@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from common.kv_cache_dtype import CODE_FORMATS, FORMAT_CODES, KV_CACHE_DTYPES
-from workers.models.attention import build_attention_batch, paged_attention
-from workers.models.kv_format import NVFP4_TENSOR_SCALE, KVFormat
+from workers.models.attention import StepKeys, build_attention_batch, paged_attention
+from workers.models.kv_format import NVFP4_TENSOR_SCALE, KeyTransform, KVFormat
 from workers.transfer.header import (
     KVLayout,
     TransferHeader,
@@ -165,42 +165,124 @@ def test_the_header_carries_the_format() -> None:
     assert decode_offer(encode_offer(h, [7, 8, 9]))[0].layout.kv_digest == 0xBEEF
 
 
-def test_keys_written_with_other_offsets_are_refused() -> None:
+def test_keys_written_under_another_transform_are_refused() -> None:
     sent = KVLayout(30, 16, 3, 65, torch.uint8, "fp8_e4m3", 0x1234)
     stored = KVLayout(30, 16, 3, 65, torch.uint8, "fp8_e4m3", 0x1235)
     h = TransferHeader(1, 1, 1, 2, sent, sent.payload_bytes(2), 1, 0)
     reason = check_offer(h, [4, 5], stored, [4, 5], 1 << 30)
-    assert reason is not None and "key offsets differ" in reason
+    assert reason is not None and "key transforms differ" in reason
     assert "#1234" in reason and "#1235" in reason
 
 
-def test_the_offsets_digest_names_the_offsets() -> None:
-    from workers.models.kv_format import offsets_digest
+def _transform(seed: int = 0, layers: int = 4) -> KeyTransform:
+    g = torch.Generator().manual_seed(seed)
+    return KeyTransform(
+        tuple(torch.exp2(torch.randint(-2, 3, (3, 64), generator=g).float())
+              for _ in range(layers)),
+        tuple(torch.randn(3, 64, generator=g) for _ in range(layers)))
 
-    m = [torch.randn(3, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    assert offsets_digest(None) == offsets_digest([]) == 0
-    assert offsets_digest(m) == offsets_digest([t.clone() for t in m]) != 0
-    nudged = [t.clone() for t in m]
+
+def test_the_digest_names_the_transform() -> None:
+    kt = _transform()
+    same = KeyTransform(tuple(t.clone() for t in kt.scales), tuple(t.clone() for t in kt.offsets))
+    assert kt.digest() == same.digest() != 0
+    nudged = [t.clone() for t in kt.offsets]
     nudged[2][1, 5] += 2**-8
-    assert offsets_digest(nudged) != offsets_digest(m)
+    assert KeyTransform(kt.scales, tuple(nudged)).digest() != kt.digest()
+    halved = [t.clone() for t in kt.scales]
+    halved[0][0, 0] /= 2
+    assert KeyTransform(tuple(halved), kt.offsets).digest() != kt.digest()
+    digests = {kt.digest(), kt.without(scales=True).digest(), kt.without(offsets=True).digest()}
+    assert len(digests) == 3
+    assert kt.without(scales=True, offsets=True) is None
 
 
-def test_a_key_offset_changes_no_attention_output() -> None:
-    """softmax(q.(k - m)) = softmax(q.k): the offset a quantized cache subtracts from
-    every key costs nothing but rounding (checked here with a lossless round trip)."""
+def test_calibration_gives_power_of_two_scales_and_mean_offsets() -> None:
+    """scale = sqrt(rms(q) / rms(k)) rounded to a power of two; offset = mean pre-RoPE key
+    in bfloat16; a channel that one side never uses keeps scale 1."""
+    tokens = 8
+    k_pre = torch.full((2, 4), 3.0) * tokens
+    k2 = torch.tensor([[1.0, 16.0, 4.0, 0.0]] * 2) * tokens  # rms 1, 4, 2, 0
+    q2 = torch.tensor([[16.0, 1.0, 4.0, 9.0]] * 2) * tokens  # rms 4, 1, 2, 3
+    kt = KeyTransform.calibrated([k_pre], [k2], [q2], tokens)
+    assert kt.scales[0][0].tolist() == [2.0, 0.5, 1.0, 1.0]
+    assert torch.equal(kt.offsets[0], torch.full((2, 4), 3.0))
+    with pytest.raises(ValueError, match="at least one token"):
+        KeyTransform.calibrated([k_pre], [k2], [q2], 0)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x [n, kv, dim] rotated by positions [n] (transformers' rotate_half convention)."""
+    half = x.shape[-1] // 2
+    freq = 1.0 / 100.0 ** (torch.arange(half) / half)
+    ang = positions.float()[:, None] * freq[None]
+    cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
+    sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class _Lossless:
+    """A 'quantized' format that stores rows exactly (rotated): what the key transform
+    does is then all that changes attention, which it must not."""
+
+    quantized, code = True, 1
+
+    def __init__(self, dim: int) -> None:
+        self.f = KVFormat("fp8_e4m3", dim, torch.float32)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f.rotate(x)
+
+    def dequantize(self, rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return rows.to(dtype or torch.float32)
+
+    def round_trip_kv(self, k, v, read=True):  # noqa: ANN001, ANN202
+        k, v = self.f.rotate(k.float()), self.f.rotate(v.float())
+        return k, k if read else None, v, v if read else None
+
+
+def _keys(fmt: _Lossless, m: torch.Tensor, scale: torch.Tensor, positions: torch.Tensor,
+          table_len: int) -> StepKeys:
+    table_pos = torch.arange(table_len)
+    return StepKeys(scale, _rope((m * scale).expand(len(positions), *m.shape), positions),
+                    fmt.rotate(_rope((m * scale).expand(table_len, *m.shape), table_pos)))
+
+
+def test_the_key_transform_changes_no_attention_output() -> None:
+    """(q / s).(k * s - R_p m s + R_p m s) = q.k on every path that reads keys: a chunk
+    attending to itself, a chunk reading its cached prefix, and decode (torch path)."""
     torch.manual_seed(3)
-    f = KVFormat("fp8_e4m3", 32, torch.float32)
-    lossless = type("Lossless", (), {
-        "quantized": True, "code": 1, "rotate": staticmethod(f.rotate),
-        "round_trip_kv": staticmethod(lambda k, v, read=True: (f.rotate(k), f.rotate(k),
-                                                    f.rotate(v), f.rotate(v)))})()
-    batch, _ = build_attention_batch([], [], [([0, 1, 2], 0, 10)], 4)
-    q, k, v = torch.randn(10, 4, 32), torch.randn(10, 2, 32) * 3, torch.randn(10, 2, 32)
-    cache = torch.zeros(2, 12, 2, 32)
-    plain = paged_attention(q, k, v, cache, batch, 4, kv_format=lossless)
-    shifted = paged_attention(q, k, v, cache, batch, 4, kv_format=lossless,
-                              key_offset=torch.randn(2, 32) * 5)
-    torch.testing.assert_close(shifted, plain, rtol=1e-4, atol=1e-5)
+    fmt, bs, n = _Lossless(32), 4, 10
+    q, k, v = torch.randn(n, 4, 32), torch.randn(n, 2, 32) * 3, torch.randn(n, 2, 32)
+    m = torch.randn(2, 32) * 5
+    scale = torch.exp2(torch.randint(-2, 3, (2, 32)).float())
+    pos = torch.arange(n)
+
+    def run(spans, rows, keys: bool, decode=None):  # noqa: ANN001, ANN202
+        """Steps over the same cache: ``spans`` (start, count) prefills, then ``decode``."""
+        cache = torch.zeros(2, 16, 2, 32)
+        outs = []
+        for start, count in spans:
+            batch, _ = build_attention_batch([], [], [([0, 1, 2, 3], start, count)], bs)
+            r = slice(start, start + count)
+            sk = _keys(fmt, m, scale, pos[r], 16) if keys else None
+            outs.append(paged_attention(q[r], k[r], v[r], cache, batch, bs, kv_format=fmt,
+                                        keys=sk))
+        if decode is not None:
+            batch, _ = build_attention_batch([[0, 1, 2, 3]], [decode + 1], [], bs)
+            r = slice(decode, decode + 1)
+            sk = _keys(fmt, m, scale, pos[r], 13) if keys else None  # padding past 13
+            outs.append(paged_attention(q[r], k[r], v[r], cache, batch, bs, kv_format=fmt,
+                                        keys=sk))
+        return torch.cat(outs)[rows]
+
+    plain = run([(0, n)], slice(0, n), keys=False)
+    torch.testing.assert_close(run([(0, n)], slice(0, n), True), plain, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(run([(0, 6), (6, 4)], slice(0, n), True), plain,
+                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(run([(0, 9)], slice(9, 10), True, decode=9), plain[9:],
+                               rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(("sent", "stored"), [

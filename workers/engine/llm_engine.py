@@ -140,7 +140,7 @@ def choice_id(request_id: str, index: int) -> str:
 def model_identity(model_path: Path, dtype: str, kv_cache_dtype: str = "auto",
                    kv_digest: int = 0, quantization: str | None = None) -> str:
     """Seeds the block-hash chain: KV from another model, dtype, weight quantization or
-    KV cache format (and key offsets) must never match (a quantized cache's blocks hash
+    KV cache format (and key transform) must never match (a quantized cache's blocks hash
     apart from the model-precision ones)."""
     digest = hashlib.sha256((model_path / "config.json").read_bytes()).hexdigest()[:16]
     kv = "" if kv_cache_dtype == "auto" else f":kv={kv_cache_dtype}:{kv_digest:04x}"

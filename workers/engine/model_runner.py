@@ -24,7 +24,7 @@ from workers.models.attention import build_attention_batch
 from workers.models.decoder import TORCH_OPS, DecoderModel, ElementwiseOps
 from workers.models.int8_checkpoint import load_model as load_int8_model
 from workers.models.int8_checkpoint import quantization_of
-from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS, OFFSET_KEY_FORMATS
+from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS
 from workers.models.linear import TORCH_LINEAR, int8_linear, onednn_linear
 
 from . import kernels
@@ -124,10 +124,10 @@ class ModelRunner:
             # Native: the int8 GEMV/GEMM kernel; else dequantize per call (slow, any device).
             layer_linear = int8_linear(kernels.int8_linear if native else None)
         # RoPE tables reach the calibration's positions too, whatever max_model_len is:
-        # workers with different limits must calibrate the same key offsets.
+        # workers with different limits must calibrate the same key transform.
         self.model = DecoderModel(
             hf, max(max_model_len, CALIBRATION_TOKENS
-                    if config.kv_cache_dtype in OFFSET_KEY_FORMATS else 0),
+                    if config.kv_cache_dtype != "auto" else 0),
             decode_op=kernels.paged_decode_attention if native else None,
             ops=NATIVE_OPS if native else TORCH_OPS,
             linear=layer_linear or linear or TORCH_LINEAR,
@@ -144,13 +144,13 @@ class ModelRunner:
         self.kv_format = self.model.kv_format
         """How each cache row stores a token's K or V of one head."""
         self.kv_digest = 0
-        """Digest of the key offsets an NVFP4 cache stores keys with (0: none); both
-        ends of a KV transfer must hold the same (:mod:`workers.models.kv_format`)."""
-        if self.kv_format.offsets_keys:
+        """Digest of the key transform a quantized cache stores keys under (0: none);
+        both ends of a KV transfer must hold the same (:mod:`workers.models.kv_format`)."""
+        if self.kv_format.quantized:
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.model)
             ids = tokenizer(CALIBRATION_TEXT).input_ids
-            self.kv_digest = self.model.calibrate_key_offsets(
-                ids[:CALIBRATION_TOKENS], config.block_size)
+            self.kv_digest = self.model.calibrate_keys(ids[:CALIBRATION_TOKENS],
+                                                       config.block_size)
         self.block_bytes = (s.num_layers * 2 * config.block_size * s.num_kv_heads
                             * self.kv_format.row_bytes)
         if config.num_blocks is not None:

@@ -59,7 +59,7 @@ class KVView:
     block_size: int
     kv_format: str = "auto"
     kv_digest: int = 0
-    """The key offsets' digest (quantized formats; 0: none): must match across a
+    """The key transform's digest (quantized formats; 0: none): must match across a
     transfer."""
 
 

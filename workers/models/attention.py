@@ -20,6 +20,8 @@ With a quantized cache (:mod:`workers.models.kv_format`) a slot holds a row of b
 it is written, and attention reads it back dequantized: the native decode kernel reads
 the bytes of each block directly, the torch paths dequantize what they gather, and a
 chunk's own K/V go through the same round trip so every token sees K/V as stored.
+Keys are stored under the model's calibrated key transform (:class:`StepKeys`), undone
+exactly as they are read.
 """
 
 from __future__ import annotations
@@ -40,6 +42,46 @@ class PrefillSpan:
     context_len: int  # tokens attended to, prefix included
     blocks: torch.Tensor | None  # block ids covering the context; None = no cached prefix
     mask: torch.Tensor | None  # [num_tokens, blocks * block_size] causal mask with offset
+
+
+@dataclass(frozen=True)
+class StepKeys:
+    """One layer's :class:`~workers.models.kv_format.KeyTransform` for one step, as
+    :func:`paged_attention` applies it to a quantized cache: queries divided and keys
+    multiplied by ``scale`` (``[kv_heads, head_dim]``, powers of two), then ``offset``
+    (``[tokens, kv_heads, head_dim]``: the offset at each new token's position, scaled)
+    subtracted from the new keys before they are stored; every key read from the cache
+    gets ``table`` (``[positions, kv_heads, head_dim]``, the same in the stored basis, by
+    position) added back. All float32; parts None are off."""
+
+    scale: torch.Tensor | None
+    offset: torch.Tensor | None
+    table: torch.Tensor | None
+
+    def into_stored(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor,
+                                                                      torch.Tensor]:
+        """(queries, keys to store) before the format's rotation; keys in float32."""
+        k = k.float()
+        if self.scale is not None:
+            kv, dim = self.scale.shape
+            inv = (1.0 / self.scale).to(q.dtype).unsqueeze(1)  # exact: powers of two
+            q = (q.view(q.shape[0], kv, -1, dim) * inv).view(q.shape)
+            k = k * self.scale
+        if self.offset is not None:
+            k = k - self.offset
+        return q, k
+
+    def add_back(self, k: torch.Tensor) -> torch.Tensor:
+        """Keys read from the cache ``[..., length, kv_heads, head_dim]`` (float32, in
+        block-table order: index = position) plus the table; rows past the table (padding
+        a mask hides) get nothing."""
+        if self.table is None:
+            return k
+        length = k.shape[-3]
+        add = self.table[:length]
+        if add.shape[0] < length:
+            add = F.pad(add, (0, 0, 0, 0, 0, length - add.shape[0]))
+        return k + add
 
 
 @dataclass(frozen=True)
@@ -131,27 +173,29 @@ def paged_attention(
     block_size: int,
     decode_op: Callable | None = None,
     kv_format: KVFormat | None = None,
-    key_offset: torch.Tensor | None = None,
+    keys: StepKeys | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; returns [tokens, heads*dim].
 
     Writes k and v into ``cache`` ([2, slots, kv_heads, row]; ``row`` is ``dim`` unless
-    ``kv_format`` is quantized) before reading it. ``key_offset`` ([kv_heads, dim]):
-    subtracted from every key a quantized cache stores (softmax ignores it; see
-    :mod:`workers.models.kv_format`).
+    ``kv_format`` is quantized) before reading it. ``keys``: the key transform a
+    quantized cache stores keys under (:class:`StepKeys`); None: none.
     """
     num_tokens, num_heads, dim = q.shape
     num_kv = k.shape[1]
     group = num_heads // num_kv
     k_cache, v_cache = cache[0], cache[1]
     quantized = kv_format is not None and kv_format.quantized
+    keys = keys if quantized else None
     if quantized:  # everything below runs in the rotated basis the rows are stored in
+        if keys is not None:
+            q, k = keys.into_stored(q, k)  # one rounding, at quantization
         q = kv_format.rotate(q)
-        if key_offset is not None:
-            k = k.float() - key_offset  # one rounding, at quantization
         # only a chunk attending to itself uncached reads the step's K/V directly
         fresh = any(span.blocks is None for span in batch.prefills)
         k_rows, k, v_rows, v = kv_format.round_trip_kv(k, v, read=fresh)
+        if k is not None and keys is not None and keys.offset is not None:
+            k = k.float() + kv_format.rotate(keys.offset)
         k = k.to(q.dtype) if k is not None else None
     else:
         k_rows, v_rows = k, v
@@ -166,14 +210,24 @@ def paged_attention(
         rows = blocks.index_select(0, ids)
         return kv_format.dequantize(rows, q.dtype) if quantized else rows
 
+    def gathered_keys(ids: torch.Tensor, seqs: int) -> torch.Tensor:
+        """``[seqs, length, kv, dim]`` keys of ``seqs`` block tables (``ids`` flat)."""
+        if keys is None or keys.table is None:
+            return gathered(k_blocks, ids).view(seqs, -1, num_kv, dim)
+        rows = kv_format.dequantize(k_blocks.index_select(0, ids), torch.float32)
+        return keys.add_back(rows.view(seqs, -1, num_kv, dim)).to(q.dtype)
+
     d = batch.num_decode
     if d and decode_op is not None:
         args = (q[:d], k_blocks, v_blocks, batch.decode_table, batch.decode_lens, dim**-0.5)
-        out[:d] = decode_op(*args, kv_format.code) if quantized else decode_op(*args)
+        if quantized:
+            out[:d] = decode_op(*args, kv_format.code, keys.table if keys else None)
+        else:
+            out[:d] = decode_op(*args)
     elif d:
         # [d, len, kv, dim] -> [d, kv, len, dim]; queries [d, kv, group, dim].
         blocks = batch.decode_table.view(-1)
-        kd = gathered(k_blocks, blocks).view(d, -1, num_kv, dim).transpose(1, 2)
+        kd = gathered_keys(blocks, d).transpose(1, 2)
         vd = gathered(v_blocks, blocks).view(d, -1, num_kv, dim).transpose(1, 2)
         qd = q[:d].view(d, num_kv, group, dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask)
@@ -184,7 +238,7 @@ def paged_attention(
         if span.blocks is None:
             kp, vp = k[rows], v[rows]
         else:
-            kp = gathered(k_blocks, span.blocks).view(-1, num_kv, dim)
+            kp = gathered_keys(span.blocks, 1)[0]
             vp = gathered(v_blocks, span.blocks).view(-1, num_kv, dim)
         op = F.scaled_dot_product_attention(
             qp,

@@ -22,8 +22,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workers.models.attention import AttentionBatch, build_attention_batch, paged_attention
-from workers.models.kv_format import KVFormat, offsets_digest
+from workers.models.attention import (
+    AttentionBatch,
+    StepKeys,
+    build_attention_batch,
+    paged_attention,
+)
+from workers.models.kv_format import KeyTransform, KVFormat
 from workers.models.linear import (
     TORCH_LINEAR,
     Int8Weight,
@@ -166,10 +171,11 @@ class DecoderModel:
         self.kv_format = KVFormat(kv_cache_dtype, head_dim,
                                   hf_model.model.embed_tokens.weight.dtype)
         """How a cache row stores one token's K or V of one head (see :mod:`.kv_format`)."""
-        self.key_offsets: list[torch.Tensor] | None = None
-        """Per layer ``[kv_heads, head_dim]``, subtracted from the keys a quantized cache
-        stores (:meth:`calibrate_key_offsets`); None: none."""
-        self._key_sums: list[torch.Tensor] | None = None
+        self.key_transform: KeyTransform | None = None
+        """How a quantized cache stores keys (:meth:`calibrate_keys`); None: as they are."""
+        self._key_stats: list[list[torch.Tensor]] | None = None  # while calibrating
+        self._key_tables: dict[int, torch.Tensor] = {}  # layer -> add-back by position
+        self._key_tables_for: tuple[int, int] = (0, 0)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         inner = hf_model.model
@@ -194,6 +200,7 @@ class DecoderModel:
             cos, sin = inner.rotary_emb(probe, pos)
         self.cos = cos[0].unsqueeze(1).contiguous()  # [positions, 1, head_dim]
         self.sin = sin[0].unsqueeze(1).contiguous()
+        self._cos32, self._sin32 = self.cos.float(), self.sin.float()  # key transform
 
     @staticmethod
     def _layer_weights(layer: torch.nn.Module, prepare: Callable[[Weight], Any],
@@ -221,11 +228,11 @@ class DecoderModel:
         )
 
     @torch.inference_mode()
-    def calibrate_key_offsets(self, ids: list[int], block_size: int = 16) -> int:
-        """Set :attr:`key_offsets` to each layer's mean key over ``ids`` (one prefill at
-        model precision into a scratch cache; rounded to bfloat16), when the cache format
-        offsets keys (NVFP4). Returns their digest (0: no offsets)."""
-        if not self.kv_format.offsets_keys or not ids:
+    def calibrate_keys(self, ids: list[int], block_size: int = 16) -> int:
+        """Set :attr:`key_transform` from one prefill of ``ids`` at model precision into a
+        scratch cache, when the cache format is quantized (see
+        :class:`~workers.models.kv_format.KeyTransform`). Returns its digest (0: none)."""
+        if not self.kv_format.quantized or not ids:
             return 0
         s, fmt = self.shape, self.kv_format
         n = len(ids)
@@ -234,16 +241,50 @@ class DecoderModel:
                             dtype=self.dtype, device=self.embed.device)
         batch, positions = build_attention_batch([], [], [(list(range(blocks)), 0, n)],
                                                  block_size)
-        self.kv_format, self.key_offsets, self._key_sums = (
+        self.kv_format, self.key_transform, self._key_stats = (
             KVFormat("auto", s.head_dim, self.dtype), None, [])
         try:
             dev = self.embed.device
             self.forward(torch.tensor(ids, device=dev), positions.to(dev), batch.to(dev),
                          cache, torch.tensor([n - 1], device=dev), block_size)
-            self.key_offsets = [(k / n).to(torch.bfloat16).float() for k in self._key_sums]
+            key_pre, key_sq, query_sq = zip(*self._key_stats, strict=True)
+            self.key_transform = KeyTransform.calibrated(list(key_pre), list(key_sq),
+                                                         list(query_sq), n)
         finally:
-            self.kv_format, self._key_sums = fmt, None
-        return offsets_digest(self.key_offsets)
+            self.kv_format, self._key_stats = fmt, None
+        return self.key_transform.digest()
+
+    def _step_keys(self, layer: int, positions: torch.Tensor, upto: int) -> StepKeys | None:
+        """The key transform's part for ``layer`` in a step at ``positions`` that reads
+        positions below ``upto`` (see :class:`~workers.models.attention.StepKeys`)."""
+        kt = self.key_transform
+        if kt is None or not self.kv_format.quantized:
+            return None
+        scale = kt.scales[layer] if kt.scales is not None else None
+        if kt.offsets is None:
+            return StepKeys(scale, None, None)
+        m = kt.offsets[layer] * (scale if scale is not None else 1.0)
+        n = positions.shape[0]
+        fresh = apply_rope(m.expand(n, *m.shape), self._cos32[positions],
+                           self._sin32[positions])
+        return StepKeys(scale, fresh, self._key_table(layer, upto))
+
+    def _key_table(self, layer: int, upto: int) -> torch.Tensor:
+        """``[>= upto, kv_heads, head_dim]`` float32: row ``p`` the key offset rotated to
+        position ``p`` (RoPE), scaled, in the cache's stored basis: what reads add back.
+        Grown by doubling as contexts grow; rebuilt when the format or transform change."""
+        owner = (id(self.kv_format), id(self.key_transform))
+        if self._key_tables_for != owner:
+            self._key_tables, self._key_tables_for = {}, owner
+        table = self._key_tables.get(layer)
+        if table is None or table.shape[0] < upto:
+            size = min(self._cos32.shape[0], max(256, 1 << (upto - 1).bit_length()))
+            kt = self.key_transform
+            m = kt.offsets[layer] * (kt.scales[layer] if kt.scales is not None else 1.0)
+            rows = apply_rope(m.expand(size, *m.shape), self._cos32[:size], self._sin32[:size])
+            table = self.kv_format.rotate(rows).contiguous()
+            self._key_tables[layer] = table
+        return table
 
     def weight_bytes(self) -> int:
         """Bytes a decode step must read: every layer weight plus the LM head."""
@@ -272,6 +313,8 @@ class DecoderModel:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         heads = s.num_heads + s.num_kv_heads
         cos, sin = self.cos[positions], self.sin[positions]
+        keyed = self.key_transform is not None and self.kv_format.quantized
+        upto = int(positions.max()) + 1 if keyed and positions.numel() else 0
         x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         n = x.shape[0]
         mlp_out: torch.Tensor | None = None
@@ -289,12 +332,15 @@ class DecoderModel:
                 q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
                 q.copy_(ops.rms_norm(q, lw.q_norm, eps))
                 k.copy_(ops.rms_norm(k, lw.k_norm, eps))
+            if self._key_stats is not None:  # calibrating: pre-RoPE keys
+                key_pre = qk[:, s.num_heads:].float().sum(0)
             q, k = ops.rope_(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
-            if self._key_sums is not None:
-                self._key_sums.append(k.float().sum(0))
+            if self._key_stats is not None:
+                q2 = q.float().pow(2).view(n, s.num_kv_heads, -1, s.head_dim).mean(2)
+                self._key_stats.append([key_pre, k.float().pow(2).sum(0), q2.sum(0)])
             attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op,
                                    self.kv_format,
-                                   self.key_offsets[i] if self.key_offsets else None)
+                                   self._step_keys(i, positions, upto) if keyed else None)
             h = ops.add_rms_norm(x, linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
             mlp_out = linear(ops.silu_mul(linear(h, lw.gate_up, None)), lw.down, None)
         x.add_(mlp_out)

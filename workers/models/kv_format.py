@@ -47,20 +47,34 @@ format's range on them; the rotation spreads each row's energy over all channels
 NVFP4's 16-value groups and FP8's per-row scale quantize evenly sized values (the idea
 of QuaRot and SpinQuant, applied to the cache only). ``pdserve eval-kv`` measures it.
 
-**Key offset.** Keys carry a large component shared by every token (per layer, head and
-channel), and a query's scores over its keys are all shifted alike by it, which softmax
-ignores: ``softmax(q.(k - m)) = softmax(q.k)`` for any fixed ``m``. An NVFP4 cache
-stores ``k - m`` with ``m`` each layer's and head's mean key over a fixed calibration
-text (:data:`CALIBRATION_TEXT`, run once when the engine starts; rounded to bfloat16),
-so the format's precision goes to what tells keys apart instead of what they share.
-Nothing adds ``m`` back. Only NVFP4 does this (:attr:`KVFormat.offsets_keys`): its 16
-values share one scale, which the shared component inflates (SmolLM2, ``pdserve
-eval-kv``: perplexity +6.2% without, ~+2-3% with); FP8 keeps each value's own exponent, and
-there the offset measured no better (KL slightly lower, perplexity slightly higher).
-Every token of a sequence must share one ``m``, so workers that exchange KV must hold
-the same offsets: their 16-bit digest (:func:`offsets_digest`) travels in the transfer
-header and seeds the block hashes, and a decode worker refuses KV written with other
-offsets. Values keep no offset (it would not cancel).
+**Key transform.** Keys are what a quantized cache loses most on (``pdserve eval-kv
+--ablate``: quantizing only the values costs about a tenth of what quantizing only the
+keys does; a key's error moves every score it takes part in). Two calibrated changes,
+both exact for attention, put the format's precision where the scores need it
+(:class:`KeyTransform`; per layer, KV head and channel; from one prefill of a fixed
+calibration text, :data:`CALIBRATION_TEXT`, when the engine starts):
+
+- **Offset, before RoPE, added back.** Keys carry a large component shared by every
+  token, and it lives *before* RoPE: ``k_p = R_p (m + d_p)`` with ``m`` the layer's mean
+  pre-RoPE key and ``R_p`` position ``p``'s rotation. A row stores the quantized
+  ``k_p - R_p m`` (what tells keys apart), and attention adds ``R_p m`` back to every key
+  it reads, by position (the torch path and the native kernel's ``key_add``), so the
+  offset itself is exact. A fixed post-RoPE ``m`` would cancel in softmax without an
+  add-back, but RoPE spins most of the shared component around with the position, so
+  it removes little of it (SmolLM2, bfloat16, KL: post-RoPE offset 0.0063, pre-RoPE
+  with add-back 0.0054, none 0.0073 for FP8 E4M3).
+- **Per-channel scales** ``s`` (powers of two): keys are stored as ``k * s`` and queries
+  divided by ``s``, so ``(q / s).(k * s) = q.k``. Quantization error is spread evenly
+  over a row's channels (the rotation below), but a score weighs channel ``i`` by
+  ``q_i``: ``s_i = sqrt(rms(q_i) / rms(k_i))`` (a power of two, so exact) minimises the
+  score error for a fixed error budget per row (Cauchy-Schwarz; SmoothQuant's
+  ``alpha = 0.5``, applied between queries and keys).
+
+Every token of a sequence must be stored under one transform, so workers that exchange
+KV must hold the same: its 16-bit digest (:meth:`KeyTransform.digest`) travels in the
+transfer header and seeds the block hashes, and a decode worker refuses KV written under
+another. Values keep no transform (an offset would not cancel, and their error costs
+little).
 
 Attention always reads K/V *as stored*: a quantized format writes the row, then the
 step's own attention uses the dequantized row too (:meth:`KVFormat.round_trip`), so a
@@ -80,11 +94,9 @@ import torch
 
 from common.kv_cache_dtype import FORMAT_CODES, KV_CACHE_DTYPES, check_kv_cache_dtype
 
-__all__ = ["FORMAT_CODES", "KV_CACHE_DTYPES", "NVFP4_TENSOR_SCALE", "KVFormat"]
+__all__ = ["FORMAT_CODES", "KV_CACHE_DTYPES", "NVFP4_TENSOR_SCALE", "KVFormat", "KeyTransform"]
 
 NVFP4_TENSOR_SCALE = 1.0
-OFFSET_KEY_FORMATS = frozenset({"nvfp4"})
-"""Formats that store keys minus calibrated offsets (see the module doc)."""
 CALIBRATION_TOKENS = 512
 CALIBRATION_TEXT = (
     "The river that runs through the old town was once the only road to the sea. Boats "
@@ -114,9 +126,9 @@ CALIBRATION_TEXT = (
     "mass and energy. Each answered a question that experiments had left open, and each "
     "was met at first with doubt. Science moves this way: a careful measurement, a bold "
     "idea, and years of checking.")
-"""Calibration input for the key offsets (see the module doc): prose, a question, code,
-a letter, a recipe, history. Fixed forever per offsets digest: changing it changes the
-offsets, which the digest then tells apart."""
+"""Calibration input for the key transform (see the module doc): prose, a question, code,
+a letter, a recipe, history. Changing it changes the transform, which its digest then
+tells apart."""
 NVFP4_GROUP = 16
 _FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 _E8M0_BIAS = 127
@@ -138,16 +150,49 @@ def _e2m1_bounds(device: torch.device) -> torch.Tensor:
                         dtype=torch.float32).to(device)
 
 
-def offsets_digest(offsets: list[torch.Tensor] | None) -> int:
-    """16 bits naming a model's key offsets (0: none); what two workers compare."""
-    if not offsets:
-        return 0
-    import hashlib
+@dataclass(frozen=True)
+class KeyTransform:
+    """A model's calibrated key transform (module doc): per layer, ``scales`` (powers of
+    two ``[kv_heads, head_dim]``: keys multiplied, queries divided) and ``offsets`` (the
+    mean pre-RoPE key ``[kv_heads, head_dim]``, rounded to bfloat16, stored keys minus it
+    rotated to their position, added back on read), float32. Either may be None: that
+    part off (``pdserve eval-kv --ablate``)."""
 
-    h = hashlib.blake2b(digest_size=2, person=b"pdserve.koff.v1")
-    for m in offsets:
-        h.update(m.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return int.from_bytes(h.digest(), "little") or 1
+    scales: tuple[torch.Tensor, ...] | None
+    offsets: tuple[torch.Tensor, ...] | None
+
+    @classmethod
+    def calibrated(cls, key_pre_sum: list[torch.Tensor], key_sq_sum: list[torch.Tensor],
+                   query_sq_sum: list[torch.Tensor], tokens: int) -> KeyTransform:
+        """From one prefill's per-layer sums over ``tokens`` tokens, each ``[kv_heads,
+        head_dim]``: pre-RoPE keys, squared post-RoPE keys, and squared post-RoPE queries
+        (averaged over each KV head's group of query heads) -> the transform (module
+        doc)."""
+        if tokens < 1:
+            raise ValueError("key calibration needs at least one token")
+        offsets = tuple((k / tokens).to(torch.bfloat16).float() for k in key_pre_sum)
+        scales = []
+        for k2, q2 in zip(key_sq_sum, query_sq_sum, strict=True):
+            # rms(q) / rms(k) per channel; a channel either side never used keeps 1
+            ratio = torch.where((k2 > 0) & (q2 > 0), q2 / k2.clamp(min=1e-30), 1.0).sqrt()
+            scales.append(torch.exp2(torch.round(0.5 * torch.log2(ratio))).float())
+        return cls(tuple(scales), offsets)
+
+    def without(self, scales: bool = False, offsets: bool = False) -> KeyTransform | None:
+        """This transform with the named parts off (None when nothing is left)."""
+        kept = KeyTransform(None if scales else self.scales, None if offsets else self.offsets)
+        return kept if kept.scales is not None or kept.offsets is not None else None
+
+    def digest(self) -> int:
+        """16 bits naming the transform (never 0); what two workers compare."""
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=2, person=b"pdserve.keys.v2")
+        for part in (self.scales, self.offsets):
+            h.update(b"-" if part is None else b"+")
+            for t in part or ():
+                h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return int.from_bytes(h.digest(), "little") or 1
 
 
 @cache
@@ -186,11 +231,6 @@ class KVFormat:
     @property
     def quantized(self) -> bool:
         return self.name != "auto"
-
-    @property
-    def offsets_keys(self) -> bool:
-        """Whether keys are stored minus a calibrated offset (see the module doc)."""
-        return self.name in OFFSET_KEY_FORMATS
 
     @property
     def code(self) -> int:

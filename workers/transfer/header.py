@@ -32,8 +32,8 @@ Slot 11 (version 3 on) carries the KV cache format (:mod:`common.kv_cache_dtype`
 the element dtype: a quantized cache's rows are ``uint8`` bytes (values and scales, see
 :mod:`workers.models.kv_format`) and travel as stored, so ``head_dim`` is then the row's
 byte count, and the format tells FP8 E4M3 rows from E5M2 rows of the same size. Its
-bits 16..31 carry the 16-bit digest of the key offsets an NVFP4 cache stores keys with
-(0: none): KV written with other offsets is refused like another format.
+bits 16..31 carry the 16-bit digest of the key transform a quantized cache stores keys
+under (0: none): KV written under another is refused like another format.
 
 The module is pure: no sockets, no threads.
 """
@@ -120,7 +120,7 @@ class KVLayout:
     dtype: torch.dtype
     kv_format: str = "auto"
     kv_digest: int = 0
-    """The key offsets' 16-bit digest (:func:`workers.models.kv_format.offsets_digest`)."""
+    """The key transform's 16-bit digest (:meth:`workers.models.kv_format.KeyTransform.digest`)."""
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_format)
@@ -150,7 +150,7 @@ class KVLayout:
         dtype = str(self.dtype).removeprefix("torch.")
         if self.kv_format == "auto":
             return f"{dtype} (the model's dtype; rows of {self.head_dim})"
-        offsets = f", key offsets #{self.kv_digest:04x}" if self.kv_digest else ""
+        offsets = f", key transform #{self.kv_digest:04x}" if self.kv_digest else ""
         return f"{self.kv_format} ({dtype} rows of {self.head_dim}{offsets})"
 
     @property
@@ -323,8 +323,8 @@ def check_offer(header: TransferHeader, block_ids: Sequence[int], layout: KVLayo
     got = header.layout
     if (got.dtype, got.kv_format) == (layout.dtype, layout.kv_format) and (
             got.kv_digest != layout.kv_digest):
-        return (f"KV cache key offsets differ: the prefill worker sends {got.describe()}, "
-                f"this decode worker stores {layout.describe()}; the offsets are calibrated "
+        return (f"KV cache key transforms differ: the prefill worker sends {got.describe()}, "
+                f"this decode worker stores {layout.describe()}; the transform is calibrated "
                 "when a worker starts: run the same model, --dtype and pdserve release on "
                 "both")
     if (got.dtype, got.kv_format) != (layout.dtype, layout.kv_format):

@@ -301,7 +301,7 @@ class KVSender:
         them first: payload messages are read from the cache (views where the source
         blocks form runs). The caller keeps the source blocks unchanged until the handle
         is terminal (a done callback is the place to release them). ``kv_format``: what
-        the cache's rows store (``KVView.kv_format``), ``kv_digest`` its key offsets."""
+        the cache's rows store (``KVView.kv_format``), ``kv_digest`` its key transform's digest."""
         if len(src_block_ids) != len(dst_block_ids) or not src_block_ids:
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} "
                              "target blocks")

@@ -144,6 +144,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float | None = None,
     kv_format: int = 0,
+    key_add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged context.
 
@@ -165,6 +166,12 @@ def paged_decode_attention(
     so the output equals the kv_format 0 kernel on ``fmt.dequantize(cache, float32)``
     with q in float32, rounded to q's dtype.
 
+    key_add (quantized formats only): float32 ``[positions, kv_heads, head_dim]``,
+    contiguous, at least as many positions as the longest context; row ``p`` is added
+    to the decoded key of the token at position ``p`` (its index in the block table's
+    order) before the dot products: the add-back of a calibrated key offset
+    (:class:`workers.models.kv_format.KeyTransform`).
+
     Raises RuntimeError if the kernel is unavailable (check :func:`available` first), and
     for an unknown kv_format, a non-uint8 quantized cache or a row size that does not
     match q's head_dim.
@@ -174,7 +181,8 @@ def paged_decode_attention(
         raise RuntimeError(f"paged decode kernel unavailable: {_error}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return op(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(kv_format))
+    return op(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(kv_format),
+              key_add)
 
 
 def _fused_op(name: str) -> Callable:

@@ -21,8 +21,13 @@
 // code go through the table) and NVFP4's E2M1 codes through a 16-lane permute; the
 // portable build uses 256-entry tables (torch's own fp8 -> float conversions).
 //
+// Key add-back (quantized caches only): an optional fp32 table key_add [positions, kv_heads,
+// head_dim] is added to every decoded key row of the token at that position (the
+// calibrated key offset a quantized cache subtracts before storing, see the key transform
+// in workers/models/kv_format.py), in the fp32 scratch, before the dot products.
+//
 // Registered as torch.ops.pdserve_kernels.paged_decode_attention(q, k_cache, v_cache,
-// block_tables, context_lens, scale, kv_format=0).
+// block_tables, context_lens, scale, kv_format=0, key_add=None).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -167,7 +172,21 @@ struct Scratch {
   float* k;
   float* v;
   const Fp8Tables* fp8;
+  const float* key_add = nullptr;  // this item's kv head in the key add-back table, or null
+  int64_t key_add_stride = 0;      // floats from one position to the next
 };
+
+// Adds the key add-back rows of positions t0 .. t0 + n to n decoded K rows (stride P).
+inline void add_key_rows(const Scratch& sc, int64_t t0, int64_t n, int64_t P, int64_t D,
+                         float* rows) {
+  if (sc.key_add == nullptr) return;
+  for (int64_t r = 0; r < n; ++r) {
+    const float* a = sc.key_add + (t0 + r) * sc.key_add_stride;
+    float* out = rows + r * P;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) out[d] += a[d];
+  }
+}
 
 // One row of code F -> out[0 .. P), zero past D, through the tables.
 template <int F>
@@ -402,6 +421,7 @@ void attend_avx512(const float* qf, const typename Src::Cache* kc,
     prefetch_rows<_MM_HINT_T1>(vc + table[b] * g.v_block, n, g.v_token, row_bytes);
     int64_t rs;
     const Row* kb = Src::rows(kc + table[b] * g.k_block, n, g.k_token, g, sc, sc.k, rs);
+    if constexpr (Src::kQuantized) add_key_rows(sc, t0, n, P, g.head_dim, sc.k);
     for (int64_t o = 0; o < n; o += TT) {
       const Row* rows[TT];
 #pragma GCC unroll 8
@@ -518,6 +538,7 @@ void attend_generic(const float* qf, int ng, const typename Src::Cache* kc,
     const int64_t n = std::min(B, len - t0);
     int64_t rs;
     const Row* kb = Src::rows(kc + table[b] * g.k_block, n, g.k_token, g, sc, sc.k, rs);
+    if constexpr (Src::kQuantized) add_key_rows(sc, t0, n, P, D, sc.k);
     for (int64_t o = 0; o < n; ++o) {
       const Row* kr = kb + o * rs;
       for (int j = 0; j < ng; ++j) {
@@ -554,7 +575,8 @@ void attend_generic(const float* qf, int ng, const typename Src::Cache* kc,
 template <typename T, int F>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const std::vector<int64_t>& tables, int64_t table_stride,
-         const std::vector<int64_t>& lens, double scale, at::Tensor& out) {
+         const std::vector<int64_t>& lens, double scale, const float* key_add,
+         at::Tensor& out) {
   using Src = std::conditional_t<F == kAuto, Plain<T>, Quant<F>>;
   using CT = typename Src::Cache;
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
@@ -589,7 +611,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     std::vector<float> scores(kMaxGroup * (max_len + 8));
     std::vector<float> kbuf(F == kAuto ? 0 : geo.block_size * P);
     std::vector<float> vbuf(F == kAuto ? 0 : geo.block_size * P);
-    const Scratch sc{kbuf.data(), vbuf.data(), fp8};
+    Scratch sc{kbuf.data(), vbuf.data(), fp8};
+    if (key_add != nullptr) sc.key_add_stride = KV * D;
 #if PDS_AVX512
     std::vector<__mmask16> masks(P / 16, static_cast<__mmask16>(0xFFFF));
     if (D % 16) masks.back() = static_cast<__mmask16>((1u << (D % 16)) - 1);
@@ -614,6 +637,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       Table table = tables.data() + s * table_stride;
       const CT* kc = kp + h * k_head;
       const CT* vc = vp + h * v_head;
+      if (key_add != nullptr) sc.key_add = key_add + h * D;
 #if PDS_AVX512
       switch (ng) {
 #define PDS_CASE(N)                                                                          \
@@ -649,23 +673,28 @@ template <typename T>
 void dispatch_format(int64_t kv_format, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const std::vector<int64_t>& tables,
                      int64_t table_stride, const std::vector<int64_t>& lens, double scale,
-                     at::Tensor& out) {
+                     const float* key_add, at::Tensor& out) {
   switch (kv_format) {
-    case kAuto: run<T, kAuto>(q, k_cache, v_cache, tables, table_stride, lens, scale, out); break;
+    case kAuto:
+      run<T, kAuto>(q, k_cache, v_cache, tables, table_stride, lens, scale, nullptr, out);
+      break;
     case kFp8E4M3:
-      run<T, kFp8E4M3>(q, k_cache, v_cache, tables, table_stride, lens, scale, out);
+      run<T, kFp8E4M3>(q, k_cache, v_cache, tables, table_stride, lens, scale, key_add, out);
       break;
     case kFp8E5M2:
-      run<T, kFp8E5M2>(q, k_cache, v_cache, tables, table_stride, lens, scale, out);
+      run<T, kFp8E5M2>(q, k_cache, v_cache, tables, table_stride, lens, scale, key_add, out);
       break;
-    default: run<T, kNvfp4>(q, k_cache, v_cache, tables, table_stride, lens, scale, out); break;
+    default:
+      run<T, kNvfp4>(q, k_cache, v_cache, tables, table_stride, lens, scale, key_add, out);
+      break;
   }
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
-                                  int64_t kv_format) {
+                                  int64_t kv_format,
+                                  const std::optional<at::Tensor>& key_add) {
   TORCH_CHECK(kv_format >= kAuto && kv_format <= kNvfp4, "unknown kv_format code ", kv_format,
               " (known: 0 auto, 1 fp8_e4m3, 2 fp8_e5m2, 3 nvfp4)");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
@@ -712,6 +741,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const auto lt = context_lens.scalar_type();
   TORCH_CHECK(lt == at::kInt || lt == at::kLong, "context_lens must be int32 or int64");
 
+  const bool adds = key_add.has_value() && key_add->defined();
+  if (adds) {
+    TORCH_CHECK(kv_format != kAuto, "key_add is for quantized caches (kv_format 1-3) only");
+    TORCH_CHECK(key_add->device().is_cpu() && key_add->scalar_type() == at::kFloat &&
+                    key_add->dim() == 3 && key_add->is_contiguous() &&
+                    key_add->size(1) == KV && key_add->size(2) == D,
+                "key_add must be a contiguous float32 CPU tensor [positions, kv_heads (", KV,
+                "), head_dim (", D, ")], got ", key_add->sizes(), " ", key_add->scalar_type());
+  }
   at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
   at::Tensor out = at::empty({S, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (S == 0 || H == 0) return out;
@@ -728,7 +766,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                 " is outside [0, max_blocks * block_size = ", max_blocks * B, "]");
     lens[s] = l;
   }
-  const int64_t used = (*std::max_element(lens.begin(), lens.end()) + B - 1) / B;
+  const int64_t longest = *std::max_element(lens.begin(), lens.end());
+  TORCH_CHECK(!adds || key_add->size(0) >= longest, "key_add has ",
+              adds ? key_add->size(0) : 0, " positions; the longest context is ", longest);
+  const float* add = adds ? key_add->data_ptr<float>() : nullptr;
+  const int64_t used = (longest + B - 1) / B;
   std::vector<int64_t> tables(S * used, 0);
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t b = 0, n = (lens[s] + B - 1) / B; b < n; ++b) {
@@ -742,12 +784,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
 
   if (dt == at::kFloat) {
-    dispatch_format<float>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, out);
+    dispatch_format<float>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, add,
+                           out);
   } else if (dt == at::kBFloat16) {
     dispatch_format<c10::BFloat16>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale,
-                                   out);
+                                   add, out);
   } else {
-    dispatch_format<c10::Half>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, out);
+    dispatch_format<c10::Half>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, add,
+                              out);
   }
   return out;
 }
@@ -757,7 +801,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(pdserve_kernels, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int kv_format=0) -> Tensor");
+      "Tensor context_lens, float scale, int kv_format=0, Tensor? key_add=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
