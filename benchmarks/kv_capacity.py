@@ -390,8 +390,10 @@ def lo_up() -> None:
 
 
 def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[int]]:
-    """Distinct random prompts; each starts with its own token, so no two share a block."""
-    low, high = 1000, max(1001, min(vocab, 40000))
+    """Distinct random prompts; each starts with its own token, so no two share a block
+    (ids past the special tokens at the vocabulary's start, all inside a small one)."""
+    low = min(1000, vocab // 8)
+    high = max(low + 1, min(vocab, 40000))
     firsts = rng.sample(range(low, high), n) if n <= high - low else [
         low + i % (high - low) for i in range(n)]
     return [[f] + [rng.randrange(low, high) for _ in range(length - 1)] for f in firsts]
@@ -404,7 +406,9 @@ def _without_forward(engine: LLMEngine, token: int = 1000) -> Iterator[None]:
     from workers.engine.model_runner import StepResult
     from workers.engine.sampler import SampleResult
 
-    def execute(chunks: list, masks: object = None) -> StepResult:
+    def execute(chunks: list, masks: object = None, forks: object = None,
+                prompt_logprobs: object = None) -> StepResult:
+        # the benchmark's requests are n=1, no prompt logprobs: nothing to fork or score
         ids = [c.seq.seq_id for c in chunks if c.samples]
         return StepResult(ids, SampleResult([token] * len(ids), [None] * len(ids)))
 
@@ -471,7 +475,8 @@ def measure_capacity(o: BenchKVOptions, kv: str, r: KVResult,
     steps: list[list[str]] = []
     seqs: dict[str, Sequence] = {}
     finished: set[str] = set()
-    stub = nullcontext() if o.full_forward else _without_forward(engine)
+    stub = nullcontext() if o.full_forward else _without_forward(
+        engine, min(1000, runner.vocab_size - 1))
     with stub:
         _capacity_steps(engine, steps, seqs, finished, kv, log)
     for rid in [f"cap-{i}" for i in range(n)]:

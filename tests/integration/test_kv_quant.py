@@ -140,3 +140,23 @@ def test_prefill_and_decode_with_different_kv_dtypes_refuse_to_pair(llama16, tmp
     assert f"(prefill workers: {prefill.address} (" in line and ":kv=fp8_e4m3:" in line
     assert ":float32)" in line.split("has no prefill")[0]  # the decode side: no kv= suffix
     assert "--kv-cache-dtype" in line
+
+
+def test_bench_kv_capacity_drives_the_real_engine(llama16) -> None:
+    """``pdserve bench-kv``'s capacity run steps the real engine with its forward stubbed:
+    the stub must keep the runner's call signature and the vocabulary, and the count
+    must follow the format's row size (head_dim 16: NVFP4 rows of 9 bytes against
+    float32's 64)."""
+    from benchmarks.kv_capacity import BenchKVOptions, KVResult, measure_capacity
+
+    o = BenchKVOptions(model=str(llama16), kv_dtypes=("auto", "nvfp4"), dtype="float32",
+                       kv_cache_gb=0.0002, seq_tokens=64, output_tokens=8, block_size=BLOCK,
+                       threads=1)
+    results = {kv: KVResult(kv) for kv in o.kv_dtypes}
+    for kv, r in results.items():
+        measure_capacity(o, kv, r, lambda _line: None)
+        assert r.concurrent == r.concurrent_expected > 0
+        assert r.preemptions == 0 or r.peak_running > r.concurrent
+    auto, nvfp4 = results["auto"], results["nvfp4"]
+    assert (auto.row_bytes, nvfp4.row_bytes) == (64, 9)
+    assert nvfp4.concurrent >= 6 * auto.concurrent

@@ -226,11 +226,11 @@ def test_key_add_is_added_to_every_key_by_position(op, fmt_name, q_dtype) -> Non
     lens = [1, 16, 17, 64, 100, 0]
     q, k, v, kd, vd, table, lens_t, fmt = make_case(fmt_name, lens, 3, 3, 64, q_dtype, seed=5)
     g = torch.Generator().manual_seed(11)
-    key_add = torch.randn(max(lens) + 3, 3, 64, generator=g) * 4
+    key_add = (torch.randn(max(lens) + 3, 3, 64, generator=g) * 4).bfloat16()
     added = kd.clone()
     for s, n in enumerate(lens):
         for p in range(n):
-            added[table[s, p // BLOCK], p % BLOCK] += key_add[p]
+            added[table[s, p // BLOCK], p % BLOCK] += key_add[p].float()
     out = op(q, k, v, table, lens_t, 0.125, kv_format=fmt.code, key_add=key_add)
     ref = op(q.float(), added, vd, table, lens_t, 0.125).to(q.dtype)
     if q_dtype == torch.float32:
@@ -243,12 +243,12 @@ def test_key_add_is_added_to_every_key_by_position(op, fmt_name, q_dtype) -> Non
 
 def test_key_add_is_checked(op) -> None:
     q, k, v, kd, vd, table, lens, fmt = make_case("nvfp4", [20, 3], 2, 2, 32, torch.float32)
-    good = torch.zeros(20, 2, 32)
+    good = torch.zeros(20, 2, 32, dtype=torch.bfloat16)
     op(q, k, v, table, lens, kv_format=fmt.code, key_add=good)
     with pytest.raises(RuntimeError, match="quantized caches"):
         op(q, kd, vd, table, lens, key_add=good)
     with pytest.raises(RuntimeError, match="longest context is 20"):
         op(q, k, v, table, lens, kv_format=fmt.code, key_add=good[:19])
-    for bad in (good.double(), good[:, :1], good.transpose(0, 1), good[..., :16]):
+    for bad in (good.float(), good[:, :1], good.transpose(0, 1), good[..., :16]):
         with pytest.raises(RuntimeError, match="key_add must be"):
             op(q, k, v, table, lens, kv_format=fmt.code, key_add=bad)

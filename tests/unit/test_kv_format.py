@@ -244,9 +244,8 @@ class _Lossless:
 
 def _keys(fmt: _Lossless, m: torch.Tensor, scale: torch.Tensor, positions: torch.Tensor,
           table_len: int) -> StepKeys:
-    table_pos = torch.arange(table_len)
-    return StepKeys(scale, _rope((m * scale).expand(len(positions), *m.shape), positions),
-                    fmt.rotate(_rope((m * scale).expand(table_len, *m.shape), table_pos)))
+    rows = _rope((m * scale).expand(table_len, *m.shape), torch.arange(table_len))
+    return StepKeys(scale, fmt.rotate(rows).bfloat16(), positions)
 
 
 def test_the_key_transform_changes_no_attention_output() -> None:

@@ -48,18 +48,20 @@ class PrefillSpan:
 class StepKeys:
     """One layer's :class:`~workers.models.kv_format.KeyTransform` for one step, as
     :func:`paged_attention` applies it to a quantized cache: queries divided and keys
-    multiplied by ``scale`` (``[kv_heads, head_dim]``, powers of two), then ``offset``
-    (``[tokens, kv_heads, head_dim]``: the offset at each new token's position, scaled)
-    subtracted from the new keys before they are stored; every key read from the cache
-    gets ``table`` (``[positions, kv_heads, head_dim]``, the same in the stored basis, by
-    position) added back. All float32; parts None are off."""
+    multiplied by ``scale`` (``[kv_heads, head_dim]`` float32, powers of two); ``table``
+    (``[positions, kv_heads, head_dim]`` bfloat16, in the stored basis: the key offset
+    rotated to each position and scaled) is subtracted from each new key at its
+    ``positions`` before it is stored, and added back to every key read from the cache,
+    by position (the native kernel's ``key_add``). Subtracting the same rounded rows that
+    reads add makes the round trip exact but for the format's own rounding. Parts None
+    are off."""
 
     scale: torch.Tensor | None
-    offset: torch.Tensor | None
     table: torch.Tensor | None
+    positions: torch.Tensor | None
 
-    def into_stored(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor,
-                                                                      torch.Tensor]:
+    def into_stored(self, q: torch.Tensor, k: torch.Tensor, fmt: KVFormat
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries, keys to store) before the format's rotation; keys in float32."""
         k = k.float()
         if self.scale is not None:
@@ -67,9 +69,14 @@ class StepKeys:
             inv = (1.0 / self.scale).to(q.dtype).unsqueeze(1)  # exact: powers of two
             q = (q.view(q.shape[0], kv, -1, dim) * inv).view(q.shape)
             k = k * self.scale
-        if self.offset is not None:
-            k = k - self.offset
+        if self.table is not None:  # the rows in the keys' basis: H is its own inverse
+            k = k - fmt.rotate(self.table[self.positions].float())
         return q, k
+
+    def fresh(self, k: torch.Tensor) -> torch.Tensor:
+        """The step's own keys as read back (stored basis, float32) plus their rows."""
+        return k.float() + self.table[self.positions].float() if self.table is not None \
+            else k
 
     def add_back(self, k: torch.Tensor) -> torch.Tensor:
         """Keys read from the cache ``[..., length, kv_heads, head_dim]`` (float32, in
@@ -78,7 +85,7 @@ class StepKeys:
         if self.table is None:
             return k
         length = k.shape[-3]
-        add = self.table[:length]
+        add = self.table[:length].float()
         if add.shape[0] < length:
             add = F.pad(add, (0, 0, 0, 0, 0, length - add.shape[0]))
         return k + add
@@ -189,13 +196,13 @@ def paged_attention(
     keys = keys if quantized else None
     if quantized:  # everything below runs in the rotated basis the rows are stored in
         if keys is not None:
-            q, k = keys.into_stored(q, k)  # one rounding, at quantization
+            q, k = keys.into_stored(q, k, kv_format)  # one rounding, at quantization
         q = kv_format.rotate(q)
         # only a chunk attending to itself uncached reads the step's K/V directly
         fresh = any(span.blocks is None for span in batch.prefills)
         k_rows, k, v_rows, v = kv_format.round_trip_kv(k, v, read=fresh)
-        if k is not None and keys is not None and keys.offset is not None:
-            k = k.float() + kv_format.rotate(keys.offset)
+        if k is not None and keys is not None:
+            k = keys.fresh(k)
         k = k.to(q.dtype) if k is not None else None
     else:
         k_rows, v_rows = k, v

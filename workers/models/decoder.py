@@ -255,24 +255,21 @@ class DecoderModel:
         return self.key_transform.digest()
 
     def _step_keys(self, layer: int, positions: torch.Tensor, upto: int) -> StepKeys | None:
-        """The key transform's part for ``layer`` in a step at ``positions`` that reads
-        positions below ``upto`` (see :class:`~workers.models.attention.StepKeys`)."""
+        """The key transform's part for ``layer`` in a step whose new tokens sit at
+        ``positions`` and that reads positions below ``upto`` (see
+        :class:`~workers.models.attention.StepKeys`)."""
         kt = self.key_transform
         if kt is None or not self.kv_format.quantized:
             return None
         scale = kt.scales[layer] if kt.scales is not None else None
         if kt.offsets is None:
             return StepKeys(scale, None, None)
-        m = kt.offsets[layer] * (scale if scale is not None else 1.0)
-        n = positions.shape[0]
-        fresh = apply_rope(m.expand(n, *m.shape), self._cos32[positions],
-                           self._sin32[positions])
-        return StepKeys(scale, fresh, self._key_table(layer, upto))
+        return StepKeys(scale, self._key_table(layer, upto), positions)
 
     def _key_table(self, layer: int, upto: int) -> torch.Tensor:
-        """``[>= upto, kv_heads, head_dim]`` float32: row ``p`` the key offset rotated to
-        position ``p`` (RoPE), scaled, in the cache's stored basis: what reads add back.
-        Grown by doubling as contexts grow; rebuilt when the format or transform change."""
+        """``[>= upto, kv_heads, head_dim]`` bfloat16: row ``p`` the key offset rotated to
+        position ``p`` (RoPE), scaled, in the cache's stored basis. Grown by doubling as
+        contexts grow; rebuilt when the format or the transform change."""
         owner = (id(self.kv_format), id(self.key_transform))
         if self._key_tables_for != owner:
             self._key_tables, self._key_tables_for = {}, owner
@@ -282,7 +279,7 @@ class DecoderModel:
             kt = self.key_transform
             m = kt.offsets[layer] * (kt.scales[layer] if kt.scales is not None else 1.0)
             rows = apply_rope(m.expand(size, *m.shape), self._cos32[:size], self._sin32[:size])
-            table = self.kv_format.rotate(rows).contiguous()
+            table = self.kv_format.rotate(rows).to(torch.bfloat16).contiguous()
             self._key_tables[layer] = table
         return table
 

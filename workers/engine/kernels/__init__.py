@@ -166,7 +166,7 @@ def paged_decode_attention(
     so the output equals the kv_format 0 kernel on ``fmt.dequantize(cache, float32)``
     with q in float32, rounded to q's dtype.
 
-    key_add (quantized formats only): float32 ``[positions, kv_heads, head_dim]``,
+    key_add (quantized formats only): bfloat16 ``[positions, kv_heads, head_dim]``,
     contiguous, at least as many positions as the longest context; row ``p`` is added
     to the decoded key of the token at position ``p`` (its index in the block table's
     order) before the dot products: the add-back of a calibrated key offset

@@ -21,10 +21,11 @@
 // code go through the table) and NVFP4's E2M1 codes through a 16-lane permute; the
 // portable build uses 256-entry tables (torch's own fp8 -> float conversions).
 //
-// Key add-back (quantized caches only): an optional fp32 table key_add [positions, kv_heads,
-// head_dim] is added to every decoded key row of the token at that position (the
+// Key add-back (quantized caches only): an optional bfloat16 table key_add [positions,
+// kv_heads, head_dim] is added to every decoded key row of the token at that position (the
 // calibrated key offset a quantized cache subtracts before storing, see the key transform
-// in workers/models/kv_format.py), in the fp32 scratch, before the dot products.
+// in workers/models/kv_format.py), fused into the decode (one FMA), before the dot
+// products. bfloat16 halves what every item reads of it (~4x a row of FP8 in float32).
 //
 // Registered as torch.ops.pdserve_kernels.paged_decode_attention(q, k_cache, v_cache,
 // block_tables, context_lens, scale, kv_format=0, key_add=None).
@@ -172,19 +173,19 @@ struct Scratch {
   float* k;
   float* v;
   const Fp8Tables* fp8;
-  const float* key_add = nullptr;  // this item's kv head in the key add-back table, or null
-  int64_t key_add_stride = 0;      // floats from one position to the next
+  const c10::BFloat16* key_add = nullptr;  // this item's kv head in key_add, or null
+  int64_t key_add_stride = 0;              // elements from one position to the next
 };
 
-// Adds the key add-back rows of positions t0 .. t0 + n to n decoded K rows (stride P).
-inline void add_key_rows(const Scratch& sc, int64_t t0, int64_t n, int64_t P, int64_t D,
-                         float* rows) {
-  if (sc.key_add == nullptr) return;
+// Adds n add-back rows (`add`, `add_stride` elements apart; null: nothing) to n decoded
+// rows (stride P).
+inline void add_rows(const c10::BFloat16* add, int64_t add_stride, int64_t n, int64_t P,
+                     int64_t D, float* rows) {
+  if (add == nullptr) return;
   for (int64_t r = 0; r < n; ++r) {
-    const float* a = sc.key_add + (t0 + r) * sc.key_add_stride;
+    const c10::BFloat16* a = add + r * add_stride;
     float* out = rows + r * P;
-#pragma omp simd
-    for (int64_t d = 0; d < D; ++d) out[d] += a[d];
+    for (int64_t d = 0; d < D; ++d) out[d] += static_cast<float>(a[d]);
   }
 }
 
@@ -209,10 +210,17 @@ inline void decode_row_table(const uint8_t* row, int64_t D, int64_t P, const Fp8
 
 #if PDS_AVX512
 
-// n rows of code F (byte stride `stride`) -> fp32 rows of padded_dim, zero past head_dim.
+// n rows of code F (byte stride `stride`) -> fp32 rows of padded_dim, zero past head_dim,
+// plus the add-back rows `add` (`add_stride` elements apart; null: none), fused.
+inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 template <int F>
 inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geometry& g,
-                        const Scratch& sc, float* dst) {
+                        const Scratch& sc, float* dst, const c10::BFloat16* add,
+                        int64_t add_stride) {
   const int64_t D = g.head_dim, P = g.padded_dim, C = P / 16;
   if constexpr (F == kNvfp4) {
     const __m512 table = _mm512_load_ps(kE2M1);
@@ -222,6 +230,7 @@ inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geo
       const uint8_t* row = src + r * stride;
       const uint8_t* scales = row + D / 2;
       float* out = dst + r * P;
+      const c10::BFloat16* a = add != nullptr ? add + r * add_stride : nullptr;
       // Two groups of 16 per 16 packed bytes; element 2i is byte i's low nibble.
       int64_t c = 0;
       for (; c + 2 <= C; c += 2) {
@@ -234,8 +243,16 @@ inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geo
             _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), table);
         const float s0 = e4m3[scales[c]] * kNvfp4TensorScale;
         const float s1 = e4m3[scales[c + 1]] * kNvfp4TensorScale;
-        _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(v0, _mm512_set1_ps(s0)));
-        _mm512_storeu_ps(out + 16 * c + 16, _mm512_mul_ps(v1, _mm512_set1_ps(s1)));
+        if (a != nullptr) {  // head_dim is a multiple of 16 here: whole chunks
+          _mm512_storeu_ps(out + 16 * c, _mm512_fmadd_ps(v0, _mm512_set1_ps(s0),
+                                                         load_bf16(a + 16 * c, 0xFFFF)));
+          _mm512_storeu_ps(out + 16 * c + 16,
+                           _mm512_fmadd_ps(v1, _mm512_set1_ps(s1),
+                                           load_bf16(a + 16 * c + 16, 0xFFFF)));
+        } else {
+          _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(v0, _mm512_set1_ps(s0)));
+          _mm512_storeu_ps(out + 16 * c + 16, _mm512_mul_ps(v1, _mm512_set1_ps(s1)));
+        }
       }
       if (c < C) {
         const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * c));
@@ -244,7 +261,10 @@ inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geo
         const __m512 v0 =
             _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), table);
         const float s0 = e4m3[scales[c]] * kNvfp4TensorScale;
-        _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(v0, _mm512_set1_ps(s0)));
+        _mm512_storeu_ps(out + 16 * c,
+                         a != nullptr ? _mm512_fmadd_ps(v0, _mm512_set1_ps(s0),
+                                                        load_bf16(a + 16 * c, 0xFFFF))
+                                      : _mm512_mul_ps(v0, _mm512_set1_ps(s0)));
       }
     }
   } else {
@@ -261,6 +281,7 @@ inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geo
     for (int64_t r = 0; r < n; ++r) {
       const uint8_t* row = src + r * stride;
       float* out = dst + r * P;
+      const c10::BFloat16* a = add != nullptr ? add + r * add_stride : nullptr;
       const uint8_t sb = row[D];
       float s;
       if constexpr (F == kFp8E4M3) {
@@ -272,6 +293,7 @@ inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geo
         }
         if (nan || sb > 246) {
           decode_row_table<F>(row, D, P, *sc.fp8, out);
+          add_rows(a, 0, 1, P, D, out);
           continue;
         }
         s = e8m0(static_cast<uint8_t>(sb + 8));
@@ -287,7 +309,11 @@ inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geo
           h = _mm256_slli_epi16(w, 8);
         else
           h = _mm256_and_si256(_mm256_srai_epi16(_mm256_slli_epi16(w, 8), 1), keep);
-        _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_cvtph_ps(h), sv));
+        const __m512 x = _mm512_cvtph_ps(h);
+        const __m512 y = a != nullptr
+                             ? _mm512_fmadd_ps(x, sv, load_bf16(a + 16 * c, m))
+                             : _mm512_mul_ps(x, sv);
+        _mm512_storeu_ps(out + 16 * c, y);
       }
     }
   }
@@ -297,10 +323,12 @@ inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geo
 
 template <int F>
 inline void decode_rows(const uint8_t* src, int64_t n, int64_t stride, const Geometry& g,
-                        const Scratch& sc, float* dst) {
+                        const Scratch& sc, float* dst, const c10::BFloat16* add,
+                        int64_t add_stride) {
   for (int64_t r = 0; r < n; ++r)
     decode_row_table<F>(src + r * stride, g.head_dim, g.padded_dim, *sc.fp8,
                         dst + r * g.padded_dim);
+  add_rows(add, add_stride, n, g.padded_dim, g.head_dim, dst);
 }
 
 #endif  // PDS_AVX512
@@ -314,7 +342,8 @@ struct Plain {
   using Row = T;
   static constexpr bool kQuantized = false;
   static const T* rows(const T* block, int64_t, int64_t stride, const Geometry&,
-                       const Scratch&, float*, int64_t& row_stride) {
+                       const Scratch&, float*, int64_t& row_stride,
+                       const c10::BFloat16* = nullptr) {
     row_stride = stride;
     return block;
   }
@@ -325,9 +354,11 @@ struct Quant {
   using Cache = uint8_t;
   using Row = float;
   static constexpr bool kQuantized = true;
+  // `add`: add-back rows for these n rows (key_add, see the top), or null.
   static const float* rows(const uint8_t* block, int64_t n, int64_t stride, const Geometry& g,
-                           const Scratch& sc, float* buf, int64_t& row_stride) {
-    decode_rows<F>(block, n, stride, g, sc, buf);
+                           const Scratch& sc, float* buf, int64_t& row_stride,
+                           const c10::BFloat16* add = nullptr) {
+    decode_rows<F>(block, n, stride, g, sc, buf, add, sc.key_add_stride);
     row_stride = g.padded_dim;
     return buf;
   }
@@ -420,8 +451,8 @@ void attend_avx512(const float* qf, const typename Src::Cache* kc,
     // This block's V rows into L2 for the V pass (~5-10% when the cache is in DRAM).
     prefetch_rows<_MM_HINT_T1>(vc + table[b] * g.v_block, n, g.v_token, row_bytes);
     int64_t rs;
-    const Row* kb = Src::rows(kc + table[b] * g.k_block, n, g.k_token, g, sc, sc.k, rs);
-    if constexpr (Src::kQuantized) add_key_rows(sc, t0, n, P, g.head_dim, sc.k);
+    const Row* kb = Src::rows(kc + table[b] * g.k_block, n, g.k_token, g, sc, sc.k, rs,
+                              sc.key_add ? sc.key_add + t0 * sc.key_add_stride : nullptr);
     for (int64_t o = 0; o < n; o += TT) {
       const Row* rows[TT];
 #pragma GCC unroll 8
@@ -537,8 +568,8 @@ void attend_generic(const float* qf, int ng, const typename Src::Cache* kc,
   for (int64_t b = 0, t0 = 0; t0 < len; ++b, t0 += B) {
     const int64_t n = std::min(B, len - t0);
     int64_t rs;
-    const Row* kb = Src::rows(kc + table[b] * g.k_block, n, g.k_token, g, sc, sc.k, rs);
-    if constexpr (Src::kQuantized) add_key_rows(sc, t0, n, P, D, sc.k);
+    const Row* kb = Src::rows(kc + table[b] * g.k_block, n, g.k_token, g, sc, sc.k, rs,
+                              sc.key_add ? sc.key_add + t0 * sc.key_add_stride : nullptr);
     for (int64_t o = 0; o < n; ++o) {
       const Row* kr = kb + o * rs;
       for (int j = 0; j < ng; ++j) {
@@ -575,7 +606,7 @@ void attend_generic(const float* qf, int ng, const typename Src::Cache* kc,
 template <typename T, int F>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const std::vector<int64_t>& tables, int64_t table_stride,
-         const std::vector<int64_t>& lens, double scale, const float* key_add,
+         const std::vector<int64_t>& lens, double scale, const c10::BFloat16* key_add,
          at::Tensor& out) {
   using Src = std::conditional_t<F == kAuto, Plain<T>, Quant<F>>;
   using CT = typename Src::Cache;
@@ -673,7 +704,7 @@ template <typename T>
 void dispatch_format(int64_t kv_format, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const std::vector<int64_t>& tables,
                      int64_t table_stride, const std::vector<int64_t>& lens, double scale,
-                     const float* key_add, at::Tensor& out) {
+                     const c10::BFloat16* key_add, at::Tensor& out) {
   switch (kv_format) {
     case kAuto:
       run<T, kAuto>(q, k_cache, v_cache, tables, table_stride, lens, scale, nullptr, out);
@@ -744,10 +775,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const bool adds = key_add.has_value() && key_add->defined();
   if (adds) {
     TORCH_CHECK(kv_format != kAuto, "key_add is for quantized caches (kv_format 1-3) only");
-    TORCH_CHECK(key_add->device().is_cpu() && key_add->scalar_type() == at::kFloat &&
+    TORCH_CHECK(key_add->device().is_cpu() && key_add->scalar_type() == at::kBFloat16 &&
                     key_add->dim() == 3 && key_add->is_contiguous() &&
                     key_add->size(1) == KV && key_add->size(2) == D,
-                "key_add must be a contiguous float32 CPU tensor [positions, kv_heads (", KV,
+                "key_add must be a contiguous bfloat16 CPU tensor [positions, kv_heads (", KV,
                 "), head_dim (", D, ")], got ", key_add->sizes(), " ", key_add->scalar_type());
   }
   at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
@@ -769,7 +800,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t longest = *std::max_element(lens.begin(), lens.end());
   TORCH_CHECK(!adds || key_add->size(0) >= longest, "key_add has ",
               adds ? key_add->size(0) : 0, " positions; the longest context is ", longest);
-  const float* add = adds ? key_add->data_ptr<float>() : nullptr;
+  const c10::BFloat16* add = adds ? key_add->data_ptr<c10::BFloat16>() : nullptr;
   const int64_t used = (longest + B - 1) / B;
   std::vector<int64_t> tables(S * used, 0);
   for (int64_t s = 0; s < S; ++s) {
