@@ -3,8 +3,9 @@ what the multi-node tests and ``pdserve bench-multinode`` run.
 
 Lifecycle. :meth:`RayOnHosts.start` runs ``ray start --head`` on host 0 (no CPUs: the
 pools go to the other hosts) and ``ray start --address`` on each other host with its own
-``--node-ip-address``, CPUs and ``--labels``; all with Ray's token authentication (the
-token file is shared: the hosts share a filesystem). :meth:`RayOnHosts.up` runs ``pdserve
+``--node-ip-address``, CPUs and ``--labels``; all with Ray's token authentication (a
+fresh token in the cluster's own temp dir, ``RAY_AUTH_TOKEN_PATH``: the hosts share a
+filesystem). :meth:`RayOnHosts.up` runs ``pdserve
 up --ray-address`` on host 0 with the router and Redis bound to host 0's address, and
 returns once its banner says it serves. :meth:`RayOnHosts.lose` kills everything on a host
 at once; :meth:`RayOnHosts.rejoin` starts its Ray node again. :meth:`RayOnHosts.stop`
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -52,8 +54,13 @@ class RayOnHosts:
         self.port = port
         self.head = f"{hosts[0].ip}:{port}"
         self.tmp = tempfile.mkdtemp(prefix="pdsray", dir="/tmp")  # short: Ray's socket paths
+        # A token of its own, not whatever ~/.ray/auth_token holds: `ray start --head`
+        # with token auth refuses to start without one, and a fresh machine has none.
+        token = Path(self.tmp) / "auth_token"
+        token.touch(mode=0o600)
+        token.write_text(secrets.token_hex(32))
         self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0",
-                    "RAY_TMPDIR": self.tmp,
+                    "RAY_AUTH_TOKEN_PATH": str(token), "RAY_TMPDIR": self.tmp,
                     "RAY_health_check_period_ms": str(int(health_check_s * 1000)),
                     "RAY_health_check_failure_threshold": "5",
                     "RAY_health_check_timeout_ms": str(int(health_check_s * 1000)),
