@@ -175,7 +175,7 @@ class DecoderModel:
         """How a quantized cache stores keys (:meth:`calibrate_keys`); None: as they are."""
         self._key_stats: list[list[torch.Tensor]] | None = None  # while calibrating
         self._key_tables: dict[int, torch.Tensor] = {}  # layer -> add-back by position
-        self._key_tables_for: tuple[int, int] = (0, 0)
+        self._key_tables_for: tuple[object, object] = (None, None)  # (format, transform)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
         inner = hf_model.model
@@ -270,9 +270,10 @@ class DecoderModel:
         """``[>= upto, kv_heads, head_dim]`` bfloat16: row ``p`` the key offset rotated to
         position ``p`` (RoPE), scaled, in the cache's stored basis. Grown by doubling as
         contexts grow; rebuilt when the format or the transform change."""
-        owner = (id(self.kv_format), id(self.key_transform))
-        if self._key_tables_for != owner:
-            self._key_tables, self._key_tables_for = {}, owner
+        fmt, kt = self._key_tables_for
+        if fmt is not self.kv_format or kt is not self.key_transform:
+            self._key_tables = {}
+            self._key_tables_for = (self.kv_format, self.key_transform)
         table = self._key_tables.get(layer)
         if table is None or table.shape[0] < upto:
             size = min(self._cos32.shape[0], max(256, 1 << (upto - 1).bit_length()))
