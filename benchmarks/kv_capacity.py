@@ -400,11 +400,14 @@ def _prompts(rng: random.Random, n: int, length: int, vocab: int) -> list[list[i
 
 
 @contextmanager
-def _without_forward(engine: LLMEngine, token: int = 1000) -> Iterator[None]:
-    """While inside, ``engine.step`` samples ``token`` for every sampling chunk instead of
-    running the model (nothing is written to the cache); everything else is the engine's."""
+def _without_forward(engine: LLMEngine) -> Iterator[None]:
+    """While inside, ``engine.step`` samples one fixed token (1000, or the vocabulary's
+    last id when it is smaller) for every sampling chunk instead of running the model
+    (nothing is written to the cache); everything else is the engine's."""
     from workers.engine.model_runner import StepResult
     from workers.engine.sampler import SampleResult
+
+    token = min(1000, engine.runner.vocab_size - 1)
 
     def execute(chunks: list, masks: object = None, forks: object = None,
                 prompt_logprobs: object = None) -> StepResult:
@@ -475,8 +478,7 @@ def measure_capacity(o: BenchKVOptions, kv: str, r: KVResult,
     steps: list[list[str]] = []
     seqs: dict[str, Sequence] = {}
     finished: set[str] = set()
-    stub = nullcontext() if o.full_forward else _without_forward(
-        engine, min(1000, runner.vocab_size - 1))
+    stub = nullcontext() if o.full_forward else _without_forward(engine)
     with stub:
         _capacity_steps(engine, steps, seqs, finished, kv, log)
     for rid in [f"cap-{i}" for i in range(n)]:

@@ -254,13 +254,11 @@ class DecoderModel:
             self.kv_format, self._key_stats = fmt, None
         return self.key_transform.digest()
 
-    def _step_keys(self, layer: int, positions: torch.Tensor, upto: int) -> StepKeys | None:
+    def _step_keys(self, layer: int, positions: torch.Tensor, upto: int) -> StepKeys:
         """The key transform's part for ``layer`` in a step whose new tokens sit at
         ``positions`` and that reads positions below ``upto`` (see
         :class:`~workers.models.attention.StepKeys`)."""
-        kt = self.key_transform
-        if kt is None or not self.kv_format.quantized:
-            return None
+        kt = self.key_transform  # set, and the format quantized: forward checks
         scale = kt.scales[layer] if kt.scales is not None else None
         if kt.offsets is None:
             return StepKeys(scale, None, None)

@@ -51,10 +51,9 @@ of QuaRot and SpinQuant, applied to the cache only). ``pdserve eval-kv`` measure
 ``pdserve eval-kv --ablate`` measured keys-only quantization at +0.80% (FP8 E4M3) and
 +3.12% (NVFP4) perplexity on SmolLM2, values-only at +0.13% and +0.12% (a key's error
 moves every score it takes part in; this small model's attention is sharp). Two
-calibrated changes,
-both exact for attention, put the format's precision where the scores need it
-(:class:`KeyTransform`; per layer, KV head and channel; from one prefill of a fixed
-calibration text, :data:`CALIBRATION_TEXT`, when the engine starts):
+calibrated changes, both exact for attention, put the format's precision where the
+scores need it (:class:`KeyTransform`; per layer, KV head and channel; from one prefill
+of a fixed calibration text, :data:`CALIBRATION_TEXT`, when the engine starts):
 
 - **Offset, before RoPE, added back.** Keys carry a large component shared by every
   token, and it lives *before* RoPE: ``k_p = R_p (m + d_p)`` with ``m`` the layer's mean
