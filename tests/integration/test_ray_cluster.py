@@ -145,11 +145,19 @@ class Load:
             assert out.token_ids == reference[p], f"prompt {p}"
 
 
-def wait_for(what: str, cond, timeout: float = 120.0) -> None:  # noqa: ANN001
+def wait_for(what: str, cond, timeout: float = 120.0,  # noqa: ANN001
+             poll_s: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+        time.sleep(poll_s)
+
+
+def running_on(target: str, address: str) -> int:
+    """Requests the worker at ``address`` is running now, as the router reports it."""
+    with Client(target) as client:
+        return sum(w.running_requests for w in client.status().workers
+                   if w.address == address)
 
 
 def serving_roles(target: str) -> list[str]:
@@ -214,6 +222,10 @@ def test_killed_worker_actor_restarts_rejoins_and_loses_no_request(ray_up, workl
     before = ray_up.actor("pdserve-decode-0")
     with Load(ray_up.target, prompts) as load:
         wait_for("load", lambda: len(load.results) >= 3)
+        # Killed with a stream on it, so the router must migrate one (the metrics test
+        # below counts it): 3 lanes over 2 decode workers can leave this one idle.
+        wait_for("a stream on pdserve-decode-0",
+                 lambda: running_on(ray_up.target, before["address"]) > 0, poll_s=0.05)
         os.kill(before["pid"], signal.SIGKILL)
         wait_for("the restarted actor", lambda: (
             (a := ray_up.actor("pdserve-decode-0"))["state"] == "ALIVE"

@@ -105,7 +105,7 @@ def agent_main() -> None:
     """Serve JSON-line commands on stdin until EOF or ``exit``."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(threadName)s %(name)s %(message)s")
-    sender: KVSender | None = None
+    senders: dict[str, KVSender] = {}  # one per config: a send's config must apply to it
     receiver: KVReceiver | None = None
     caches: dict[str, tuple[torch.Tensor, dict[str, Any], Any]] = {}
     out = sys.stdout
@@ -116,7 +116,10 @@ def agent_main() -> None:
         cfg = TransferConfig(**cmd.get("config", TEST_CFG))
         if op == "send":
             # the fault hook as the worker's command line reads it (cluster/cli/component.py)
-            sender = sender or KVSender(cmd["name"], fault_hooks_from_env(cfg))
+            key = json.dumps(cmd.get("config", TEST_CFG), sort_keys=True)
+            if key not in senders:
+                senders[key] = KVSender(cmd["name"], fault_hooks_from_env(cfg))
+            sender = senders[key]
             handles = []
             for it in cmd["items"]:
                 lay = layout_of(it)
@@ -144,7 +147,7 @@ def agent_main() -> None:
         out.flush()
         if op == "exit":
             break
-    if sender is not None:
+    for sender in senders.values():
         sender.close()
     if receiver is not None:
         receiver.close()
@@ -514,8 +517,8 @@ def test_cancel_while_receiving_stops_writes_and_keeps_the_pair(
     # thread is descheduled for a while on a loaded machine (0.1 s flaked once in CI).
     dest = SlowDestination(cache, [1, 2], 16, delay_s=0.3)
     h = decode.expect("cancel-me", lay, [1, 2], dest)
-    agents["prefill-a"].submit("send", address=decode.address, items=[it],
-                               config={**TEST_CFG, "chunk_bytes": 1})  # 12 messages
+    one_plane = {**TEST_CFG, "chunk_bytes": 1}  # 24 messages, one plane each: 7 s of writes
+    agents["prefill-a"].submit("send", address=decode.address, items=[it], config=one_plane)
     deadline = time.monotonic() + 30
     while dest.writes < 2:
         assert time.monotonic() < deadline, "transfer never started writing"
@@ -523,13 +526,13 @@ def test_cancel_while_receiving_stops_writes_and_keeps_the_pair(
     assert h.cancel("client went away"), h.result()
     written = dest.writes
     assert agents["prefill-a"].reply()["results"][0]["state"] == "done"  # drained
-    assert h.result().state is TransferState.CANCELLED and dest.writes == written < 12
+    assert h.result().state is TransferState.CANCELLED and dest.writes == written < 24
     again = item("after-cancel", [5], seed=22)
     cache2 = new_cache(layout_of(again))
     h2 = decode.expect("after-cancel", layout_of(again), [5],
                        PagedCacheDestination(cache2, [5], 16))
-    assert agents["prefill-a"].call("send", address=decode.address,
-                                    items=[again])["results"][0]["state"] == "done"
+    assert agents["prefill-a"].call("send", address=decode.address, items=[again],
+                                    config=one_plane)["results"][0]["state"] == "done"
     assert h2.wait(10).ok and decode.stats().pairs_open == 1  # same pair, still healthy
     kv = make_kv(22, layout_of(again), 1)
     assert_only_blocks_written(cache2, {5: kv[:, :, 0]}, 16)
