@@ -40,15 +40,16 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import workers.models.decoder as decoder_module
 from benchmarks.machine import cpu_name
+from workers.engine import kernels
 from workers.engine.dtype_choice import cpu_flags
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.params import SamplingParams
 from workers.models.decoder import TORCH_OPS, DecoderModel
+from workers.models.linear import GEMV_ROWS
 
 PARTS = ("gemm", "attention", "elementwise", "lm_head", "sampling")
 BATCHES = (1, 32, 256)
@@ -265,13 +266,12 @@ def _count_python_calls(fn: Callable[[], object]) -> int:
 def backend_report(model: DecoderModel) -> dict[str, Any]:
     """Which kernels this engine's model runs, what this torch was built with, and the
     CPU's name and matrix-math flags. Call it before :func:`probes` wraps the model."""
-    qualname = getattr(model.linear, "__qualname__", "")
-    if model.linear is F.linear:
-        linear = "torch F.linear (plain weights)"
-    elif "onednn" in qualname:
-        linear = "oneDNN _linear_pointwise (weights reordered once)"
-    else:
-        linear = qualname or repr(model.linear)
+    name = getattr(model, "linear_name", "")
+    onednn = "oneDNN _linear_pointwise (weights reordered once)"
+    linear = {"torch": "torch F.linear (plain weights)", "onednn": onednn,
+              "gemv+onednn": f"native GEMV up to {GEMV_ROWS} rows (plain weights), above: "
+                             f"{onednn}",
+              }.get(name, name or repr(model.linear))
     settings = {}
     build = [line.strip() for line in torch.__config__.show().splitlines()]
     for line in build:
@@ -289,7 +289,8 @@ def backend_report(model: DecoderModel) -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "linear": linear,
         "elementwise": "torch reference ops" if model.ops is TORCH_OPS else "native fused kernels",
-        "decode_attention": "native paged kernel" if model.decode_op else "torch (gathered SDPA)",
+        "decode_attention": (f"native paged kernel ({kernels.paged_attention_isa()})"
+                             if model.decode_op else "torch (gathered SDPA)"),
         "mkldnn_available": torch.backends.mkldnn.is_available(),
         "mkl_available": torch.backends.mkl.is_available(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

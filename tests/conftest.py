@@ -20,6 +20,31 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
     return tiny_models.build_all(tmp_path_factory.mktemp("tiny"))
 
 
+@pytest.fixture(scope="module", params=["avx512", "avx2", "scalar"])
+def paged_attention_op(request: pytest.FixtureRequest):  # noqa: ANN201 - a partial of the op
+    """The native paged decode-attention op on one of its code paths (each path this
+    build compiled: an AVX-512 build has all three, an AVX2 one two)."""
+    import functools
+
+    import torch
+
+    from workers.engine import kernels
+
+    cache = os.environ.get("PDSERVE_TEST_CACHE_DIR")
+    if kernels.load(Path(cache) / "kernels" if cache else None) is None:
+        pytest.skip(f"paged decode kernel unavailable: {kernels.unavailable_reason()}")
+    op = functools.partial(kernels.paged_decode_attention, isa=request.param)
+    one = torch.zeros(1, 1, 8)
+    try:
+        op(one, one.view(1, 1, 1, 8), one.view(1, 1, 1, 8), torch.zeros(1, 1, dtype=torch.int32),
+           torch.ones(1, dtype=torch.int32))
+    except RuntimeError as e:
+        if "not compiled" not in str(e):
+            raise
+        pytest.skip(f"{request.param}: {e}")
+    return op
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     """The real default model, converted once into the shared cache."""

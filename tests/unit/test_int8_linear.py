@@ -137,3 +137,54 @@ def test_linear_ops_quantize_at_prepare_and_take_int8_as_is(native, with_kernel)
     ref, mag = reference(x, prepared, bias)
     y = ops.apply(x, prepared, bias)
     assert bool(((y.double() - ref).abs() <= 1e-5 * mag + 1e-6).all())
+
+
+# --- the float32 GEMV (the same kernel on float weights) and its dispatch ------------------
+
+@pytest.mark.parametrize("isa", paths())
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_f32_gemv_matches_float64(native, isa, n, k, rows) -> None:
+    w = weight(n, k, seed=n + k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, k, generator=g)[:, :, :].transpose(0, 1)  # not contiguous
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        y = native.f32_gemv(x, w, b, isa=isa)
+        assert y.dtype == torch.float32 and y.shape == (rows, 2, n)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        bound = 1e-5 * (x.double().abs() @ w.double().abs().T
+                        + (0 if b is None else b.double().abs())) + 1e-30
+        assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+def test_f32_gemv_rejects_what_it_cannot_take(native) -> None:
+    w = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.f32_gemv(torch.randn(1, 16).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.f32_gemv(torch.randn(1, 8), w.T)
+    with pytest.raises(RuntimeError, match="last dim"):
+        native.f32_gemv(torch.randn(1, 15), w)
+
+
+def test_gemv_linear_takes_the_gemv_up_to_its_rows_and_keeps_both_layouts(native) -> None:
+    from workers.models.linear import TORCH_LINEAR, DualWeight, gemv_linear, weight_nbytes
+
+    calls: list[int] = []
+
+    def gemv(x, w, bias):  # noqa: ANN001, ANN202 - the real kernel, counted
+        calls.append(x.numel() // x.shape[-1])
+        return native.f32_gemv(x, w, bias)
+
+    ops = gemv_linear(gemv, TORCH_LINEAR, max_rows=4)
+    w = weight(37, 53, 3)
+    dual = ops.prepare(w.T.contiguous().T)  # a non-contiguous weight is made contiguous
+    assert isinstance(dual, DualWeight) and dual.plain.is_contiguous()
+    assert weight_nbytes(dual) == w.numel() * 4  # one pass reads one layout
+    for rows in (1, 4, 5, 64):
+        x = torch.randn(rows, 53)
+        torch.testing.assert_close(ops.apply(x, dual, None), x @ w.T, rtol=1e-5, atol=1e-5)
+    assert calls == [1, 4]
+    with pytest.raises(ValueError, match="float weights"):
+        ops.prepare(quantize_int8(w))

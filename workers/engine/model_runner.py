@@ -25,7 +25,7 @@ from workers.models.decoder import TORCH_OPS, DecoderModel, ElementwiseOps
 from workers.models.int8_checkpoint import load_model as load_int8_model
 from workers.models.int8_checkpoint import quantization_of
 from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS
-from workers.models.linear import TORCH_LINEAR, int8_linear, onednn_linear
+from workers.models.linear import TORCH_LINEAR, gemv_linear, int8_linear, onednn_linear
 
 from . import kernels
 from .params import EngineConfig
@@ -117,6 +117,9 @@ class ModelRunner:
         linear = None
         if self.device.type == "cpu" and config.prepacked_weights:
             linear = onednn_linear()
+        if (native and self.dtype == torch.float32 and config.decode_gemv
+                and config.quantization is None):
+            linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR)
         layer_linear = None
         if config.quantization == "int8":
             # Every layer's projections and the LM head (the step's biggest GEMV: 113 of

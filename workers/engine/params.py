@@ -87,6 +87,10 @@ class EngineConfig:
     prepacked_weights: bool = True
     """CPU: GEMM weights reordered once into oneDNN's blocked layout (faster small-batch
     GEMMs, same memory; :mod:`workers.models.linear`); False: plain ``F.linear``."""
+    decode_gemv: bool = True
+    """CPU, float32, native kernels: decode steps of up to a few tokens run a native GEMV
+    on a plain copy of each weight (~1.4x faster single-stream GEMMs on AVX2; each weight
+    kept twice, :func:`workers.models.linear.gemv_linear`); False: one layout only."""
     quantization: str | None = None
     """Weight quantization of the decoder layers' linear layers: None (the model dtype)
     or ``int8`` (weight-only, per-output-channel scales; :mod:`workers.models.linear`).

@@ -151,6 +151,8 @@ class DecoderModel:
         # On weights already in their prepare's form; one callable for the whole model.
         self.linear = (linear.apply if head is linear
                        else by_weight(linear.apply, head.apply))
+        self.linear_name = linear.name if head is linear else f"{linear.name}, head {head.name}"
+        """Which :class:`LinearOps` the GEMMs run (reports and benchmarks)."""
         cfg = hf_model.config
         arch = (cfg.architectures or [type(hf_model).__name__])[0]
         if arch not in SUPPORTED_ARCHITECTURES:

@@ -106,7 +106,7 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
                 (name, getattr(ns, name).default)
                 for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul",
                              "quantize_kv_rows", "int8_linear", "int8_dequantize",
-                             "int8_best_isa")
+                             "int8_best_isa", "paged_attention_best_isa", "f32_gemv")
             )
             _op = ns.paged_decode_attention
             log.info(
@@ -145,6 +145,7 @@ def paged_decode_attention(
     scale: float | None = None,
     kv_format: int = 0,
     key_add: torch.Tensor | None = None,
+    isa: str | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged context.
 
@@ -172,6 +173,10 @@ def paged_decode_attention(
     order) before the dot products: the add-back of a calibrated key offset
     (:class:`workers.models.kv_format.KeyTransform`).
 
+    isa: ``avx512``, ``avx2`` or ``scalar`` (the portable loops) forces a code path
+    (tests, benchmarks); None: the best this build has (:func:`paged_attention_isa`).
+    The AVX2 path takes head_dims that are multiples of 8; others run the portable one.
+
     Raises RuntimeError if the kernel is unavailable (check :func:`available` first), and
     for an unknown kv_format, a non-uint8 quantized cache or a row size that does not
     match q's head_dim.
@@ -181,8 +186,9 @@ def paged_decode_attention(
         raise RuntimeError(f"paged decode kernel unavailable: {_error}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    code = -1 if isa is None else ISAS[isa]
     return op(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(kv_format),
-              key_add)
+              key_add, code)
 
 
 def _fused_op(name: str) -> Callable:
@@ -246,8 +252,10 @@ def quantize_kv_rows(x: torch.Tensor, kv_format: int) -> torch.Tensor:
     return _fused_op("quantize_kv_rows")(x, int(kv_format))
 
 
-INT8_ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
-"""The int8 GEMV's code paths, by name (:func:`int8_linear`'s ``isa``)."""
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+"""The native kernels' code paths, by name (the ``isa`` of :func:`int8_linear` and
+:func:`paged_decode_attention`)."""
+INT8_ISAS = ISAS
 INT8_GEMV_ROWS = 16
 """Rows of x up to which :func:`int8_linear` runs its GEMV; more: the dequantized GEMM
 (measured crossover on a 2-core AVX-512 Xeon, fp32 and bf16; see
@@ -272,9 +280,27 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return _fused_op("int8_linear")(x, q, scale, bias, int(max_gemv_rows), code)
 
 
+def f32_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+             isa: str | None = None) -> torch.Tensor:
+    """``x @ w.T + bias`` for float32 x ``[..., K]`` and a contiguous float32 weight ``[N,
+    K]``, by the int8 kernel's GEMV (each weight row read once for every row of x): the
+    decode GEMMs of float32 models (``workers.models.linear.gemv_linear``). ``isa`` as
+    for :func:`int8_linear`. Sums in float32 in another order than a GEMM (~1e-6
+    relative)."""
+    code = -1 if isa is None else ISAS[isa]
+    return _fused_op("f32_gemv")(x, w, bias, code)
+
+
 def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(q.float() * scale[:, None]).to(dtype)``, natively (float32 or bfloat16)."""
     return _fused_op("int8_dequantize")(q, scale, dtype)
+
+
+def paged_attention_isa() -> str:
+    """The decode attention's best code path in this build: ``avx512``, ``avx2`` or
+    ``scalar``."""
+    code = _fused_op("paged_attention_best_isa")()
+    return {v: k for k, v in ISAS.items()}[code]
 
 
 def int8_isa() -> str:

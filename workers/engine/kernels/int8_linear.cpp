@@ -29,7 +29,10 @@
 // over tiles of output rows on ATen's intra-op pool (at::parallel_for), so it honours
 // torch.set_num_threads; below kGrain weight bytes x rows it stays on the caller.
 //
-// Registered as torch.ops.pdserve_kernels.{int8_linear, int8_dequantize}.
+// f32_gemv(x, w, bias, isa) runs the same GEMV on a float32 weight (no scales): the
+// decode GEMMs of float32 models.
+//
+// Registered as torch.ops.pdserve_kernels.{int8_linear, int8_dequantize, f32_gemv}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -80,12 +83,13 @@ struct Tile {
 
 // ---------------------------------------------------------------- scalar
 
-template <int MT, int NT>
-void tile_scalar(const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
+// WT: the weight's element type, int8_t (scaled per row afterwards) or float (f32_gemv).
+template <int MT, int NT, typename WT>
+void tile_scalar(const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) {
       const float* xr = x + m * K;
-      const int8_t* qr = q + n * K;
+      const WT* qr = q + n * K;
       float s = 0.f;
       for (int64_t k = 0; k < K; ++k) s += xr[k] * static_cast<float>(qr[k]);
       t.acc[m][n] = s;
@@ -102,18 +106,21 @@ inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-template <int MT, int NT>
-void tile_avx2(const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
+inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+
+template <int MT, int NT, typename WT>
+void tile_avx2(const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
   __m256 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
   const int64_t kv = K / 8 * 8;
   for (int64_t k = 0; k < kv; k += 8) {
     __m256 w[NT];
-    for (int n = 0; n < NT; ++n) {
-      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + n * K + k));
-      w[n] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-    }
+    for (int n = 0; n < NT; ++n) w[n] = widen8(q + n * K + k);
     for (int m = 0; m < MT; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + k);
       for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(xv, w[n], acc[m][n]);
@@ -131,30 +138,32 @@ void tile_avx2(const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
 // ---------------------------------------------------------------- AVX-512
 
 #if PDS_I8_AVX512
-template <int MT, int NT>
-inline void step_avx512(const float* x, int64_t K, const int8_t* q, int64_t k, __mmask16 mask,
+inline __m512 widen16(const int8_t* p, __mmask16 mask) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+}
+inline __m512 widen16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+
+template <int MT, int NT, typename WT>
+inline void step_avx512(const float* x, int64_t K, const WT* q, int64_t k, __mmask16 mask,
                         __m512 (&acc)[MT][NT]) {
   __m512 w[NT];
-  for (int n = 0; n < NT; ++n) {
-    const __m128i b = _mm_maskz_loadu_epi8(mask, q + n * K + k);
-    w[n] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-  }
+  for (int n = 0; n < NT; ++n) w[n] = widen16(q + n * K + k, mask);
   for (int m = 0; m < MT; ++m) {
     const __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * K + k);
     for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_fmadd_ps(xv, w[n], acc[m][n]);
   }
 }
 
-template <int MT, int NT>
-void tile_avx512(const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
+template <int MT, int NT, typename WT>
+void tile_avx512(const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
   __m512 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = _mm512_setzero_ps();
   const int64_t kv = K / 16 * 16;
   for (int64_t k = 0; k < kv; k += 16)
-    step_avx512<MT, NT>(x, K, q, k, static_cast<__mmask16>(0xFFFF), acc);
+    step_avx512<MT, NT, WT>(x, K, q, k, static_cast<__mmask16>(0xFFFF), acc);
   if (kv < K)
-    step_avx512<MT, NT>(x, K, q, kv, static_cast<__mmask16>((1u << (K - kv)) - 1), acc);
+    step_avx512<MT, NT, WT>(x, K, q, kv, static_cast<__mmask16>((1u << (K - kv)) - 1), acc);
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) t.acc[m][n] = _mm512_reduce_add_ps(acc[m][n]);
 }
@@ -162,37 +171,38 @@ void tile_avx512(const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
 
 // ---------------------------------------------------------------- driver
 
-template <int MT, int NT>
-void run_tile(Isa isa, const float* x, int64_t K, const int8_t* q, Tile<MT, NT>& t) {
+template <int MT, int NT, typename WT>
+void run_tile(Isa isa, const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
   switch (isa) {
 #if PDS_I8_AVX512
     case kAvx512:
-      return tile_avx512<MT, NT>(x, K, q, t);
+      return tile_avx512<MT, NT, WT>(x, K, q, t);
 #endif
 #if PDS_I8_AVX2
     case kAvx2:
-      return tile_avx2<MT, NT>(x, K, q, t);
+      return tile_avx2<MT, NT, WT>(x, K, q, t);
 #endif
     default:
-      return tile_scalar<MT, NT>(x, K, q, t);
+      return tile_scalar<MT, NT, WT>(x, K, q, t);
   }
 }
 
+template <typename WT>
 struct Gemv {
   Isa isa;
   const float* x;  // [M, K] float32
-  const int8_t* q;  // [N, K]
-  const float* scale;
+  const WT* q;  // [N, K]
+  const float* scale;  // [N], or null (float weights: no scale)
   const float* bias;  // [N] float32 or null
   int64_t M, K, N;
 
   template <typename T, int MT, int NT>
   void block(int64_t m0, int64_t n0, T* y) const {
     Tile<MT, NT> t;
-    run_tile<MT, NT>(isa, x + m0 * K, K, q + n0 * K, t);
+    run_tile<MT, NT, WT>(isa, x + m0 * K, K, q + n0 * K, t);
     for (int m = 0; m < MT; ++m)
       for (int n = 0; n < NT; ++n) {
-        float v = t.acc[m][n] * scale[n0 + n];
+        float v = scale ? t.acc[m][n] * scale[n0 + n] : t.acc[m][n];
         if (bias) v += bias[n0 + n];
         y[(m0 + m) * N + n0 + n] = static_cast<T>(v);
       }
@@ -367,7 +377,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Te
   }
 
   at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
-  const Gemv g{isa,     xf.data_ptr<float>(),
+  const Gemv<int8_t> g{isa,     xf.data_ptr<float>(),
                q.data_ptr<int8_t>(), scale.data_ptr<float>(),
                bias.defined() ? bias.data_ptr<float>() : nullptr,
                M,       K,
@@ -382,6 +392,41 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Te
 
 int64_t int8_best_isa() { return resolve_isa(kAuto); }
 
+// y = x · wᵀ (+ bias) for float32 x [..., K] and a contiguous float32 weight [N, K], by
+// the GEMV above (every weight row read once for all rows of x): the decode path of
+// float32 models, where a batch of one or a few tokens makes the GEMM a matrix-vector
+// product bound by reading the weight (see workers/models/linear.py).
+at::Tensor f32_gemv(const at::Tensor& x_in, const at::Tensor& w,
+                    const std::optional<at::Tensor>& bias_in, int64_t isa_in) {
+  TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "f32_gemv: x and w must be float32, got ", x_in.scalar_type(), " and ",
+              w.scalar_type());
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "f32_gemv: w must be a contiguous [N, K] "
+              "tensor, got ", w.sizes());
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "f32_gemv: x's last dim must be K = ",
+              K, ", got ", x_in.sizes());
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N &&
+                    bias_in->scalar_type() == at::kFloat,
+                "f32_gemv: bias must be float32 [N], got ", bias_in->scalar_type(), " ",
+                bias_in->sizes());
+    bias = bias_in->contiguous();
+  }
+  at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.view(shape);
+  const Gemv<float> g{resolve_isa(isa_in), x.data_ptr<float>(), w.data_ptr<float>(), nullptr,
+                      bias.defined() ? bias.data_ptr<float>() : nullptr, M, K, N};
+  g(y.data_ptr<float>());
+  return y.view(shape);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
@@ -390,9 +435,11 @@ TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
       "int isa=-1) -> Tensor");
   m.def("int8_dequantize(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("int8_best_isa() -> int", &int8_best_isa);
+  m.def("f32_gemv(Tensor x, Tensor w, Tensor? bias, int isa=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_dequantize", &int8_dequantize);
+  m.impl("f32_gemv", &f32_gemv);
 }

@@ -9,8 +9,10 @@
 // token (fp32); softmax, exp(score - max) and its sum per head; V pass, out = sum_t p_t
 // v_t / sum. Each K and V row is read once (the V pass walks the table again per group
 // of 16-float chunks when heads x chunks exceed the registers: large head_dim x group).
-// fp32 / bf16 / fp16 inputs; all arithmetic in fp32. AVX-512 (F, BW, VL) code when the
-// build machine has it (-march=native), otherwise portable loops the compiler vectorises.
+// fp32 / bf16 / fp16 inputs; all arithmetic in fp32. Three code paths, the best the
+// build machine has (-march=native) chosen unless ``isa`` names one: AVX-512 (F, BW, VL),
+// AVX2 + FMA + F16C (the same tiles in 8-float registers, for head_dim a multiple of 8;
+// an AVX-512 build has it too), and portable loops the compiler vectorises.
 //
 // Quantized caches (kv_format 1 fp8_e4m3, 2 fp8_e5m2, 3 nvfp4; row layouts in
 // workers/models/kv_format.py): uint8 rows. Each pass decodes a block's rows of the
@@ -28,7 +30,7 @@
 // products. bfloat16 halves what every item reads of it (~4x a row of FP8 in float32).
 //
 // Registered as torch.ops.pdserve_kernels.paged_decode_attention(q, k_cache, v_cache,
-// block_tables, context_lens, scale, kv_format=0, key_add=None).
+// block_tables, context_lens, scale, kv_format=0, key_add=None, isa=-1).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,9 +51,16 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PDS_AVX512 1
-#include <immintrin.h>
 #else
 #define PDS_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PDS_AVX2 1
+#else
+#define PDS_AVX2 0
+#endif
+#if PDS_AVX512 || PDS_AVX2
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -175,6 +184,11 @@ struct Scratch {
   const Fp8Tables* fp8;
   const c10::BFloat16* key_add = nullptr;  // this item's kv head in key_add, or null
   int64_t key_add_stride = 0;              // elements from one position to the next
+  // Bytes of each token's rows the passes prefetch from this item's head on: the first
+  // head of a sequence a thread takes prefetches every later head's rows too (a token's
+  // rows of all kv heads are adjacent), so the next items read L2, and DRAM sees whole
+  // contiguous blocks instead of a row in every kv_heads.
+  int64_t prefetch_bytes = 0;
 };
 
 // Adds n add-back rows (`add`, `add_stride` elements apart; null: nothing) to n decoded
@@ -364,6 +378,23 @@ struct Quant {
   }
 };
 
+#if PDS_AVX512 || PDS_AVX2
+// Query heads computed together in the K pass (7 is padded to 8).
+constexpr int padded_group(int ng) { return ng == 7 ? 8 : ng; }
+
+// Blocks sit at unrelated addresses, so the hardware prefetchers cannot run ahead of
+// the block walk: each pass prefetches the next block's rows itself.
+template <int Hint, typename T>
+inline void prefetch_rows(const T* base, int64_t rows, int64_t stride, int64_t bytes) {
+  for (int64_t o = 0; o < rows; ++o) {
+    const char* r = reinterpret_cast<const char*>(base + o * stride);
+    for (int64_t off = 0; off < bytes; off += 64)
+      _mm_prefetch(r + off, static_cast<_mm_hint>(Hint));
+  }
+}
+
+#endif
+
 #if PDS_AVX512
 
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
@@ -387,20 +418,8 @@ inline __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Blocks sit at unrelated addresses, so the hardware prefetchers cannot run ahead of
-// the block walk: each pass prefetches the next block's rows itself.
-template <int Hint, typename T>
-inline void prefetch_rows(const T* base, int64_t rows, int64_t stride, int64_t bytes) {
-  for (int64_t o = 0; o < rows; ++o) {
-    const char* r = reinterpret_cast<const char*>(base + o * stride);
-    for (int64_t off = 0; off < bytes; off += 64)
-      _mm_prefetch(r + off, static_cast<_mm_hint>(Hint));
-  }
-}
-
-// Query heads computed together in the K pass (7 is padded to 8) and tokens per tile:
-// NGP * TT accumulators, a multiple of 4 for reduce4, at most 20 of 32 registers.
-constexpr int padded_group(int ng) { return ng == 7 ? 8 : ng; }
+// Tokens per K tile: NGP * TT accumulators, a multiple of 4 for reduce4, at most 20 of
+// 32 registers.
 constexpr int tile_tokens(int ngp) { return ngp == 1 || ngp == 2 || ngp == 3 || ngp == 5 ? 4 : 2; }
 // 16-float chunks per V pass: NG * CH accumulators + NG weights + 1 row in registers.
 constexpr int v_chunks(int ng) { return std::min(16, 28 / ng - 1); }
@@ -439,7 +458,7 @@ void attend_avx512(const float* qf, const typename Src::Cache* kc,
   using Row = typename Src::Row;
   constexpr int NGP = padded_group(NG), TT = tile_tokens(NGP);
   const int64_t B = g.block_size, P = g.padded_dim, C = P / 16;
-  const int64_t row_bytes = g.row_bytes;
+  const int64_t row_bytes = sc.prefetch_bytes;
   const int64_t nblocks = (len + B - 1) / B;
   // K pass. A partial tile repeats the block's last row; its extra scores land on the
   // next tokens' slots (rewritten later) or past len.
@@ -558,6 +577,189 @@ void attend_avx512(const float* qf, const typename Src::Cache* kc,
 
 #endif  // PDS_AVX512
 
+#if PDS_AVX2
+
+// ---- AVX2 + FMA: the AVX-512 path's tiles in 8-float registers (16 of them) ----
+// head_dim a multiple of 8 (checked by the caller), so rows need no masks.
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// [sum a, sum b, sum c, sum d].
+inline __m128 reduce4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+
+inline float reduce1_avx2(__m256 a) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+}
+
+// K tile shapes: TT tokens x NGP query heads of accumulators. Up to 4 heads keep the
+// heads' q chunks in registers and stream the rows (TT * NGP + NGP + 1 registers); more
+// heads keep the TT rows' chunks and stream q (TT * NGP + TT + 1).
+constexpr bool q_in_regs8(int ngp) { return ngp <= 4; }
+constexpr int tile_tokens8(int ngp) {
+  return ngp == 1 ? 8 : ngp == 2 ? 6 : ngp == 3 ? 4 : ngp == 8 ? 1 : 2;
+}
+// 8-float chunks per V pass: NG * CH accumulators + NG weights + 1 row.
+constexpr int v_chunks8(int ng) { return std::max(1, std::min(16, 15 / ng - 1)); }
+
+template <typename T, int NGP, int TT>
+inline void k_tile_avx2(const float* qf, int64_t P, int64_t C, const T* const* rows,
+                        float* out) {
+  __m256 acc[TT * NGP];
+#pragma GCC unroll 32
+  for (int i = 0; i < TT * NGP; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    if constexpr (q_in_regs8(NGP)) {
+      __m256 qv[NGP];
+#pragma GCC unroll 8
+      for (int j = 0; j < NGP; ++j) qv[j] = _mm256_loadu_ps(qf + j * P + 8 * c);
+#pragma GCC unroll 8
+      for (int i = 0; i < TT; ++i) {
+        const __m256 kv = load8(rows[i] + 8 * c);
+#pragma GCC unroll 8
+        for (int j = 0; j < NGP; ++j) acc[i * NGP + j] = _mm256_fmadd_ps(qv[j], kv, acc[i * NGP + j]);
+      }
+    } else {
+      __m256 kv[TT];
+#pragma GCC unroll 8
+      for (int i = 0; i < TT; ++i) kv[i] = load8(rows[i] + 8 * c);
+#pragma GCC unroll 8
+      for (int j = 0; j < NGP; ++j) {
+        const __m256 qv = _mm256_loadu_ps(qf + j * P + 8 * c);
+#pragma GCC unroll 8
+        for (int i = 0; i < TT; ++i) acc[i * NGP + j] = _mm256_fmadd_ps(qv, kv[i], acc[i * NGP + j]);
+      }
+    }
+  }
+  constexpr int full = TT * NGP / 4 * 4;
+#pragma GCC unroll 8
+  for (int i = 0; i < full; i += 4)
+    _mm_storeu_ps(out + i, reduce4_avx2(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+#pragma GCC unroll 4
+  for (int i = full; i < TT * NGP; ++i) out[i] = reduce1_avx2(acc[i]);
+}
+
+// attend_avx512's passes (same walk, same prefetches, same FMA order per output chunk:
+// a quantized cache gives the float32 kernel's result on its dequantization).
+template <typename Src, int NG>
+void attend_avx2(const float* qf, const typename Src::Cache* kc, const typename Src::Cache* vc,
+                 Table table, int64_t len, const Geometry& g, const Scratch& sc,
+                 float* scores, float* acc_out) {
+  using Row = typename Src::Row;
+  constexpr int NGP = padded_group(NG), TT = tile_tokens8(NGP), CH = v_chunks8(NG);
+  const int64_t B = g.block_size, P = g.padded_dim, C = g.head_dim / 8;
+  const int64_t row_bytes = sc.prefetch_bytes;
+  const int64_t nblocks = (len + B - 1) / B;
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t t0 = b * B, n = std::min(B, len - t0);
+    if (b + 1 < nblocks)
+      prefetch_rows<_MM_HINT_T0>(kc + table[b + 1] * g.k_block, std::min(B, len - t0 - B),
+                                 g.k_token, row_bytes);
+    prefetch_rows<_MM_HINT_T1>(vc + table[b] * g.v_block, n, g.v_token, row_bytes);
+    int64_t rs;
+    const Row* kb = Src::rows(kc + table[b] * g.k_block, n, g.k_token, g, sc, sc.k, rs,
+                              sc.key_add ? sc.key_add + t0 * sc.key_add_stride : nullptr);
+    for (int64_t o = 0; o < n; o += TT) {
+      const Row* rows[TT];
+#pragma GCC unroll 8
+      for (int i = 0; i < TT; ++i) rows[i] = kb + std::min<int64_t>(o + i, n - 1) * rs;
+      k_tile_avx2<Row, NGP, TT>(qf, P, C, rows, scores + (t0 + o) * NGP);
+    }
+  }
+  float inv[kMaxGroup];
+  softmax_token_major(scores, len, NGP, NG, inv);
+  // One chunk group of the V pass over n rows (stride rs) into acc (registers).
+  auto v_rows = [&](const Row* vb, int64_t rs, int64_t n, const float* pt, int64_t c0,
+                    int64_t nc, __m256 (&acc)[NG][CH]) {
+    for (int64_t o = 0; o < n; ++o, pt += NGP) {
+      const Row* vr = vb + o * rs + 8 * c0;
+      __m256 p[NG];
+#pragma GCC unroll 8
+      for (int j = 0; j < NG; ++j) p[j] = _mm256_broadcast_ss(pt + j);
+#pragma GCC unroll 16
+      for (int c = 0; c < CH; ++c) {
+        if (c < nc) {
+          const __m256 vv = load8(vr + 8 * c);
+#pragma GCC unroll 8
+          for (int j = 0; j < NG; ++j) acc[j][c] = _mm256_fmadd_ps(p[j], vv, acc[j][c]);
+        }
+      }
+    }
+  };
+  if constexpr (Src::kQuantized) {
+    // Blocks outer (each block's V rows decoded once), accumulators parked in acc_out.
+    std::fill(acc_out, acc_out + NG * P, 0.0f);
+    for (int64_t b = 0; b < nblocks; ++b) {
+      const int64_t t0 = b * B, n = std::min(B, len - t0);
+      if (b + 1 < nblocks)
+        prefetch_rows<_MM_HINT_T0>(vc + table[b + 1] * g.v_block, std::min(B, len - t0 - B),
+                                   g.v_token, row_bytes);
+      int64_t rs;
+      const Row* vb = Src::rows(vc + table[b] * g.v_block, n, g.v_token, g, sc, sc.v, rs);
+      for (int64_t c0 = 0; c0 < C; c0 += CH) {
+        const int64_t nc = std::min<int64_t>(CH, C - c0);
+        __m256 acc[NG][CH];
+#pragma GCC unroll 8
+        for (int j = 0; j < NG; ++j)
+#pragma GCC unroll 16
+          for (int c = 0; c < CH; ++c)
+            acc[j][c] = c < nc ? _mm256_loadu_ps(acc_out + j * P + 8 * (c0 + c))
+                               : _mm256_setzero_ps();
+        v_rows(vb, rs, n, scores + t0 * NGP, c0, nc, acc);
+#pragma GCC unroll 8
+        for (int j = 0; j < NG; ++j)
+#pragma GCC unroll 16
+          for (int c = 0; c < CH; ++c)
+            if (c < nc) _mm256_storeu_ps(acc_out + j * P + 8 * (c0 + c), acc[j][c]);
+      }
+    }
+    for (int j = 0; j < NG; ++j) {
+      const __m256 s = _mm256_set1_ps(inv[j]);
+      for (int64_t c = 0; c < C; ++c)
+        _mm256_storeu_ps(acc_out + j * P + 8 * c,
+                         _mm256_mul_ps(_mm256_loadu_ps(acc_out + j * P + 8 * c), s));
+    }
+  } else {
+    // Chunk groups outer, accumulators in registers over the whole context.
+    for (int64_t c0 = 0; c0 < C; c0 += CH) {
+      const int64_t nc = std::min<int64_t>(CH, C - c0);
+      __m256 acc[NG][CH];
+#pragma GCC unroll 8
+      for (int j = 0; j < NG; ++j)
+#pragma GCC unroll 16
+        for (int c = 0; c < CH; ++c) acc[j][c] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < nblocks; ++b) {
+        const int64_t t0 = b * B, n = std::min(B, len - t0);
+        if (c0 == 0 && b + 1 < nblocks)
+          prefetch_rows<_MM_HINT_T0>(vc + table[b + 1] * g.v_block, std::min(B, len - t0 - B),
+                                     g.v_token, row_bytes);
+        v_rows(vc + table[b] * g.v_block, g.v_token, n, scores + t0 * NGP, c0, nc, acc);
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < NG; ++j) {
+        const __m256 s = _mm256_set1_ps(inv[j]);
+#pragma GCC unroll 16
+        for (int c = 0; c < CH; ++c)
+          if (c < nc)
+            _mm256_storeu_ps(acc_out + j * P + 8 * (c0 + c), _mm256_mul_ps(acc[j][c], s));
+      }
+    }
+  }
+}
+
+#endif  // PDS_AVX2
+
 // Portable version (any ISA; the compiler vectorises the inner loops).
 template <typename Src>
 void attend_generic(const float* qf, int ng, const typename Src::Cache* kc,
@@ -602,12 +804,27 @@ void attend_generic(const float* qf, int ng, const typename Src::Cache* kc,
     for (int64_t d = 0; d < D; ++d) acc_out[j * P + d] *= inv[j];
 }
 
+// Code paths (the op's ``isa``; -1: the best this build has for the head_dim).
+enum Isa : int64_t { kIsaAuto = -1, kIsaPortable = 0, kIsaAvx2 = 1, kIsaAvx512 = 2 };
+
+int64_t resolve_isa(int64_t isa, int64_t head_dim) {
+  TORCH_CHECK(isa >= kIsaAuto && isa <= kIsaAvx512, "unknown isa ", isa,
+              " (-1 best, 0 portable, 1 AVX2, 2 AVX-512)");
+  TORCH_CHECK(isa != kIsaAvx512 || PDS_AVX512, "isa 2 (AVX-512) is not compiled in this build");
+  TORCH_CHECK(isa != kIsaAvx2 || PDS_AVX2, "isa 1 (AVX2) is not compiled in this build");
+  if (isa == kIsaAuto) isa = PDS_AVX512 ? kIsaAvx512 : (PDS_AVX2 ? kIsaAvx2 : kIsaPortable);
+  // The AVX2 tiles take whole 8-float chunks; other head_dims run the portable loops.
+  return isa == kIsaAvx2 && head_dim % 8 ? kIsaPortable : isa;
+}
+
+int64_t paged_attention_best_isa() { return resolve_isa(kIsaAuto, 64); }
+
 // T: q's (and the output's) dtype; F: the cache's kv_format code (0: rows of T).
 template <typename T, int F>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const std::vector<int64_t>& tables, int64_t table_stride,
          const std::vector<int64_t>& lens, double scale, const c10::BFloat16* key_add,
-         at::Tensor& out) {
+         int64_t isa, at::Tensor& out) {
   using Src = std::conditional_t<F == kAuto, Plain<T>, Quant<F>>;
   using CT = typename Src::Cache;
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2);
@@ -669,22 +886,43 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const CT* kc = kp + h * k_head;
       const CT* vc = vp + h * v_head;
       if (key_add != nullptr) sc.key_add = key_add + h * D;
+      const bool first = it == begin || (h == 0 && sg == 0);
+      sc.prefetch_bytes = 0 * (first && sg == 0 ? KV - h : 1) * geo.row_bytes;
+      bool done = false;
 #if PDS_AVX512
-      switch (ng) {
+      if (isa == kIsaAvx512) {
+        done = true;
+        switch (ng) {
 #define PDS_CASE(N)                                                                          \
   case N:                                                                                    \
     attend_avx512<Src, N>(qf.data(), kc, vc, table, len, geo, masks.data(), sc,           \
                           scores.data(), acc.data());                                        \
     break;
-        PDS_CASE(1) PDS_CASE(2) PDS_CASE(3) PDS_CASE(4)
-        PDS_CASE(5) PDS_CASE(6) PDS_CASE(7) PDS_CASE(8)
+          PDS_CASE(1) PDS_CASE(2) PDS_CASE(3) PDS_CASE(4)
+          PDS_CASE(5) PDS_CASE(6) PDS_CASE(7) PDS_CASE(8)
 #undef PDS_CASE
-        default: break;
+          default: break;
+        }
       }
-#else
-      attend_generic<Src>(qf.data(), ng, kc, vc, table, len, geo, sc, scores.data(),
-                          acc.data());
 #endif
+#if PDS_AVX2
+      if (isa == kIsaAvx2) {
+        done = true;
+        switch (ng) {
+#define PDS_CASE(N)                                                                          \
+  case N:                                                                                    \
+    attend_avx2<Src, N>(qf.data(), kc, vc, table, len, geo, sc, scores.data(), acc.data()); \
+    break;
+          PDS_CASE(1) PDS_CASE(2) PDS_CASE(3) PDS_CASE(4)
+          PDS_CASE(5) PDS_CASE(6) PDS_CASE(7) PDS_CASE(8)
+#undef PDS_CASE
+          default: break;
+        }
+      }
+#endif
+      if (!done)
+        attend_generic<Src>(qf.data(), ng, kc, vc, table, len, geo, sc, scores.data(),
+                            acc.data());
       for (int j = 0; j < ng; ++j) store_row(orow + j * D, acc.data() + j * P, D);
     }
   });
@@ -704,19 +942,23 @@ template <typename T>
 void dispatch_format(int64_t kv_format, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const std::vector<int64_t>& tables,
                      int64_t table_stride, const std::vector<int64_t>& lens, double scale,
-                     const c10::BFloat16* key_add, at::Tensor& out) {
+                     const c10::BFloat16* key_add, int64_t isa, at::Tensor& out) {
   switch (kv_format) {
     case kAuto:
-      run<T, kAuto>(q, k_cache, v_cache, tables, table_stride, lens, scale, nullptr, out);
+      run<T, kAuto>(q, k_cache, v_cache, tables, table_stride, lens, scale, nullptr, isa,
+          out);
       break;
     case kFp8E4M3:
-      run<T, kFp8E4M3>(q, k_cache, v_cache, tables, table_stride, lens, scale, key_add, out);
+      run<T, kFp8E4M3>(q, k_cache, v_cache, tables, table_stride, lens, scale, key_add, isa,
+          out);
       break;
     case kFp8E5M2:
-      run<T, kFp8E5M2>(q, k_cache, v_cache, tables, table_stride, lens, scale, key_add, out);
+      run<T, kFp8E5M2>(q, k_cache, v_cache, tables, table_stride, lens, scale, key_add, isa,
+          out);
       break;
     default:
-      run<T, kNvfp4>(q, k_cache, v_cache, tables, table_stride, lens, scale, key_add, out);
+      run<T, kNvfp4>(q, k_cache, v_cache, tables, table_stride, lens, scale, key_add, isa,
+          out);
       break;
   }
 }
@@ -725,7 +967,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
                                   int64_t kv_format,
-                                  const std::optional<at::Tensor>& key_add) {
+                                  const std::optional<at::Tensor>& key_add, int64_t isa) {
   TORCH_CHECK(kv_format >= kAuto && kv_format <= kNvfp4, "unknown kv_format code ", kv_format,
               " (known: 0 auto, 1 fp8_e4m3, 2 fp8_e5m2, 3 nvfp4)");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
@@ -814,15 +1056,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     }
   }
 
+  const int64_t path = resolve_isa(isa, D);
   if (dt == at::kFloat) {
     dispatch_format<float>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, add,
-                           out);
+                           path, out);
   } else if (dt == at::kBFloat16) {
     dispatch_format<c10::BFloat16>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale,
-                                   add, out);
+                                   add, path, out);
   } else {
     dispatch_format<c10::Half>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, add,
-                              out);
+                               path, out);
   }
   return out;
 }
@@ -832,7 +1075,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(pdserve_kernels, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int kv_format=0, Tensor? key_add=None) -> Tensor");
+      "Tensor context_lens, float scale, int kv_format=0, Tensor? key_add=None, int isa=-1) "
+      "-> Tensor");
+  m.def("paged_attention_best_isa() -> int", &paged_attention_best_isa);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
