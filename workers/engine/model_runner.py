@@ -116,7 +116,7 @@ class ModelRunner:
                   and kernels.load(config.kernel_cache_dir) is not None)
         linear = None
         if self.device.type == "cpu" and config.prepacked_weights:
-            linear = onednn_linear()
+            linear = onednn_linear(self.dtype)
         if (native and self.dtype == torch.float32 and config.decode_gemv
                 and config.quantization is None):
             linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR)

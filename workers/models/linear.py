@@ -139,14 +139,18 @@ _BATCH_HINT = 64
 chunk; measured best of 1/8/64 on both dtypes)."""
 
 
-def onednn_linear() -> LinearOps | None:
-    """oneDNN GEMMs on pre-reordered weights; None where this torch has no oneDNN CPU
-    backend (then the caller keeps :data:`TORCH_LINEAR`)."""
+def onednn_linear(dtype: torch.dtype = torch.float32) -> LinearOps | None:
+    """oneDNN GEMMs on pre-reordered weights of ``dtype``; None where this torch has no
+    oneDNN CPU backend or it refuses the dtype on this CPU (its bf16 reorder needs
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only CPU refuses it), then the caller keeps
+    :data:`TORCH_LINEAR`."""
     if not torch.backends.mkldnn.is_available():
         return None
     try:
         reorder = torch.ops.mkldnn._reorder_linear_weight
         pointwise = torch.ops.mkldnn._linear_pointwise
+        probe = torch.ones(16, 16, dtype=dtype)
+        pointwise(probe, reorder(probe, _BATCH_HINT), None, "none", [], "")
     except (AttributeError, RuntimeError):
         return None
 
