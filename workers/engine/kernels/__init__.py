@@ -255,7 +255,6 @@ def quantize_kv_rows(x: torch.Tensor, kv_format: int) -> torch.Tensor:
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 """The native kernels' code paths, by name (the ``isa`` of :func:`int8_linear` and
 :func:`paged_decode_attention`)."""
-INT8_ISAS = ISAS
 INT8_GEMV_ROWS = 16
 """Rows of x up to which :func:`int8_linear` runs its GEMV; more: the dequantized GEMM
 (measured crossover on a 2-core AVX-512 Xeon, fp32 and bf16; see
@@ -276,7 +275,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     has (:func:`int8_isa`). Raises RuntimeError for a path the build lacks, or if the
     kernels are unavailable.
     """
-    code = -1 if isa is None else INT8_ISAS[isa]
+    code = -1 if isa is None else ISAS[isa]
     return _fused_op("int8_linear")(x, q, scale, bias, int(max_gemv_rows), code)
 
 
@@ -299,14 +298,16 @@ def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def paged_attention_isa() -> str:
     """The decode attention's best code path in this build: ``avx512``, ``avx2`` or
     ``scalar``."""
-    code = _fused_op("paged_attention_best_isa")()
-    return {v: k for k, v in ISAS.items()}[code]
+    return _isa_name(_fused_op("paged_attention_best_isa")())
 
 
 def int8_isa() -> str:
     """The int8 GEMV's best code path in this build: ``avx512``, ``avx2`` or ``scalar``."""
-    code = _fused_op("int8_best_isa")()
-    return {v: k for k, v in INT8_ISAS.items()}[code]
+    return _isa_name(_fused_op("int8_best_isa")())
+
+
+def _isa_name(code: int) -> str:
+    return next(name for name, c in ISAS.items() if c == code)
 
 
 def _cache_key() -> str:

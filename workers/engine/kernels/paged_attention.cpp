@@ -184,11 +184,6 @@ struct Scratch {
   const Fp8Tables* fp8;
   const c10::BFloat16* key_add = nullptr;  // this item's kv head in key_add, or null
   int64_t key_add_stride = 0;              // elements from one position to the next
-  // Bytes of each token's rows the passes prefetch from this item's head on: the first
-  // head of a sequence a thread takes prefetches every later head's rows too (a token's
-  // rows of all kv heads are adjacent), so the next items read L2, and DRAM sees whole
-  // contiguous blocks instead of a row in every kv_heads.
-  int64_t prefetch_bytes = 0;
 };
 
 // Adds n add-back rows (`add`, `add_stride` elements apart; null: nothing) to n decoded
@@ -458,7 +453,7 @@ void attend_avx512(const float* qf, const typename Src::Cache* kc,
   using Row = typename Src::Row;
   constexpr int NGP = padded_group(NG), TT = tile_tokens(NGP);
   const int64_t B = g.block_size, P = g.padded_dim, C = P / 16;
-  const int64_t row_bytes = sc.prefetch_bytes;
+  const int64_t row_bytes = g.row_bytes;
   const int64_t nblocks = (len + B - 1) / B;
   // K pass. A partial tile repeats the block's last row; its extra scores land on the
   // next tokens' slots (rewritten later) or past len.
@@ -659,7 +654,7 @@ void attend_avx2(const float* qf, const typename Src::Cache* kc, const typename 
   using Row = typename Src::Row;
   constexpr int NGP = padded_group(NG), TT = tile_tokens8(NGP), CH = v_chunks8(NG);
   const int64_t B = g.block_size, P = g.padded_dim, C = g.head_dim / 8;
-  const int64_t row_bytes = sc.prefetch_bytes;
+  const int64_t row_bytes = g.row_bytes;
   const int64_t nblocks = (len + B - 1) / B;
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t t0 = b * B, n = std::min(B, len - t0);
@@ -886,8 +881,6 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const CT* kc = kp + h * k_head;
       const CT* vc = vp + h * v_head;
       if (key_add != nullptr) sc.key_add = key_add + h * D;
-      const bool first = it == begin || (h == 0 && sg == 0);
-      sc.prefetch_bytes = 0 * (first && sg == 0 ? KV - h : 1) * geo.row_bytes;
       bool done = false;
 #if PDS_AVX512
       if (isa == kIsaAvx512) {
