@@ -16,7 +16,7 @@ two GEMM kernels; greedy output still equals Hugging Face's (tests/integration).
 decode (up to :data:`GEMV_ROWS` rows): a float32 step of one token is a matrix-vector
 product bound by reading the weights, which oneDNN's GEMM streams at ~8-9 GB/s on a
 2-core AMD EPYC (AVX2) where the GEMV reaches ~12-13 GB/s (SmolLM2's layer GEMMs: 42 ->
-30 ms at 1-4 tokens, the same at 8). The cost is memory: each weight is kept twice, plain
+30 ms at 1-4 tokens, level at 8). The cost is memory: each weight is kept twice, plain
 for the GEMV and in the other op's layout (:class:`DualWeight`; SmolLM2 fp32: +425 MB of
 layer weights; a tied LM head's plain copy is the embedding itself).
 
@@ -165,7 +165,7 @@ def onednn_linear(dtype: torch.dtype = torch.float32) -> LinearOps | None:
 
 GEMV_ROWS = 4
 """Rows of x up to which :func:`gemv_linear` runs its GEMV (measured on a 2-core AMD EPYC,
-AVX2, SmolLM2 fp32: 1.4x faster than the reordered oneDNN GEMM at 1-4 rows, even at 8)."""
+AVX2, SmolLM2 fp32: 1.4x faster than the reordered oneDNN GEMM at 1-4 rows, level at 8)."""
 
 Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """``gemv(x, w, bias)``: ``workers.engine.kernels.f32_gemv``'s contract (float32)."""
