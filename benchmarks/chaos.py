@@ -44,16 +44,19 @@ from router.client import AsyncClient, Client
 from .chaos_faults import (
     FLIP_ENV,
     FLIP_MARK,
+    KILLS,
     SCENARIOS,
     WORKER_ROLES,
     Fault,
+    component_of,
     inject,
     leaked_blocks,
     shape_of,
     victim_of,
+    wait_restored,
     wait_whole,
 )
-from .chaos_oracle import Outcome, Row, recovery_s
+from .chaos_oracle import Outcome, Row, baseline_p99, recovery_s
 from .chaos_targets import ChaosTarget, ProcessTarget
 from .chaos_targets import refused as launcher_refuses
 
@@ -187,7 +190,13 @@ async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
 
         async def do_fault() -> None:
             await at(o.pre_s)
+            before = (await asyncio.to_thread(component_of, cluster, victim)).restarts \
+                if scenario in KILLS else 0
             fault.note = await inject(cluster, scenario, victim, rng, o.stop_s)
+            if scenario in KILLS:  # inject's last act was the signal
+                fault.at_s = time.monotonic() - start
+                fault.restored_s = await asyncio.to_thread(wait_restored, cluster, victim,
+                                                           before)
 
         async def request(n: int, t: float) -> Outcome:
             await at(t)
@@ -265,6 +274,7 @@ def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
             row = Row(scenario, 0, 0)
             restarts_before = sum(c.restarts for c in cluster.components())
             seen: list[dict] = []
+            cycles: list[tuple[list[Outcome], float]] = []
             for k in range(o.faults):
                 refused = _failed_transfers(cluster)
                 outcomes, fault, resumes = asyncio.run(_cycle(cluster, o, scenario, k,
@@ -272,8 +282,10 @@ def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
                 row.resumes += resumes
                 row.faults += scenario != "none"
                 row.add(outcomes, refs)
-                row.recovery_s.append(recovery_s(outcomes, fault.at_s, o.pre_s,
-                                                 window_s=_window_s(result.rate_rps)))
+                cycles.append((outcomes, fault.at_s))
+                if scenario in KILLS:
+                    row.restored_s.append(None if fault.restored_s is None
+                                          else round(fault.restored_s, 2))
                 back = wait_whole(cluster)
                 row.failed_transfers += max(0, _failed_transfers(cluster) - refused)
                 leaked, detail = leaked_blocks(cluster)
@@ -285,10 +297,21 @@ def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
                 result.faults.append(fault)
                 seen += [{"t": x.arrival_s - fault.at_s, "ttft_s": x.ttft_s,
                           "error": x.error, "cancelled": x.cancelled} for x in outcomes]
+                restored = ("" if scenario not in KILLS else
+                            f"back and listed {fault.restored_s:.1f} s after the kill, "
+                            if fault.restored_s is not None else "NOT back, ")
                 say(f"[{shape}] {scenario} {k + 1}/{o.faults}: {len(outcomes)} requests, "
-                    f"{row.failures} failed, {row.bad_tokens} bad streams, recovery "
-                    f"{row.recovery_s[-1]} s, whole again after {back:.1f} s, "
-                    f"{leaked} blocks leaked")
+                    f"{row.failures} failed, {row.bad_tokens} bad streams, {restored}"
+                    f"whole {back:.1f} s after the load, {leaked} blocks leaked")
+            row.baseline_ttft_s = baseline_p99(cycles, o.pre_s)
+            if row.baseline_ttft_s is not None:
+                row.recovery_s = [recovery_s(outs, t, o.pre_s, baseline_s=row.baseline_ttft_s,
+                                             window_s=_window_s(result.rate_rps))
+                                  for outs, t in cycles]
+            else:
+                row.recovery_s = [None] * len(cycles)
+            say(f"[{shape}] {scenario}: pre-fault TTFT p99 {row.baseline_ttft_s} s "
+                f"(pooled), recovery per fault {row.recovery_s}")
             row.restarts = sum(c.restarts for c in cluster.components()) - restarts_before
             result.rows.append(row)
             result.outcomes[scenario] = seen
@@ -320,6 +343,7 @@ def run_chaos(o: ChaosOptions, say: Callable[[str], None] = print,
     return {"options": asdict(o), "shapes": [
         {"shape": r.shape, "capacity_rps": r.capacity_rps, "rate_rps": r.rate_rps,
          "rows": [{**asdict(row), "bad_tokens": row.bad_tokens,
-                   "worst_recovery_s": row.worst_recovery_s} for row in r.rows],
+                   "worst_recovery_s": row.worst_recovery_s,
+                   "worst_restored_s": row.worst_restored_s} for row in r.rows],
          "faults": [asdict(f) for f in r.faults], "outcomes": r.outcomes}
         for r in runs]}

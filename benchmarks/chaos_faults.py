@@ -65,8 +65,9 @@ def shape_of(scenario: str) -> str:
 class Fault:
     scenario: str
     victim: str
-    at_s: float  # since the load's start
+    at_s: float  # since the load's start (a kill: the moment of the signal)
     note: str = ""
+    restored_s: float | None = None  # a kill: until whole again (:func:`wait_restored`)
 
 
 def victim_of(cluster: ChaosTarget, scenario: str, k: int) -> str:
@@ -89,7 +90,7 @@ def _worker_load(address: str) -> worker_pb2.WorkerLoad | None:
         return None
 
 
-def _component(cluster: ChaosTarget, name: str) -> Component:
+def component_of(cluster: ChaosTarget, name: str) -> Component:
     found = [c for c in cluster.components() if c.name == name]
     if not found:
         raise ValueError(f"the cluster has no component {name!r}")
@@ -97,7 +98,7 @@ def _component(cluster: ChaosTarget, name: str) -> Component:
 
 
 def _wait_busy(cluster: ChaosTarget, name: str, within_s: float = 2.0) -> bool:
-    victim = _component(cluster, name)
+    victim = component_of(cluster, name)
     address = victim.address if victim.role in WORKER_ROLES else None
     if address is None:
         return True
@@ -116,13 +117,13 @@ async def inject(cluster: ChaosTarget, scenario: str, victim: str,
     victim idle). Runs beside the load, on its event loop."""
     if scenario in KILLS:
         busy = await asyncio.to_thread(_wait_busy, cluster, victim)
-        now = await asyncio.to_thread(_component, cluster, victim)
+        now = await asyncio.to_thread(component_of, cluster, victim)
         if now.running and now.pid is not None:  # already gone: nothing (Popen's rule)
             os.kill(now.pid, signal.SIGKILL)
         return "" if busy else "victim was idle"
     if scenario in STOPS:
         seconds = round(rng.uniform(*stop_s), 1)
-        pid = (await asyncio.to_thread(_component, cluster, victim)).pid
+        pid = (await asyncio.to_thread(component_of, cluster, victim)).pid
         if pid is None:
             return "victim had no process to stop"
         os.kill(pid, signal.SIGSTOP)
@@ -158,6 +159,26 @@ def wait_whole(cluster: ChaosTarget, timeout_s: float = 180.0) -> float:
             return time.monotonic() - start
         time.sleep(0.25)
     raise TimeoutError(f"the cluster is not whole after {timeout_s:.0f} s: {missing}")
+
+
+def wait_restored(cluster: ChaosTarget, victim: str, restarts_before: int,
+                  timeout_s: float = 120.0) -> float | None:
+    """After a kill: seconds until ``victim`` was started again (its restart count
+    passed ``restarts_before``) and the cluster is whole (:func:`wait_whole`); None if
+    that took longer than ``timeout_s``. Blocking; polls every 0.1 s."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    while time.monotonic() < deadline:
+        if cluster.gave_up is not None:
+            return None
+        components = cluster.components()
+        if (any(c.name == victim and c.restarts > restarts_before and c.running
+                for c in components)
+                and not _unlisted(cluster, [c.address for c in components
+                                            if c.role in WORKER_ROLES])):
+            return time.monotonic() - start
+        time.sleep(0.1)
+    return None
 
 
 def _unlisted(cluster: ChaosTarget, workers: list[str]) -> list[str]:

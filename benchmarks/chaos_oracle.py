@@ -16,16 +16,25 @@ harness cancelled it on purpose (the cancellation scenario): those count as
 cancelled, never as failures, and only their tokens so far are checked (a prefix must
 match). The control scenario (no fault) measures the oracle itself: it must see 0.
 
-**Recovery.** TTFT by arrival time around a fault at ``t_fault``: the baseline is the
-p99 TTFT of requests that arrived in the last two thirds of the ``pre`` window before
-it (its first third warms the load up). Windows of ``window_s`` (the harness sizes them
-to ~10 arrivals, no more than the baseline holds: a p99 of few values is their max, and
-the max of more values is larger) slide by ``step_s`` from ``t_fault``; recovery is the
-start of the first window from which every window's p99 TTFT is within
-``(1 + tolerance)`` of the baseline (or ``slack_s`` above it: a few milliseconds of noise
-on two cores are not an outage), minus ``t_fault``. A window with no arrival has nothing
-to say and is skipped; a window whose requests failed counts their TTFT as infinite.
-``None``: not recovered before the load stopped.
+**Recovery.** TTFT by arrival time around a fault at ``t_fault``. The baseline is the
+p99 TTFT of the requests served their first token before the faults of the scenario
+(one still waiting when a fault struck measures the fault), pooled over
+every fault (:func:`baseline_p99`: the last two thirds of each ``pre`` window; the first
+third warms the load up). One fault's few seconds before it hold a dozen requests, whose
+p99 is their max: a long run's control scenario, with no fault at all, "recovered" after
+19 s against such a baseline, so the rule said nothing. Pooled over the scenario's
+faults the baseline holds hundreds. Windows of ``window_s`` (the harness sizes them to
+~10 arrivals) slide by ``step_s`` from ``t_fault``; recovery is the start of the first
+window from which every window's p99 TTFT is within ``(1 + tolerance)`` of the baseline
+(or ``slack_s`` above it: a few milliseconds of noise on two cores are not an outage),
+minus ``t_fault``. A window with no arrival has nothing to say and is skipped; a window
+whose requests failed counts their TTFT as infinite. ``None``: not recovered before the
+load stopped. Without a pooled baseline :func:`recovery_s` falls back to the fault's
+own pre window.
+
+**Restoration** is the other number: seconds from a kill until the killed component
+runs again and every router lists every worker as serving (the harness polls for it
+during the fault's load; :attr:`Row.restored_s`).
 """
 
 from __future__ import annotations
@@ -82,24 +91,40 @@ def check(outcome: Outcome, reference: Sequence[int]) -> str:
     return verdict(outcome.tokens, reference)
 
 
+def _ttft(o: Outcome) -> float:
+    if o.error is not None and not o.cancelled:
+        return math.inf
+    return o.ttft_s if o.ttft_s is not None else math.inf
+
+
+def _before(outcomes: Sequence[Outcome], t_fault: float, pre_s: float) -> list[float]:
+    settled = t_fault - pre_s * 2 / 3  # the window's first third warms the load up
+    # Only requests whose first token came before the fault: one still waiting when it
+    # struck measures the fault, not the load.
+    return [v for o in outcomes if settled <= o.arrival_s and not o.cancelled
+            and math.isfinite(v := _ttft(o)) and o.arrival_s + v < t_fault]
+
+
+def baseline_p99(cycles: Sequence[tuple[Sequence[Outcome], float]], pre_s: float
+                 ) -> float | None:
+    """The pre-fault TTFT p99 pooled over ``cycles`` (each: its outcomes and its fault's
+    time); None when no request completed before any fault."""
+    pooled = [v for outcomes, t_fault in cycles for v in _before(outcomes, t_fault, pre_s)]
+    return percentile(pooled, 99) if pooled else None
+
+
 def recovery_s(outcomes: Sequence[Outcome], t_fault: float, pre_s: float, *,
                window_s: float = 3.0, step_s: float = 0.5, tolerance: float = 0.2,
-               slack_s: float = 0.05) -> float | None:
-    """Seconds from the fault until TTFT p99 is back near its pre-fault value (module
+               slack_s: float = 0.05, baseline_s: float | None = None) -> float | None:
+    """Seconds from the fault until TTFT p99 is back near ``baseline_s`` (the pooled
+    pre-fault p99, :func:`baseline_p99`; by default this fault's own pre window: module
     docstring); 0.0 when the fault never raised it."""
-    def ttft(o: Outcome) -> float:
-        if o.error is not None and not o.cancelled:
-            return math.inf
-        return o.ttft_s if o.ttft_s is not None else math.inf
-
-    settled = t_fault - pre_s * 2 / 3  # the window's first third warms the load up
-    before = [ttft(o) for o in outcomes
-              if settled <= o.arrival_s < t_fault and not o.cancelled]
-    finite = [v for v in before if math.isfinite(v)]
-    if not finite:
-        return None
-    limit = max(percentile(finite, 99) * (1 + tolerance), percentile(finite, 99) + slack_s)
-    after = sorted((o.arrival_s, ttft(o)) for o in outcomes
+    if baseline_s is None:
+        baseline_s = baseline_p99([(outcomes, t_fault)], pre_s)
+        if baseline_s is None:
+            return None
+    limit = max(baseline_s * (1 + tolerance), baseline_s + slack_s)
+    after = sorted((o.arrival_s, _ttft(o)) for o in outcomes
                    if o.arrival_s >= t_fault and not o.cancelled)
     if not after:
         return None
@@ -137,6 +162,10 @@ class Row:
     migrations: int = 0
     resumes: int = 0  # streams the client moved to the other router (its own count)
     recovery_s: list[float | None] = field(default_factory=list)
+    restored_s: list[float | None] = field(default_factory=list)
+    """Per kill, seconds until the component was back and listed (None: not within the
+    harness's wait); empty for faults that kill nothing."""
+    baseline_ttft_s: float | None = None  # the pooled pre-fault TTFT p99
     leaked_blocks: int = 0
     restarts: int = 0
     failed_transfers: int = 0  # KV transfers decode workers refused or lost (recomputed)
@@ -153,6 +182,13 @@ class Row:
         if any(r is None for r in self.recovery_s):
             return None
         return max((r for r in self.recovery_s if r is not None), default=0.0)
+
+    @property
+    def worst_restored_s(self) -> float | None:
+        """The slowest restoration; None if one never came back (or nothing was killed)."""
+        if not self.restored_s or any(r is None for r in self.restored_s):
+            return None
+        return max(r for r in self.restored_s if r is not None)
 
     def add(self, outcomes: Sequence[Outcome], references: Sequence[Sequence[int]]) -> None:
         for o in outcomes:

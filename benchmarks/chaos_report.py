@@ -19,13 +19,35 @@ RECOVERY_TARGET_S = 10.0
 NO_FAILURES = (*WORKER_FAULTS, *REDIS_FAULTS, "kill-router", "flip-kv", "none", "cancel")
 
 HEADER = ("| fault | faults | requests | failures | wrong / missing / dup. streams | "
-          "cancelled | migrations | resumes | recovery s (worst) | leaked blocks | "
-          "restarts | KV transfers refused |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "cancelled | migrations | resumes | TTFT p99 before (pooled) | recovery s "
+          "(median / worst) | back s (median / worst) | leaked blocks | restarts | "
+          "KV transfers refused |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def _recovery(row: dict) -> str:
+    """Worst recovery; with several faults, the median first."""
     worst = row["worst_recovery_s"]
-    return "not back" if worst is None else f"{worst:.1f}"
+    if worst is None:
+        return "not back"
+    done = sorted(r for r in row.get("recovery_s") or [] if r is not None)
+    return f"{done[len(done) // 2]:.1f} / {worst:.1f}" if len(done) > 1 else f"{worst:.1f}"
+
+
+def _restored(row: dict) -> str:
+    """Median / worst seconds from a kill until the component serves again ("-" when
+    the scenario kills nothing)."""
+    done = row.get("restored_s") or []
+    if not done:
+        return "-"
+    if any(r is None for r in done):
+        return f"{sum(r is None for r in done)} not back"
+    ordered = sorted(done)
+    return f"{ordered[len(ordered) // 2]:.1f} / {ordered[-1]:.1f}"
+
+
+def _baseline(row: dict) -> str:
+    b = row.get("baseline_ttft_s")
+    return "-" if b is None else f"{b * 1e3:.0f} ms"
 
 
 def table(report: dict) -> str:
@@ -35,7 +57,8 @@ def table(report: dict) -> str:
             lines.append(
                 f"| {r['scenario']} | {r['faults']} | {r['sent']} | {r['failures']} | "
                 f"{r['wrong']} / {r['missing']} / {r['duplicated']} | {r['cancelled']} | "
-                f"{r['migrations']} | {r['resumes']} | {_recovery(r)} | "
+                f"{r['migrations']} | {r['resumes']} | {_baseline(r)} | {_recovery(r)} | "
+                f"{_restored(r)} | "
                 f"{r['leaked_blocks']} | {r['restarts']} | {r['failed_transfers']} |")
     return "\n".join(lines)
 
@@ -53,6 +76,9 @@ def failed_checks(report: dict) -> list[str]:
                 out.append(f"{s}: {r['leaked_blocks']} KV blocks leaked")
             if s in NO_FAILURES and r["failures"]:
                 out.append(f"{s}: {r['failures']} client-visible failures {r['errors']}")
+            if any(x is None for x in r.get("restored_s") or []):
+                out.append(f"{s}: {_restored(r)} (the killed component did not serve "
+                           "again within 120 s)")
             worst = r["worst_recovery_s"]
             if r["faults"] and (worst is None or worst > RECOVERY_TARGET_S):
                 out.append(f"{s}: TTFT p99 recovered in {_recovery(r)} s "

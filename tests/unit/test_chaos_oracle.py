@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from benchmarks.chaos_oracle import Outcome, Row, check, recovery_s, verdict
+from dataclasses import asdict
+
+from benchmarks.chaos_oracle import Outcome, Row, baseline_p99, check, recovery_s, verdict
+from benchmarks.chaos_report import failed_checks, table
 
 REF = [5, 6, 7, 8, 9, 10]
 
@@ -55,3 +58,32 @@ def test_failures_after_the_fault_hold_recovery_back() -> None:
         if 6 <= o.arrival_s < 8:
             o.error, o.ttft_s = "UNAVAILABLE", None
     assert recovery_s(outcomes, 6.0, 6.0) == 2.0
+
+
+def test_the_pooled_baseline_is_what_one_noisy_pre_window_cannot_be() -> None:
+    """One fault's pre window holds a quiet stretch (50 ms); the load's usual tail is
+    120 ms. Against its own window a 120 ms request after the fault looks like harm; the
+    baseline pooled over the scenario's faults knows the tail, and says no harm done."""
+    quiet = _load(lambda t: 0.12 if t >= 6 and int(t * 10) % 10 == 3 else 0.05)
+    noisy = [_load(lambda t, k=k: 0.12 if int(t * 10) % 10 == k else 0.05) for k in range(5)]
+    pooled = baseline_p99([(quiet, 6.0), *((c, 6.0) for c in noisy)], 6.0)
+    assert pooled == 0.12
+    assert recovery_s(quiet, 6.0, 6.0) > 10  # its own 50 ms baseline: a long "outage"
+    assert recovery_s(quiet, 6.0, 6.0, baseline_s=pooled) == 0.0
+    assert baseline_p99([([], 6.0)], 6.0) is None
+
+
+def test_restoration_is_reported_per_kill_and_a_missing_one_misses_the_target() -> None:
+    row = Row("kill-decode", 3, 0, restored_s=[4.2, 6.1, 5.0], recovery_s=[3.0, 0.0, 2.5])
+    assert row.worst_restored_s == 6.1 and row.worst_recovery_s == 3.0
+    report = {"shapes": [{"rows": [{**asdict(row), "bad_tokens": 0,
+                                    "worst_recovery_s": row.worst_recovery_s}]}]}
+    assert "| 2.5 / 3.0 | 5.0 / 6.1 |" in table(report)
+    assert failed_checks(report) == []
+    row.restored_s[1] = None
+    report["shapes"][0]["rows"][0].update(restored_s=row.restored_s)
+    assert row.worst_restored_s is None
+    assert any("1 not back" in m for m in failed_checks(report))
+    assert "| - |" in table({"shapes": [{"rows": [{**asdict(Row("none", 0, 0)),
+                                                   "bad_tokens": 0,
+                                                   "worst_recovery_s": 0.0}]}]})

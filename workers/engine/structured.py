@@ -26,11 +26,14 @@ from typing import Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from .params import InvalidRequestError
 from .params import SamplingParams as _Params
+
+# llguidance.numpy, not llguidance.torch: the latter's torch.compile decorator imports
+# inductor, ~2 s of every worker's start (a supervised restart's included).
 
 COMPILED_CACHE_SIZE = 128
 """Distinct specs kept compiled per worker; a hit costs a copy of the matcher."""
@@ -110,10 +113,10 @@ class Grammars:
         rows = [i for i, s in enumerate(seq_ids) if s in self._matchers]
         if not rows:
             return None
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)
+        words = llguidance.numpy.allocate_token_bitmask(len(rows), self.vocab_size)
         for r, i in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(self._matchers[seq_ids[i]], bitmask, r)
-        bits = (bitmask.unsqueeze(-1) >> _SHIFTS) & 1
+            llguidance.numpy.fill_next_token_bitmask(self._matchers[seq_ids[i]], words, r)
+        bits = (torch.from_numpy(words).unsqueeze(-1) >> _SHIFTS) & 1
         return rows, bits.view(len(rows), -1)[:, : self.vocab_size].bool()
 
     def _template(self, kind: str, spec: str) -> llguidance.LLMatcher:
