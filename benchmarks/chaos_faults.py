@@ -21,8 +21,10 @@ dies mid-stream rather than idle.
   (before the first token: reserved, prefilling or transferring; after it: decoding);
 - ``none``: the control: load, no fault.
 
-Network faults on the KV link (delay, loss, partition with ``tc netem``) are not here:
-this machine's kernel has no netem qdisc and no netfilter tools (see the README).
+Network faults on the KV link are not scenarios here (this harness's cluster lives on
+one loopback): they run across test hosts, in ``tests/integration/test_multinode.py``
+(a decode host partitioned, a host lost without a word, a decode host's link slow and
+lossy through :mod:`cluster.linkemu`, the userspace netem for kernels without one).
 """
 
 from __future__ import annotations

@@ -13,8 +13,12 @@ kills every process in that host's namespace at once (a node lost: raylet, worke
 all), ``hosts[i].cut()`` partitions it (its link down) until ``cut(False)``, and leaving
 the block kills every process in every host and removes the links, whether the body
 failed or not. ``Host.counters()`` reads the host's ``eth0`` byte
-counters (what crossed its link), ``Host.shape(rate=..., delay_ms=...)`` puts a token
-bucket (``tc tbf``) or a delay (``tc netem``, where the kernel has it) on its link.
+counters (what crossed its link), ``Host.shape(rate=..., delay_ms=..., loss=...)`` puts
+a token bucket (``tc tbf``), a delay or a loss rate on its link: ``tc netem`` where the
+kernel has it, else the userspace one of :mod:`cluster.linkemu` on a host made with an
+emulated link (``TestHosts(n, emulated=(i,))``: two TAP devices and a shuttle process
+instead of the veth pair; a kernel without ``sch_netem``, as this project's CI VM, can
+then still delay and drop the host's frames).
 
 Safety. The bridge is made only inside a private network namespace: the calling process
 must see no interface but ``lo`` (``unshare -n``, as ``make test`` runs), so no packet
@@ -32,6 +36,8 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .linkemu import Impairment, LinkEmulator
 
 SUBNET = "10.77.0"
 SWITCH_IP = f"{SUBNET}.254"
@@ -83,6 +89,7 @@ class Host:
     holder: subprocess.Popen
     veth: str  # the bridge-side end of its link (the host's end is ``eth0``)
     procs: list[subprocess.Popen] = field(default_factory=list)
+    link: LinkEmulator | None = None  # an emulated link's shuttle (cluster.linkemu)
 
     @property
     def netns(self) -> str:
@@ -159,20 +166,29 @@ class Host:
         it is lost, connections stay open on both sides), or heal it (``down=False``)."""
         _run("ip", "link", "set", self.veth, "down" if down else "up")
 
-    def shape(self, rate: str | None = None, delay_ms: float = 0.0) -> None:
-        """Shape the link into this host (the bridge-side end's egress): ``rate`` such
-        as ``1gbit`` (tc tbf) and/or ``delay_ms`` (tc netem; raises HostsError naming the
-        missing kernel module where netem is not built). ``shape()`` removes it."""
+    def shape(self, rate: str | None = None, delay_ms: float = 0.0, loss: float = 0.0,
+              jitter_ms: float = 0.0) -> None:
+        """Shape the link into this host: ``rate`` such as ``1gbit`` (tc tbf on the
+        bridge-side end's egress), ``delay_ms`` (± ``jitter_ms``) and ``loss`` (a
+        probability per frame). Delay and loss go to the host's emulated link when it
+        has one (both directions), else to tc netem (the bridge side's egress), and raise
+        HostsError when neither is there. ``shape()`` removes all of it."""
+        if self.link is not None:
+            self.link.set(Impairment(delay_ms, jitter_ms, loss))
         subprocess.run(["ip", "link", "set", self.veth, "txqueuelen", "1000"],
                        capture_output=True)
         subprocess.run(["tc", "qdisc", "del", "dev", self.veth, "root"], capture_output=True)
-        if delay_ms:
-            spec = ["netem", "delay", f"{delay_ms}ms"] + (["rate", rate] if rate else [])
+        if (delay_ms or loss) and self.link is None:
+            spec = (["netem"] + (["delay", f"{delay_ms}ms"] if delay_ms else [])
+                    + ([f"{jitter_ms}ms"] if delay_ms and jitter_ms else [])
+                    + (["loss", f"{loss * 100}%"] if loss else [])
+                    + (["rate", rate] if rate else []))
             r = subprocess.run(["tc", "qdisc", "add", "dev", self.veth, "root", *spec],
                                capture_output=True, text=True)
             if r.returncode:
                 raise HostsError(f"tc netem is not available here ({r.stderr.strip()}): "
-                                 "the kernel lacks sch_netem")
+                                 "the kernel lacks sch_netem; make the host with an "
+                                 "emulated link (TestHosts(n, emulated=(i,)))")
         elif rate:
             _run("tc", "qdisc", "add", "dev", self.veth, "root", "tbf", "rate", rate,
                  "burst", "256kb", "latency", "50ms")
@@ -183,10 +199,13 @@ class TestHosts:
 
     __test__ = False  # not a pytest class
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, emulated: tuple[int, ...] = ()) -> None:
         if not 1 <= n <= 32:
             raise ValueError(f"1..32 test hosts, not {n}")
+        if any(not 0 <= i < n for i in emulated):
+            raise ValueError(f"emulated links {emulated}: hosts are 0..{n - 1}")
         self.n = n
+        self.emulated = frozenset(emulated)
         self.hosts: list[Host] = []
 
     def __enter__(self) -> TestHosts:
@@ -221,10 +240,16 @@ class TestHosts:
             time.sleep(0.01)
         host = Host(i, f"{SUBNET}.{i + 1}", holder, f"pdsv{i}")
         self.hosts.append(host)  # from here on, close() undoes it
-        _run("ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
-             "netns", str(holder.pid))
-        _run("ip", "link", "set", host.veth, "master", BRIDGE, "up")
         inside = ["nsenter", f"--net={host.netns}", "--", "ip"]
+        if i in self.emulated:
+            host.veth = f"pdst{i}"
+            host.link = LinkEmulator(host.veth, f"pdsh{i}", seed=i).start()
+            _run("ip", "link", "set", f"pdsh{i}", "netns", str(holder.pid))
+            _run(*inside, "link", "set", f"pdsh{i}", "name", "eth0")
+        else:
+            _run("ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0",
+                 "netns", str(holder.pid))
+        _run("ip", "link", "set", host.veth, "master", BRIDGE, "up")
         _run(*inside, "link", "set", "lo", "up")
         _run(*inside, "addr", "add", f"{host.ip}/24", "dev", "eth0")
         _run(*inside, "link", "set", "eth0", "up")
@@ -247,6 +272,8 @@ class TestHosts:
             except subprocess.TimeoutExpired:
                 pass  # a process that outlives SIGKILL's wait: go on with the rest
             finally:
+                if host.link is not None:
+                    host.link.close()  # its TAPs vanish with their descriptors
                 host.holder.kill()
                 try:
                     host.holder.wait(10)

@@ -10,7 +10,10 @@ derived from the cluster's TLS key, Redis with a password.
 In order, on one cluster: the pools land where their labels say and greedy output equals
 Hugging Face's, with the KV bytes the transfer metrics count seen on the hosts' links
 (their interface counters) -> host 2 is cut off for 6 s under load and heals: no
-stream lost, its worker serves again, nothing leaks -> host 3 is lost under load, without
+stream lost, its worker serves again, nothing leaks -> host 2's link turns slow and
+lossy under load (40 ± 10 ms each way, 3% of frames dropped: host 2 hangs on an emulated
+link, :mod:`cluster.linkemu`, since this kernel has no netem): every stream exact, no
+block leaked -> host 3 is lost under load, without
 a word (its link cut, then every process in it killed at once): every stream completes
 token-exact on the survivors, the lost worker's blocks leave the index, ``pdserve status
 --ray`` says why the decode pool is short, no block leaks -> a spare host joins and Ray
@@ -63,7 +66,7 @@ def workload(smollm2_path):
 @pytest.fixture(scope="module")
 def mn(smollm2_path, tmp_path_factory):
     log = tmp_path_factory.mktemp("multinode")
-    with TestHosts(5) as hosts:
+    with TestHosts(5, emulated=(2,)) as hosts:  # host 2: delay and loss on demand
         password = secrets.token_urlsafe(16)
         redis = RedisServer(hosts[0].ip, REDIS_PORT, password=password,
                             wrap=hosts[0].argv).wait_ready()
@@ -183,6 +186,37 @@ def test_a_partition_that_heals_costs_no_stream(mn, workload):
         load.finish()
     _all_exact(load, expected)
     assert_cluster_idle(mn, timeout=30)
+
+
+def test_a_slow_lossy_link_costs_no_stream(mn, workload):
+    """Host 2's link (a decode worker's: KV arrives over it, its tokens leave by it)
+    delays every frame 40 ± 10 ms each way and drops 3% of them, under load, for at
+    least 8 s and until requests decoded there completed through it. TCP retransmits
+    under gloo and gRPC; what cannot wait (a KV message past ``--transfer-timeout-s``)
+    fails and is recomputed. Every stream is token-exact, the link really dropped
+    frames, and once it is clean again nothing leaks."""
+    prompts, expected = workload
+    hosts = mn.hosts
+    slow = _worker_on(mn, 2)
+    load = Load(mn.target, prompts, MAX_TOKENS, threads=3, ignore_eos=False)
+    try:
+        load.wait_routed("decode_worker", slow, since=0, timeout=60)
+        dropped = hosts[2].link.counters()["dropped"]
+        since = len(load.results)
+        hosts[2].shape(delay_ms=40.0, jitter_ms=10.0, loss=0.03)
+        t0 = time.monotonic()
+        load.wait_routed("decode_worker", slow, since=since, timeout=120)
+        time.sleep(max(0.0, 8.0 - (time.monotonic() - t0)))
+        dropped = hosts[2].link.counters()["dropped"] - dropped
+        through = sum(r.routing.get("decode_worker") == slow
+                      for _, r in load.results[since:] if not isinstance(r, Exception))
+    finally:
+        hosts[2].shape()
+        load.finish()
+    print(f"slow lossy link: {through} streams decoded through it, {dropped} frames dropped")
+    _all_exact(load, expected)
+    assert dropped > 0 and through > 0
+    assert_cluster_idle(mn, timeout=60)
 
 
 def test_a_lost_host_costs_no_stream_and_comes_back(mn, workload):
