@@ -13,9 +13,12 @@ scenarios it cannot run, :func:`benchmarks.chaos_targets.refused`):
    every later stream of that prompt must equal (:mod:`benchmarks.chaos_oracle`);
 3. **capacity**: the prompts in a closed loop, ``2 x workers`` in flight: requests/s;
    the load is ``load`` (70%) of it, Poisson arrivals;
-4. per scenario, ``faults`` times: ``pre_s`` of load, the fault, ``post_s`` more load;
-   every stream is checked against its reference; the TTFT recovery is measured around
-   the fault; then the cluster must be **whole** again (every component running, every
+4. per scenario, ``faults`` times: ``pre_s`` of load, the fault, ``post_s`` more load
+   (longer while the fault lasts: a stop, or a killed component not back yet, then
+   ``post_s / 2`` more); every stream is checked against its reference; a kill's
+   restoration (until the component serves again, listed by every router) is timed;
+   after the scenario's faults the TTFT recovery of each is measured against the
+   scenario's pooled pre-fault p99 (:mod:`benchmarks.chaos_oracle`); then the cluster must be **whole** again (every component running, every
    router listing every worker as serving) and **idle with every KV block free**
    (leaked blocks are counted, not waited for beyond 30 s).
 
@@ -173,15 +176,20 @@ async def _one(client: AsyncClient, prompt: list[int], index: int, arrival: floa
 async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
                  prompts: list[list[int]], rate: float, rng: random.Random
                  ) -> tuple[list[Outcome], Fault, int]:
-    """One fault under load: ``pre_s`` of load, the fault, ``post_s`` more. Returns
-    the outcomes, the fault and how many times streams resumed on another router."""
+    """One fault under load: ``pre_s`` of load, the fault, ``post_s`` more, and on
+    while the fault lasts (a stop, a killed component not yet back) plus ``post_s / 2``
+    after it ends, so that a recovery slower than ``post_s`` is measured, not cut off.
+    Returns the outcomes, the fault and how many times streams resumed on another
+    router."""
     duration = o.pre_s + o.post_s
-    times = [t for t in arrival_times(int(rate * duration * 2) + 10, rate,
-                                      seed=rng.randrange(1 << 30)) if t < duration]
+    horizon = duration + 180.0  # arrivals drawn this far; the load ends well before
+    times = [t for t in arrival_times(int(rate * horizon * 1.5) + 10, rate,
+                                      seed=rng.randrange(1 << 30)) if t < horizon]
     victim = victim_of(cluster, scenario, k) if scenario not in ("none", "flip-kv",
                                                                 "cancel") else ""
     fault = Fault(scenario, victim, o.pre_s)
     flip_window = (o.pre_s, o.pre_s + 2.0)
+    end = [duration]  # the load's end: pushed past a fault that outlasts post_s
     async with AsyncClient(cluster.targets) as client:
         start = time.monotonic()
 
@@ -197,9 +205,9 @@ async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
                 fault.at_s = time.monotonic() - start
                 fault.restored_s = await asyncio.to_thread(wait_restored, cluster, victim,
                                                            before)
+            end[0] = max(end[0], time.monotonic() - start + o.post_s / 2)
 
         async def request(n: int, t: float) -> Outcome:
-            await at(t)
             i = n % len(prompts)
             rid = f"chaos-{scenario}-{k}-{n}"
             if scenario == "flip-kv" and flip_window[0] <= t < flip_window[1]:
@@ -212,7 +220,13 @@ async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
             return await _one(client, prompts[i], i, t, start, rid, o.max_tokens, cancel)
 
         fault_task = asyncio.ensure_future(do_fault())
-        outcomes = await asyncio.gather(*(request(n, t) for n, t in enumerate(times)))
+        sent = []
+        for n, t in enumerate(times):
+            await at(t)
+            if t >= end[0] and fault_task.done():
+                break
+            sent.append(asyncio.ensure_future(request(n, t)))
+        outcomes = await asyncio.gather(*sent)
         await fault_task
         return list(outcomes), fault, client.resumes
 

@@ -133,21 +133,56 @@ class LinkEmulator:
             self._fds = None
 
 
+class DelayLine:
+    """The link's rule, frame by frame (pure: a clock is passed in): :meth:`admit` drops
+    a frame with probability ``loss`` or schedules it ``delay_ms`` ± ``jitter_ms`` later,
+    never before the frame admitted ahead of it for the same side; :meth:`due` hands
+    back what is due, in release order."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.impairment = Impairment()
+        self._queue: list[tuple[float, int, int, bytes]] = []  # (release, seq, dst, frame)
+        self._last: dict[int, float] = {}  # per destination: its latest release
+        self._seq = 0
+        self.dropped = 0
+
+    def admit(self, dst: int, frame: bytes, now: float) -> bool:
+        """Take a frame bound for side ``dst``; False when the link drops it."""
+        imp = self.impairment
+        if imp.loss and self.rng.random() < imp.loss:
+            self.dropped += 1
+            return False
+        delay = imp.delay_ms + (self.rng.uniform(-imp.jitter_ms, imp.jitter_ms)
+                                if imp.jitter_ms else 0.0)
+        release = max(now + delay / 1e3, self._last.get(dst, 0.0))
+        self._last[dst] = release
+        heapq.heappush(self._queue, (release, self._seq, dst, frame))
+        self._seq += 1
+        return True
+
+    def next_release(self) -> float | None:
+        return self._queue[0][0] if self._queue else None
+
+    def due(self, now: float) -> list[tuple[int, bytes]]:
+        out = []
+        while self._queue and self._queue[0][0] <= now:
+            _, _, dst, frame = heapq.heappop(self._queue)
+            out.append((dst, frame))
+        return out
+
+
 def _shuttle(a: int, b: int, seed: int) -> None:
     """The shuttle process's loop: frames a <-> b, commands on stdin (module docstring)."""
-    rng = random.Random(seed)
-    imp = Impairment()
+    line_ = DelayLine(seed)
     other = {a: b, b: a}
-    queue: list[tuple[float, int, int, bytes]] = []  # (release, seq, to_fd, frame)
-    last_release = {a: 0.0, b: 0.0}  # per destination: keep each direction in order
-    seq = 0
     counts = {"forwarded": 0, "dropped": 0, "lost_down": 0}
     ctl = sys.stdin.fileno()
     os.set_blocking(ctl, False)
     pending = b""
     while True:
-        now = time.monotonic()
-        timeout = max(0.0, queue[0][0] - now) if queue else 0.5
+        head = line_.next_release()
+        timeout = 0.5 if head is None else max(0.0, head - time.monotonic())
         ready, _, _ = select.select([a, b, ctl], [], [], timeout)
         if ctl in ready:
             chunk = os.read(ctl, 65536)
@@ -155,10 +190,11 @@ def _shuttle(a: int, b: int, seed: int) -> None:
                 return  # the parent closed stdin: close()
             pending += chunk
             while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                fields = json.loads(line)
+                text, pending = pending.split(b"\n", 1)
+                fields = json.loads(text)
                 if fields:
-                    imp = Impairment(**fields)
+                    line_.impairment = Impairment(**fields)
+                counts["dropped"] = line_.dropped
                 sys.stdout.write(json.dumps(counts) + "\n")
                 sys.stdout.flush()
         now = time.monotonic()
@@ -173,19 +209,8 @@ def _shuttle(a: int, b: int, seed: int) -> None:
                 except OSError:  # the device is going away: do not spin on it
                     time.sleep(0.01)
                     break
-                if imp.loss and rng.random() < imp.loss:
-                    counts["dropped"] += 1
-                    continue
-                dst = other[src]
-                delay = imp.delay_ms + (rng.uniform(-imp.jitter_ms, imp.jitter_ms)
-                                        if imp.jitter_ms else 0.0)
-                release = max(now + delay / 1e3, last_release[dst])
-                last_release[dst] = release
-                heapq.heappush(queue, (release, seq, dst, frame))
-                seq += 1
-        now = time.monotonic()
-        while queue and queue[0][0] <= now:
-            _, _, dst, frame = heapq.heappop(queue)
+                line_.admit(other[src], frame, now)
+        for dst, frame in line_.due(time.monotonic()):
             try:
                 os.write(dst, frame)
                 counts["forwarded"] += 1

@@ -12,7 +12,6 @@ import sys
 import pytest
 from cluster_helpers import needs_private_netns
 
-from cluster.linkemu import Impairment
 from cluster.testhosts import TestHosts, unavailable
 
 _why = unavailable()
@@ -139,9 +138,3 @@ def test_a_clean_emulated_link_moves_megabytes(hosts) -> None:
           f"({16 / max(seconds, 1e-9):.0f} MiB/s)")
     assert seconds < 30
 
-
-def test_impairments_are_checked() -> None:
-    with pytest.raises(ValueError, match="jitter_ms"):
-        Impairment(delay_ms=1.0, jitter_ms=2.0)
-    with pytest.raises(ValueError, match="probability"):
-        Impairment(loss=1.5)
