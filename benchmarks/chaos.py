@@ -17,10 +17,11 @@ scenarios it cannot run, :func:`benchmarks.chaos_targets.refused`):
    (longer while the fault lasts: a stop, or a killed component not back yet, then
    ``post_s / 2`` more); every stream is checked against its reference; a kill's
    restoration (until the component serves again, listed by every router) is timed;
-   after the scenario's faults the TTFT recovery of each is measured against the
-   scenario's pooled pre-fault p99 (:mod:`benchmarks.chaos_oracle`); then the cluster must be **whole** again (every component running, every
-   router listing every worker as serving) and **idle with every KV block free**
-   (leaked blocks are counted, not waited for beyond 30 s).
+   then the cluster must be **whole** again (every component running, every router
+   listing every worker as serving) and **idle with every KV block free** (leaked
+   blocks are counted, not waited for beyond 30 s). After the scenario's faults the
+   TTFT recovery of each is measured against the scenario's pooled pre-fault p99
+   (:mod:`benchmarks.chaos_oracle`).
 
 The client is the resuming one (:class:`router.client.AsyncClient` over both routers),
 so a router's death is a resume, not a failure. :mod:`benchmarks.chaos_report` writes
