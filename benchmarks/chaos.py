@@ -190,7 +190,7 @@ async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
                                                                 "cancel") else ""
     fault = Fault(scenario, victim, o.pre_s)
     flip_window = (o.pre_s, o.pre_s + 2.0)
-    end = [duration]  # the load's end: pushed past a fault that outlasts post_s
+    end = duration  # the load's end: pushed past a fault that outlasts post_s
     async with AsyncClient(cluster.targets) as client:
         start = time.monotonic()
 
@@ -198,6 +198,7 @@ async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
             await asyncio.sleep(max(0.0, start + t - time.monotonic()))
 
         async def do_fault() -> None:
+            nonlocal end
             await at(o.pre_s)
             before = (await asyncio.to_thread(component_of, cluster, victim)).restarts \
                 if scenario in KILLS else 0
@@ -206,7 +207,7 @@ async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
                 fault.at_s = time.monotonic() - start
                 fault.restored_s = await asyncio.to_thread(wait_restored, cluster, victim,
                                                            before)
-            end[0] = max(end[0], time.monotonic() - start + o.post_s / 2)
+            end = max(end, time.monotonic() - start + o.post_s / 2)
 
         async def request(n: int, t: float) -> Outcome:
             i = n % len(prompts)
@@ -224,7 +225,7 @@ async def _cycle(cluster: ChaosTarget, o: ChaosOptions, scenario: str, k: int,
         sent = []
         for n, t in enumerate(times):
             await at(t)
-            if t >= end[0] and fault_task.done():
+            if t >= end and fault_task.done():
                 break
             sent.append(asyncio.ensure_future(request(n, t)))
         outcomes = await asyncio.gather(*sent)

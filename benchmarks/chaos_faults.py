@@ -152,15 +152,19 @@ def wait_whole(cluster: ChaosTarget, timeout_s: float = 180.0) -> float:
     while time.monotonic() < deadline:
         if cluster.gave_up is not None:
             raise RuntimeError(f"supervision gave up: {cluster.gave_up}")
-        components = cluster.components()
-        missing = [c.name for c in components if not c.running]
-        if not missing:
-            missing = _unlisted(cluster, [c.address for c in components
-                                          if c.role in WORKER_ROLES])
+        missing = _missing(cluster, cluster.components())
         if not missing:
             return time.monotonic() - start
         time.sleep(0.25)
     raise TimeoutError(f"the cluster is not whole after {timeout_s:.0f} s: {missing}")
+
+
+def _missing(cluster: ChaosTarget, components: list[Component]) -> list[str]:
+    """What keeps the cluster from being whole: components not running, else workers
+    some router does not list as serving ([]: whole)."""
+    missing = [c.name for c in components if not c.running]
+    return missing or _unlisted(cluster, [c.address for c in components
+                                          if c.role in WORKER_ROLES])
 
 
 def wait_restored(cluster: ChaosTarget, victim: str, restarts_before: int,
@@ -174,10 +178,8 @@ def wait_restored(cluster: ChaosTarget, victim: str, restarts_before: int,
         if cluster.gave_up is not None:
             return None
         components = cluster.components()
-        if (any(c.name == victim and c.restarts > restarts_before and c.running
-                for c in components)
-                and not _unlisted(cluster, [c.address for c in components
-                                            if c.role in WORKER_ROLES])):
+        if (any(c.name == victim and c.restarts > restarts_before for c in components)
+                and not _missing(cluster, components)):
             return time.monotonic() - start
         time.sleep(0.1)
     return None

@@ -24,13 +24,19 @@ HEADER = ("| fault | faults | requests | failures | wrong / missing / dup. strea
           "KV transfers refused |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
+def _median_worst(values: list[float]) -> str:
+    """``median / worst`` seconds; one value alone as itself."""
+    ordered = sorted(values)
+    worst = f"{ordered[-1]:.1f}"
+    return f"{ordered[len(ordered) // 2]:.1f} / {worst}" if len(ordered) > 1 else worst
+
+
 def _recovery(row: dict) -> str:
     """Worst recovery; with several faults, the median first."""
-    worst = row["worst_recovery_s"]
-    if worst is None:
+    if row["worst_recovery_s"] is None:
         return "not back"
-    done = sorted(r for r in row.get("recovery_s") or [] if r is not None)
-    return f"{done[len(done) // 2]:.1f} / {worst:.1f}" if len(done) > 1 else f"{worst:.1f}"
+    return _median_worst([r for r in row.get("recovery_s") or [] if r is not None]
+                         or [row["worst_recovery_s"]])
 
 
 def _restored(row: dict) -> str:
@@ -41,8 +47,7 @@ def _restored(row: dict) -> str:
         return "-"
     if any(r is None for r in done):
         return f"{sum(r is None for r in done)} not back"
-    ordered = sorted(done)
-    return f"{ordered[len(ordered) // 2]:.1f} / {ordered[-1]:.1f}"
+    return _median_worst(done)
 
 
 def _baseline(row: dict) -> str:
