@@ -43,9 +43,10 @@ from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 from .child import guarded
 from .deployment import DeploymentConfig
+from .forkserver import ForkServer
 from .net import free_port
 from .redis_server import RedisServer
-from .supervisor import GaveUp, RestartPolicy, Supervisor, log_tail
+from .supervisor import GaveUp, Process, RestartPolicy, Supervisor, log_tail
 
 LocalClusterConfig = DeploymentConfig  # what this launcher reads (its ``launcher`` is moot)
 __all__ = ["LocalCluster", "LocalClusterConfig", "banner", "free_port", "start_redis",
@@ -106,9 +107,13 @@ def banner(c: DeploymentConfig, threads: int, target: str, http_url: str | None,
 
 class LocalCluster:
     def __init__(self, config: LocalClusterConfig,
-                 restart_policy: RestartPolicy | None = None, routers: int = 1) -> None:
+                 restart_policy: RestartPolicy | None = None, routers: int = 1,
+                 fork_server: bool = True) -> None:
         """``routers``: router replicas, each on its own port (:attr:`targets`; the
-        first is ``config.port``, the others gRPC only), all over the same workers."""
+        first is ``config.port``, the others gRPC only), all over the same workers.
+        ``fork_server``: fork workers and routers from one process that imported them
+        once (:mod:`cluster.forkserver`), where it can run; else each starts as a fresh
+        interpreter."""
         if config.metrics_port == 0:  # any free one, known before the router starts
             config = dataclasses.replace(config, metrics_port=free_port(config.host))
         self.config = config
@@ -137,9 +142,12 @@ class LocalCluster:
         self._stop_supervising = threading.Event()
         self.gave_up: GaveUp | None = None
         """Why background supervision stopped the cluster, if it did."""
+        self._want_forks = fork_server
+        self.forks: ForkServer | None = None
+        """Where components fork from (None: each one is a fresh interpreter)."""
 
     @property
-    def procs(self) -> list[subprocess.Popen]:
+    def procs(self) -> list[Process]:
         """Each component's current process (Redis, the workers, the router)."""
         return [c.proc for c in self.supervisor.components if c.proc is not None]
 
@@ -148,7 +156,7 @@ class LocalCluster:
         """The components' names, in :attr:`procs`' order."""
         return [c.name for c in self.supervisor.components]
 
-    def proc(self, name: str) -> subprocess.Popen:
+    def proc(self, name: str) -> Process:
         """``name``'s current process (``redis``, ``router``, ``decode-0``, ...)."""
         proc = self.supervisor.get(name).proc
         assert proc is not None
@@ -175,15 +183,19 @@ class LocalCluster:
     def _log_path(self, name: str) -> str | None:
         return os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir else None
 
-    def _spawn(self, name: str, args: list[str], threads: int) -> subprocess.Popen:
+    def _spawn(self, name: str, args: list[str], threads: int) -> Process:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
         password = password_of(self.redis_url)
         if password:
             env[PASSWORD_ENV] = password
         else:
             env.pop(PASSWORD_ENV, None)
-        out = None
         log = self._log_path(name)
+        if self.forks is not None:
+            forked = self.forks.spawn(args, env, log, name)
+            if forked is not None:
+                return forked
+        out = None
         if log:
             os.makedirs(os.path.dirname(log), exist_ok=True)
             out = open(log, "ab")  # noqa: SIM115
@@ -216,6 +228,9 @@ class LocalCluster:
 
             sup.add("redis", redis_proc)
         self.redis_url = redis.url if redis is not None else self.config.redis_url
+        if self._want_forks:
+            self.forks = ForkServer.start(dict(os.environ, OMP_NUM_THREADS=str(self.threads),
+                                               TOKENIZERS_PARALLELISM="false"))
         shown = without_password(self.redis_url)  # the password goes in the environment
         for i, (name, _) in enumerate(self.workers):
             sup.add(name, lambda i=i, name=name: self._spawn(name, self._worker_args(i),
@@ -337,3 +352,5 @@ class LocalCluster:
         if self._supervising is not None:
             self._supervising.join()
         self.supervisor.stop(signal.SIGTERM if drain else signal.SIGINT, grace)
+        if self.forks is not None:
+            self.forks.close()

@@ -31,8 +31,22 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 log = logging.getLogger(__name__)
+
+
+class Process(Protocol):
+    """What supervision needs of a running component: a ``subprocess.Popen``, or a
+    :class:`cluster.forkserver.ForkedProcess`."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -83,10 +97,10 @@ class GaveUp(RuntimeError):
 @dataclass
 class Component:
     name: str
-    start: Callable[[], subprocess.Popen]
+    start: Callable[[], Process]
     log: str | None = None
     """Where its output goes (quoted when giving up); None: the launcher's own output."""
-    proc: subprocess.Popen | None = None
+    proc: Process | None = None
     exits: list[float] = field(default_factory=list)
     """When it exited unexpectedly (monotonic), within the restart window."""
     restart_at: float | None = None
@@ -102,7 +116,7 @@ class Supervisor:
     on_event: Callable[[str], None] = log.warning
     stopping: bool = False
 
-    def add(self, name: str, start: Callable[[], subprocess.Popen],
+    def add(self, name: str, start: Callable[[], Process],
             log_path: str | None = None) -> Component:
         """Start ``name`` now and supervise it from the next :meth:`poll`."""
         c = Component(name, start, log_path)
@@ -122,8 +136,8 @@ class Supervisor:
         for c in self.components:
             if c.restart_at is not None:
                 if now >= c.restart_at:
-                    c.restart_at, c.restarts = None, c.restarts + 1
-                    c.proc = c.start()
+                    c.restart_at, c.proc = None, c.start()
+                    c.restarts += 1  # after the new process is there to look at
                     events.append(f"{c.name} restarted (restart {c.restarts}, pid "
                                   f"{c.proc.pid})")
                 continue
