@@ -230,6 +230,9 @@ class ForkServer:
             reply = self._reply(30.0)  # sent once the component is reparented here
         pid = reply.get("pid")
         if not isinstance(pid, int):
+            if "error" not in reply:  # no answer: a late one would answer the next request
+                self._proc.kill()
+                self.close()
             print(f"pdserve: the fork server did not start {name} "
                   f"({reply.get('error', 'no answer')}); starting it the usual way",
                   file=sys.stderr)
@@ -358,18 +361,23 @@ def _become(request: dict[str, object], launcher: int, replies: int) -> list[str
         os.environ.update({str(k): str(v) for k, v in env.items()})
     name = str(request.get("name") or "pdserve")
     _prctl(_PR_SET_NAME, name.encode()[:15])
-    _reseed()
+    _as_fresh()
     args = [str(a) for a in request["args"]]  # type: ignore[union-attr]
     sys.argv = ["pdserve", *args]
     return args
 
 
-def _reseed() -> None:
-    """Every component its own random state, as a fresh interpreter would have (Python's
-    ``random`` reseeds itself after fork)."""
+def _as_fresh() -> None:
+    """What a fresh interpreter would have: its own random state (Python's ``random``
+    reseeds itself after fork) and ``OMP_NUM_THREADS`` intra-op threads (the OpenMP
+    runtime read the server's when torch loaded it)."""
     import torch
 
     torch.seed()
+    try:
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", ""))))
+    except ValueError:
+        pass
     try:
         import numpy as np
 
