@@ -105,6 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     _add_bench_tenant_probe(sub)
     _add_bench_serving(sub)
+    _add_bench_startup(sub)
     _add_profile(sub)
 
 
@@ -137,6 +138,30 @@ def _add_bench_multinode(sub: argparse._SubParsersAction) -> None:
     bm.add_argument("--out", default="loadtest/results/multinode",
                     help="results.json, results.md and results.png go here")
     bm.set_defaults(func=cmd_bench_multinode)
+
+
+def _add_bench_startup(sub: argparse._SubParsersAction) -> None:
+    bs = sub.add_parser("bench-startup",
+                        help="process launcher: time to serve and to bring a killed "
+                             "component back, fork server vs fresh interpreters")
+    bs.add_argument("--model", default=None)
+    bs.add_argument("--cache-dir", default=None)
+    bs.add_argument("--prefill", type=int, default=2)
+    bs.add_argument("--decode", type=int, default=2)
+    bs.add_argument("--repeats", type=int, default=3)
+    bs.add_argument("--out", default="bench-results/startup",
+                    help="directory for startup.md and startup.json")
+    bs.set_defaults(func=cmd_bench_startup)
+
+
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    from benchmarks.startup import StartupOptions, run
+    from workers.model_store import resolve_model
+
+    path = resolve_model(args.model, cache_dir(args))
+    run(StartupOptions(model=str(path), prefill=args.prefill, decode=args.decode,
+                       repeats=args.repeats, out=args.out))
+    return 0
 
 
 def _add_bench_serving(sub: argparse._SubParsersAction) -> None:
