@@ -36,7 +36,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,7 +60,7 @@ from .chaos_faults import (
     wait_restored,
     wait_whole,
 )
-from .chaos_oracle import Outcome, Row, baseline_p99, recovery_s
+from .chaos_oracle import Outcome, Row, baseline_p99, pooled_recovery_s, recovery_s
 from .chaos_targets import ChaosTarget, ProcessTarget
 from .chaos_targets import refused as launcher_refuses
 
@@ -239,6 +239,62 @@ def _window_s(rate_rps: float) -> float:
     return max(3.0, 10.0 / max(rate_rps, 1e-9))
 
 
+def _score(row: Row, cycles: list[tuple[list[Outcome], float]], pre_s: float,
+           rate_rps: float) -> None:
+    """``row``'s pooled baseline and its recoveries, per fault and pooled."""
+    row.baseline_ttft_s = baseline_p99(cycles, pre_s)
+    if row.baseline_ttft_s is None:
+        row.recovery_s, row.pooled_recovery_s = [None] * len(cycles), None
+        return
+    row.recovery_s = [recovery_s(outs, t, pre_s, baseline_s=row.baseline_ttft_s,
+                                 window_s=_window_s(rate_rps)) for outs, t in cycles]
+    row.pooled_recovery_s = pooled_recovery_s(
+        cycles, row.baseline_ttft_s, window_s=_pooled_window_s(rate_rps, len(cycles)))
+
+
+def _cycles_of(points: list[dict]) -> list[tuple[list[Outcome], float]]:
+    """A report's outcomes of one scenario (time since their fault) back into cycles,
+    each with its fault at 0: by their ``fault`` index, or, in reports written before
+    it was recorded, where time since the fault drops (the next cycle's pre window)."""
+    cycles: list[list[Outcome]] = []
+    last: object = None
+    prev = math.inf
+    for p in points:
+        key = p.get("fault")
+        if not cycles or (key != last if key is not None else p["t"] < prev - 1.0):
+            cycles.append([])
+        last, prev = key, p["t"]
+        cycles[-1].append(Outcome(-1, p["t"], ttft_s=p["ttft_s"], error=p["error"],
+                                  cancelled=p["cancelled"]))
+    return [(c, 0.0) for c in cycles]
+
+
+def rescore(report: dict) -> dict:
+    """The report with each row's baseline and recoveries computed again from its own
+    outcomes by this version's rule (how a run is read again after the rule changed,
+    without rerunning it). Pure: a new dict."""
+    pre_s = report["options"]["pre_s"]
+    shapes = []
+    for shape in report["shapes"]:
+        rows = []
+        for r in shape["rows"]:
+            row = Row(**{f.name: r[f.name] for f in fields(Row) if f.name in r})
+            _score(row, _cycles_of(shape["outcomes"].get(r["scenario"], [])), pre_s,
+                   shape["rate_rps"])
+            rows.append({**r, "baseline_ttft_s": row.baseline_ttft_s,
+                         "recovery_s": row.recovery_s,
+                         "pooled_recovery_s": row.pooled_recovery_s,
+                         "worst_recovery_s": row.worst_recovery_s})
+        shapes.append({**shape, "rows": rows})
+    return {**report, "shapes": shapes}
+
+
+def _pooled_window_s(rate_rps: float, faults: int) -> float:
+    """The pooled rule's window: ~150 arrivals over all faults (100 must be there for a
+    window to be judged), at least 0.5 s."""
+    return max(0.5, 150.0 / max(rate_rps * faults, 1e-9))
+
+
 def _failed_transfers(cluster: ChaosTarget) -> int:
     """KV transfers the decode workers counted as failed so far (a corrupted payload
     refused by its checksum is one)."""
@@ -312,22 +368,18 @@ def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
                     row.notes.append(f"fault {k}: {fault.note}")
                 result.faults.append(fault)
                 seen += [{"t": x.arrival_s - fault.at_s, "ttft_s": x.ttft_s,
-                          "error": x.error, "cancelled": x.cancelled} for x in outcomes]
+                          "error": x.error, "cancelled": x.cancelled, "fault": k}
+                         for x in outcomes]
                 restored = ("" if scenario not in KILLS else
                             f"back and listed {fault.restored_s:.1f} s after the kill, "
                             if fault.restored_s is not None else "NOT back, ")
                 say(f"[{shape}] {scenario} {k + 1}/{o.faults}: {len(outcomes)} requests, "
                     f"{row.failures} failed, {row.bad_tokens} bad streams, {restored}"
                     f"whole {back:.1f} s after the load, {leaked} blocks leaked")
-            row.baseline_ttft_s = baseline_p99(cycles, o.pre_s)
-            if row.baseline_ttft_s is not None:
-                row.recovery_s = [recovery_s(outs, t, o.pre_s, baseline_s=row.baseline_ttft_s,
-                                             window_s=_window_s(result.rate_rps))
-                                  for outs, t in cycles]
-            else:
-                row.recovery_s = [None] * len(cycles)
+            _score(row, cycles, o.pre_s, result.rate_rps)
             say(f"[{shape}] {scenario}: pre-fault TTFT p99 {row.baseline_ttft_s} s "
-                f"(pooled), recovery per fault {row.recovery_s}")
+                f"(pooled), recovery {row.pooled_recovery_s} s (pooled), per fault "
+                f"{row.recovery_s}")
             row.restarts = sum(c.restarts for c in cluster.components()) - restarts_before
             result.rows.append(row)
             result.outcomes[scenario] = seen
