@@ -180,3 +180,22 @@ def test_rescore_reads_a_report_again_into_the_same_cycles() -> None:
     assert new["baseline_ttft_s"] == baseline_p99(cycles, 6.0)
     assert 1.5 <= new["pooled_recovery_s"] <= 2.0
     assert len(new["recovery_s"]) == 40 and report["shapes"][0]["rows"][0] is row
+
+
+def test_pdserve_chaos_rescore_rewrites_a_saved_report(tmp_path) -> None:  # noqa: ANN001
+    from benchmarks.chaos_report import write
+    from cluster.cli.chaos import cmd_rescore
+
+    cycles = _fault_cycles(lambda t, rng: 2.0 if 6 <= t < 8 else 0.1, faults=40)
+    points = [{"t": o.arrival_s - t, "ttft_s": o.ttft_s, "error": None, "cancelled": False}
+              for c, t in cycles for o in c]
+    row = {**asdict(Row("kill-decode", 40, len(points))), "bad_tokens": 0,
+           "worst_recovery_s": None}
+    write({"options": {"pre_s": 6.0}, "shapes": [
+        {"shape": "disagg", "capacity_rps": 4.0, "rate_rps": 3.0, "rows": [row],
+         "outcomes": {"kill-decode": points}}]}, tmp_path, "a run")
+    assert "MISSED" in (tmp_path / "chaos.md").read_text()  # no recovery computed yet
+    assert cmd_rescore(str(tmp_path)) == 0
+    md = (tmp_path / "chaos.md").read_text()
+    assert md.startswith("a run (rescored)") and "Targets: all met" in md
+    assert cmd_rescore(str(tmp_path / "nowhere")) == 2
