@@ -26,24 +26,35 @@ def guarded(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "cluster.child", str(os.getpid()), *argv]
 
 
-def _die_with_parent(parent: int) -> None:
+def prctl(option: int, value: int | bytes) -> bool:
+    """Linux ``prctl(option, value)``; False where it failed or there is none."""
     if sys.platform != "linux":
-        return
+        return False
     import ctypes
 
-    pr_set_pdeathsig = 1
     try:
-        ctypes.CDLL("libc.so.6").prctl(pr_set_pdeathsig, signal.SIGTERM)
-    except OSError:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int, what: str) -> None:
+    """Ask for SIGTERM when this process's parent dies, then make sure the parent is
+    still ``parent`` (else exit, not starting ``what``: it died already). Outside
+    Linux, nothing."""
+    if not prctl(PR_SET_PDEATHSIG, signal.SIGTERM):
         return
     if os.getppid() != parent:  # the launcher died before we asked
-        sys.exit(f"pdserve: launcher {parent} is gone; not starting {sys.argv[2:3]}")
+        sys.exit(f"pdserve: launcher {parent} is gone; not starting {what}")
 
 
 def main() -> None:
     if len(sys.argv) < 3 or not sys.argv[1].isdigit():
         sys.exit("usage: python -m cluster.child LAUNCHER_PID COMMAND [ARGS...]")
-    _die_with_parent(int(sys.argv[1]))
+    die_with_parent(int(sys.argv[1]), str(sys.argv[2:3]))
     os.execvp(sys.argv[2], sys.argv[2:])
 
 

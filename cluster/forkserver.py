@@ -46,7 +46,7 @@ import threading
 import time
 from typing import IO
 
-from cluster.child import guarded
+from cluster.child import die_with_parent, guarded, prctl
 
 ENTRY = "cluster.cli"
 """The module whose ``main(args)`` a forked component runs (``pdserve ARGS``)."""
@@ -60,19 +60,7 @@ ENV_SWITCH = "PDSERVE_FORK_SERVER"
 """``0`` turns the fork server off (every component starts as a fresh interpreter)."""
 
 _PR_SET_NAME = 15
-_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
-
-
-def _prctl(option: int, value: int | bytes) -> bool:
-    if sys.platform != "linux":
-        return False
-    import ctypes
-
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def enabled() -> bool:
@@ -141,19 +129,19 @@ class _Subreaper:
         with cls._lock:
             if cls._holders:
                 return True
-            return _prctl(_PR_SET_CHILD_SUBREAPER, 1) and _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+            return prctl(_PR_SET_CHILD_SUBREAPER, 1) and prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
     def __enter__(self) -> None:
         with self._lock:
             if _Subreaper._holders == 0:
-                _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+                prctl(_PR_SET_CHILD_SUBREAPER, 1)
             _Subreaper._holders += 1
 
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             _Subreaper._holders -= 1
             if _Subreaper._holders == 0:
-                _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+                prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
 
 class ForkServer:
@@ -314,7 +302,7 @@ def preload() -> None:
         getattr(transformers, name)  # a lazy attribute: imports its modules
 
 
-def _serve(launcher: int, replies: int) -> None:
+def _serve(replies: int) -> None:
     """Import, say ready, fork one component per request until stdin closes."""
     try:
         preload()
@@ -334,14 +322,13 @@ def _serve(launcher: int, replies: int) -> None:
 
 def _become(request: dict[str, object], launcher: int, replies: int) -> list[str]:
     """Turn this grandchild into the requested component; returns its arguments."""
+    name = str(request.get("name") or "pdserve")
     deadline = time.monotonic() + 10.0
     while os.getppid() != launcher:  # the middle process is exiting
         if time.monotonic() > deadline:
             os._exit(70)  # the launcher is gone or is not a subreaper
         time.sleep(0.001)
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != launcher:  # it died before we asked
-        os._exit(70)
+    die_with_parent(launcher, name)
     os.close(replies)
     # The process group stays the launcher's, as a Popen child's does: Ctrl-C reaches it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -359,8 +346,7 @@ def _become(request: dict[str, object], launcher: int, replies: int) -> list[str
     if isinstance(env, dict):
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in env.items()})
-    name = str(request.get("name") or "pdserve")
-    _prctl(_PR_SET_NAME, name.encode()[:15])
+    prctl(_PR_SET_NAME, name.encode()[:15])
     _as_fresh()
     args = [str(a) for a in request["args"]]  # type: ignore[union-attr]
     sys.argv = ["pdserve", *args]
@@ -392,7 +378,7 @@ def main() -> int:
     launcher, replies = int(sys.argv[1]), int(sys.argv[2])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
     try:
-        _serve(launcher, replies)
+        _serve(replies)
     except _Become as b:
         args = _become(b.request, launcher, replies)
         import importlib

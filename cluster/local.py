@@ -183,8 +183,14 @@ class LocalCluster:
     def _log_path(self, name: str) -> str | None:
         return os.path.join(self.config.log_dir, f"{name}.log") if self.config.log_dir else None
 
+    @staticmethod
+    def _base_env(threads: int) -> dict[str, str]:
+        """This process's environment with ``threads`` OpenMP threads and tokenizers
+        kept to one (the components' and the fork server's)."""
+        return dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+
     def _spawn(self, name: str, args: list[str], threads: int) -> Process:
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+        env = self._base_env(threads)
         password = password_of(self.redis_url)
         if password:
             env[PASSWORD_ENV] = password
@@ -229,8 +235,7 @@ class LocalCluster:
             sup.add("redis", redis_proc)
         self.redis_url = redis.url if redis is not None else self.config.redis_url
         if self._want_forks:
-            self.forks = ForkServer.start(dict(os.environ, OMP_NUM_THREADS=str(self.threads),
-                                               TOKENIZERS_PARALLELISM="false"))
+            self.forks = ForkServer.start(self._base_env(self.threads))
         shown = without_password(self.redis_url)  # the password goes in the environment
         for i, (name, _) in enumerate(self.workers):
             sup.add(name, lambda i=i, name=name: self._spawn(name, self._worker_args(i),

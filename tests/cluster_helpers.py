@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -163,3 +164,24 @@ needs_private_netns = pytest.mark.skipif(
     reason="starts Ray, which binds every interface: run inside a private network namespace "
            "(`make test` does: unshare -n with lo up)")
 """For a module that starts Ray: ``pytestmark = needs_private_netns``."""
+
+
+def assert_dies_with_launcher(launcher: subprocess.Popen, child: int,
+                              timeout_s: float) -> None:
+    """SIGKILL ``launcher`` (no cleanup code of its runs), then fail unless ``child``
+    is gone within ``timeout_s`` (a zombie waiting for init to reap it counts as gone)."""
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait(10)
+    deadline = time.monotonic() + timeout_s
+    while _running(child):
+        assert time.monotonic() < deadline, f"{child} outlived its launcher"
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (or dead task) waiting to be reaped."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")

@@ -3,7 +3,6 @@ the fork() that a preexec function costs next to gRPC (see the module)."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import textwrap
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_helpers import assert_dies_with_launcher
 
 from cluster.child import guarded
 
@@ -45,21 +45,7 @@ def test_a_child_gets_sigterm_when_its_launcher_is_killed(tmp_path: Path) -> Non
         while not pid_file.exists() or not pid_file.read_text():
             assert time.monotonic() < deadline, "the child never started"
             time.sleep(0.05)
-        child = int(pid_file.read_text())
-        parent.send_signal(signal.SIGKILL)  # no cleanup code runs
-        parent.wait(10)
-        deadline = time.monotonic() + 10
-        while _alive(child):
-            assert time.monotonic() < deadline, f"child {child} outlived its launcher"
-            time.sleep(0.05)
+        assert_dies_with_launcher(parent, int(pid_file.read_text()), 10)
     finally:
         parent.kill()
 
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for init to reap it counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cluster_helpers import assert_dies_with_launcher
 
 from cluster.deployment import DeploymentConfig
 from cluster.forkserver import ForkedProcess, ForkServer
@@ -121,21 +122,8 @@ def test_a_component_dies_with_its_launcher(tiny_checkpoints, tmp_path: Path) ->
             time.sleep(0.05)
         child = int(pid_file.read_text())
         assert _parent_of(child) == parent.pid
-        parent.send_signal(signal.SIGKILL)  # no cleanup code runs
-        parent.wait(10)
-        deadline = time.monotonic() + 30
-        while _running(child):
-            assert time.monotonic() < deadline, f"component {child} outlived its launcher"
-            time.sleep(0.05)
+        assert_dies_with_launcher(parent, child, 30)
     finally:
         parent.kill()
         parent.wait()
 
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting for init to reap it."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state not in ("Z", "X")
