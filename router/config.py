@@ -33,6 +33,11 @@ class RouterConfig:
     retire_after_s: float = 60.0
     """A worker found in the registry that left it leaves the pool (and ``pdserve
     status``) after this long, or sooner once a worker of its role joins after it."""
+    stall_probe_after_s: float = 1.0
+    """A prefill call still running after this long asks its worker for its load; a
+    worker that does not answer within ``stall_probe_timeout_s`` is stalled: passed over,
+    and its prompts computed on the decode workers (:mod:`router.stall`). 0: off."""
+    stall_probe_timeout_s: float = 1.5
     migration_limit: int = 3
     """How many times a request may move to another worker after its worker failed."""
     tenant_max_concurrency: int = 0
@@ -58,6 +63,10 @@ class RouterConfig:
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
         self.tenant_limits()  # validates them
+        if self.stall_probe_after_s < 0 or self.stall_probe_timeout_s <= 0:
+            raise ValueError(f"stall_probe_after_s must be >= 0 (0: off) and "
+                             f"stall_probe_timeout_s > 0, got {self.stall_probe_after_s} and "
+                             f"{self.stall_probe_timeout_s}")
         if self.itl_budget_ms <= 0:
             raise ValueError(f"itl_budget_ms must be > 0, got {self.itl_budget_ms}")
 

@@ -230,6 +230,7 @@ class Router:
     async def close(self) -> None:
         if self._traffic_task is not None:
             self._traffic_task.cancel()
+        self.dispatcher.stalls.close()
         await self.workers.close()
         if self._redis is not None:
             self._redis.close()

@@ -18,8 +18,9 @@ attempt, whichever protocol runs it (worker.proto gives the message order):
   from the live state (its running decodes, the prefill pool's queue): it commits
   without a first token, as after a failed prefill, and the decode worker computes the
   prompt in its own steps. A prefill that
-  fails for the worker's sake (died, transport error) commits without a first token:
-  the decode worker recomputes the prompt and the request still completes.
+  fails for the worker's sake (died, transport error), or whose worker stalled
+  (:mod:`router.stall`: it did not answer a probe while the call ran), commits without a
+  first token: the decode worker recomputes the prompt and the request still completes.
 
 A request of several choices (``n``) is one attempt everywhere: one ``Generate``, or one
 reservation and one ``Prefill``, which samples every choice's first token from the
@@ -55,6 +56,7 @@ from .choice import Chooser, PromptHashes
 from .errors import RouterError, WorkerFailed
 from .policies import Decision
 from .pool import Worker, WorkerPool
+from .stall import StallWatch
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,8 @@ class Dispatcher:
         self.pool = pool
         self.chooser = chooser
         self.placement = placement
+        c = pool.config
+        self.stalls = StallWatch(c.stall_probe_after_s, c.stall_probe_timeout_s, pool)
         self._unpaired: set[tuple[str, str]] = set()  # (decode address, model id) logged
 
     def stream(self, request: Request, timeout: float | None, routing: api_pb2.Routing,
@@ -258,8 +262,10 @@ class Dispatcher:
         worker.in_flight += 1
         worker.queued_tokens += queued
         try:
-            return await worker.stub.Prefill(
-                worker_pb2.PrefillRequest(request=wreq, target=target), timeout=timeout)
+            # None when the worker stalled meanwhile (router.stall): computed on decode.
+            return await self.stalls.result(worker.stub.Prefill(
+                worker_pb2.PrefillRequest(request=wreq, target=target), timeout=timeout),
+                worker)
         except grpc.aio.AioRpcError as e:
             if e.code() in CALLER_CODES:
                 raise from_worker(e, worker.address) from e

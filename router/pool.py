@@ -10,7 +10,8 @@ Lifecycle of a worker, as the router sees it:
    router's calls there (the dispatcher moves them); ``free_blocks`` comes from the
    registry heartbeat and breaks ties.
 3. **down** for ``down_s`` after a call failed for the worker's sake (not the
-   request's): still a candidate, but ordered last, so a request reaches it only when
+   request's), or after it stalled (:mod:`router.stall`: it held a call and did not
+   answer a probe): still a candidate, but ordered last, so a request reaches it only when
    every worker of its role is down.
 4. **gone**, for a worker found in the registry whose heartbeat expired: no new
    requests; it comes back if its heartbeat does. Workers given on the command line
@@ -156,6 +157,15 @@ class WorkerPool:
         self.mark_down(worker)
         log.warning("worker %s (%s) failed: %s: %s", worker.address, worker.role,
                     e.code().name, e.details())
+
+    def stalled(self, worker: Worker) -> None:
+        """``worker`` holds calls but does not answer (:mod:`router.stall`): down."""
+        self.mark_down(worker)
+        self.metrics.inc("prefill_stalls_total", worker=worker.address)
+        log.warning("worker %s (%s) is stalled: it holds prompts but did not answer a probe "
+                    "within %.1f s; passing it over for %.0f s and computing its prompts on "
+                    "the decode workers", worker.address, worker.role,
+                    self.config.stall_probe_timeout_s, self.config.down_s)
 
     # -- joining and leaving ---------------------------------------------------------------
 

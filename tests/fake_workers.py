@@ -142,7 +142,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
       ``Prefill`` with this code;
     - ``local``: reservations are local (the decode worker prefills itself);
     - ``gate``: decode output waits for this event (after the reservation/commit);
-    - ``token_delay_s``, ``endless``: a slow or never-ending stream.
+    - ``token_delay_s``, ``endless``: a slow or never-ending stream;
+    - ``frozen``: while this event is unset, ``Prefill`` and ``GetLoad`` answer nothing
+      (a stopped process: SIGSTOP; its HTTP/2 pings still answer, in-process).
 
     Records what it was asked: ``requests`` (every Generate, Prefill and Decode start),
     ``targets`` (of each Prefill), ``events`` (the order of calls across workers),
@@ -163,6 +165,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.gate: asyncio.Event | None = None
         self.token_delay_s = 0.0
         self.endless = False
+        self.frozen: asyncio.Event | None = None
         self.requests: list[worker_pb2.WorkerGenerateRequest] = []
         self.targets: list[worker_pb2.KVTarget] = []
         self.events: list[tuple[str, str]] = []  # (what, address); Cluster shares one
@@ -231,6 +234,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     # -- the Worker service ----------------------------------------------------------------
 
     async def GetLoad(self, request, context):  # noqa: N802 - gRPC method name
+        if self.frozen is not None:
+            await self.frozen.wait()
         return worker_pb2.WorkerLoad(role=self.role, model=MODEL, max_model_len=MAX_MODEL_LEN,
                                      block_size=BLOCK_SIZE, model_id=self.model_id,
                                      free_blocks=100,
@@ -257,6 +262,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.requests.append(request.request)
             self.targets.append(request.target)
             self.events.append(("prefill", self.address))
+            if self.frozen is not None:
+                await self.frozen.wait()
             if self.fail_prefill is not None:
                 await context.abort(self.fail_prefill, f"fake prefill {self.address} failed")
             if self.token_delay_s:

@@ -34,6 +34,7 @@ from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
 from router import edge
 from router.auth import Principal, tenant_salt
 from router.choice import PromptHashes
+from router.config import RouterConfig
 from router.errors import RouterError, WorkerFailed
 from router.prefix_lookup import PrefixLookup
 
@@ -211,6 +212,86 @@ def test_failed_prefill_is_recomputed_on_the_decode_worker() -> None:
             assert c.router_worker(prefill).down_until > time.monotonic()
 
     run(body)
+
+
+# -- stragglers (router/stall.py) -----------------------------------------------------------
+
+STALL = {"stall_probe_after_s": 0.1, "stall_probe_timeout_s": 0.2}
+
+
+def test_a_stalled_prefill_worker_is_given_up_and_passed_over() -> None:
+    """A prefill worker that stops answering (SIGSTOP) while it holds a prompt: past the
+    probe, the call is cancelled and the decode worker computes the prompt; the next
+    prompt goes to the other prefill worker, and keeps going there for as long as the
+    straggler stays silent (longer than ``down_s``); once it resumes it finds its call
+    cancelled, and serves again when its down time ends."""
+    async def body() -> None:
+        async with Cluster(["prefill", "prefill", "decode"], policy="round_robin",
+                           down_s=0.3, **STALL) as c:
+            stuck, other, decode = c.workers
+            stuck.frozen = asyncio.Event()
+            start = time.monotonic()
+            first = await collect(c, req(max_tokens=6), timeout=10)
+            assert time.monotonic() - start < 2.0  # the detection, not the stall
+            assert_one_stream(first, 6)
+            assert first[-1].routing.worker == stuck.address
+            assert decode.commits == [None]  # computed on the decode worker
+            assert c.router_worker(stuck).down_until > time.monotonic()
+            assert metric(c, "prefill_stalls_total", worker=stuck.address) == 1
+            second = await collect(c, req(max_tokens=6), timeout=10)
+            assert_one_stream(second, 6)
+            assert second[-1].routing.worker == other.address  # round robin, but down
+            assert decode.commits[-1] == expected_tokens(P, 1)[0]
+            await asyncio.sleep(0.6)  # twice down_s: still silent, still down
+            assert c.router_worker(stuck).down_until > time.monotonic()
+            stuck.frozen.set()  # SIGCONT: it finds its call cancelled
+            await wait_for(lambda: stuck.cancelled == 1)
+            await wait_for(lambda: c.router_worker(stuck).down_until < time.monotonic())
+            third = await collect(c, req(max_tokens=2), timeout=10)
+            fourth = await collect(c, req(max_tokens=2), timeout=10)
+            assert {m[-1].routing.worker for m in (third, fourth)} == {stuck.address,
+                                                                      other.address}
+            assert metric(c, "prefill_stalls_total", worker=stuck.address) == 1
+
+    run(body)
+
+
+def test_a_busy_prefill_worker_that_answers_is_waited_for() -> None:
+    """A slow prefill (5 probe delays) on a worker that answers its probes is not a
+    stall: the call completes there and the decode worker gets its first token."""
+    async def body() -> None:
+        async with Cluster(["prefill", "decode"], **STALL) as c:
+            prefill, decode = c.workers
+            prefill.token_delay_s = 0.5
+            msgs = await collect(c, req(max_tokens=4), timeout=10)
+            assert_one_stream(msgs, 4)
+            assert decode.commits == [expected_tokens(P, 1)[0]]
+            assert c.router_worker(prefill).down_until == 0
+            assert metric(c, "prefill_stalls_total", worker=prefill.address) == 0
+            assert prefill.cancelled == 0
+
+    run(body)
+
+
+def test_the_stall_probe_can_be_turned_off() -> None:
+    async def body() -> None:
+        async with Cluster(["prefill", "decode"], stall_probe_after_s=0.0) as c:
+            prefill, decode = c.workers
+            prefill.frozen = asyncio.Event()
+            task = asyncio.ensure_future(collect(c, req(max_tokens=3), timeout=10))
+            await asyncio.sleep(0.5)
+            assert not task.done()  # waits for the straggler, as it was asked to
+            prefill.frozen.set()
+            assert_one_stream(await task, 3)
+            assert decode.commits == [expected_tokens(P, 1)[0]]
+
+    run(body)
+
+
+def test_stall_probe_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="stall_probe_timeout_s"):
+        RouterConfig(workers=("127.0.0.1:1",), model_path=".", model_name="m",
+                     stall_probe_timeout_s=0)
 
 
 # -- reservation retry ----------------------------------------------------------------------

@@ -1,0 +1,149 @@
+"""Stragglers: a prefill worker that stops answering while it holds prompts.
+
+A worker can stall without failing: its process stopped (SIGSTOP, a VM paused, swapped
+out), its node silent before the channel's keepalive gives up. Its prefill calls then
+wait for as long as the stall lasts, and every prompt the policy keeps sending it (its
+cached prefixes draw them) waits too. The KV-cache-aware policy cannot tell a stalled
+worker from a busy one; a busy one still answers, so the router asks.
+
+Lifecycle of one prefill call under :class:`StallWatch`:
+
+1. the call runs; if it returns (or fails) within ``probe_after_s``, that is its result;
+2. past ``probe_after_s``, the watch asks the worker for its load (``GetLoad``: answered
+   by the worker's gRPC event loop, off the engine thread, taking no lock). Calls waiting
+   on one worker share one probe;
+3. the worker answers within ``probe_timeout_s``: it is busy, not stalled; the call waits
+   on and is probed again every ``probe_after_s``;
+4. it does not answer: it is **stalled**. The watch tells the pool (``stalled``: marked
+   down, so new prompts go to the other prefill workers; logged; counted in
+   ``prefill_stalls_total``), cancels the call, and returns None: the dispatcher then
+   commits without a first token and the decode worker computes the prompt itself, the
+   path of any failed prefill. The request waits for the detection (``probe_after_s +
+   probe_timeout_s``), not for the straggler;
+5. while the worker stays silent, the watch probes it every ``probe_after_s`` and keeps
+   it down (``mark_down`` again), so a stall longer than the pool's ``down_s`` does not
+   draw prompts back to it; the first answer ends that (it serves again when its down
+   time ends), as does its leaving the pool or :meth:`StallWatch.close`.
+
+Why giving up is safe: the decode worker's reservation cancels a transfer that has not
+landed when the commit carries no first token, and refuses one that arrives later (the
+reservation machine, :mod:`workers.reservation`); when the stalled worker resumes it
+finds its call cancelled and frees its blocks. Tokens stay exact: the prompt's greedy
+continuation does not depend on which worker computed it.
+
+A false alarm (a live worker too slow to answer ``GetLoad`` in time) costs a prompt
+computed twice, never a wrong or lost token. ``probe_after_s = 0`` turns the watch off.
+Runs on the router's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any, Protocol, TypeVar
+
+import grpc
+
+from protos.pdserve.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Probed(Protocol):
+    """What the watch needs of a pool's worker (:class:`router.pool.Worker`)."""
+
+    address: str
+    stub: Any  # a ``Worker`` stub: ``GetLoad(request, timeout=...)``
+
+
+class CancellableCall(Awaitable[T], Protocol):
+    def cancel(self) -> bool: ...
+
+
+class StallPool(Protocol):
+    """What the watch tells (:class:`router.pool.WorkerPool`)."""
+
+    workers: Any  # the pool's workers now (a stalled one that left is not followed)
+
+    def stalled(self, worker: Any) -> None: ...
+
+    def mark_down(self, worker: Any) -> None: ...
+
+
+class StallWatch:
+    def __init__(self, probe_after_s: float, probe_timeout_s: float,
+                 pool: StallPool) -> None:
+        if probe_after_s < 0 or probe_timeout_s <= 0:
+            raise ValueError(f"stall probe: after {probe_after_s} s, timeout "
+                             f"{probe_timeout_s} s: the first must be >= 0 (0: off), the "
+                             "second > 0")
+        self.probe_after_s = probe_after_s
+        self.probe_timeout_s = probe_timeout_s
+        self.pool = pool
+        self._probes: dict[str, asyncio.Task[bool]] = {}  # address -> the probe under way
+        self._silent: dict[str, asyncio.Task[None]] = {}  # address -> its follow-up
+
+    async def result(self, call: CancellableCall[T], worker: Probed) -> T | None:
+        """``call``'s result, or None when ``worker`` stalled meanwhile (the call is then
+        cancelled). Raises what the call raises. Cancelling this cancels the call."""
+        if not self.probe_after_s:
+            return await call
+        task = asyncio.ensure_future(call)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.probe_after_s)
+                if done:
+                    return task.result()
+                if not await self._answers(worker):
+                    if task.done():  # it returned while the probe waited: take it
+                        return task.result()
+                    self._stalled(worker)
+                    return None
+        finally:
+            if not task.done():
+                call.cancel()
+                task.cancel()
+
+    def close(self) -> None:
+        """Stop following silent workers (the router is closing)."""
+        for task in self._silent.values():
+            task.cancel()
+        self._silent.clear()
+
+    def _stalled(self, worker: Probed) -> None:
+        self.pool.stalled(worker)
+        if worker.address not in self._silent:
+            task = asyncio.ensure_future(self._follow(worker))
+            self._silent[worker.address] = task
+            task.add_done_callback(lambda _: self._silent.pop(worker.address, None))
+
+    async def _follow(self, worker: Probed) -> None:
+        """Step 5: down while silent."""
+        while any(w is worker for w in self.pool.workers):
+            await asyncio.sleep(self.probe_after_s)
+            if await self._answers(worker):
+                log.info("worker %s answers again", worker.address)
+                return
+            self.pool.mark_down(worker)
+
+    async def _answers(self, worker: Probed) -> bool:
+        """Whether ``worker`` answers ``GetLoad`` within the timeout (one probe at a time
+        per worker; every caller waiting on it gets its answer)."""
+        probe = self._probes.get(worker.address)
+        if probe is None:
+            probe = asyncio.ensure_future(self._probe(worker))
+            self._probes[worker.address] = probe
+            probe.add_done_callback(lambda _: self._probes.pop(worker.address, None))
+        return await asyncio.shield(probe)
+
+    async def _probe(self, worker: Probed) -> bool:
+        try:
+            await worker.stub.GetLoad(worker_pb2.GetLoadRequest(),
+                                      timeout=self.probe_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            log.debug("stall probe of %s: %s", worker.address, e.code().name)
+            return False
+        return True
