@@ -2,7 +2,8 @@
 by a token-exact oracle.
 
 Lifecycle of a run, per cluster shape (:func:`benchmarks.chaos_faults.shape_of`: 2
-prefill + 2 decode workers, or 2 mixed ones for the mixed worker's kill), on one of
+prefill + 2 decode workers, or 2 mixed ones for the mixed worker's kill, or 2 + 2 spread
+over test hosts for the network faults, :mod:`benchmarks.chaos_hosts`), on one of
 ``pdserve up``'s launchers (:mod:`benchmarks.chaos_targets`): the process launcher
 (the default; two routers, supervising as ``pdserve up`` does) or Ray
 (:mod:`benchmarks.chaos_ray`: one router, Ray restarting actors; it refuses the
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from cluster.local import LocalCluster, LocalClusterConfig
 from cluster.supervisor import RestartPolicy
+from cluster.testhosts import unavailable as hosts_unavailable
 from loadtest.workloads import arrival_times
 from router.client import AsyncClient, Client
 
@@ -49,6 +51,7 @@ from .chaos_faults import (
     FLIP_ENV,
     FLIP_MARK,
     KILLS,
+    NETWORK,
     SCENARIOS,
     WORKER_ROLES,
     Fault,
@@ -60,6 +63,7 @@ from .chaos_faults import (
     wait_restored,
     wait_whole,
 )
+from .chaos_hosts import HostsTarget
 from .chaos_oracle import Outcome, Row, baseline_p99, pooled_recovery_s, recovery_s
 from .chaos_targets import ChaosTarget, ProcessTarget
 from .chaos_targets import refused as launcher_refuses
@@ -68,7 +72,8 @@ if TYPE_CHECKING:
     from cluster.ray_cluster import ParseComponent
 
 SHAPES = {"disagg": {"prefill": 2, "decode": 2, "local_prefill_threshold": 0},
-          "mixed": {"mixed": 2}}
+          "mixed": {"mixed": 2},
+          "hosts": {"prefill": 2, "decode": 2, "local_prefill_threshold": 0}}
 TEXT = ("The history of the city begins with a small settlement on the river bank, where "
         "traders met every spring to exchange salt, wool and iron tools. Over the centuries "
         "the market grew into a town with stone walls, a cathedral and a university. ")
@@ -319,8 +324,11 @@ def _cluster(o: ChaosOptions, shape: str, parse: ParseComponent | None) -> Chaos
         # The router actor serves no /metrics: the default port (9400) may be taken on a
         # shared machine, and the harness reads the router's status over gRPC.
         return RayTarget(replace(config, launcher="ray", metrics_port=None), parse)
-    return ProcessTarget(LocalCluster(config, RestartPolicy(max_restarts=10, window_s=60.0),
-                                      routers=2))
+    policy = RestartPolicy(max_restarts=10, window_s=60.0)
+    if shape == "hosts":
+        # The routers' /metrics stay in their host; the harness reads status over gRPC.
+        return HostsTarget(replace(config, metrics_port=None), policy)
+    return ProcessTarget(LocalCluster(config, policy, routers=2))
 
 
 def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
@@ -403,6 +411,9 @@ def run_chaos(o: ChaosOptions, say: Callable[[str], None] = print,
         raise ValueError("; ".join(why))
     if o.launcher == "ray" and parse is None:
         raise ValueError("launcher 'ray' needs parse (cluster.cli.component.component_config)")
+    if set(o.scenarios) & set(NETWORK) and (no_hosts := hosts_unavailable()):
+        raise ValueError(f"the network scenarios ({', '.join(NETWORK)}) run the cluster over "
+                         f"test hosts, which cannot be made here: {no_hosts}")
     runs = []
     for shape in SHAPES:
         mine = [s for s in o.scenarios if shape_of(s) == shape]

@@ -19,12 +19,12 @@ dies mid-stream rather than idle.
   flips one byte of the KV payload for, after its checksum was computed;
 - ``cancel``: the load's client cancels a third of the requests at random moments
   (before the first token: reserved, prefilling or transferring; after it: decoding);
+- ``delay-kv`` / ``loss-kv`` / ``partition-kv``: network faults on a decode worker's
+  link, the one its KV arrives over (:mod:`benchmarks.chaos_hosts`: the cluster spread
+  over test hosts): for a while (as long as a stop), every frame delayed
+  :data:`DELAY_MS` ± :data:`JITTER_MS` each way, or :data:`LOSS` of them dropped, or
+  the link cut (a partition: connections stay open, nothing crosses); then clean again;
 - ``none``: the control: load, no fault.
-
-Network faults on the KV link are not scenarios here (this harness's cluster lives on
-one loopback): they run across test hosts, in ``tests/integration/test_multinode.py``
-(a decode host partitioned, a host lost without a word, a decode host's link slow and
-lossy through :mod:`cluster.linkemu`, the userspace netem for kernels without one).
 """
 
 from __future__ import annotations
@@ -35,13 +35,16 @@ import random
 import signal
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import grpc
 
+from cluster.testhosts import Host
 from common.redis_url import connect
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.client import Client, busy_workers, describe_busy
 
+from .chaos_hosts import LINKED, HostsTarget
 from .chaos_targets import ChaosTarget, Component
 
 FLIP_MARK = "corrupt-this-kv"
@@ -50,7 +53,10 @@ FLIP_ENV = "PDSERVE_FAULT_FLIP_KV_BYTE"
 
 KILLS = ("kill-prefill", "kill-decode", "kill-mixed", "kill-router", "kill-redis")
 STOPS = ("stop-prefill", "stop-decode", "stop-redis")
-SCENARIOS = ("none", *KILLS, *STOPS, "flush-redis", "flip-kv", "cancel")
+NETWORK = ("delay-kv", "loss-kv", "partition-kv")
+SCENARIOS = ("none", *KILLS, *STOPS, "flush-redis", "flip-kv", "cancel", *NETWORK)
+DELAY_MS, JITTER_MS, LOSS = 40.0, 10.0, 0.05
+"""The network scenarios' impairments: each way, on the victim's link."""
 WORKER_FAULTS = ("kill-prefill", "kill-decode", "kill-mixed", "stop-prefill",
                  "stop-decode")
 REDIS_FAULTS = ("kill-redis", "stop-redis", "flush-redis")
@@ -59,7 +65,11 @@ WORKER_ROLES = ("prefill", "decode", "mixed")
 
 def shape_of(scenario: str) -> str:
     """The cluster a scenario runs on: ``mixed`` (2 mixed workers) for the mixed
-    worker's kill, ``disagg`` (2 prefill + 2 decode) for the rest; two routers each."""
+    worker's kill, ``hosts`` (2 prefill + 2 decode over test hosts) for the network
+    faults, ``disagg`` (2 prefill + 2 decode on loopback) for the rest; two routers
+    each."""
+    if scenario in NETWORK:
+        return "hosts"
     return "mixed" if scenario == "kill-mixed" else "disagg"
 
 
@@ -76,6 +86,8 @@ def victim_of(cluster: ChaosTarget, scenario: str, k: int) -> str:
     """The ``k``-th fault's victim: round robin over the components of its type."""
     if scenario in REDIS_FAULTS:
         return "redis"
+    if scenario in NETWORK:
+        return LINKED
     kind = scenario.split("-", 1)[1]
     names = [c.name for c in cluster.components() if c.role == kind]
     if not names:
@@ -134,6 +146,16 @@ async def inject(cluster: ChaosTarget, scenario: str, victim: str,
         finally:
             os.kill(pid, signal.SIGCONT)
         return f"stopped {seconds} s"
+    if scenario in NETWORK:
+        seconds = round(rng.uniform(*stop_s), 1)
+        host = cast(HostsTarget, cluster).link(victim)
+        dropped = _dropped(host)
+        await asyncio.to_thread(_impair, host, scenario, True)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await asyncio.to_thread(_impair, host, scenario, False)
+        return f"impaired {seconds} s, {_dropped(host) - dropped} frames dropped"
     if scenario == "flush-redis":
         client = connect(cluster.redis_url)
         try:
@@ -141,6 +163,23 @@ async def inject(cluster: ChaosTarget, scenario: str, victim: str,
         finally:
             client.close()
     return ""
+
+
+def _dropped(host: Host) -> int:
+    """Frames the host's emulated link dropped so far (0 without one)."""
+    return host.link.counters()["dropped"] if host.link is not None else 0
+
+
+def _impair(host: Host, scenario: str, on: bool) -> None:
+    """Put a network scenario's impairment on ``host``'s link, or take it off."""
+    if scenario == "partition-kv":
+        host.cut(on)
+    elif not on:
+        host.shape()
+    elif scenario == "delay-kv":
+        host.shape(delay_ms=DELAY_MS, jitter_ms=JITTER_MS)
+    else:
+        host.shape(loss=LOSS)
 
 
 def wait_whole(cluster: ChaosTarget, timeout_s: float = 180.0) -> float:

@@ -31,6 +31,9 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
                        "outage for every client, not a fault a second router rides out",
         "kill-redis": "the Ray launcher does not supervise Redis (pdserve up starts it beside "
                       "Ray, or takes --redis-url): a killed Redis is not started again",
+        **{s: "network faults need the cluster spread over test hosts, which only the "
+              "process launcher's chaos cluster is (benchmarks/chaos_hosts.py); run them "
+              "with --launcher process" for s in ("delay-kv", "loss-kv", "partition-kv")},
     },
 }
 """Per launcher, the scenarios it cannot run and why."""

@@ -17,6 +17,15 @@ launcher (``cluster.ray_cluster``) runs the same command lines as actors.
 ``SetRole``: it drains and registers again in the new role, its weights kept); the
 router follows through the registry.
 
+Placement: by default every component runs here, on ``config.host``. A ``placement``
+maps component names (``redis``, ``router``, ``router-1``, ``decode-0``, ...) to a
+:class:`Placement`: that component runs in another network namespace of this machine
+(a test host, :mod:`cluster.testhosts`), bound to and reached at the placement's
+address, its command line wrapped to run there (``nsenter``). Placed components start
+as fresh interpreters (the fork server's children share its namespace), are supervised
+the same way, and serve their ``/metrics`` inside their namespace only (not in
+:attr:`LocalCluster.metrics_urls`). The chaos harness's network faults use it.
+
 Redis credentials: the Redis started here gets a fresh random password; a child's
 command line carries the URL without it (``ps`` shows every user's command lines) and
 its environment carries the password (``PDSERVE_REDIS_PASSWORD``, readable only by the
@@ -33,6 +42,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 import grpc
@@ -49,8 +59,18 @@ from .redis_server import RedisServer
 from .supervisor import GaveUp, Process, RestartPolicy, Supervisor, log_tail
 
 LocalClusterConfig = DeploymentConfig  # what this launcher reads (its ``launcher`` is moot)
-__all__ = ["LocalCluster", "LocalClusterConfig", "banner", "free_port", "start_redis",
-           "stop_on_signals"]
+__all__ = ["LocalCluster", "LocalClusterConfig", "Placement", "banner", "free_port",
+           "start_redis", "stop_on_signals"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A component run in another network namespace of this machine (module docstring)."""
+
+    host: str
+    """The address it binds and is reached at (its namespace's)."""
+    wrap: Callable[[list[str]], list[str]]
+    """Its command line as one that runs there (e.g. ``TestHosts``' ``Host.argv``)."""
 
 
 def stop_on_signals() -> None:
@@ -108,30 +128,34 @@ def banner(c: DeploymentConfig, threads: int, target: str, http_url: str | None,
 class LocalCluster:
     def __init__(self, config: LocalClusterConfig,
                  restart_policy: RestartPolicy | None = None, routers: int = 1,
-                 fork_server: bool = True) -> None:
+                 fork_server: bool = True,
+                 placement: Mapping[str, Placement] | None = None) -> None:
         """``routers``: router replicas, each on its own port (:attr:`targets`; the
         first is ``config.port``, the others gRPC only), all over the same workers.
         ``fork_server``: fork workers and routers from one process that imported them
         once (:mod:`cluster.forkserver`), where it can run; else each starts as a fresh
-        interpreter."""
+        interpreter. ``placement``: components run in other network namespaces (module
+        docstring)."""
         if config.metrics_port == 0:  # any free one, known before the router starts
             config = dataclasses.replace(config, metrics_port=free_port(config.host))
         self.config = config
+        self.placement = dict(placement or {})
         self.workers = config.roles()
         self.threads = config.threads(os.cpu_count() or 1)
-        self.worker_addresses = [f"{config.host}:{free_port(config.host)}"
-                                 for _ in self.workers]
+        # Ports are picked free here; a placed component's namespace is a fresh one.
+        self.worker_addresses = [f"{self._host(name)}:{free_port(config.host)}"
+                                 for name, _ in self.workers]
         self.metrics_ports = {name: free_port(config.host) for name, _ in self.workers}
         if config.metrics_port is not None:
             self.metrics_ports["router"] = config.metrics_port
-        self.target = f"{config.host}:{config.port}"
-        self.targets = [self.target] + [f"{config.host}:{free_port(config.host)}"
-                                        for _ in range(routers - 1)]
+        self.target = f"{self._host('router')}:{config.port}"
+        self.targets = [self.target] + [f"{self._host(f'router-{k}')}:{free_port(config.host)}"
+                                        for k in range(1, routers)]
         """Every router's gRPC address (the resuming client takes them all)."""
         for k in range(1, routers):
             self.metrics_ports[f"router-{k}"] = free_port(config.host)
         scheme = "https" if config.client_tls_ca else "http"  # raises without a CA to trust
-        self.http_url = (f"{scheme}://{config.host}:{config.http_port}"
+        self.http_url = (f"{scheme}://{self._host('router')}:{config.http_port}"
                          if config.http_port else None)
         self.supervisor = Supervisor(restart_policy or RestartPolicy(),
                                      on_event=lambda e: print(f"pdserve up: {e}",
@@ -170,7 +194,12 @@ class LocalCluster:
     def metrics_urls(self) -> dict[str, str]:
         """Each process's ``/metrics`` (workers by name, and ``router``)."""
         return {name: f"http://{self.config.host}:{port}/metrics"
-                for name, port in self.metrics_ports.items()}
+                for name, port in self.metrics_ports.items() if name not in self.placement}
+
+    def _host(self, name: str) -> str:
+        """The address ``name`` binds and is reached at."""
+        placed = self.placement.get(name)
+        return placed.host if placed is not None else self.config.host
 
     def __enter__(self) -> LocalCluster:
         self.start()
@@ -197,7 +226,8 @@ class LocalCluster:
         else:
             env.pop(PASSWORD_ENV, None)
         log = self._log_path(name)
-        if self.forks is not None:
+        placed = self.placement.get(name)
+        if self.forks is not None and placed is None:
             forked = self.forks.spawn(args, env, log, name)
             if forked is not None:
                 return forked
@@ -205,7 +235,8 @@ class LocalCluster:
         if log:
             os.makedirs(os.path.dirname(log), exist_ok=True)
             out = open(log, "ab")  # noqa: SIM115
-        proc = subprocess.Popen(guarded([sys.executable, "-m", "cluster.cli", *args]),
+        argv = guarded([sys.executable, "-m", "cluster.cli", *args])
+        proc = subprocess.Popen(placed.wrap(argv) if placed is not None else argv,
                                 env=env, stdout=out, stderr=out)
         if out is not None:
             out.close()  # the child holds its own descriptor
@@ -220,17 +251,27 @@ class LocalCluster:
                                        without_password(self.redis_url), self.threads,
                                        self.metrics_ports[name])
 
+    def _start_redis(self) -> RedisServer | None:
+        """:func:`start_redis`, or, when Redis is placed, the same in its namespace."""
+        placed = self.placement.get("redis")
+        if placed is None or self.config.redis_url or not self.config.redis:
+            return start_redis(self.config)
+        return RedisServer(placed.host, free_port(self.config.host), guard=True,
+                           password=secrets.token_urlsafe(32), wrap=placed.wrap)
+
     def start(self) -> None:
         c, sup = self.config, self.supervisor
-        redis = start_redis(self.config)
+        redis = self._start_redis()
         if redis is not None:
             first = [redis.proc]
+            wrap = self.placement["redis"].wrap if "redis" in self.placement else None
 
             def redis_proc(r: RedisServer = redis) -> subprocess.Popen:
                 # A restart: empty, on the same port and password; workers register again
                 # and republish their blocks, routers' prefix lookups resume.
                 return first.pop() if first else RedisServer(
-                    r.host, r.port, r.binary, guard=True, password=r.password).proc
+                    r.host, r.port, r.binary, guard=True, password=r.password,
+                    wrap=wrap).proc
 
             sup.add("redis", redis_proc)
         self.redis_url = redis.url if redis is not None else self.config.redis_url
@@ -241,11 +282,13 @@ class LocalCluster:
             sup.add(name, lambda i=i, name=name: self._spawn(name, self._worker_args(i),
                                                              self.threads),
                     self._log_path(name))
+        first_router = dataclasses.replace(c, host=self._host("router"))
         sup.add("router", lambda: self._spawn(
-            "router", c.router_args(self.worker_addresses, shown), 1),
+            "router", first_router.router_args(self.worker_addresses, shown), 1),
             self._log_path("router"))
         for k, target in enumerate(self.targets[1:], 1):
-            replica = dataclasses.replace(c, port=int(target.rsplit(":", 1)[1]), http_port=0,
+            host, port = target.rsplit(":", 1)
+            replica = dataclasses.replace(c, host=host, port=int(port), http_port=0,
                                           metrics_port=self.metrics_ports[f"router-{k}"])
             sup.add(f"router-{k}", lambda k=k, r=replica: self._spawn(
                 f"router-{k}", r.router_args(self.worker_addresses, shown), 1),

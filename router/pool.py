@@ -10,9 +10,9 @@ Lifecycle of a worker, as the router sees it:
    router's calls there (the dispatcher moves them); ``free_blocks`` comes from the
    registry heartbeat and breaks ties.
 3. **down** for ``down_s`` after a call failed for the worker's sake (not the
-   request's), or after it stalled (:mod:`router.stall`: it held a call and did not
-   answer a probe): still a candidate, but ordered last, so a request reaches it only when
-   every worker of its role is down.
+   request's), or while it stalls (:mod:`router.stall`: it held a call and did not
+   answer a probe; back in service at its first answer): still a candidate, but
+   ordered last, so a request reaches it only when every worker of its role is down.
 4. **gone**, for a worker found in the registry whose heartbeat expired: no new
    requests; it comes back if its heartbeat does. Workers given on the command line
    (static) never leave, unless they register too: once listed, the registry speaks
@@ -150,8 +150,12 @@ class WorkerPool:
         return sorted(self.serving(role),
                       key=lambda w: (w.down_until > now, w.in_flight, -w.free_blocks))
 
-    def mark_down(self, worker: Worker) -> None:
-        worker.down_until = time.monotonic() + self.config.down_s
+    def mark_down(self, worker: Worker, at_least_s: float = 0.0) -> None:
+        worker.down_until = time.monotonic() + max(self.config.down_s, at_least_s)
+
+    def mark_up(self, worker: Worker) -> None:
+        """In service again at once (a stalled worker that answers again)."""
+        worker.down_until = 0.0
 
     def failed(self, worker: Worker, e: grpc.aio.AioRpcError) -> None:
         self.mark_down(worker)
@@ -163,9 +167,9 @@ class WorkerPool:
         self.mark_down(worker)
         self.metrics.inc("prefill_stalls_total", worker=worker.address)
         log.warning("worker %s (%s) is stalled: it holds prompts but did not answer a probe "
-                    "within %.1f s; passing it over for %.0f s and computing its prompts on "
-                    "the decode workers", worker.address, worker.role,
-                    self.config.stall_probe_timeout_s, self.config.down_s)
+                    "within %.1f s; passing it over until it answers, and computing its "
+                    "prompts on the decode workers", worker.address, worker.role,
+                    self.config.stall_probe_timeout_s)
 
     # -- joining and leaving ---------------------------------------------------------------
 

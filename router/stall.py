@@ -22,8 +22,9 @@ Lifecycle of one prefill call under :class:`StallWatch`:
    probe_timeout_s``), not for the straggler;
 5. while the worker stays silent, the watch probes it every ``probe_after_s`` and keeps
    it down (``mark_down`` again), so a stall longer than the pool's ``down_s`` does not
-   draw prompts back to it; the first answer ends that (it serves again when its down
-   time ends), as does its leaving the pool or :meth:`StallWatch.close`.
+   draw prompts back to it; its first answer ends that and puts it back in service at
+   once (``mark_up``: a short stall costs its share of the pool for no longer than it
+   lasts), as does its leaving the pool or :meth:`StallWatch.close`.
 
 Why giving up is safe: the decode worker's reservation cancels a transfer that has not
 landed when the commit carries no first token, and refuses one that arrives later (the
@@ -70,7 +71,9 @@ class StallPool(Protocol):
 
     def stalled(self, worker: Any) -> None: ...
 
-    def mark_down(self, worker: Any) -> None: ...
+    def mark_down(self, worker: Any, at_least_s: float = 0.0) -> None: ...
+
+    def mark_up(self, worker: Any) -> None: ...
 
 
 class StallWatch:
@@ -114,8 +117,10 @@ class StallWatch:
         self._silent.clear()
 
     def _stalled(self, worker: Probed) -> None:
-        self.pool.stalled(worker)
+        """One stall is told (logged, counted) once, however many calls it held."""
+        self.pool.mark_down(worker, self._cycle_s)
         if worker.address not in self._silent:
+            self.pool.stalled(worker)
             task = asyncio.ensure_future(self._follow(worker))
             self._silent[worker.address] = task
             task.add_done_callback(lambda _: self._silent.pop(worker.address, None))
@@ -125,9 +130,15 @@ class StallWatch:
         while any(w is worker for w in self.pool.workers):
             await asyncio.sleep(self.probe_after_s)
             if await self._answers(worker):
-                log.info("worker %s answers again", worker.address)
+                log.info("worker %s answers again: serving", worker.address)
+                self.pool.mark_up(worker)
                 return
-            self.pool.mark_down(worker)
+            self.pool.mark_down(worker, self._cycle_s)
+
+    @property
+    def _cycle_s(self) -> float:
+        """The longest gap between two probes of a silent worker: it stays down across."""
+        return 2 * (self.probe_after_s + self.probe_timeout_s)
 
     async def _answers(self, worker: Probed) -> bool:
         """Whether ``worker`` answers ``GetLoad`` within the timeout (one probe at a time

@@ -1,7 +1,10 @@
 """``pdserve chaos``: the fault harness (``benchmarks/chaos.py``): a cluster under
 steady load, one fault type per scenario, every stream checked token for token, on the
 process launcher (the default) or Ray (``--launcher ray``: one router, no Redis
-supervision, so no ``kill-router`` nor ``kill-redis``). Exit 0 when every target is
+supervision, so no ``kill-router`` nor ``kill-redis``). The network faults
+(``delay-kv``, ``loss-kv``, ``partition-kv``) spread the cluster over test hosts, which
+need a private network namespace and root: by default they run where those can be made
+and are skipped, with the reason, where not. Exit 0 when every target is
 met, 1 when one is missed (the report says which), 2 on invalid options."""
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     from benchmarks.chaos_targets import LAUNCHERS, UNSUPPORTED
 
     p = sub.add_parser("chaos", help="inject faults (kills, stops, Redis loss, corrupted KV, "
-                                     "cancellations) under load; check every token")
+                                     "cancellations, a slow, lossy or cut KV link) under "
+                                     "load; check every token")
     p.add_argument("--model", default=None)
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--scenarios", default=None,
@@ -72,15 +76,21 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     if args.rescore:
         return cmd_rescore(args.rescore)
     from benchmarks.chaos import ChaosOptions, run_chaos
-    from benchmarks.chaos_faults import SCENARIOS
+    from benchmarks.chaos_faults import NETWORK, SCENARIOS
     from benchmarks.chaos_report import write
     from benchmarks.chaos_targets import UNSUPPORTED, refused
     from benchmarks.machine import machine_line
+    from cluster.testhosts import unavailable
     from workers.model_store import resolve_model
 
+    no_hosts = unavailable()
     scenarios = (tuple(s for s in args.scenarios.split(",") if s) if args.scenarios
                  is not None else tuple(s for s in SCENARIOS
-                                        if s not in UNSUPPORTED[args.launcher]))
+                                        if s not in UNSUPPORTED[args.launcher]
+                                        and not (no_hosts and s in NETWORK)))
+    if args.scenarios is None and no_hosts and args.launcher == "process":
+        print(f"pdserve chaos: skipping the network scenarios ({', '.join(NETWORK)}): "
+              f"{no_hosts}", file=sys.stderr)
     bad = sorted(set(scenarios) - set(SCENARIOS))
     if bad or args.faults < 1 or not 0 < args.load <= 2:
         print(f"pdserve chaos: unknown scenarios {bad}; choose from {', '.join(SCENARIOS)}"
@@ -88,6 +98,10 @@ def cmd_chaos(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_INVALID
     why = refused(args.launcher, scenarios)
+    if no_hosts and set(scenarios) & set(NETWORK) and not why:
+        why = [f"the network scenarios spread the cluster over test hosts, which cannot be "
+               f"made here: {no_hosts}. Run as root in a private network namespace: "
+               "unshare -n sh -c 'ip link set lo up && pdserve chaos ...'"]
     if why:
         for line in why:
             print(f"pdserve chaos: {line}", file=sys.stderr)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks.chaos import ChaosOptions, run_chaos
 from benchmarks.chaos_report import failed_checks, write
 from cluster.cli.chaos import QUICK
@@ -36,3 +38,32 @@ def test_ci_scenarios_lose_no_token_and_leak_no_block(tiny_checkpoints, tmp_path
     assert rows["cancel"]["cancelled"] > 0
     assert rows["flip-kv"]["failed_transfers"] > 0  # corrupted KV was refused, recomputed
     assert json.loads((tmp_path / "chaos.json").read_text())["missed"] is not None
+
+
+def test_network_faults_lose_no_token_and_leak_no_block(tiny_checkpoints, tmp_path) -> None:
+    """The network scenarios, once each: the cluster spread over test hosts, a decode
+    worker's link (its KV arrives over it) slowed, made lossy, then cut for a while under
+    load. Every stream token-exact, nothing failed, nothing leaked, the link really
+    dropped frames while lossy."""
+    from benchmarks.chaos_faults import NETWORK
+    from cluster.testhosts import unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"no test hosts: {why}")
+    options = ChaosOptions(model=str(tiny_checkpoints["llama"]), out_dir=str(tmp_path),
+                           scenarios=NETWORK, faults=1, block_size=4,
+                           **QUICK)  # type: ignore[arg-type]
+    report = run_chaos(options, print)
+    md, _ = write(report, tmp_path, "CI chaos: network")
+    print(md)
+    missed = [m for m in failed_checks(report) if "recovered in" not in m]
+    assert not missed, missed
+    [shape] = report["shapes"]
+    assert shape["shape"] == "hosts"
+    rows = {r["scenario"]: r for r in shape["rows"]}
+    assert set(rows) == set(NETWORK)
+    assert all(r["sent"] > 20 for r in rows.values()), {s: r["sent"] for s, r in rows.items()}
+    assert all(r["restarts"] == 0 for r in rows.values())
+    [note] = [n for n in rows["loss-kv"]["notes"] if "frames dropped" in n]
+    assert int(note.split(", ")[-1].split()[0]) > 0, note

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from benchmarks.chaos import ChaosOptions, run_chaos
-from benchmarks.chaos_faults import SCENARIOS, victim_of
+from benchmarks.chaos_faults import NETWORK, SCENARIOS, shape_of, victim_of
 from benchmarks.chaos_targets import UNSUPPORTED, Component, ProcessTarget, refused
 from cluster.cli import main
 from cluster.cli.options import EXIT_INVALID
@@ -28,6 +28,58 @@ def test_ray_runs_every_other_scenario_and_process_runs_all() -> None:
     runnable = [s for s in SCENARIOS if s not in UNSUPPORTED["ray"]]
     assert refused("ray", runnable) == []
     assert {"stop-redis", "flush-redis", "kill-decode", "kill-mixed"} <= set(runnable)
+
+
+def test_ray_refuses_the_network_faults_and_names_the_launcher_that_runs_them() -> None:
+    why = refused("ray", ["none", *NETWORK])
+    assert len(why) == 3 and all("--launcher process" in w for w in why)
+
+
+def test_network_faults_run_over_test_hosts_against_the_linked_decode_worker() -> None:
+    target = ProcessTarget(_local_cluster())  # type: ignore[arg-type]
+    for s in NETWORK:
+        assert shape_of(s) == "hosts"
+        assert [victim_of(target, s, k) for k in range(2)] == ["decode-0", "decode-0"]
+    assert {shape_of(s) for s in SCENARIOS if s not in NETWORK} == {"disagg", "mixed"}
+
+
+def test_each_network_fault_is_put_on_and_taken_off_the_link() -> None:
+    from benchmarks.chaos_faults import DELAY_MS, JITTER_MS, LOSS, _impair
+
+    calls: list[tuple] = []
+    host = SimpleNamespace(cut=lambda down=True: calls.append(("cut", down)),
+                           shape=lambda **kw: calls.append(("shape", kw)))
+    for s in NETWORK:
+        _impair(host, s, True)  # type: ignore[arg-type]
+        _impair(host, s, False)  # type: ignore[arg-type]
+    assert calls == [
+        ("shape", {"delay_ms": DELAY_MS, "jitter_ms": JITTER_MS}), ("shape", {}),
+        ("shape", {"loss": LOSS}), ("shape", {}),
+        ("cut", True), ("cut", False)]
+
+
+def test_cli_network_faults_need_test_hosts(monkeypatch, capsys, tmp_path) -> None:
+    """Asked for where test hosts cannot be made: refused with how to run them; by
+    default: skipped, saying why, and the rest runs."""
+    import benchmarks.chaos
+    import benchmarks.chaos_report
+    import benchmarks.machine
+    import cluster.testhosts
+    import workers.model_store
+
+    monkeypatch.setattr(cluster.testhosts, "unavailable", lambda: "no namespace here")
+    assert main(["chaos", "--scenarios", "none,loss-kv"]) == EXIT_INVALID
+    err = capsys.readouterr().err
+    assert "no namespace here" in err and "unshare -n" in err
+    seen: dict = {}
+    monkeypatch.setattr(workers.model_store, "resolve_model", lambda m, c: tmp_path / "m")
+    monkeypatch.setattr(benchmarks.machine, "machine_line", lambda: "a machine")
+    monkeypatch.setattr(benchmarks.chaos, "run_chaos",
+                        lambda o, say, parse=None: seen.update(o=o) or {"shapes": []})
+    monkeypatch.setattr(benchmarks.chaos_report, "write", lambda r, o, h: ("", []))
+    assert main(["chaos", "--out", str(tmp_path)]) == 0
+    assert "skipping the network scenarios" in capsys.readouterr().err
+    assert seen["o"].scenarios == tuple(s for s in SCENARIOS if s not in NETWORK)
 
 
 def test_unknown_launcher_is_named() -> None:
@@ -116,8 +168,8 @@ def test_cli_on_ray_runs_what_ray_can_and_hands_over_the_component_parser(
     assert main(["chaos", "--launcher", "ray", "--out", str(tmp_path)]) == 0
     options = seen["options"]
     assert options.launcher == "ray" and seen["parse"] is component_config
-    assert options.scenarios == tuple(s for s in SCENARIOS
-                                      if s not in ("kill-router", "kill-redis"))
+    assert options.scenarios == tuple(s for s in SCENARIOS if s not in UNSUPPORTED["ray"])
+    assert {"kill-router", "kill-redis", *NETWORK} == set(UNSUPPORTED["ray"])
 
 
 def test_kill_and_stop_signal_the_victims_current_process() -> None:

@@ -224,18 +224,22 @@ def test_a_stalled_prefill_worker_is_given_up_and_passed_over() -> None:
     probe, the call is cancelled and the decode worker computes the prompt; the next
     prompt goes to the other prefill worker, and keeps going there for as long as the
     straggler stays silent (longer than ``down_s``); once it resumes it finds its call
-    cancelled, and serves again when its down time ends."""
+    cancelled and serves again at once (not ``down_s`` later)."""
     async def body() -> None:
         async with Cluster(["prefill", "prefill", "decode"], policy="round_robin",
                            down_s=0.3, **STALL) as c:
             stuck, other, decode = c.workers
             stuck.frozen = asyncio.Event()
             start = time.monotonic()
-            first = await collect(c, req(max_tokens=6), timeout=10)
+            # Round robin: two of three to the straggler, one to the other worker.
+            first, also, third = await asyncio.gather(
+                *(collect(c, req(max_tokens=6), timeout=10) for _ in range(3)))
+            assert_one_stream(also, 6)
+            assert_one_stream(third, 6)
             assert time.monotonic() - start < 2.0  # the detection, not the stall
             assert_one_stream(first, 6)
             assert first[-1].routing.worker == stuck.address
-            assert decode.commits == [None]  # computed on the decode worker
+            assert sorted(decode.commits, key=str) == [expected_tokens(P, 1)[0], None, None]
             assert c.router_worker(stuck).down_until > time.monotonic()
             assert metric(c, "prefill_stalls_total", worker=stuck.address) == 1
             second = await collect(c, req(max_tokens=6), timeout=10)
@@ -245,13 +249,11 @@ def test_a_stalled_prefill_worker_is_given_up_and_passed_over() -> None:
             await asyncio.sleep(0.6)  # twice down_s: still silent, still down
             assert c.router_worker(stuck).down_until > time.monotonic()
             stuck.frozen.set()  # SIGCONT: it finds its call cancelled
-            await wait_for(lambda: stuck.cancelled == 1)
-            await wait_for(lambda: c.router_worker(stuck).down_until < time.monotonic())
-            third = await collect(c, req(max_tokens=2), timeout=10)
-            fourth = await collect(c, req(max_tokens=2), timeout=10)
-            assert {m[-1].routing.worker for m in (third, fourth)} == {stuck.address,
-                                                                      other.address}
-            assert metric(c, "prefill_stalls_total", worker=stuck.address) == 1
+            await wait_for(lambda: stuck.cancelled == 2)  # both calls it held
+            await wait_for(lambda: c.router_worker(stuck).down_until == 0, timeout_s=0.25)
+            later = [await collect(c, req(max_tokens=2), timeout=10) for _ in range(2)]
+            assert {m[-1].routing.worker for m in later} == {stuck.address, other.address}
+            assert metric(c, "prefill_stalls_total", worker=stuck.address) == 1  # one stall
 
     run(body)
 
