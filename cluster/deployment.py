@@ -116,6 +116,10 @@ class DeploymentConfig:
     theirs on free ports."""
     policy: str = field(default="cache_aware", metadata=setting(
         "how prefill (or mixed) workers are chosen"))
+    stall_probe_s: float = field(default=1.0, metadata=setting(
+        "seconds a prefill call may run before the router asks its worker whether it "
+        "answers; one that does not (stopped, frozen) is passed over while silent and its "
+        "prompts are computed on the decode workers; 0: off"))
     profile: str | None = field(default=None, metadata=setting(
         "machine profile written by `pdserve profile`: the router then places each "
         "disaggregated prompt (prefill worker or the decode worker) from live state, and "
@@ -227,6 +231,9 @@ class DeploymentConfig:
                                       f"{', '.join(choices)}")
         if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
             raise DeploymentError("cpus_per_worker and gpus_per_worker must be >= 0")
+        if self.stall_probe_s < 0:
+            raise DeploymentError(f"stall_probe_s must be >= 0 (0: off), got "
+                                  f"{self.stall_probe_s}")
         if self.itl_budget_ms <= 0 or self.autoscale_interval_s <= 0:
             raise DeploymentError("itl_budget_ms and autoscale_interval_s must be > 0")
         for role in (*ROLES, "router"):
@@ -325,7 +332,7 @@ class DeploymentConfig:
         registry's)."""
         args = ["router", "--host", self.host, "--port", str(self.port),
                 "--http-port", str(self.http_port), "--max-in-flight", str(self.max_in_flight),
-                "--policy", self.policy]
+                "--policy", self.policy, "--stall-probe-s", str(self.stall_probe_s)]
         if self.api_keys:  # the path; the router reads the keys itself
             args += ["--api-keys", self.api_keys]
         if self.tenant_max_concurrency:
