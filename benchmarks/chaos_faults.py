@@ -24,6 +24,8 @@ dies mid-stream rather than idle.
   over test hosts): for a while (as long as a stop), every frame delayed
   :data:`DELAY_MS` ± :data:`JITTER_MS` each way, or :data:`LOSS` of them dropped, or
   the link cut (a partition: connections stay open, nothing crosses); then clean again;
+- ``slow-redis``: Redis's link delayed :data:`REDIS_DELAY_MS` ± :data:`JITTER_MS` each
+  way for as long (Redis slowed, not stopped: every call answers, late);
 - ``none``: the control: load, no fault.
 """
 
@@ -44,8 +46,8 @@ from common.redis_url import connect
 from protos.pdserve.v1 import worker_pb2, worker_pb2_grpc
 from router.client import Client, busy_workers, describe_busy
 
-from .chaos_hosts import LINKED, HostsTarget
-from .chaos_targets import ChaosTarget, Component
+from .chaos_hosts import KV_VICTIM, HostsTarget
+from .chaos_targets import NETWORK, ChaosTarget, Component
 
 FLIP_MARK = "corrupt-this-kv"
 """The request-id mark the ``flip-kv`` scenario's requests carry (the prefill hook's)."""
@@ -53,13 +55,12 @@ FLIP_ENV = "PDSERVE_FAULT_FLIP_KV_BYTE"
 
 KILLS = ("kill-prefill", "kill-decode", "kill-mixed", "kill-router", "kill-redis")
 STOPS = ("stop-prefill", "stop-decode", "stop-redis")
-NETWORK = ("delay-kv", "loss-kv", "partition-kv")
 SCENARIOS = ("none", *KILLS, *STOPS, "flush-redis", "flip-kv", "cancel", *NETWORK)
-DELAY_MS, JITTER_MS, LOSS = 40.0, 10.0, 0.05
+DELAY_MS, JITTER_MS, LOSS, REDIS_DELAY_MS = 40.0, 10.0, 0.05, 50.0
 """The network scenarios' impairments: each way, on the victim's link."""
 WORKER_FAULTS = ("kill-prefill", "kill-decode", "kill-mixed", "stop-prefill",
                  "stop-decode")
-REDIS_FAULTS = ("kill-redis", "stop-redis", "flush-redis")
+REDIS_FAULTS = ("kill-redis", "stop-redis", "flush-redis", "slow-redis")
 WORKER_ROLES = ("prefill", "decode", "mixed")
 
 
@@ -87,7 +88,7 @@ def victim_of(cluster: ChaosTarget, scenario: str, k: int) -> str:
     if scenario in REDIS_FAULTS:
         return "redis"
     if scenario in NETWORK:
-        return LINKED
+        return KV_VICTIM
     kind = scenario.split("-", 1)[1]
     names = [c.name for c in cluster.components() if c.role == kind]
     if not names:
@@ -178,6 +179,8 @@ def _impair(host: Host, scenario: str, on: bool) -> None:
         host.shape()
     elif scenario == "delay-kv":
         host.shape(delay_ms=DELAY_MS, jitter_ms=JITTER_MS)
+    elif scenario == "slow-redis":
+        host.shape(delay_ms=REDIS_DELAY_MS, jitter_ms=JITTER_MS)
     else:
         host.shape(loss=LOSS)
 

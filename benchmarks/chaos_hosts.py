@@ -2,13 +2,15 @@
 hosts (:mod:`cluster.testhosts`: network namespaces on a private bridge), so that a
 link can be slowed, made lossy or cut while the rest of the cluster serves on.
 
-Layout (:data:`LAYOUT`): Redis and both routers on host 0, both prefill workers on host
-1, ``decode-0`` on host 2 and ``decode-1`` on host 3. Host 2 hangs on an emulated link
-(:mod:`cluster.linkemu`: the userspace netem, for kernels without ``sch_netem``), so
-delay and loss can be put on it; every KV transfer into ``decode-0`` crosses it, as do
-its tokens to the routers and its registry heartbeats: that link is the network
-scenarios' victim (:data:`LINKED`). The harness itself talks to the routers across the
-bridge, as a client reaches a cluster.
+Layout (:data:`LAYOUT`): both routers on host 0, both prefill workers on host 1,
+``decode-0`` on host 2, ``decode-1`` on host 3, Redis on host 4. Hosts 2 and 4 hang on
+emulated links (:mod:`cluster.linkemu`: the userspace netem, for kernels without
+``sch_netem``), so delay and loss can be put on them (:data:`EMULATED`). Every KV transfer
+into ``decode-0`` crosses host 2's link, as do its tokens to the routers and its registry
+heartbeats: the KV scenarios' victim. Every Redis call (the routers' prefix lookups and
+registry reads, the workers' heartbeats and block publications) crosses host 4's: the
+slowed-Redis scenario's. The harness itself talks to the routers across the bridge, as a
+client reaches a cluster.
 
 Lifecycle (:class:`HostsTarget`, a :class:`~benchmarks.chaos_targets.ProcessTarget`):
 ``start`` makes the hosts, then starts the :class:`~cluster.local.LocalCluster` with each
@@ -27,11 +29,13 @@ from cluster.testhosts import Host, TestHosts
 
 from .chaos_targets import ProcessTarget
 
-LAYOUT = {"redis": 0, "router": 0, "router-1": 0, "prefill-0": 1, "prefill-1": 1,
-          "decode-0": 2, "decode-1": 3}
+LAYOUT = {"router": 0, "router-1": 0, "prefill-0": 1, "prefill-1": 1, "decode-0": 2,
+          "decode-1": 3, "redis": 4}
 """Each component's test host."""
-LINKED = "decode-0"
-"""The component whose host's link the network scenarios impair (an emulated link)."""
+KV_VICTIM = "decode-0"
+"""The decode worker whose link (its KV arrives over it) the KV scenarios impair."""
+EMULATED = (KV_VICTIM, "redis")
+"""The components whose hosts hang on emulated links (delay and loss on demand)."""
 
 
 class HostsTarget(ProcessTarget):
@@ -44,7 +48,8 @@ class HostsTarget(ProcessTarget):
         self.targets: list[str] = []
 
     def start(self) -> None:
-        hosts = TestHosts(1 + max(LAYOUT.values()), emulated=(LAYOUT[LINKED],))
+        hosts = TestHosts(1 + max(LAYOUT.values()),
+                          emulated=tuple(LAYOUT[name] for name in EMULATED))
         self.hosts = hosts.__enter__()
         try:
             placement = {name: Placement(hosts[i].ip, hosts[i].argv)

@@ -23,6 +23,9 @@ from typing import Protocol
 from cluster.local import LocalCluster
 
 LAUNCHERS = ("process", "ray")
+NETWORK = ("delay-kv", "loss-kv", "partition-kv", "slow-redis")
+"""The scenarios that impair a link: they need the cluster spread over test hosts
+(:mod:`benchmarks.chaos_hosts`; :mod:`benchmarks.chaos_faults` says what each does)."""
 
 UNSUPPORTED: dict[str, dict[str, str]] = {
     "process": {},
@@ -33,7 +36,7 @@ UNSUPPORTED: dict[str, dict[str, str]] = {
                       "Ray, or takes --redis-url): a killed Redis is not started again",
         **{s: "network faults need the cluster spread over test hosts, which only the "
               "process launcher's chaos cluster is (benchmarks/chaos_hosts.py); run them "
-              "with --launcher process" for s in ("delay-kv", "loss-kv", "partition-kv")},
+              "with --launcher process" for s in NETWORK},
     },
 }
 """Per launcher, the scenarios it cannot run and why."""

@@ -2,9 +2,9 @@
 steady load, one fault type per scenario, every stream checked token for token, on the
 process launcher (the default) or Ray (``--launcher ray``: one router, no Redis
 supervision, so no ``kill-router`` nor ``kill-redis``). The network faults
-(``delay-kv``, ``loss-kv``, ``partition-kv``) spread the cluster over test hosts, which
-need a private network namespace and root: by default they run where those can be made
-and are skipped, with the reason, where not. Exit 0 when every target is
+(``delay-kv``, ``loss-kv``, ``partition-kv``, ``slow-redis``) spread the cluster over
+test hosts, which need a private network namespace and root: by default they run where
+those can be made and are skipped, with the reason, where not. Exit 0 when every target is
 met, 1 when one is missed (the report says which), 2 on invalid options."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     from benchmarks.chaos_targets import LAUNCHERS, UNSUPPORTED
 
     p = sub.add_parser("chaos", help="inject faults (kills, stops, Redis loss, corrupted KV, "
-                                     "cancellations, a slow, lossy or cut KV link) under "
+                                     "cancellations, a slow, lossy or cut KV link, a slow "
+                                     "Redis) under "
                                      "load; check every token")
     p.add_argument("--model", default=None)
     p.add_argument("--cache-dir", default=None)

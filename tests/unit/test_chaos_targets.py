@@ -32,19 +32,20 @@ def test_ray_runs_every_other_scenario_and_process_runs_all() -> None:
 
 def test_ray_refuses_the_network_faults_and_names_the_launcher_that_runs_them() -> None:
     why = refused("ray", ["none", *NETWORK])
-    assert len(why) == 3 and all("--launcher process" in w for w in why)
+    assert len(why) == len(NETWORK) and all("--launcher process" in w for w in why)
 
 
 def test_network_faults_run_over_test_hosts_against_the_linked_decode_worker() -> None:
     target = ProcessTarget(_local_cluster())  # type: ignore[arg-type]
     for s in NETWORK:
         assert shape_of(s) == "hosts"
-        assert [victim_of(target, s, k) for k in range(2)] == ["decode-0", "decode-0"]
+        victim = "redis" if s == "slow-redis" else "decode-0"
+        assert [victim_of(target, s, k) for k in range(2)] == [victim, victim]
     assert {shape_of(s) for s in SCENARIOS if s not in NETWORK} == {"disagg", "mixed"}
 
 
 def test_each_network_fault_is_put_on_and_taken_off_the_link() -> None:
-    from benchmarks.chaos_faults import DELAY_MS, JITTER_MS, LOSS, _impair
+    from benchmarks.chaos_faults import DELAY_MS, JITTER_MS, LOSS, REDIS_DELAY_MS, _impair
 
     calls: list[tuple] = []
     host = SimpleNamespace(cut=lambda down=True: calls.append(("cut", down)),
@@ -55,7 +56,8 @@ def test_each_network_fault_is_put_on_and_taken_off_the_link() -> None:
     assert calls == [
         ("shape", {"delay_ms": DELAY_MS, "jitter_ms": JITTER_MS}), ("shape", {}),
         ("shape", {"loss": LOSS}), ("shape", {}),
-        ("cut", True), ("cut", False)]
+        ("cut", True), ("cut", False),
+        ("shape", {"delay_ms": REDIS_DELAY_MS, "jitter_ms": JITTER_MS}), ("shape", {})]
 
 
 def test_cli_network_faults_need_test_hosts(monkeypatch, capsys, tmp_path) -> None:
