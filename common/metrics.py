@@ -90,6 +90,9 @@ CATALOG: tuple[Spec, ...] = (
     Spec("prefix_index_errors_total", "counter",
          "Prefix-index calls that raised, by backend and op (lookup, publish, purge, "
          "replace, blocks_of)", ("backend", "op")),
+    Spec("prefix_index_slow_total", "counter",
+         "Router lookups the shared index did not answer within the budget (answered from "
+         "the router's routed memory; Redis skipped for a second)"),
     Spec("prefix_index_lookup_seconds", "histogram",
          "Prefix-index lookup latency (one round trip for redis), failed ones included",
          ("backend",), _INDEX_BUCKETS),

@@ -38,6 +38,10 @@ class RouterConfig:
     worker that does not answer within ``stall_probe_timeout_s`` is stalled: passed over,
     and its prompts computed on the decode workers (:mod:`router.stall`). 0: off."""
     stall_probe_timeout_s: float = 1.5
+    prefix_lookup_budget_s: float = 0.05
+    """The longest a request waits for the shared prefix index (Redis): past it, routed
+    from this router's memory and Redis skipped for a second (:mod:`router.prefix_lookup`).
+    0: no limit."""
     migration_limit: int = 3
     """How many times a request may move to another worker after its worker failed."""
     tenant_max_concurrency: int = 0

@@ -182,7 +182,7 @@ class Router:
                      else RedisPrefixIndex(self._redis, self.model_name))
             registry = (registry if registry is not None
                         else WorkerRegistry(self._redis, self.model_name))
-        self.prefixes = PrefixLookup(index, self.metrics)
+        self.prefixes = PrefixLookup(index, self.metrics, budget_s=config.prefix_lookup_budget_s)
         self.traffic = TrafficLog(self._redis, self.model_name) if self._redis else None
         """Finished requests' shapes for the live planner (common/traffic.py)."""
         self._traffic_task: asyncio.Task | None = None

@@ -13,7 +13,11 @@ thread.
 
 Redis being down never fails a request: :class:`~common.prefix_index.FailSoftIndex`
 answers ``{}`` and asks Redis again no sooner than ``retry_s`` later, and the lookup
-answers from the routed memory alone. :meth:`note_redis` is the router's one view of
+answers from the routed memory alone. Redis being *slow* does not hold requests either:
+a lookup that has not answered within ``budget_s`` is answered from the routed memory
+(the Redis call finishes in its thread, unread), and Redis is not asked again for
+``retry_s`` (``prefix_index_slow_total`` counts each time): a slowed Redis costs one
+request a second at most ``budget_s``, not every request its round trip. :meth:`note_redis` is the router's one view of
 Redis health: the pool's registry reads report to it too, it logs only the changes, and
 ``GetStatus`` shows it as ``prefix_index_up``.
 
@@ -45,9 +49,13 @@ ROUTED_TTL_S = 30.0
 class PrefixLookup:
     def __init__(self, index: PrefixIndexBackend | None, metrics: Metrics | None = None,
                  *, retry_s: float = 1.0, routed_ttl_s: float = ROUTED_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 budget_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> None:
         """``index``: the shared (remote, blocking) index, or None (routed memory only);
-        ``metrics``: counts its lookups (``prefix_index_*``, backend ``shared``)."""
+        ``metrics``: counts its lookups (``prefix_index_*``, backend ``shared``);
+        ``budget_s``: the longest a request waits for the shared index (0: no limit)."""
+        self.metrics = metrics
+        self.budget_s, self.retry_s, self.clock = budget_s, retry_s, clock
+        self._slow_until = 0.0
         self.routed = MemoryPrefixIndex(ttl_s=routed_ttl_s, clock=clock)
         self.shared: FailSoftIndex | None = None
         if index is not None:
@@ -66,9 +74,18 @@ class PrefixLookup:
     async def lookup(self, hashes: list[int]) -> dict[str, int]:
         """Per worker address, how many leading blocks of ``hashes`` it holds (absent:
         none). Never raises for Redis."""
-        if self.shared is None:
-            return self.index.lookup(hashes)  # in memory: no thread hop
-        found = await asyncio.to_thread(self.index.lookup, hashes)
+        if self.shared is None or self.clock() < self._slow_until:
+            return (self.index if self.shared is None else self.routed).lookup(hashes)
+        asked = asyncio.ensure_future(asyncio.to_thread(self.index.lookup, hashes))
+        try:
+            found = await asyncio.wait_for(asyncio.shield(asked), self.budget_s or None)
+        except TimeoutError:
+            self._slow_until = self.clock() + self.retry_s
+            if self.metrics is not None:
+                self.metrics.inc("prefix_index_slow_total")
+            log.info("prefix index lookup took over %.0f ms: routing from this router's "
+                     "memory for %.1f s", self.budget_s * 1000, self.retry_s)
+            return self.routed.lookup(hashes)
         if self.shared.up and self._redis_down:
             self.note_redis(None)  # a lookup worked: clears an outage the registry reported
         return found

@@ -119,14 +119,18 @@ class FakeRegistry:
 @dataclass
 class FakeIndex:
     """The shared index's ``lookup`` (``common.prefix_index.RedisPrefixIndex``) answering
-    from a dict, or raising ``error``."""
+    from a dict after ``delay_s`` (a slow Redis; it blocks, as Redis calls do), or
+    raising ``error``."""
 
     counts: dict[str, int] = field(default_factory=dict)
     error: Exception | None = None
     calls: int = 0
+    delay_s: float = 0.0
 
     def lookup(self, block_hashes: Sequence[int]) -> dict[str, int]:
         self.calls += 1
+        if self.delay_s:
+            time.sleep(self.delay_s)
         if self.error is not None:
             raise self.error
         return dict(self.counts)

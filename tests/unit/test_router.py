@@ -860,6 +860,27 @@ def test_prefix_lookup_merges_by_max_and_backs_off_while_redis_is_down() -> None
     run(body)
 
 
+def test_a_slow_shared_index_costs_a_lookup_its_budget_then_is_skipped_a_while() -> None:
+    """Redis slowed, not down: a lookup past the budget answers from the routed memory,
+    and Redis is not asked again for ``retry_s``; then it is, and it answers again."""
+    async def body() -> None:
+        index = FakeIndex({"a": 2}, delay_s=0.3)
+        now = [100.0]
+        lookup = PrefixLookup(index, retry_s=1.0, budget_s=0.05, clock=lambda: now[0])
+        lookup.note_routed([1, 2, 3], "b")
+        start = time.monotonic()
+        assert await lookup.lookup([1, 2, 3]) == {"b": 3}  # routed memory only
+        assert time.monotonic() - start < 0.25 and index.calls == 1
+        assert await lookup.lookup([1, 2, 3]) == {"b": 3}
+        assert index.calls == 1  # skipped within retry_s
+        index.delay_s = 0.0
+        now[0] = 101.1
+        assert await lookup.lookup([1, 2, 3]) == {"a": 2, "b": 3}
+        assert index.calls == 2
+
+    run(body)
+
+
 def _by_choice(msgs: list[api_pb2.GenerateResponse], n: int) -> list[list[int]]:
     tokens: list[list[int]] = [[] for _ in range(n)]
     for m in msgs:
