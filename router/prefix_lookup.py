@@ -19,8 +19,9 @@ a lookup that has not answered within ``budget_s`` is answered from the routed m
 ``retry_s`` (``prefix_index_slow_total`` counts each time): a slowed Redis costs one
 request a second at most ``budget_s``, not every request its round trip.
 
-:meth:`note_redis` is the router's one view of Redis health: the pool's registry reads report to it too, it logs only the changes, and
-``GetStatus`` shows it as ``prefix_index_up``.
+:meth:`note_redis` is the router's one view of Redis health: the pool's registry reads
+report to it too, it logs only the changes, and ``GetStatus`` shows it as
+``prefix_index_up``.
 
 Runs on the router's event loop (the Redis part in a worker thread).
 """
