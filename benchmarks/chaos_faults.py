@@ -56,7 +56,7 @@ FLIP_ENV = "PDSERVE_FAULT_FLIP_KV_BYTE"
 KILLS = ("kill-prefill", "kill-decode", "kill-mixed", "kill-router", "kill-redis")
 STOPS = ("stop-prefill", "stop-decode", "stop-redis")
 SCENARIOS = ("none", *KILLS, *STOPS, "flush-redis", "flip-kv", "cancel", *NETWORK)
-DELAY_MS, JITTER_MS, LOSS, REDIS_DELAY_MS = 40.0, 10.0, 0.05, 50.0
+DELAY_MS, JITTER_MS, LOSS, REDIS_DELAY_MS = 40.0, 10.0, 0.05, 75.0
 """The network scenarios' impairments: each way, on the victim's link."""
 WORKER_FAULTS = ("kill-prefill", "kill-decode", "kill-mixed", "stop-prefill",
                  "stop-decode")

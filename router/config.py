@@ -38,7 +38,7 @@ class RouterConfig:
     worker that does not answer within ``stall_probe_timeout_s`` is stalled: passed over,
     and its prompts computed on the decode workers (:mod:`router.stall`). 0: off."""
     stall_probe_timeout_s: float = 1.5
-    prefix_lookup_budget_s: float = 0.05
+    prefix_lookup_budget_s: float = 0.1
     """The longest a request waits for the shared prefix index (Redis): past it, routed
     from this router's memory and Redis skipped for a second (:mod:`router.prefix_lookup`).
     0: no limit."""

@@ -51,7 +51,7 @@ ROUTED_TTL_S = 30.0
 class PrefixLookup:
     def __init__(self, index: PrefixIndexBackend | None, metrics: Metrics | None = None,
                  *, retry_s: float = 1.0, routed_ttl_s: float = ROUTED_TTL_S,
-                 budget_s: float = 0.05, clock: Callable[[], float] = time.monotonic) -> None:
+                 budget_s: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
         """``index``: the shared (remote, blocking) index, or None (routed memory only);
         ``metrics``: counts its lookups (``prefix_index_*``, backend ``shared``);
         ``budget_s``: the longest a request waits for the shared index (0: no limit)."""
