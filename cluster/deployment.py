@@ -116,10 +116,11 @@ class DeploymentConfig:
     theirs on free ports."""
     policy: str = field(default="cache_aware", metadata=setting(
         "how prefill (or mixed) workers are chosen"))
-    stall_probe_s: float = field(default=1.0, metadata=setting(
-        "seconds a prefill call may run before the router asks its worker whether it "
-        "answers; one that does not (stopped, frozen) is passed over while silent and its "
-        "prompts are computed on the decode workers; 0: off"))
+    stall_probe_s: float = field(default=0.5, metadata=setting(
+        "seconds a prefill call or a decode reservation may wait before the router asks "
+        "its worker whether it answers; one that does not within 1 s (stopped, frozen, cut "
+        "off) is passed over while silent (a prefill's prompts are computed on the decode "
+        "workers); 0: off"))
     profile: str | None = field(default=None, metadata=setting(
         "machine profile written by `pdserve profile`: the router then places each "
         "disaggregated prompt (prefill worker or the decode worker) from live state, and "

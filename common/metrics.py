@@ -62,9 +62,9 @@ CATALOG: tuple[Spec, ...] = (
          "(cache_hit, balance, least_work, local, ...)", ("policy", "reason")),
     Spec("prefill_placement_total", "counter", "Disaggregated prompts placed by the live "
          "rule (router/adaptive.py): where (local, remote) and why", ("where", "reason")),
-    Spec("prefill_stalls_total", "counter", "Prefill workers found stalled (a call past "
-         "the probe delay, then no answer to GetLoad): marked down, their prompts computed "
-         "on the decode workers (router/stall.py)", ("worker",)),
+    Spec("worker_stalls_total", "counter", "Workers found stalled (a prefill call or a "
+         "reservation past the probe delay, then no answer to GetLoad): passed over until "
+         "they answer (router/stall.py)", ("worker",)),
     Spec("planner_decisions_total", "counter", "The live planner's decisions (--autoscale): "
          "stay or switch, and why", ("action", "reason")),
     Spec("planner_predicted_goodput", "gauge", "Requests/s meeting the SLOs the planner "

@@ -33,11 +33,12 @@ class RouterConfig:
     retire_after_s: float = 60.0
     """A worker found in the registry that left it leaves the pool (and ``pdserve
     status``) after this long, or sooner once a worker of its role joins after it."""
-    stall_probe_after_s: float = 1.0
-    """A prefill call still running after this long asks its worker for its load; a
-    worker that does not answer within ``stall_probe_timeout_s`` is stalled: passed over,
-    and its prompts computed on the decode workers (:mod:`router.stall`). 0: off."""
-    stall_probe_timeout_s: float = 1.5
+    stall_probe_after_s: float = 0.5
+    """A prefill call or a reservation still waiting after this long asks its worker for
+    its load; a worker that does not answer within ``stall_probe_timeout_s`` is stalled:
+    passed over while silent (a prefill's prompts computed on the decode workers, a
+    reservation made on the next decode worker; :mod:`router.stall`). 0: off."""
+    stall_probe_timeout_s: float = 1.0
     prefix_lookup_budget_s: float = 0.1
     """The longest a request waits for the shared prefix index (Redis): past it, routed
     from this router's memory and Redis skipped for a second (:mod:`router.prefix_lookup`).

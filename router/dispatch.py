@@ -7,7 +7,8 @@ attempt, whichever protocol runs it (worker.proto gives the message order):
   while a role change is under way, any worker); one ``Generate`` stream.
 - **disaggregated**: open ``Decode`` on the least-loaded decode worker and send
   ``start``; it answers with a reservation. A decode worker that fails there is marked
-  down for ``down_s`` and the next one tried; when none can take the request,
+  down for ``down_s`` and the next one tried, as is one that stalls there
+  (:mod:`router.stall`); when none can take the request,
   UNAVAILABLE. If the reservation is ``local`` (conditional disaggregation: the
   uncached part is short) the decode worker prefills itself and no ``Prefill`` is sent.
   Otherwise the policy picks a prefill worker and ``Prefill`` returns the first token,
@@ -227,7 +228,11 @@ class Dispatcher:
             call = worker.stub.Decode(timeout=timeout)
             try:
                 await call.write(worker_pb2.DecodeRequest(start=wreq))
-                msg = await call.read()
+                msg = await self.stalls.result(call.read(), worker, call.cancel)
+                if msg is None:  # the worker stalled (router.stall): the next one
+                    worker.in_flight -= 1
+                    errors.append(f"{worker.address}: stalled")
+                    continue
                 if msg is grpc.aio.EOF or msg.WhichOneof("kind") != "reservation":
                     raise RouterError(grpc.StatusCode.UNAVAILABLE,
                                       f"decode worker {worker.address} sent no reservation")

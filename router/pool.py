@@ -165,11 +165,12 @@ class WorkerPool:
     def stalled(self, worker: Worker) -> None:
         """``worker`` holds calls but does not answer (:mod:`router.stall`): down."""
         self.mark_down(worker)
-        self.metrics.inc("prefill_stalls_total", worker=worker.address)
-        log.warning("worker %s (%s) is stalled: it holds prompts but did not answer a probe "
-                    "within %.1f s; passing it over until it answers, and computing its "
-                    "prompts on the decode workers", worker.address, worker.role,
-                    self.config.stall_probe_timeout_s)
+        self.metrics.inc("worker_stalls_total", worker=worker.address)
+        log.warning("worker %s (%s) is stalled: it holds calls but did not answer a probe "
+                    "within %.1f s; passing it over until it answers%s", worker.address,
+                    worker.role, self.config.stall_probe_timeout_s,
+                    ", its prompts computed on the decode workers"
+                    if worker.role == "prefill" else "")
 
     # -- joining and leaving ---------------------------------------------------------------
 

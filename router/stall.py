@@ -1,4 +1,4 @@
-"""Stragglers: a prefill worker that stops answering while it holds prompts.
+"""Stragglers: a worker that stops answering while it holds calls.
 
 A worker can stall without failing: its process stopped (SIGSTOP, a VM paused, swapped
 out), its node silent before the channel's keepalive gives up. Its prefill calls then
@@ -6,7 +6,8 @@ wait for as long as the stall lasts, and every prompt the policy keeps sending i
 cached prefixes draw them) waits too. The KV-cache-aware policy cannot tell a stalled
 worker from a busy one; a busy one still answers, so the router asks.
 
-Lifecycle of one prefill call under :class:`StallWatch`:
+Two calls are watched: a prefill worker's ``Prefill`` and a decode worker's reservation
+(the first answer of ``Decode``). Lifecycle of one under :class:`StallWatch`:
 
 1. the call runs; if it returns (or fails) within ``probe_after_s``, that is its result;
 2. past ``probe_after_s``, the watch asks the worker for its load (``GetLoad``: answered
@@ -16,9 +17,10 @@ Lifecycle of one prefill call under :class:`StallWatch`:
    on and is probed again every ``probe_after_s``;
 4. it does not answer: it is **stalled**. The watch tells the pool (``stalled``: marked
    down, so new prompts go to the other prefill workers; logged; counted in
-   ``prefill_stalls_total``), cancels the call, and returns None: the dispatcher then
-   commits without a first token and the decode worker computes the prompt itself, the
-   path of any failed prefill. The request waits for the detection (``probe_after_s +
+   ``worker_stalls_total``), cancels the call, and returns None. After a ``Prefill`` the
+   dispatcher then commits without a first token and the decode worker computes the
+   prompt itself, the path of any failed prefill; after a reservation it reserves on the
+   next decode worker. The request waits for the detection (``probe_after_s +
    probe_timeout_s``), not for the straggler;
 5. while the worker stays silent, the watch probes it every ``probe_after_s`` and keeps
    it down (``mark_down`` again), so a stall longer than the pool's ``down_s`` does not
@@ -41,8 +43,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
-from typing import Any, Protocol, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 
@@ -89,11 +91,14 @@ class StallWatch:
         self._probes: dict[str, asyncio.Task[bool]] = {}  # address -> the probe under way
         self._silent: dict[str, asyncio.Task[None]] = {}  # address -> its follow-up
 
-    async def result(self, call: CancellableCall[T], worker: Probed) -> T | None:
+    async def result(self, call: Awaitable[T], worker: Probed,
+                     cancel: Callable[[], object] | None = None) -> T | None:
         """``call``'s result, or None when ``worker`` stalled meanwhile (the call is then
-        cancelled). Raises what the call raises. Cancelling this cancels the call."""
+        cancelled: ``cancel``, by default ``call.cancel``, e.g. a stream's whole call for
+        one of its reads). Raises what the call raises. Cancelling this cancels the call."""
         if not self.probe_after_s:
             return await call
+        cancel = cancel or cast(CancellableCall[T], call).cancel
         task = asyncio.ensure_future(call)
         try:
             while True:
@@ -107,7 +112,7 @@ class StallWatch:
                     return None
         finally:
             if not task.done():
-                call.cancel()
+                cancel()
                 task.cancel()
 
     def close(self) -> None:

@@ -147,8 +147,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     - ``local``: reservations are local (the decode worker prefills itself);
     - ``gate``: decode output waits for this event (after the reservation/commit);
     - ``token_delay_s``, ``endless``: a slow or never-ending stream;
-    - ``frozen``: while this event is unset, ``Prefill`` and ``GetLoad`` answer nothing
-      (a stopped process: SIGSTOP; its HTTP/2 pings still answer, in-process).
+    - ``frozen``: while this event is unset, ``Prefill``, ``Decode``'s reservation and
+      ``GetLoad`` answer nothing (a stopped process: SIGSTOP; its HTTP/2 pings still
+      answer, in-process).
 
     Records what it was asked: ``requests`` (every Generate, Prefill and Decode start),
     ``targets`` (of each Prefill), ``events`` (the order of calls across workers),
@@ -307,6 +308,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             req = first.start
             self.requests.append(req)
             self.events.append(("reserve", self.address))
+            if self.frozen is not None:
+                await self.frozen.wait()
             if self.fail_reserve is not None:
                 await context.abort(self.fail_reserve, f"fake decode {self.address} failed")
             prompt = len(req.prompt_token_ids)

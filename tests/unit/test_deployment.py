@@ -65,7 +65,7 @@ def test_flags_override_the_file_and_unset_flags_keep_it(tmp_path: Path) -> None
 
 def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
     config = DeploymentConfig(prefill=1, decode=1, model="/m", max_model_len=512,
-                              gpus_per_worker=1, drain_timeout_s=12, stall_probe_s=0.5)
+                              gpus_per_worker=1, drain_timeout_s=12, stall_probe_s=2.0)
     parser = build_parser()
     w = parser.parse_args(config.worker_args("decode", "10.0.0.5", 0, "redis://r:6379/0", 4,
                                              metrics_port=0))
@@ -76,7 +76,7 @@ def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
     r = parser.parse_args(config.router_args(["a:1", "b:2"], None))
     assert (r.command, r.worker, r.metrics_port, r.policy) == ("router", ["a:1", "b:2"], 9400,
                                                                "cache_aware")
-    assert r.stall_probe_s == 0.5
+    assert r.stall_probe_s == 2.0
     with pytest.raises(DeploymentError, match="stall_probe_s"):
         DeploymentConfig(stall_probe_s=-1)
 
@@ -162,7 +162,7 @@ def _other_value(f: dataclasses.Field, action: argparse.Action) -> tuple[list[st
         return [flag_of(f), value], value
     if f.name.endswith("_node_labels"):  # KEY=VALUE: "/x" is no label
         return [flag_of(f), "pdserve.io/pool=x"], "pdserve.io/pool=x"
-    value = {int: 7, float: 0.5, str: "/x"}[action.type or str]
+    value = {int: 7, float: 0.25 if f.default == 0.5 else 0.5, str: "/x"}[action.type or str]
     return [flag_of(f), str(value)], value
 
 

@@ -241,7 +241,7 @@ def test_a_stalled_prefill_worker_is_given_up_and_passed_over() -> None:
             assert first[-1].routing.worker == stuck.address
             assert sorted(decode.commits, key=str) == [expected_tokens(P, 1)[0], None, None]
             assert c.router_worker(stuck).down_until > time.monotonic()
-            assert metric(c, "prefill_stalls_total", worker=stuck.address) == 1
+            assert metric(c, "worker_stalls_total", worker=stuck.address) == 1
             second = await collect(c, req(max_tokens=6), timeout=10)
             assert_one_stream(second, 6)
             assert second[-1].routing.worker == other.address  # round robin, but down
@@ -253,7 +253,7 @@ def test_a_stalled_prefill_worker_is_given_up_and_passed_over() -> None:
             await wait_for(lambda: c.router_worker(stuck).down_until == 0, timeout_s=0.25)
             later = [await collect(c, req(max_tokens=2), timeout=10) for _ in range(2)]
             assert {m[-1].routing.worker for m in later} == {stuck.address, other.address}
-            assert metric(c, "prefill_stalls_total", worker=stuck.address) == 1  # one stall
+            assert metric(c, "worker_stalls_total", worker=stuck.address) == 1  # one stall
 
     run(body)
 
@@ -269,7 +269,7 @@ def test_a_busy_prefill_worker_that_answers_is_waited_for() -> None:
             assert_one_stream(msgs, 4)
             assert decode.commits == [expected_tokens(P, 1)[0]]
             assert c.router_worker(prefill).down_until == 0
-            assert metric(c, "prefill_stalls_total", worker=prefill.address) == 0
+            assert metric(c, "worker_stalls_total", worker=prefill.address) == 0
             assert prefill.cancelled == 0
 
     run(body)
@@ -286,6 +286,29 @@ def test_the_stall_probe_can_be_turned_off() -> None:
             prefill.frozen.set()
             assert_one_stream(await task, 3)
             assert decode.commits == [expected_tokens(P, 1)[0]]
+
+    run(body)
+
+
+def test_a_decode_worker_that_stalls_at_its_reservation_is_passed_over() -> None:
+    """The reservation is watched too: a decode worker that takes the start and then
+    answers nothing is given up after the probe, and the next decode worker serves."""
+    async def body() -> None:
+        async with Cluster(["prefill", "decode", "decode"], **STALL) as c:
+            _, a, b = c.workers
+            a.frozen, b.frozen = asyncio.Event(), asyncio.Event()
+            first = c.router.workers.by_load("decode")[0]
+            stuck, other = (a, b) if first.address == a.address else (b, a)
+            other.frozen.set()
+            start = time.monotonic()
+            msgs = await collect(c, req(max_tokens=4), timeout=10)
+            assert time.monotonic() - start < 2.0
+            assert_one_stream(msgs, 4)
+            assert msgs[-1].routing.decode_worker == other.address
+            assert c.router_worker(stuck).down_until > time.monotonic()
+            assert metric(c, "worker_stalls_total", worker=stuck.address) == 1
+            stuck.frozen.set()
+            await wait_for(lambda: stuck.cancelled == 1)
 
     run(body)
 
