@@ -162,4 +162,7 @@ class StallWatch:
         except grpc.aio.AioRpcError as e:
             log.debug("stall probe of %s: %s", worker.address, e.code().name)
             return False
+        except Exception as e:  # noqa: BLE001 - a channel the pool closed meanwhile
+            log.debug("stall probe of %s: %r", worker.address, e)
+            return False
         return True
