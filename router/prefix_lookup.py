@@ -15,7 +15,7 @@ Redis being down never fails a request: :class:`~common.prefix_index.FailSoftInd
 answers ``{}`` and asks Redis again no sooner than ``retry_s`` later, and the lookup
 answers from the routed memory alone. Redis being *slow* does not hold requests either:
 a lookup that has not answered within ``budget_s`` is answered from the routed memory
-(the Redis call finishes in its thread, unread), and Redis is not asked again for
+(a Redis call under way finishes in its thread, unread), and Redis is not asked again for
 ``retry_s`` (``prefix_index_slow_total`` counts each time): a slowed Redis costs one
 request a second at most ``budget_s``, not every request its round trip.
 
@@ -78,10 +78,10 @@ class PrefixLookup:
         none). Never raises for Redis."""
         if self.shared is None or self.clock() < self._slow_until:
             return (self.index if self.shared is None else self.routed).lookup(hashes)
-        asked = asyncio.ensure_future(asyncio.to_thread(self.index.lookup, hashes))
         try:
-            found = await asyncio.wait_for(asyncio.shield(asked), self.budget_s or None)
-        except TimeoutError:
+            found = await asyncio.wait_for(asyncio.to_thread(self.index.lookup, hashes),
+                                           self.budget_s or None)
+        except asyncio.TimeoutError:  # not the builtin on 3.10
             self._slow_until = self.clock() + self.retry_s
             if self.metrics is not None:
                 self.metrics.inc("prefix_index_slow_total")

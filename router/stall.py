@@ -90,6 +90,7 @@ class StallWatch:
         self.pool = pool
         self._probes: dict[str, asyncio.Task[bool]] = {}  # address -> the probe under way
         self._silent: dict[str, asyncio.Task[None]] = {}  # address -> its follow-up
+        self._closed = False
 
     async def result(self, call: Awaitable[T], worker: Probed,
                      cancel: Callable[[], object] | None = None) -> T | None:
@@ -117,18 +118,21 @@ class StallWatch:
 
     def close(self) -> None:
         """Stop following silent workers (the router is closing)."""
-        for task in self._silent.values():
+        self._closed = True
+        for task in [*self._silent.values(), *self._probes.values()]:
             task.cancel()
         self._silent.clear()
 
     def _stalled(self, worker: Probed) -> None:
         """One stall is told (logged, counted) once, however many calls it held."""
         self.pool.mark_down(worker, self._cycle_s)
-        if worker.address not in self._silent:
+        if worker.address not in self._silent and not self._closed:
             self.pool.stalled(worker)
+            address = worker.address
             task = asyncio.ensure_future(self._follow(worker))
-            self._silent[worker.address] = task
-            task.add_done_callback(lambda _: self._silent.pop(worker.address, None))
+            self._silent[address] = task
+            task.add_done_callback(
+                lambda t: self._silent.pop(address) if self._silent.get(address) is t else None)
 
     async def _follow(self, worker: Probed) -> None:
         """Step 5: down while silent."""

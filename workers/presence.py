@@ -61,7 +61,7 @@ class Presence:
                     self._registered, warned = False, True
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=self.ttl_s / 3)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # not the builtin on 3.10
                     pass
         finally:
             self._running = False

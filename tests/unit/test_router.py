@@ -227,7 +227,7 @@ def test_a_stalled_prefill_worker_is_given_up_and_passed_over() -> None:
     cancelled and serves again at once (not ``down_s`` later)."""
     async def body() -> None:
         async with Cluster(["prefill", "prefill", "decode"], policy="round_robin",
-                           down_s=0.3, **STALL) as c:
+                           down_s=1.0, **STALL) as c:
             stuck, other, decode = c.workers
             stuck.frozen = asyncio.Event()
             start = time.monotonic()
@@ -236,7 +236,7 @@ def test_a_stalled_prefill_worker_is_given_up_and_passed_over() -> None:
                 *(collect(c, req(max_tokens=6), timeout=10) for _ in range(3)))
             assert_one_stream(also, 6)
             assert_one_stream(third, 6)
-            assert time.monotonic() - start < 2.0  # the detection, not the stall
+            assert time.monotonic() - start < 3.0  # the detection, not the stall
             assert_one_stream(first, 6)
             assert first[-1].routing.worker == stuck.address
             assert sorted(decode.commits, key=str) == [expected_tokens(P, 1)[0], None, None]
@@ -246,11 +246,12 @@ def test_a_stalled_prefill_worker_is_given_up_and_passed_over() -> None:
             assert_one_stream(second, 6)
             assert second[-1].routing.worker == other.address  # round robin, but down
             assert decode.commits[-1] == expected_tokens(P, 1)[0]
-            await asyncio.sleep(0.6)  # twice down_s: still silent, still down
+            await asyncio.sleep(1.5)  # past down_s: still silent, still down
             assert c.router_worker(stuck).down_until > time.monotonic()
             stuck.frozen.set()  # SIGCONT: it finds its call cancelled
             await wait_for(lambda: stuck.cancelled == 2)  # both calls it held
-            await wait_for(lambda: c.router_worker(stuck).down_until == 0, timeout_s=0.25)
+            # Back at its first answer (a probe every 0.1 s), well before down_s.
+            await wait_for(lambda: c.router_worker(stuck).down_until == 0, timeout_s=0.8)
             later = [await collect(c, req(max_tokens=2), timeout=10) for _ in range(2)]
             assert {m[-1].routing.worker for m in later} == {stuck.address, other.address}
             assert metric(c, "worker_stalls_total", worker=stuck.address) == 1  # one stall
@@ -302,7 +303,7 @@ def test_a_decode_worker_that_stalls_at_its_reservation_is_passed_over() -> None
             other.frozen.set()
             start = time.monotonic()
             msgs = await collect(c, req(max_tokens=4), timeout=10)
-            assert time.monotonic() - start < 2.0
+            assert time.monotonic() - start < 3.0
             assert_one_stream(msgs, 4)
             assert msgs[-1].routing.decode_worker == other.address
             assert c.router_worker(stuck).down_until > time.monotonic()
