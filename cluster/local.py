@@ -65,7 +65,10 @@ __all__ = ["LocalCluster", "LocalClusterConfig", "Placement", "banner", "free_po
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """A component run in another network namespace of this machine (module docstring)."""
+    """A component run in another network namespace of this machine (module docstring).
+    A placed component reaches the others only at addresses routed into its namespace:
+    place every component that a placed one must call (``config.host`` is loopback in
+    the root namespace, which no other namespace reaches)."""
 
     host: str
     """The address it binds and is reached at (its namespace's)."""
