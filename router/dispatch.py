@@ -35,7 +35,10 @@ caller (:data:`CALLER_CODES`) is passed on as that status; anything else marks t
 worker down and raises :class:`router.errors.WorkerFailed`, which the router answers by
 migrating the request. Every exit cancels the calls it opened (a no-op on finished ones;
 the workers abort the request and free its blocks otherwise) and gives back the
-``in_flight`` and ``queued_tokens`` it counted.
+``in_flight`` and ``queued_tokens`` it counted. A stream (``Generate``, or ``Decode``
+after its reservation) whose worker stalls mid-generation (:mod:`router.stall`: no
+message and no answer to a probe) is cancelled and raises ``WorkerFailed`` too, so the
+request migrates with its tokens so far instead of waiting out the stall.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
@@ -57,7 +61,7 @@ from .choice import Chooser, PromptHashes
 from .errors import RouterError, WorkerFailed
 from .policies import Decision
 from .pool import Worker, WorkerPool
-from .stall import StallWatch
+from .stall import StallWatch, Watched
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +102,12 @@ class Dispatcher:
         call = None
         try:
             call = worker.stub.Generate(wreq, timeout=timeout)
-            async for msg in call:
-                if queued and msg.token_ids:
-                    worker.queued_tokens -= queued  # prefilled
-                    queued = 0
-                yield msg
+            with self.stalls.stream(worker, call.cancel) as watched:
+                while (msg := await _read(call, watched)) is not grpc.aio.EOF:
+                    if queued and msg.token_ids:
+                        worker.queued_tokens -= queued  # prefilled
+                        queued = 0
+                    yield msg
         except grpc.aio.AioRpcError as e:
             if e.code() not in CALLER_CODES:
                 self.pool.failed(worker, e)
@@ -160,23 +165,24 @@ class Dispatcher:
                     if len(done) == choices:  # all ended at the first token; cancel frees
                         return                # the reservation
                 await _write(call, None)
-            while len(done) < choices:
-                msg = await call.read()
-                if msg is grpc.aio.EOF:
-                    self.pool.mark_down(decode)
-                    raise WorkerFailed(f"decode worker {decode.address} ended the stream early")
-                out = msg.output
-                if out.index in done:  # it ended on the prefill worker, which said so
-                    continue
-                decode.context_tokens += len(out.token_ids)
-                context += len(out.token_ids)
-                if out.finish_reason and prefilled is not None:
-                    # The prompt was computed (or reused) on the prefill worker.
-                    out.usage.cached_tokens = prefilled.first.usage.cached_tokens
-                    out.queue_s = prefilled.first.queue_s
-                if out.finish_reason:
-                    done.add(out.index)
-                yield out
+            with self.stalls.stream(decode, call.cancel) as watched:
+                while len(done) < choices:
+                    msg = await _read(call, watched)
+                    if msg is grpc.aio.EOF:
+                        self.pool.mark_down(decode)
+                        raise WorkerFailed(f"decode worker {decode.address} ended the stream early")
+                    out = msg.output
+                    if out.index in done:  # it ended on the prefill worker, which said so
+                        continue
+                    decode.context_tokens += len(out.token_ids)
+                    context += len(out.token_ids)
+                    if out.finish_reason and prefilled is not None:
+                        # The prompt was computed (or reused) on the prefill worker.
+                        out.usage.cached_tokens = prefilled.first.usage.cached_tokens
+                        out.queue_s = prefilled.first.queue_s
+                    if out.finish_reason:
+                        done.add(out.index)
+                    yield out
         except grpc.aio.AioRpcError as e:
             if e.code() not in CALLER_CODES:
                 self.pool.failed(decode, e)
@@ -185,6 +191,8 @@ class Dispatcher:
             call.cancel()  # no-op when finished; frees the reservation otherwise
             decode.in_flight -= 1
             decode.context_tokens -= context
+
+
 
     def _place(self, wreq: worker_pb2.WorkerGenerateRequest, decode: Worker,
                reservation: worker_pb2.Reservation) -> str:
@@ -302,6 +310,29 @@ def from_worker(e: grpc.aio.AioRpcError, address: str) -> RouterError:
         return RouterError(code, details, field.group(1) if field else None)
     return WorkerFailed(f"worker {address} failed: {code.name}: {e.details()}; retry the "
                         "request")
+
+
+async def _read(call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall,
+                watched: Watched) -> Any:
+    """The stream's next message (``grpc.aio.EOF`` at its end), stamped for the stall
+    watch (:mod:`router.stall`). A read the watch cancelled because the worker stalled
+    fails the attempt (``WorkerFailed``), which the router migrates with the tokens so
+    far; a cancellation of the request itself passes through."""
+    try:
+        msg = await call.read()
+    except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        if watched.stalled and not _cancelling():
+            raise WorkerFailed(f"worker {watched.worker.address} stalled mid-stream: no "
+                               "message and no answer to the stall probe") from None
+        raise
+    watched.last = time.monotonic()
+    return msg
+
+
+def _cancelling() -> bool:
+    """Whether this task is being cancelled (Python 3.11+ can tell; 3.10 says no)."""
+    task = asyncio.current_task()
+    return bool(task is not None and getattr(task, "cancelling", lambda: 0)())
 
 
 async def _write(call: grpc.aio.StreamStreamCall, msg: worker_pb2.DecodeRequest | None) -> None:

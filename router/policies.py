@@ -14,7 +14,11 @@ of its score, for the response's usage and the metrics:
   least-loaded when in-flight counts drift apart by more than ``balance_abs`` requests
   *and* a factor ``balance_rel``, so one hot prefix cannot pile everything on one worker.
   Recomputing a long prefix elsewhere to dodge a queue wastes the pool's capacity, so
-  only the guard, not a single request's wait, moves a prefix off its holder.
+  only the guard, not a single request's wait, moves a prefix off its holder. Ties go
+  in turn (equal holders, equal work): fed one prompt at a time, the first worker
+  listed would otherwise win every new prefix and its peers stay cold, and when it
+  stalls or dies a cold peer takes its whole load with nothing cached (SGLang sends a
+  new prefix to the worker caching least for the same reason).
 
 The shared index only learns a prefix once a worker has computed it; requests for the
 same prefix arriving meanwhile would all miss. The router's prefix lookup
@@ -77,9 +81,13 @@ class CacheAware:
                  balance_rel: float = 2.0) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self._turn = itertools.count()
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int) -> Decision:
         pool = _healthy(candidates)
+        if len(pool) > 1:  # ties in turn: min and max take the first of equals
+            k = next(self._turn) % len(pool)
+            pool = pool[k:] + pool[:k]
         loads = [c.in_flight for c in pool]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:

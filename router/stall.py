@@ -6,8 +6,10 @@ wait for as long as the stall lasts, and every prompt the policy keeps sending i
 cached prefixes draw them) waits too. The KV-cache-aware policy cannot tell a stalled
 worker from a busy one; a busy one still answers, so the router asks.
 
-Two calls are watched: a prefill worker's ``Prefill`` and a decode worker's reservation
-(the first answer of ``Decode``). Lifecycle of one under :class:`StallWatch`:
+Three kinds of wait are watched: a prefill worker's ``Prefill``, a decode worker's
+reservation (the first answer of ``Decode``), and each next message of a stream that
+generates (``Decode`` after the reservation, a mixed worker's ``Generate``). Lifecycle
+of one under :class:`StallWatch`:
 
 1. the call runs; if it returns (or fails) within ``probe_after_s``, that is its result;
 2. past ``probe_after_s``, the watch asks the worker for its load (``GetLoad``: answered
@@ -20,8 +22,9 @@ Two calls are watched: a prefill worker's ``Prefill`` and a decode worker's rese
    ``worker_stalls_total``), cancels the call, and returns None. After a ``Prefill`` the
    dispatcher then commits without a first token and the decode worker computes the
    prompt itself, the path of any failed prefill; after a reservation it reserves on the
-   next decode worker. The request waits for the detection (``probe_after_s +
-   probe_timeout_s``), not for the straggler;
+   next decode worker; in a stream, the attempt fails and the router migrates the
+   request with its tokens so far (``WorkerFailed``). The request waits for the
+   detection (``probe_after_s + probe_timeout_s``), not for the straggler;
 5. while the worker stays silent, the watch probes it every ``probe_after_s`` and keeps
    it down (``mark_down`` again), so a stall longer than the pool's ``down_s`` does not
    draw prompts back to it; its first answer ends that and puts it back in service at
@@ -37,13 +40,22 @@ continuation does not depend on which worker computed it.
 A false alarm (a live worker too slow to answer ``GetLoad`` in time) costs a prompt
 computed twice, never a wrong or lost token. ``probe_after_s = 0`` turns the watch off.
 Runs on the router's event loop.
+
+Streams are watched more cheaply than single calls, since every token crosses them: a
+stream registers once (:meth:`StallWatch.stream`) and stamps each message it reads
+(:attr:`Watched.last`, one clock read); one sweeper task wakes every ``probe_after_s``
+and probes the workers of the streams quiet for that long (steps 2-5 above), cancelling
+the streams of a worker found stalled. A watched read costs ~0.1 us, where wrapping
+each read in :meth:`StallWatch.result` cost ~47 us on a 2-core AMD EPYC.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol, TypeVar, cast
 
 import grpc
@@ -78,6 +90,18 @@ class StallPool(Protocol):
     def mark_up(self, worker: Any) -> None: ...
 
 
+class Watched:
+    """One stream under watch: the time of its last message (or of its start), and
+    whether the watch cancelled it for its worker's stall."""
+
+    __slots__ = ("worker", "cancel", "last", "stalled")
+
+    def __init__(self, worker: Probed, cancel: Callable[[], object]) -> None:
+        self.worker, self.cancel = worker, cancel
+        self.last = time.monotonic()
+        self.stalled = False
+
+
 class StallWatch:
     def __init__(self, probe_after_s: float, probe_timeout_s: float,
                  pool: StallPool) -> None:
@@ -91,6 +115,8 @@ class StallWatch:
         self._probes: dict[str, asyncio.Task[bool]] = {}  # address -> the probe under way
         self._silent: dict[str, asyncio.Task[None]] = {}  # address -> its follow-up
         self._closed = False
+        self._streams: set[Watched] = set()
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def result(self, call: Awaitable[T], worker: Probed,
                      cancel: Callable[[], object] | None = None) -> T | None:
@@ -116,12 +142,56 @@ class StallWatch:
                 cancel()
                 task.cancel()
 
+    @contextlib.contextmanager
+    def stream(self, worker: Probed, cancel: Callable[[], object]) -> Iterator[Watched]:
+        """Watch a stream from ``worker`` while the block runs: stamp ``last`` at every
+        message; when ``stalled`` is set, the watch cancelled it (``cancel``)."""
+        watched = Watched(worker, cancel)
+        if not self.probe_after_s or self._closed:
+            yield watched
+            return
+        self._streams.add(watched)
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.ensure_future(self._sweep())
+        try:
+            yield watched
+        finally:
+            self._streams.discard(watched)
+
     def close(self) -> None:
         """Stop following silent workers (the router is closing)."""
         self._closed = True
         for task in [*self._silent.values(), *self._probes.values()]:
             task.cancel()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         self._silent.clear()
+
+    async def _sweep(self) -> None:
+        """Every ``probe_after_s`` while streams are watched: probe the workers of the
+        quiet ones, at once; cancel the streams of a worker that does not answer."""
+        while self._streams and not self._closed:
+            await asyncio.sleep(self.probe_after_s)
+            quiet_since = time.monotonic() - self.probe_after_s
+            by_worker: dict[str, list[Watched]] = {}
+            for w in self._streams:
+                if w.last <= quiet_since and not w.stalled:
+                    by_worker.setdefault(w.worker.address, []).append(w)
+            if by_worker:
+                await asyncio.gather(*(self._check(ws, quiet_since)
+                                       for ws in by_worker.values()))
+
+    async def _check(self, quiet: list[Watched], quiet_since: float) -> None:
+        worker = quiet[0].worker
+        if await self._answers(worker):
+            return
+        still = [w for w in quiet if w.last <= quiet_since and w in self._streams]
+        if not still:  # a message came while the probe waited: not silent after all
+            return
+        self._stalled(worker)
+        for w in still:
+            w.stalled = True
+            w.cancel()
 
     def _stalled(self, worker: Probed) -> None:
         """One stall is told (logged, counted) once, however many calls it held."""

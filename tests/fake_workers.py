@@ -147,9 +147,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     - ``local``: reservations are local (the decode worker prefills itself);
     - ``gate``: decode output waits for this event (after the reservation/commit);
     - ``token_delay_s``, ``endless``: a slow or never-ending stream;
-    - ``frozen``: while this event is unset, ``Prefill``, ``Decode``'s reservation and
-      ``GetLoad`` answer nothing (a stopped process: SIGSTOP; its HTTP/2 pings still
-      answer, in-process).
+    - ``frozen``: while this event is unset, ``Prefill``, ``Decode``'s reservation,
+      every streamed token and ``GetLoad`` answer nothing (a stopped process: SIGSTOP;
+      its HTTP/2 pings still answer, in-process);
+    - ``freeze_after``: k: set ``frozen`` (unset) after k tokens of the next stream.
 
     Records what it was asked: ``requests`` (every Generate, Prefill and Decode start),
     ``targets`` (of each Prefill), ``events`` (the order of calls across workers),
@@ -171,6 +172,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.token_delay_s = 0.0
         self.endless = False
         self.frozen: asyncio.Event | None = None
+        self.freeze_after: int | None = None
         self.requests: list[worker_pb2.WorkerGenerateRequest] = []
         self.targets: list[worker_pb2.KVTarget] = []
         self.events: list[tuple[str, str]] = []  # (what, address); Cluster shares one
@@ -205,8 +207,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                  else DEFAULT_MAX_TOKENS)
         fail, self.fail_after = self.fail_after, None
         die, self.die_after = self.die_after, None
+        freeze, self.freeze_after = self.freeze_after, None
         n = 0
         while self.endless or done < limit:
+            if freeze is not None and n == freeze:
+                self.frozen = asyncio.Event()
+            if self.frozen is not None:
+                await self.frozen.wait()
             if fail is not None and n == fail[0]:
                 await context.abort(fail[1], f"fake worker {self.address} failed on purpose")
             if die is not None and n == die:

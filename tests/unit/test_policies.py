@@ -49,6 +49,20 @@ def test_cache_aware_balance_guard() -> None:
     assert (d.address, d.reason) == ("b", "cache")
 
 
+def test_cache_aware_breaks_ties_in_turn() -> None:
+    """Fed one prompt at a time, new prefixes spread over the pool (none stays cold), as
+    do the prompts of a prefix every worker holds; a real difference still decides."""
+    policy = CacheAware()
+    idle = [Candidate("a"), Candidate("b"), Candidate("c")]
+    assert [policy.choose(idle, 100).address for _ in range(6)] == list("abcabc")
+    both = [Candidate("a", 0, 0, 90), Candidate("b", 0, 0, 90)]
+    assert {policy.choose(both, 100).address for _ in range(4)} == {"a", "b"}
+    holder = [Candidate("a", 0, 0, 90), Candidate("b", 0, 0, 0)]
+    assert {policy.choose(holder, 100).address for _ in range(4)} == {"a"}
+    less = [Candidate("a", 0, 50), Candidate("b", 0, 0)]
+    assert {policy.choose(less, 100).address for _ in range(4)} == {"b"}
+
+
 def test_all_unhealthy_still_decides_and_says_so() -> None:
     d = LeastLoaded().choose([Candidate("a", healthy=False)], 5)
     assert (d.address, d.reason) == ("a", "unhealthy")

@@ -314,6 +314,35 @@ def test_a_decode_worker_that_stalls_at_its_reservation_is_passed_over() -> None
     run(body)
 
 
+@pytest.mark.parametrize("roles", [["prefill", "decode", "decode"], ["mixed", "mixed"]])
+def test_a_worker_that_stalls_mid_stream_hands_its_request_on(roles: list[str]) -> None:
+    """The stream itself is watched: a worker that goes silent after two tokens (no
+    token, no answer to the probe) loses the request, which migrates with its tokens
+    so far after the detection, not after the stall; when it resumes it finds the call
+    cancelled."""
+    async def body() -> None:
+        async with Cluster(roles, **STALL) as c:
+            a, b = c.workers[-2:]
+            first = c.router.workers.by_load(roles[-1])[0]
+            stuck, other = (a, b) if first.address == a.address else (b, a)
+            stuck.freeze_after = 2
+            start = time.monotonic()
+            msgs = await collect(c, req(max_tokens=8), timeout=10)
+            assert time.monotonic() - start < 3.0
+            assert_one_stream(msgs, 8)
+            assert msgs[-1].routing.migrations == 1
+            (moved,) = other.requests
+            done = len(moved.prompt_token_ids) - len(PROMPT)
+            assert moved.sampling.max_tokens == 8 - done and done >= 2
+            assert c.router_worker(stuck).down_until > time.monotonic()
+            assert metric(c, "worker_stalls_total", worker=stuck.address) == 1
+            assert stuck.frozen is not None
+            stuck.frozen.set()
+            await wait_for(lambda: stuck.cancelled == 1)
+
+    run(body)
+
+
 def test_stall_probe_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="stall_probe_timeout_s"):
         RouterConfig(workers=("127.0.0.1:1",), model_path=".", model_name="m",
