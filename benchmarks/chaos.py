@@ -101,6 +101,10 @@ class ChaosOptions:
     kv_cache_gb: float = 0.2
     block_size: int = 16
     max_model_len: int = 512
+    prefill_queue_limit: int = 2
+    """The routers' overflow (``RouterConfig.prefill_queue_limit``): with two prefill
+    workers at 70% of the cluster's capacity, one lost leaves its peer at ~140%, so
+    prompts past this queue go to the decode workers (0: off, they queue)."""
     launcher: str = "process"
     """``process`` (two routers, supervised processes) or ``ray`` (one router, actors);
     see :func:`benchmarks.chaos_targets.refused` for what Ray cannot run."""
@@ -315,7 +319,8 @@ def _cluster(o: ChaosOptions, shape: str, parse: ParseComponent | None) -> Chaos
     config = LocalClusterConfig(
         model=o.model, port=free_port(), http_port=0, dtype=o.dtype,
         kv_cache_gb=o.kv_cache_gb, block_size=o.block_size, max_model_len=o.max_model_len,
-        transfer_timeout_s=5.0, log_dir=str(Path(o.out_dir) / f"logs-{shape}"),
+        transfer_timeout_s=5.0, prefill_queue_limit=o.prefill_queue_limit,
+        log_dir=str(Path(o.out_dir) / f"logs-{shape}"),
         **SHAPES[shape])  # type: ignore[arg-type]
     if o.launcher == "ray":
         from .chaos_ray import RayTarget  # imports Ray: only when asked for

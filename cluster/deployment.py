@@ -121,6 +121,10 @@ class DeploymentConfig:
         "its worker whether it answers; one that does not within 1 s (stopped, frozen, cut "
         "off) is passed over while silent (a prefill's prompts are computed on the decode "
         "workers); 0: off"))
+    prefill_queue_limit: int = field(default=0, metadata=setting(
+        "overflow: the router computes a prompt on its decode worker when every prefill "
+        "worker already has this many of its prompts in flight (a prefill pool that lost "
+        "a worker borrows the decode workers' steps instead of queueing); 0: off"))
     profile: str | None = field(default=None, metadata=setting(
         "machine profile written by `pdserve profile`: the router then places each "
         "disaggregated prompt (prefill worker or the decode worker) from live state, and "
@@ -232,6 +236,9 @@ class DeploymentConfig:
                                       f"{', '.join(choices)}")
         if self.cpus_per_worker < 0 or self.gpus_per_worker < 0:
             raise DeploymentError("cpus_per_worker and gpus_per_worker must be >= 0")
+        if self.prefill_queue_limit < 0:
+            raise DeploymentError(f"prefill_queue_limit must be >= 0 (0: off), got "
+                                  f"{self.prefill_queue_limit}")
         if self.stall_probe_s < 0:
             raise DeploymentError(f"stall_probe_s must be >= 0 (0: off), got "
                                   f"{self.stall_probe_s}")
@@ -334,6 +341,8 @@ class DeploymentConfig:
         args = ["router", "--host", self.host, "--port", str(self.port),
                 "--http-port", str(self.http_port), "--max-in-flight", str(self.max_in_flight),
                 "--policy", self.policy, "--stall-probe-s", str(self.stall_probe_s)]
+        if self.prefill_queue_limit:
+            args += ["--prefill-queue-limit", str(self.prefill_queue_limit)]
         if self.api_keys:  # the path; the router reads the keys itself
             args += ["--api-keys", self.api_keys]
         if self.tenant_max_concurrency:

@@ -39,6 +39,11 @@ class RouterConfig:
     passed over while silent (a prefill's prompts computed on the decode workers, a
     reservation made on the next decode worker; :mod:`router.stall`). 0: off."""
     stall_probe_timeout_s: float = 1.0
+    prefill_queue_limit: int = 0
+    """Overflow: a disaggregated prompt is computed on its decode worker when every
+    prefill worker that could take it already has this many prompts from this router in
+    flight (a prefill pool that lost a worker, or too small for a burst, then borrows the
+    decode workers' steps instead of queueing). 0: off."""
     prefix_lookup_budget_s: float = 0.1
     """The longest a request waits for the shared prefix index (Redis): past it, routed
     from this router's memory and Redis skipped for a second (:mod:`router.prefix_lookup`).
@@ -72,6 +77,9 @@ class RouterConfig:
             raise ValueError(f"stall_probe_after_s must be >= 0 (0: off) and "
                              f"stall_probe_timeout_s > 0, got {self.stall_probe_after_s} and "
                              f"{self.stall_probe_timeout_s}")
+        if self.prefill_queue_limit < 0:
+            raise ValueError(f"prefill_queue_limit must be >= 0 (0: off), got "
+                             f"{self.prefill_queue_limit}")
         if self.itl_budget_ms <= 0:
             raise ValueError(f"itl_budget_ms must be > 0, got {self.itl_budget_ms}")
 

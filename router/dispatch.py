@@ -18,7 +18,10 @@ attempt, whichever protocol runs it (worker.proto gives the message order):
   router may also keep a prompt the decode worker did not take locally on that worker,
   from the live state (its running decodes, the prefill pool's queue): it commits
   without a first token, as after a failed prefill, and the decode worker computes the
-  prompt in its own steps. A prefill that
+  prompt in its own steps; so it does, with ``prefill_queue_limit``, when every prefill
+  worker that could take the prompt has that many prompts of this router in flight
+  (overflow: a prefill pool short of a worker borrows the decode workers' steps). A
+  prefill that
   fails for the worker's sake (died, transport error), or whose worker stalled
   (:mod:`router.stall`: it did not answer a probe while the call ran), commits without a
   first token: the decode worker recomputes the prompt and the request still completes.
@@ -78,6 +81,7 @@ class Dispatcher:
         self.placement = placement
         c = pool.config
         self.stalls = StallWatch(c.stall_probe_after_s, c.stall_probe_timeout_s, pool)
+        self.prefill_queue_limit = c.prefill_queue_limit
         self._unpaired: set[tuple[str, str]] = set()  # (decode address, model id) logged
 
     def stream(self, request: Request, timeout: float | None, routing: api_pb2.Routing,
@@ -214,6 +218,11 @@ class Dispatcher:
                     decode.address, decode.model_id,
                     ", ".join(f"{w.address} ({w.model_id})" for w in serving))
             return "local_kv_mismatch"
+        limit = self.prefill_queue_limit
+        if limit and prefill and min(w.in_flight for w in prefill) >= limit:
+            self.chooser.metrics.inc("prefill_placement_total", where="local",
+                                     reason="prefill_queue")
+            return "local_prefill_queue"
         if self.placement is None or not prefill:
             return ""
         cached = reservation.cached_tokens

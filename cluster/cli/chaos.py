@@ -47,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32",
                    help="float32 by default: the oracle compares greedy tokens across "
                         "batch compositions")
+    p.add_argument("--prefill-queue-limit", type=int, default=2,
+                   help="the routers' overflow: a prompt goes to its decode worker when "
+                        "every prefill worker has this many of the router's prompts in "
+                        "flight (0: off)")
     p.add_argument("--quick", action="store_true",
                    help="short windows and stops (2.5 s + 6 s; 1-2 s stops)")
     p.add_argument("--out", default="bench-results/chaos")
@@ -115,9 +119,12 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     options = ChaosOptions(model=str(path), out_dir=args.out, scenarios=scenarios,
                            faults=args.faults, load=args.load, seed=args.seed,
                            dtype=args.dtype, launcher=args.launcher,
+                           prefill_queue_limit=args.prefill_queue_limit,
                            **settings)  # type: ignore[arg-type]
     header = (f"pdserve chaos on {path.name} ({args.dtype}), {machine_line()}: "
-              f"{args.faults} fault(s) per scenario at {args.load:.0%} of capacity")
+              f"{args.faults} fault(s) per scenario at {args.load:.0%} of capacity"
+              + (f", prefill overflow at {args.prefill_queue_limit} queued"
+                 if args.prefill_queue_limit else ""))
     parse = None
     if args.launcher == "ray":
         from .component import component_config

@@ -74,6 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_setting(r, "profile")
     add_setting(r, "itl_budget_ms")
     add_setting(r, "stall_probe_s")
+    add_setting(r, "prefill_queue_limit")
     for role in ("prefill", "decode"):
         r.add_argument(f"--{role}-threads", type=int, default=1,
                        help=f"threads per {role} worker: which of --profile's step models "
@@ -191,6 +192,7 @@ def router_config(args: argparse.Namespace,  # noqa: ANN201 - ServerConfig
                             placement_profile=args.profile, itl_budget_ms=args.itl_budget_ms,
                             prefill_threads=args.prefill_threads,
                             stall_probe_after_s=args.stall_probe_s,
+                            prefill_queue_limit=args.prefill_queue_limit,
                             decode_threads=args.decode_threads),
         host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port,
         metrics_port=args.metrics_port, cluster_tls=cluster_tls(args),

@@ -161,6 +161,33 @@ def test_local_reservation_skips_prefill() -> None:
     run(body)
 
 
+def test_prompts_overflow_to_the_decode_worker_past_the_prefill_queue_limit() -> None:
+    """With two prompts in flight on the only prefill worker (the limit), the third is
+    computed on its decode worker; the limit must be >= 0."""
+    async def body() -> None:
+        async with Cluster(["prefill", "decode"], prefill_queue_limit=2) as c:
+            prefill, decode = c.workers
+            prefill.token_delay_s = 1.0
+            queued = [asyncio.ensure_future(collect(c, req(max_tokens=3), timeout=10))
+                      for _ in range(2)]
+            await wait_for(lambda: prefill.open_calls == 2)
+            third = await collect(c, req(max_tokens=3), timeout=10)
+            assert_one_stream(third, 3)
+            routing = third[-1].routing
+            assert (routing.reason, routing.worker) == ("local_prefill_queue", decode.address)
+            assert decode.commits[0] is None  # committed first, with no first token
+            for task in queued:
+                assert_one_stream(await task, 3)
+            assert len(prefill.requests) == 2
+            assert metric(c, "prefill_placement_total", where="local",
+                          reason="prefill_queue") == 1
+
+    run(body)
+    with pytest.raises(ValueError, match="prefill_queue_limit"):
+        RouterConfig(workers=("127.0.0.1:1",), model_path=".", model_name="m",
+                     prefill_queue_limit=-1)
+
+
 def test_prefill_workers_of_another_kv_format_are_never_paired() -> None:
     """A decode worker would refuse their KV: the router picks a prefill worker with the
     decode worker's model id (model, dtype and KV format), and with none the decode
