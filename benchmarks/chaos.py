@@ -169,6 +169,9 @@ async def _one(client: AsyncClient, prompt: list[int], index: int, arrival: floa
             out.tokens.extend(msg.token_ids)
             if msg.finish_reason:
                 out.migrations = msg.routing.migrations
+                r = msg.routing
+                out.route = (f"{r.worker} -> {r.decode_worker}" if r.decode_worker
+                             and r.decode_worker != r.worker else r.worker) + f" ({r.reason})"
 
     try:
         if cancel_after is None:
@@ -381,7 +384,8 @@ def run_shape(o: ChaosOptions, shape: str, scenarios: list[str],
                     row.notes.append(f"fault {k}: {fault.note}")
                 result.faults.append(fault)
                 seen += [{"t": x.arrival_s - fault.at_s, "ttft_s": x.ttft_s,
-                          "error": x.error, "cancelled": x.cancelled, "fault": k}
+                          "error": x.error, "cancelled": x.cancelled, "fault": k,
+                          "route": x.route}
                          for x in outcomes]
                 restored = ("" if scenario not in KILLS else
                             f"back and listed {fault.restored_s:.1f} s after the kill, "

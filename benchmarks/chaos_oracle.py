@@ -67,6 +67,7 @@ class Outcome:
     error: str | None = None  # the gRPC status name of a failure
     cancelled: bool = False  # cancelled by the harness on purpose
     migrations: int = 0  # the router moved it to another worker
+    route: str = ""  # where it ended: "prefill -> decode" (or the one worker), the reason
 
 
 def verdict(tokens: Sequence[int], reference: Sequence[int]) -> str:
