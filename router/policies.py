@@ -14,13 +14,11 @@ of its score, for the response's usage and the metrics:
   least-loaded when in-flight counts drift apart by more than ``balance_abs`` requests
   *and* a factor ``balance_rel``, so one hot prefix cannot pile everything on one worker.
   Recomputing a long prefix elsewhere to dodge a queue wastes the pool's capacity, so
-  only the guard, not a single request's wait, moves a long prefix off its holder. A
-  short one (at most ``spread_tokens`` to compute) goes to an idle worker when its
-  holder is busy ("spread"): idle capacity is free, and a prefix held twice survives its
-  holder. Without it every hot prefix lives on one worker, and when that one stalls or
-  dies its peers compute all of them cold at once: measured with ``pdserve chaos``, a
-  stopped prefill worker's peer then ran at 1-2 s TTFT for seconds (300 ms before), where
-  a peer that held the prefixes too kept its usual TTFT. Ties go
+  only the guard, not a single request's wait, moves a prefix off its holder. (Copying a
+  hot prefix to an idle worker while its holder is busy was tried and measured with
+  ``pdserve chaos``: the copies, ~2% of requests, each took a full prompt's compute, 1-1.5
+  s of TTFT against ~0.3 s, and became the p99; the prefill overflow of
+  :mod:`router.dispatch` covers a lost holder instead.) Ties go
   in turn (equal holders, equal work): fed one prompt at a time, the first worker
   listed would otherwise win every new prefix and its peers stay cold, and when it
   stalls or dies a cold peer takes its whole load with nothing cached (SGLang sends a
@@ -55,7 +53,7 @@ class Candidate(NamedTuple):
 class Decision:
     address: str
     policy: str
-    reason: str  # "cache", "spread", "load", "balance", "turn", "unhealthy"
+    reason: str  # "cache", "load", "balance", "turn", "unhealthy"
     cached_tokens: int
     estimated_tokens: int  # prefill work estimated for the chosen worker
 
@@ -84,12 +82,9 @@ class CacheAware:
     name = "cache_aware"
 
     def __init__(self, cache_threshold: float = 0.5, balance_abs: int = 8,
-                 balance_rel: float = 2.0, spread_tokens: int = 512) -> None:
-        """``spread_tokens``: the most tokens an idle worker computes to take a prompt
-        from its busy holder (0: never)."""
+                 balance_rel: float = 2.0) -> None:
         self.cache_threshold = cache_threshold
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
-        self.spread_tokens = spread_tokens
         self._turn = itertools.count()
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int) -> Decision:
@@ -104,12 +99,6 @@ class CacheAware:
             return _decision(self.name, "balance", c, prompt_tokens)
         holder = max(pool, key=lambda c: (c.cached_tokens, -c.in_flight))
         if holder.cached_tokens and holder.cached_tokens >= self.cache_threshold * prompt_tokens:
-            if holder.in_flight and self.spread_tokens:
-                idle = [c for c in pool if not c.in_flight and not c.queued_tokens
-                        and prompt_tokens - c.cached_tokens <= self.spread_tokens]
-                if idle:
-                    return _decision(self.name, "spread", max(idle, key=lambda c: c.cached_tokens),
-                                     prompt_tokens)
             return _decision(self.name, "cache", holder, prompt_tokens)
         c = min(pool, key=lambda c: (_work(c, prompt_tokens), c.in_flight))
         return _decision(self.name, "cache" if c.cached_tokens else "load", c, prompt_tokens)

@@ -39,24 +39,6 @@ def test_cache_aware_stays_with_a_busy_holder_but_not_for_a_short_prefix() -> No
     assert (d.address, d.reason, d.estimated_tokens) == ("a", "load", 1024)
 
 
-def test_cache_aware_spreads_a_short_prefix_to_an_idle_worker() -> None:
-    """A busy holder of a short prompt loses it to an idle worker, which then holds it
-    too; a long one (more than ``spread_tokens`` to compute there) stays with its holder,
-    as does any prompt when no worker is idle or spreading is off."""
-    busy_holder = [Candidate("a", 1, 0, 160), Candidate("b", 0, 0, 0)]
-    d = CacheAware().choose(busy_holder, 200)
-    assert (d.address, d.reason, d.estimated_tokens) == ("b", "spread", 200)
-    assert CacheAware(spread_tokens=0).choose(busy_holder, 200).address == "a"
-    assert CacheAware(spread_tokens=100).choose(busy_holder, 200).address == "a"
-    assert CacheAware().choose(busy_holder, 2000).address == "a"  # least work; 1840 > 512
-    long = [Candidate("a", 1, 0, 1900), Candidate("b", 0, 0, 0)]
-    assert CacheAware().choose(long, 2000).address == "a"
-    queued = [Candidate("a", 1, 0, 160), Candidate("b", 0, 50, 0)]
-    assert CacheAware().choose(queued, 200).address == "a"
-    idle_holder = [Candidate("a", 0, 0, 160), Candidate("b", 0, 0, 0)]
-    assert CacheAware().choose(idle_holder, 200).address == "a"
-
-
 def test_cache_aware_balance_guard() -> None:
     cands = [Candidate("a", 1), Candidate("b", 12, 0, 1000)]
     d = CacheAware(balance_abs=8, balance_rel=2.0).choose(cands, 1024)
