@@ -19,8 +19,9 @@ attempt, whichever protocol runs it (worker.proto gives the message order):
   from the live state (its running decodes, the prefill pool's queue): it commits
   without a first token, as after a failed prefill, and the decode worker computes the
   prompt in its own steps; so it does, with ``prefill_queue_limit``, when every prefill
-  worker that could take the prompt has that many prompts of this router in flight
-  (overflow: a prefill pool short of a worker borrows the decode workers' steps). A
+  worker that could take the prompt and is not down has that many prompts of this router
+  in flight (overflow: a prefill pool short of a worker borrows the decode workers'
+  steps; requests placed within one prefix lookup of each other see the same count). A
   prefill that
   fails for the worker's sake (died, transport error), or whose worker stalled
   (:mod:`router.stall`: it did not answer a probe while the call ran), commits without a
@@ -196,8 +197,6 @@ class Dispatcher:
             decode.in_flight -= 1
             decode.context_tokens -= context
 
-
-
     def _place(self, wreq: worker_pb2.WorkerGenerateRequest, decode: Worker,
                reservation: worker_pb2.Reservation) -> str:
         """Why the prompt is computed on the decode worker ("local" when the worker
@@ -219,7 +218,9 @@ class Dispatcher:
                     ", ".join(f"{w.address} ({w.model_id})" for w in serving))
             return "local_kv_mismatch"
         limit = self.prefill_queue_limit
-        if limit and prefill and min(w.in_flight for w in prefill) >= limit:
+        now = time.monotonic()
+        up = [w for w in prefill if w.down_until <= now]  # a lost worker takes nothing
+        if limit and prefill and (not up or min(w.in_flight for w in up) >= limit):
             self.chooser.metrics.inc("prefill_placement_total", where="local",
                                      reason="prefill_queue")
             return "local_prefill_queue"
@@ -326,7 +327,9 @@ async def _read(call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall,
     """The stream's next message (``grpc.aio.EOF`` at its end), stamped for the stall
     watch (:mod:`router.stall`). A read the watch cancelled because the worker stalled
     fails the attempt (``WorkerFailed``), which the router migrates with the tokens so
-    far; a cancellation of the request itself passes through."""
+    far; a cancellation of the request itself passes through (told apart on Python 3.11+,
+    ``Task.cancelling``; on 3.10 one that lands just after the watch's is taken for the
+    stall, and the request moves once before its cancellation ends it)."""
     try:
         msg = await call.read()
     except (asyncio.CancelledError, grpc.aio.AioRpcError):

@@ -33,6 +33,7 @@ prefix to (as SGLang's approximate router does) and credits the larger of the tw
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -89,19 +90,25 @@ class CacheAware:
 
     def choose(self, candidates: list[Candidate], prompt_tokens: int) -> Decision:
         pool = _healthy(candidates)
-        if len(pool) > 1:  # ties in turn: min and max take the first of equals
-            k = next(self._turn) % len(pool)
-            pool = pool[k:] + pool[:k]
         loads = [c.in_flight for c in pool]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.balance_abs and hi > self.balance_rel * lo:
             c = min(pool, key=lambda c: (c.in_flight, c.queued_tokens))
             return _decision(self.name, "balance", c, prompt_tokens)
-        holder = max(pool, key=lambda c: (c.cached_tokens, -c.in_flight))
-        if holder.cached_tokens and holder.cached_tokens >= self.cache_threshold * prompt_tokens:
+        top = max(c.cached_tokens for c in pool)
+        if top and top >= self.cache_threshold * prompt_tokens:
+            holder = self._in_turn(pool, lambda c: (-c.cached_tokens, c.in_flight))
             return _decision(self.name, "cache", holder, prompt_tokens)
-        c = min(pool, key=lambda c: (_work(c, prompt_tokens), c.in_flight))
+        c = self._in_turn(pool, lambda c: (_work(c, prompt_tokens), c.in_flight))
         return _decision(self.name, "cache" if c.cached_tokens else "load", c, prompt_tokens)
+
+    def _in_turn(self, pool: list[Candidate], key: Callable[[Candidate], tuple[int, int]]
+                 ) -> Candidate:
+        """The candidate with the least ``key``; equals take turns (the turn moves only
+        on a tie, so no pattern of other decisions can keep handing it to one worker)."""
+        best = min(key(c) for c in pool)
+        tied = [c for c in pool if key(c) == best]
+        return tied[0] if len(tied) == 1 else tied[next(self._turn) % len(tied)]
 
 
 POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "cache_aware": CacheAware}

@@ -46,7 +46,9 @@ stream registers once (:meth:`StallWatch.stream`) and stamps each message it rea
 (:attr:`Watched.last`, one clock read); one sweeper task wakes every ``probe_after_s``
 and probes the workers of the streams quiet for that long (steps 2-5 above), cancelling
 the streams of a worker found stalled. A watched read costs ~0.1 us, where wrapping
-each read in :meth:`StallWatch.result` cost ~47 us on a 2-core AMD EPYC.
+each read in :meth:`StallWatch.result` cost ~47 us on a 2-core AMD EPYC. A stream that
+goes quiet just after a sweep is found at the sweep after next: within about
+``2 x probe_after_s + probe_timeout_s``.
 """
 
 from __future__ import annotations
@@ -178,8 +180,12 @@ class StallWatch:
                 if w.last <= quiet_since and not w.stalled:
                     by_worker.setdefault(w.worker.address, []).append(w)
             if by_worker:
-                await asyncio.gather(*(self._check(ws, quiet_since)
-                                       for ws in by_worker.values()))
+                results = await asyncio.gather(*(self._check(ws, quiet_since)
+                                                 for ws in by_worker.values()),
+                                               return_exceptions=True)
+                for e in results:
+                    if isinstance(e, Exception):
+                        log.error("stall sweep failed: %r", e)
 
     async def _check(self, quiet: list[Watched], quiet_since: float) -> None:
         worker = quiet[0].worker

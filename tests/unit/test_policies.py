@@ -61,6 +61,12 @@ def test_cache_aware_breaks_ties_in_turn() -> None:
     assert {policy.choose(holder, 100).address for _ in range(4)} == {"a"}
     less = [Candidate("a", 0, 50), Candidate("b", 0, 0)]
     assert {policy.choose(less, 100).address for _ in range(4)} == {"b"}
+    # The turn moves on ties only: new prefixes alternating with hits still alternate.
+    new_prefix = []
+    for _ in range(4):
+        new_prefix.append(policy.choose([Candidate("a"), Candidate("b")], 100).address)
+        policy.choose(holder, 100)
+    assert sorted(new_prefix) == ["a", "a", "b", "b"]
 
 
 def test_all_unhealthy_still_decides_and_says_so() -> None:

@@ -182,7 +182,22 @@ def test_prompts_overflow_to_the_decode_worker_past_the_prefill_queue_limit() ->
             assert metric(c, "prefill_placement_total", where="local",
                           reason="prefill_queue") == 1
 
+    async def lost_one() -> None:
+        """A prefill worker that is down takes nothing and does not hold the count at
+        zero: with the other at the limit, the prompt overflows at once."""
+        async with Cluster(["prefill", "prefill", "decode"], prefill_queue_limit=1) as c:
+            lost, busy, decode = c.workers
+            c.router.workers.mark_down(c.router_worker(lost), 30.0)
+            busy.token_delay_s = 1.0
+            queued = asyncio.ensure_future(collect(c, req(max_tokens=3), timeout=10))
+            await wait_for(lambda: busy.open_calls == 1)
+            second = await collect(c, req(max_tokens=3), timeout=10)
+            assert second[-1].routing.reason == "local_prefill_queue"
+            assert_one_stream(await queued, 3)
+            assert lost.requests == []
+
     run(body)
+    run(lost_one)
     with pytest.raises(ValueError, match="prefill_queue_limit"):
         RouterConfig(workers=("127.0.0.1:1",), model_path=".", model_name="m",
                      prefill_queue_limit=-1)
@@ -350,6 +365,8 @@ def test_a_worker_that_stalls_mid_stream_hands_its_request_on(roles: list[str]) 
     async def body() -> None:
         async with Cluster(roles, **STALL) as c:
             a, b = c.workers[-2:]
+            # Decode: reservations go by load; mixed: cache-aware's first tie goes to the
+            # first listed. Both pick by_load's first on an idle pool.
             first = c.router.workers.by_load(roles[-1])[0]
             stuck, other = (a, b) if first.address == a.address else (b, a)
             stuck.freeze_after = 2
