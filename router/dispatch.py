@@ -82,7 +82,6 @@ class Dispatcher:
         self.placement = placement
         c = pool.config
         self.stalls = StallWatch(c.stall_probe_after_s, c.stall_probe_timeout_s, pool)
-        self.prefill_queue_limit = c.prefill_queue_limit
         self._unpaired: set[tuple[str, str]] = set()  # (decode address, model id) logged
 
     def stream(self, request: Request, timeout: float | None, routing: api_pb2.Routing,
@@ -217,10 +216,7 @@ class Dispatcher:
                     decode.address, decode.model_id,
                     ", ".join(f"{w.address} ({w.model_id})" for w in serving))
             return "local_kv_mismatch"
-        limit = self.prefill_queue_limit
-        now = time.monotonic()
-        up = [w for w in prefill if w.down_until <= now]  # a lost worker takes nothing
-        if limit and prefill and (not up or min(w.in_flight for w in up) >= limit):
+        if self._prefill_queue_full(prefill):
             self.chooser.metrics.inc("prefill_placement_total", where="local",
                                      reason="prefill_queue")
             return "local_prefill_queue"
@@ -235,6 +231,16 @@ class Dispatcher:
         self.chooser.metrics.inc("prefill_placement_total", where="local" if here else "remote",
                                  reason=reason)
         return f"local_{reason}" if here else ""
+
+    def _prefill_queue_full(self, prefill: list[Worker]) -> bool:
+        """The overflow: every prefill worker that is up (a lost one takes nothing) has
+        ``prefill_queue_limit`` of this router's prompts in flight. Off (0): no work."""
+        limit = self.pool.config.prefill_queue_limit
+        if not limit or not prefill:
+            return False
+        now = time.monotonic()
+        up = [w.in_flight for w in prefill if w.down_until <= now]
+        return not up or min(up) >= limit
 
     async def _reserve(self, wreq: worker_pb2.WorkerGenerateRequest, deadline: float | None
                        ) -> tuple[Worker, grpc.aio.StreamStreamCall, worker_pb2.Reservation]:
