@@ -21,8 +21,9 @@ attempt, whichever protocol runs it (worker.proto gives the message order):
   prompt in its own steps; so it does, with ``prefill_queue_limit``, when every prefill
   worker that could take the prompt and is not down has that many prompts of this router
   in flight (overflow: a prefill pool short of a worker borrows the decode workers'
-  steps; requests placed within one prefix lookup of each other see the same count). A
-  prefill that
+  steps; requests placed within one prefix lookup of each other see the same count); and
+  while a prefill worker is down, it keeps there any prompt the decode worker holds but
+  for its last block (the lost worker's prompts are cold on its peers). A prefill that
   fails for the worker's sake (died, transport error), or whose worker stalled
   (:mod:`router.stall`: it did not answer a probe while the call ran), commits without a
   first token: the decode worker recomputes the prompt and the request still completes.
@@ -220,6 +221,10 @@ class Dispatcher:
             self.chooser.metrics.inc("prefill_placement_total", where="local",
                                      reason="prefill_queue")
             return "local_prefill_queue"
+        if self._held_while_short(prefill, wreq, decode, reservation):
+            self.chooser.metrics.inc("prefill_placement_total", where="local",
+                                     reason="prefill_short")
+            return "local_prefill_short"
         if self.placement is None or not prefill:
             return ""
         cached = reservation.cached_tokens
@@ -241,6 +246,21 @@ class Dispatcher:
         now = time.monotonic()
         up = [w.in_flight for w in prefill if w.down_until <= now]
         return not up or min(up) >= limit
+
+    def _held_while_short(self, prefill: list[Worker], wreq: worker_pb2.WorkerGenerateRequest,
+                          decode: Worker, reservation: worker_pb2.Reservation) -> bool:
+        """The overflow's other half: with a prefill worker down (stopped, dead, cut
+        off), a prompt the decode worker already holds but for its last block is computed
+        there. The lost worker's prompts are cold on its peers, which would compute them
+        whole while short of a worker; the decode worker's step takes the few tokens it
+        lacks. Only with the overflow on (``prefill_queue_limit``)."""
+        if not self.pool.config.prefill_queue_limit or not prefill:
+            return False
+        uncached = len(wreq.prompt_token_ids) - reservation.cached_tokens
+        if uncached > max(decode.block_size, 1):
+            return False
+        now = time.monotonic()
+        return any(w.down_until > now for w in prefill)
 
     async def _reserve(self, wreq: worker_pb2.WorkerGenerateRequest, deadline: float | None
                        ) -> tuple[Worker, grpc.aio.StreamStreamCall, worker_pb2.Reservation]:

@@ -145,6 +145,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     - ``fail_reserve``/``fail_prefill``: abort ``Decode`` before the reservation /
       ``Prefill`` with this code;
     - ``local``: reservations are local (the decode worker prefills itself);
+    - ``cached_tokens``: what a reservation says this decode worker already holds;
     - ``gate``: decode output waits for this event (after the reservation/commit);
     - ``token_delay_s``, ``endless``: a slow or never-ending stream;
     - ``frozen``: while this event is unset, ``Prefill``, ``Decode``'s reservation,
@@ -168,6 +169,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.fail_reserve: grpc.StatusCode | None = None
         self.fail_prefill: grpc.StatusCode | None = None
         self.local = False
+        self.cached_tokens = 0
         self.gate: asyncio.Event | None = None
         self.token_delay_s = 0.0
         self.endless = False
@@ -321,7 +323,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 await context.abort(self.fail_reserve, f"fake decode {self.address} failed")
             prompt = len(req.prompt_token_ids)
             blocks = list(range(-(-prompt // BLOCK_SIZE)))
-            reservation = worker_pb2.Reservation(local=self.local)
+            reservation = worker_pb2.Reservation(local=self.local,
+                                                 cached_tokens=self.cached_tokens)
             if not self.local:
                 reservation.target.CopyFrom(worker_pb2.KVTarget(address=f"{self.address}-kv",
                                                                 block_ids=blocks))

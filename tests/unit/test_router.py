@@ -20,6 +20,7 @@ import jinja2
 import pytest
 import redis
 from fake_workers import (
+    BLOCK_SIZE,
     MAX_MODEL_LEN,
     MODEL,
     Cluster,
@@ -196,8 +197,31 @@ def test_prompts_overflow_to_the_decode_worker_past_the_prefill_queue_limit() ->
             assert_one_stream(await queued, 3)
             assert lost.requests == []
 
+    async def held_while_short() -> None:
+        """With a prefill worker down, a prompt its decode worker holds but for its last
+        block stays there; one it lacks, or any prompt while the pool is whole or the
+        overflow is off, goes to a prefill worker."""
+        whole, lacking = P - BLOCK_SIZE + 1, P - BLOCK_SIZE - 1  # tokens the decode holds
+        for limit, down, cached, kept in ((1, True, whole, True), (1, True, lacking, False),
+                                          (1, False, whole, False), (0, True, whole, False)):
+            async with Cluster(["prefill", "prefill", "decode"],
+                               prefill_queue_limit=limit) as c:
+                lost, peer, decode = c.workers
+                if down:
+                    c.router.workers.mark_down(c.router_worker(lost), 30.0)
+                decode.cached_tokens = cached
+                msgs = await collect(c, req(max_tokens=3), timeout=10)
+                assert_one_stream(msgs, 3)
+                assert (msgs[-1].routing.reason == "local_prefill_short") == kept
+                assert (len(peer.requests) + len(lost.requests) == 0) == kept
+                assert decode.commits == [None] if kept else decode.commits[0] is not None
+                if kept:
+                    assert metric(c, "prefill_placement_total", where="local",
+                                  reason="prefill_short") == 1
+
     run(body)
     run(lost_one)
+    run(held_while_short)
     with pytest.raises(ValueError, match="prefill_queue_limit"):
         RouterConfig(workers=("127.0.0.1:1",), model_path=".", model_name="m",
                      prefill_queue_limit=-1)
