@@ -253,14 +253,18 @@ class Dispatcher:
         off), a prompt the decode worker already holds but for its last block is computed
         there. The lost worker's prompts are cold on its peers, which would compute them
         whole while short of a worker; the decode worker's step takes the few tokens it
-        lacks. Only with the overflow on (``prefill_queue_limit``)."""
+        lacks. Only with the overflow on (``prefill_queue_limit``) and a prefill worker
+        left that could take the prompt (``prefill``)."""
         if not self.pool.config.prefill_queue_limit or not prefill:
             return False
         uncached = len(wreq.prompt_token_ids) - reservation.cached_tokens
         if uncached > max(decode.block_size, 1):
             return False
+        # Gone ones too: a stopped or dead worker's heartbeat lapses while it is down (a
+        # drained one leaves the registry while up).
         now = time.monotonic()
-        return any(w.down_until > now for w in prefill)
+        return any(w.down_until > now for w in self.pool.workers
+                   if w.role == "prefill" and same_kv(w, decode))
 
     async def _reserve(self, wreq: worker_pb2.WorkerGenerateRequest, deadline: float | None
                        ) -> tuple[Worker, grpc.aio.StreamStreamCall, worker_pb2.Reservation]:

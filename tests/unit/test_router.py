@@ -198,17 +198,21 @@ def test_prompts_overflow_to_the_decode_worker_past_the_prefill_queue_limit() ->
             assert lost.requests == []
 
     async def held_while_short() -> None:
-        """With a prefill worker down, a prompt its decode worker holds but for its last
-        block stays there; one it lacks, or any prompt while the pool is whole or the
-        overflow is off, goes to a prefill worker."""
+        """With a prefill worker down (listed or gone from the registry), a prompt its
+        decode worker holds but for its last block stays there; one it lacks, or any
+        prompt while no prefill worker is down (one that drained is gone but not down) or
+        the overflow is off, goes to a prefill worker."""
         whole, lacking = P - BLOCK_SIZE + 1, P - BLOCK_SIZE - 1  # tokens the decode holds
-        for limit, down, cached, kept in ((1, True, whole, True), (1, True, lacking, False),
-                                          (1, False, whole, False), (0, True, whole, False)):
+        for limit, down, gone, cached, kept in (
+                (1, True, False, whole, True), (1, True, True, whole, True),
+                (1, True, False, lacking, False), (1, False, True, whole, False),
+                (0, True, False, whole, False)):
             async with Cluster(["prefill", "prefill", "decode"],
                                prefill_queue_limit=limit) as c:
                 lost, peer, decode = c.workers
                 if down:
                     c.router.workers.mark_down(c.router_worker(lost), 30.0)
+                c.router_worker(lost).gone = gone  # its heartbeat lapsed (or it drained)
                 decode.cached_tokens = cached
                 msgs = await collect(c, req(max_tokens=3), timeout=10)
                 assert_one_stream(msgs, 3)
