@@ -260,11 +260,7 @@ class Dispatcher:
         uncached = len(wreq.prompt_token_ids) - reservation.cached_tokens
         if uncached > max(decode.block_size, 1):
             return False
-        # Gone ones too: a stopped or dead worker's heartbeat lapses while it is down (a
-        # drained one leaves the registry while up).
-        now = time.monotonic()
-        return any(w.down_until > now for w in self.pool.workers
-                   if w.role == "prefill" and same_kv(w, decode))
+        return self.pool.short("prefill", lambda w: same_kv(w, decode))
 
     async def _reserve(self, wreq: worker_pb2.WorkerGenerateRequest, deadline: float | None
                        ) -> tuple[Worker, grpc.aio.StreamStreamCall, worker_pb2.Reservation]:

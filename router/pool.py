@@ -14,7 +14,10 @@ Lifecycle of a worker, as the router sees it:
    answer a probe; back in service at its first answer): still a candidate, but
    ordered last, so a request reaches it only when every worker of its role is down.
 4. **gone**, for a worker found in the registry whose heartbeat expired: no new
-   requests; it comes back if its heartbeat does. Workers given on the command line
+   requests; it comes back if its heartbeat does. One that went while down (stopped,
+   dead: its heartbeat lapsed) is **lost** until then, unlike one that drained (it
+   leaves the registry while up): the pool is short of it (the overflow,
+   :mod:`router.dispatch`). Workers given on the command line
    (static) never leave, unless they register too: once listed, the registry speaks
    for them as for the others (a draining worker leaves it first).
 5. **retired**: a gone worker found in the registry (not static) leaves the pool, and
@@ -116,6 +119,7 @@ class Worker:
     free_blocks: int = 0  # last reported (registry heartbeat); breaks in-flight ties
     static: bool = True  # given on the command line; False: found in the registry
     gone: bool = False  # left the registry: no new requests
+    lost: bool = False  # gone while down (its heartbeat lapsed: stopped, dead), not drained
     listed: bool = False  # seen in the registry: it decides gone and role from then on
     since: float = 0.0  # when it joined the pool, or (gone) when it left the registry
 
@@ -152,6 +156,13 @@ class WorkerPool:
 
     def mark_down(self, worker: Worker, at_least_s: float = 0.0) -> None:
         worker.down_until = time.monotonic() + max(self.config.down_s, at_least_s)
+
+    def short(self, role: str, accept: Callable[[Worker], bool]) -> bool:
+        """Whether ``role`` is short of a worker ``accept`` takes: one down now (failed,
+        stalled), or lost (gone while down) and not yet retired or back."""
+        now = time.monotonic()
+        return any(w.down_until > now or w.lost for w in self.workers
+                   if w.role == role and accept(w))
 
     def mark_up(self, worker: Worker) -> None:
         """In service again at once (a stalled worker that answers again)."""
@@ -252,6 +263,7 @@ class WorkerPool:
                 continue
             if (w.listed or not w.static) and w.gone == (w.address in live):
                 w.gone, w.since = w.address not in live, now
+                w.lost = w.gone and w.down_until > now
                 log.info("worker %s %s the registry", w.address,
                          "left" if w.gone else "rejoined")
         await self._retire(now)

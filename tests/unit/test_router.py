@@ -203,21 +203,24 @@ def test_prompts_overflow_to_the_decode_worker_past_the_prefill_queue_limit() ->
         prompt while no prefill worker is down (one that drained is gone but not down) or
         the overflow is off, goes to a prefill worker."""
         whole, lacking = P - BLOCK_SIZE + 1, P - BLOCK_SIZE - 1  # tokens the decode holds
-        for limit, down, gone, cached, kept in (
-                (1, True, False, whole, True), (1, True, True, whole, True),
-                (1, True, False, lacking, False), (1, False, True, whole, False),
-                (0, True, False, whole, False)):
+        for limit, down, gone, lost, cached, kept in (
+                (1, True, False, False, whole, True),  # down, listed
+                (1, False, True, True, whole, True),  # lost: its down mark has lapsed
+                (1, True, False, False, lacking, False),
+                (1, False, True, False, whole, False),  # drained
+                (0, True, False, False, whole, False)):
             async with Cluster(["prefill", "prefill", "decode"],
                                prefill_queue_limit=limit) as c:
-                lost, peer, decode = c.workers
+                first, peer, decode = c.workers
                 if down:
-                    c.router.workers.mark_down(c.router_worker(lost), 30.0)
-                c.router_worker(lost).gone = gone  # its heartbeat lapsed (or it drained)
+                    c.router.workers.mark_down(c.router_worker(first), 30.0)
+                w = c.router_worker(first)
+                w.gone, w.lost = gone, lost
                 decode.cached_tokens = cached
                 msgs = await collect(c, req(max_tokens=3), timeout=10)
                 assert_one_stream(msgs, 3)
                 assert (msgs[-1].routing.reason == "local_prefill_short") == kept
-                assert (len(peer.requests) + len(lost.requests) == 0) == kept
+                assert (len(peer.requests) + len(first.requests) == 0) == kept
                 assert decode.commits == [None] if kept else decode.commits[0] is not None
                 if kept:
                     assert metric(c, "prefill_placement_total", where="local",
@@ -834,6 +837,19 @@ def test_worker_whose_heartbeat_expired_retires_and_returns_with_it() -> None:
             c.registry.add(listed.address, "mixed")
             await wait_for(lambda: not c.router_worker(listed).gone)
             assert metric(c, "workers", role="mixed") == 2
+            # It left while up (drained): gone, not lost. Gone while down: lost, and
+            # the pool is short of it until it is back.
+            w = c.router_worker(listed)
+            assert not w.lost and not c.router.workers.short("mixed", lambda x: x is w)
+            w.down_until = time.monotonic() + 0.05  # a short down mark
+            c.registry.expire(listed.address)
+            await wait_for(lambda: w.gone)
+            assert w.lost
+            await asyncio.sleep(0.06)  # its down mark lapses; lost stays
+            assert c.router.workers.short("mixed", lambda x: x is w)
+            c.registry.add(listed.address, "mixed")
+            await wait_for(lambda: not w.gone)
+            assert not w.lost and not c.router.workers.short("mixed", lambda x: x is w)
 
     run(body)
 
