@@ -17,7 +17,8 @@ Lifecycle of a worker, as the router sees it:
    requests; it comes back if its heartbeat does. One that went while down (stopped,
    dead: its heartbeat lapsed) is **lost** until then, unlike one that drained (it
    leaves the registry while up): the pool is short of it (the overflow,
-   :mod:`router.dispatch`). Workers given on the command line
+   :mod:`router.dispatch`), and still for ``down_s`` once it is back, while it
+   warms an empty cache. Workers given on the command line
    (static) never leave, unless they register too: once listed, the registry speaks
    for them as for the others (a draining worker leaves it first).
 5. **retired**: a gone worker found in the registry (not static) leaves the pool, and
@@ -120,6 +121,7 @@ class Worker:
     static: bool = True  # given on the command line; False: found in the registry
     gone: bool = False  # left the registry: no new requests
     lost: bool = False  # gone while down (its heartbeat lapsed: stopped, dead), not drained
+    warm_until: float = 0.0  # back from lost: its cache is cold until then
     listed: bool = False  # seen in the registry: it decides gone and role from then on
     since: float = 0.0  # when it joined the pool, or (gone) when it left the registry
 
@@ -159,9 +161,10 @@ class WorkerPool:
 
     def short(self, role: str, accept: Callable[[Worker], bool]) -> bool:
         """Whether ``role`` is short of a worker ``accept`` takes: one down now (failed,
-        stalled), or lost (gone while down) and not yet retired or back."""
+        stalled), lost (gone while down) and not yet retired, or back from lost less
+        than ``down_s`` ago."""
         now = time.monotonic()
-        return any(w.down_until > now or w.lost for w in self.workers
+        return any(w.down_until > now or w.lost or w.warm_until > now for w in self.workers
                    if w.role == role and accept(w))
 
     def mark_up(self, worker: Worker) -> None:
@@ -262,6 +265,8 @@ class WorkerPool:
             if in_grace and not w.gone and w.address not in live:
                 continue
             if (w.listed or not w.static) and w.gone == (w.address in live):
+                if not w.gone and w.lost:  # it was lost and is back, with a cold cache
+                    w.warm_until = now + self.config.down_s
                 w.gone, w.since = w.address not in live, now
                 w.lost = w.gone and w.down_until > now
                 log.info("worker %s %s the registry", w.address,

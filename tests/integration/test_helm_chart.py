@@ -46,7 +46,8 @@ VALUES = {
                "--set", "pools.decode.autoscaling.enabled=true",
                "--set", "pools.decode.autoscaling.metric=queue",
                "--set", "pools.decode.replicas=3", "--set", "pools.mixed.replicas=1",
-               "--set", "metrics.serviceMonitor.enabled=true", "--set", "router.replicas=2"],
+               "--set", "metrics.serviceMonitor.enabled=true", "--set", "router.replicas=2",
+               "--set", "router.prefillQueueLimit=2", "--set", "router.stallProbeS=0.25"],
     "secrets": ["--set", "tls.cluster.secretName=pd-cluster-tls",
                 "--set", "tls.router.secretName=pd-router-tls", "--set", "tls.router.caKey=ca.crt",
                 "--set", "apiKeys.secretName=pd-api-keys",
@@ -178,6 +179,8 @@ def test_rendered_command_lines_are_ones_the_cli_accepts(helm: str, name: str,
             assert args.redis_url.startswith(("redis://", "rediss://"))
             assert (args.host, args.port, args.http_port, args.metrics_port) == (
                 "0.0.0.0", 50051, 8000, 9400)
+            assert (args.prefill_queue_limit, args.stall_probe_s) == (
+                (2, 0.25) if name == "scaled" else (0, 0.5))
     assert seen == {"worker", "router"}
 
 
@@ -202,6 +205,7 @@ def test_kuberay_head_runs_pdserve_up_on_the_local_ray(helm: str, tmp_path: Path
 @pytest.mark.parametrize(("args", "message"), [
     (["--set", "pools.decode.replicas=two"], "/pools/decode/replicas': got string, want integer"),
     (["--set", "router.policy=fastest"], "/router/policy"),
+    (["--set", "router.prefillQueueLimit=-1"], "/router/prefillQueueLimit"),
     (["--set", "redis.externalUrl=http://cache:6379"], "/redis/externalUrl"),
     (["--set", "pools.prefill.gpus=-1"], "/pools/prefill/gpus"),
     (["--set", "pools.prefil.replicas=2"], "additional properties 'prefil' not allowed"),

@@ -849,7 +849,10 @@ def test_worker_whose_heartbeat_expired_retires_and_returns_with_it() -> None:
             assert c.router.workers.short("mixed", lambda x: x is w)
             c.registry.add(listed.address, "mixed")
             await wait_for(lambda: not w.gone)
-            assert not w.lost and not c.router.workers.short("mixed", lambda x: x is w)
+            assert not w.lost
+            assert c.router.workers.short("mixed", lambda x: x is w)  # back, cold: down_s
+            w.warm_until = 0.0
+            assert not c.router.workers.short("mixed", lambda x: x is w)
 
     run(body)
 
