@@ -265,7 +265,7 @@ class WorkerPool:
             if in_grace and not w.gone and w.address not in live:
                 continue
             if (w.listed or not w.static) and w.gone == (w.address in live):
-                if not w.gone and w.lost:  # it was lost and is back, with a cold cache
+                if w.gone and w.lost:  # it was lost and is back, with a cold cache
                     w.warm_until = now + self.config.down_s
                 w.gone, w.since = w.address not in live, now
                 w.lost = w.gone and w.down_until > now
