@@ -18,7 +18,8 @@ Lifecycle of a worker, as the router sees it:
    dead: its heartbeat lapsed) is **lost** until then, unlike one that drained (it
    leaves the registry while up): the pool is short of it (the overflow,
    :mod:`router.dispatch`), and still for ``down_s`` once it is back, while it
-   warms an empty cache. Workers given on the command line
+   warms an empty cache (as does a worker that joins while the router serves: a
+   restarted Ray actor comes back on a new port). Workers given on the command line
    (static) never leave, unless they register too: once listed, the registry speaks
    for them as for the others (a draining worker leaves it first).
 5. **retired**: a gone worker found in the registry (not static) leaves the pool, and
@@ -161,8 +162,8 @@ class WorkerPool:
 
     def short(self, role: str, accept: Callable[[Worker], bool]) -> bool:
         """Whether ``role`` is short of a worker ``accept`` takes: one down now (failed,
-        stalled), lost (gone while down) and not yet retired, or back from lost less
-        than ``down_s`` ago."""
+        stalled), lost (gone while down) and not yet retired, or back from lost (or
+        joined while serving) less than ``down_s`` ago."""
         now = time.monotonic()
         return any(w.down_until > now or w.lost or w.warm_until > now for w in self.workers
                    if w.role == role and accept(w))
@@ -248,8 +249,10 @@ class WorkerPool:
                 w.role, w.down_until = entry.info.role, 0.0
         for address in sorted(live - known.keys()):
             try:
-                self.workers.append(await self._connect(
-                    address, False, deadline or time.monotonic() + 10))
+                w = await self._connect(address, False, deadline or time.monotonic() + 10)
+                if self._discovery is not None:  # serving: it joins with a cold cache
+                    w.warm_until = w.since + self.config.down_s
+                self.workers.append(w)
                 log.info("worker %s joined from the registry", address)
             except RuntimeError as e:
                 log.warning("registry lists %s but it does not answer: %s", address, e)

@@ -810,6 +810,11 @@ def test_worker_appearing_in_the_registry_joins_the_pool() -> None:
             await wait_for(lambda: len(c.router.pool("mixed")) == 2)
             joined = c.router_worker(joiner)
             assert not joined.static
+            # It joined while the router served: its cache is cold for down_s (the
+            # pool counts as short of it: the overflow's held prompts); the first was
+            # there from the start.
+            assert c.router.workers.short("mixed", lambda w: w is joined)
+            assert not c.router.workers.short("mixed", lambda w: w.address == static.address)
             # Its heartbeat's load is read on the round after it joined.
             await wait_for(lambda: joined.free_blocks == 7)
             assert metric(c, "workers", role="mixed") == 2
