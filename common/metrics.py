@@ -61,7 +61,8 @@ CATALOG: tuple[Spec, ...] = (
     Spec("routing_decisions_total", "counter", "Worker choices, by policy and reason "
          "(cache_hit, balance, least_work, local, ...)", ("policy", "reason")),
     Spec("prefill_placement_total", "counter", "Disaggregated prompts placed by the live "
-         "rule (router/adaptive.py): where (local, remote) and why", ("where", "reason")),
+         "rule (router/adaptive.py) or the overflow (router/dispatch.py: prefill_queue, "
+         "prefill_short; kv_mismatch): where (local, remote) and why", ("where", "reason")),
     Spec("worker_stalls_total", "counter", "Workers found stalled (a prefill call or a "
          "reservation past the probe delay, then no answer to GetLoad): passed over until "
          "they answer (router/stall.py)", ("worker",)),
