@@ -47,7 +47,7 @@ VALUES = {
                "--set", "pools.decode.autoscaling.metric=queue",
                "--set", "pools.decode.replicas=3", "--set", "pools.mixed.replicas=1",
                "--set", "metrics.serviceMonitor.enabled=true", "--set", "router.replicas=2",
-               "--set", "router.prefillQueueLimit=2", "--set", "router.stallProbeS=0.25"],
+               "--set", "router.prefillQueueLimit=2", "--set-json", "router.stallProbeS=0.25"],
     "secrets": ["--set", "tls.cluster.secretName=pd-cluster-tls",
                 "--set", "tls.router.secretName=pd-router-tls", "--set", "tls.router.caKey=ca.crt",
                 "--set", "apiKeys.secretName=pd-api-keys",
