@@ -124,7 +124,9 @@ class DeploymentConfig:
     prefill_queue_limit: int = field(default=0, metadata=setting(
         "overflow: the router computes a prompt on its decode worker when every prefill "
         "worker already has this many of its prompts in flight (a prefill pool that lost "
-        "a worker borrows the decode workers' steps instead of queueing); 0: off"))
+        "a worker borrows the decode workers' steps instead of queueing), and, while a "
+        "prefill worker is lost, any prompt its decode worker already holds but for its "
+        "last block; 0: off"))
     profile: str | None = field(default=None, metadata=setting(
         "machine profile written by `pdserve profile`: the router then places each "
         "disaggregated prompt (prefill worker or the decode worker) from live state, and "

@@ -43,7 +43,9 @@ class RouterConfig:
     """Overflow: a disaggregated prompt is computed on its decode worker when every
     prefill worker that could take it already has this many prompts from this router in
     flight (a prefill pool that lost a worker, or too small for a burst, then borrows the
-    decode workers' steps instead of queueing). 0: off."""
+    decode workers' steps instead of queueing); and, while the prefill pool is short of a
+    worker (:meth:`router.pool.WorkerPool.short`), one whose decode worker already holds
+    it but for its last block. 0: off."""
     prefix_lookup_budget_s: float = 0.1
     """The longest a request waits for the shared prefix index (Redis): past it, routed
     from this router's memory and Redis skipped for a second (:mod:`router.prefix_lookup`).
