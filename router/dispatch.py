@@ -22,8 +22,9 @@ attempt, whichever protocol runs it (worker.proto gives the message order):
   worker that could take the prompt and is not down has that many prompts of this router
   in flight (overflow: a prefill pool short of a worker borrows the decode workers'
   steps; requests placed within one prefix lookup of each other see the same count); and
-  while a prefill worker is down, it keeps there any prompt the decode worker holds but
-  for its last block (the lost worker's prompts are cold on its peers). A prefill that
+  while the prefill pool is short of a worker (one down or lost, or back or new and still
+  cold: ``WorkerPool.short``), it keeps there any prompt the decode worker holds but for
+  its last block (the lost worker's prompts are cold on its peers). A prefill that
   fails for the worker's sake (died, transport error), or whose worker stalled
   (:mod:`router.stall`: it did not answer a probe while the call ran), commits without a
   first token: the decode worker recomputes the prompt and the request still completes.
@@ -249,9 +250,10 @@ class Dispatcher:
 
     def _held_while_short(self, prefill: list[Worker], wreq: worker_pb2.WorkerGenerateRequest,
                           decode: Worker, reservation: worker_pb2.Reservation) -> bool:
-        """The overflow's other half: with a prefill worker down (stopped, dead, cut
-        off), a prompt the decode worker already holds but for its last block is computed
-        there. The lost worker's prompts are cold on its peers, which would compute them
+        """The overflow's other half: while the prefill pool is short of a worker
+        (:meth:`~router.pool.WorkerPool.short`: one down or lost, or back or new with a
+        cold cache), a prompt the decode worker already holds but for its last block is
+        computed there. The lost worker's prompts are cold on its peers, which would compute them
         whole while short of a worker; the decode worker's step takes the few tokens it
         lacks. Only with the overflow on (``prefill_queue_limit``) and a prefill worker
         left that could take the prompt (``prefill``)."""

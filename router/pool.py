@@ -122,7 +122,7 @@ class Worker:
     static: bool = True  # given on the command line; False: found in the registry
     gone: bool = False  # left the registry: no new requests
     lost: bool = False  # gone while down (its heartbeat lapsed: stopped, dead), not drained
-    warm_until: float = 0.0  # back from lost: its cache is cold until then
+    warm_until: float = 0.0  # back from lost, or joined while serving: cold cache until
     listed: bool = False  # seen in the registry: it decides gone and role from then on
     since: float = 0.0  # when it joined the pool, or (gone) when it left the registry
 
