@@ -7,8 +7,13 @@ Lifecycle: the workload (``pdserve bench``'s generators, built by the CLI)
 decode threads are left out, with a note) -> each candidate in turn: a
 :class:`~cluster.local.LocalCluster` of that shape (adaptive: with the profile, the
 router's live placement on), warmed, driven by :func:`loadtest.runner.run` with the very
-same requests and arrival times -> per candidate, prediction error of TTFT p90, ITL p90
-and goodput, ``(predicted - measured) / measured`` -> the **decision regret**:
+same requests and arrival times, after the serving calibration of its thread count was
+measured again and the candidate predicted anew with it (``recalibrate``; see
+:mod:`benchmarks.profile_serving`: a VM's speed drifts by more than the 10% the
+latency target allows within one validation) -> per candidate, prediction error of TTFT
+p90, ITL p90 and goodput, ``(predicted - measured) / measured`` (and, beside it, the
+error of the plan's own prediction, made from the profile as saved) -> the **decision
+regret**:
 ``1 - goodput(recommended) / max goodput`` over the measured candidates -> a table and
 ``validation.json`` under ``out``, and :func:`verdict`, what the bounds say.
 
@@ -31,15 +36,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
-from common.cost_model import Profile, load_profile
+from common.cost_model import Profile, load_profile, save_profile
 from loadtest.metrics import SLO
 from loadtest.runner import RunOptions, run
 from planner.config import PoolConfig, Resources
 from planner.predict import run as simulate_run
+from planner.predict import simulate
 from planner.search import DEFAULT_THRESHOLDS, candidates, plan
 from planner.workload import ExplicitWorkload
 
 from .machine import machine_line
+from .profile_serving import calibrate
 
 COMPARED = (("ttft_p90_ms", "p90_ttft_ms"), ("itl_p90_ms", "p90_itl_ms"),
             ("goodput", "request_goodput"))
@@ -74,6 +81,10 @@ class ValidateOptions:
     dtype: str = "auto"
     bounds: Bounds = field(default_factory=Bounds)
     out: str = "bench-results/plan-validate"
+    recalibrate: bool = True
+    """Measure the serving calibration again before each candidate (its thread count)
+    and predict that candidate with it; the plan's own predictions (``predicted_at_plan``,
+    ``error_at_plan``) are kept beside."""
 
 
 def launchable(c: PoolConfig) -> bool:
@@ -82,13 +93,16 @@ def launchable(c: PoolConfig) -> bool:
     return len(threads) == 1
 
 
-def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path) -> LocalClusterConfig:
+def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path,
+                   profile_path: str | None = None) -> LocalClusterConfig:
+    """The local cluster of ``c``; an adaptive router reads ``profile_path`` (default:
+    the validation's profile)."""
     t = c.mixed_threads or c.prefill_threads
     pools: dict = ({"mixed": c.mixed_workers} if c.kind == "mixed" else
                    {"prefill": c.prefill_workers, "decode": c.decode_workers,
                     "local_prefill_threshold": c.local_prefill_threshold})
     if c.kind == "adaptive":
-        pools |= {"profile": o.profile, "itl_budget_ms": c.itl_budget_ms}
+        pools |= {"profile": profile_path or o.profile, "itl_budget_ms": c.itl_budget_ms}
     return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
                               kv_cache_gb=o.kv_cache_gb, threads_per_worker=t, dtype=o.dtype,
                               policy=c.policy, launcher="process", log_dir=str(log_dir),
@@ -96,9 +110,15 @@ def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path) -> LocalClu
 
 
 def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[float],
-             slo: SLO | None, out: Path) -> dict:
+             slo: SLO | None, out: Path, profile: Profile | None = None) -> dict:
+    """Run ``c`` for real; an adaptive router gets ``profile`` (saved under ``out``)
+    when given, else the validation's profile file."""
     name = "".join(ch if ch.isalnum() else "-" for ch in c.label).strip("-")
-    with LocalCluster(cluster_config(o, c, out / f"{name}-logs")) as cluster:
+    path = None
+    if profile is not None and c.kind == "adaptive":
+        path = str(out / f"{name}-profile.json")
+        save_profile(profile, path)
+    with LocalCluster(cluster_config(o, c, out / f"{name}-logs", path)) as cluster:
         cluster.wait_ready()
         cluster.warm()
         return run(RunOptions(cluster.target, tuple(requests), tuple(arrivals), slo=slo,
@@ -117,6 +137,13 @@ def capacity(profile: Profile, config: PoolConfig, workload: ExplicitWorkload) -
     slight underestimate of the steady-state capacity."""
     result = simulate_run(profile, config, workload.requests, [0.0] * len(workload.arrivals))
     return len(workload.arrivals) / result.duration_s if result.duration_s > 0 else math.inf
+
+
+def _recalibrated(profile: Profile, o: ValidateOptions, c: PoolConfig) -> tuple[Profile, dict]:
+    """``profile`` with the serving calibration of ``c``'s thread count measured now."""
+    t = c.mixed_threads or c.prefill_threads
+    now, facts = calibrate(profile, o.model, lambda line: print(line, flush=True), (t,))
+    return now, facts[t]
 
 
 def _error(predicted: float, measured: float) -> float:
@@ -151,19 +178,28 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
     rows = []
     offered = offered_rate(workload.arrivals)
     for r in chosen:
-        load = offered / capacity(profile, r.config, workload)
+        row: dict = {"config": r.config.label,
+                     "recommended": r.config == predicted.recommended,
+                     "predicted_at_plan": {k: r.predicted[k] for k, _ in COMPARED}}
+        now, fig = profile, r.predicted
+        if o.recalibrate:  # this minute's machine speed, for this candidate's threads
+            now, cal = _recalibrated(profile, o, r.config)
+            fig = simulate(now, r.config, workload.requests, workload.arrivals, slo)
+            row["serving"] = cal
+        load = offered / capacity(now, r.config, workload)
         print(f"\n== {r.config.label}: load {load:.0%} of its simulated capacity; predicted "
-              f"TTFT p90 {r.predicted['ttft_p90_ms']:.0f} ms, ITL p90 "
-              f"{r.predicted['itl_p90_ms']:.0f} ms, goodput {r.predicted['goodput']:.3f}/s ==",
-              flush=True)
-        m = _measure(o, r.config, workload.requests, workload.arrivals, slo, out)
+              f"TTFT p90 {fig['ttft_p90_ms']:.0f} ms, ITL p90 {fig['itl_p90_ms']:.0f} ms, "
+              f"goodput {fig['goodput']:.3f}/s ==", flush=True)
+        m = _measure(o, r.config, workload.requests, workload.arrivals, slo, out,
+                     now if o.recalibrate else None)
         if slo is None:
             m["request_goodput"] = m["request_throughput"]
-        rows.append({"config": r.config.label, "recommended": r.config == predicted.recommended,
-                     "predicted": {k: r.predicted[k] for k, _ in COMPARED},
-                     "measured": {k: m[h] for k, h in COMPARED},
-                     "error": {k: _error(r.predicted[k], m[h]) for k, h in COMPARED},
-                     "load": load, "failed": m["failed"]})
+        row.update({"predicted": {k: fig[k] for k, _ in COMPARED},
+                    "measured": {k: m[h] for k, h in COMPARED},
+                    "error": {k: _error(fig[k], m[h]) for k, h in COMPARED},
+                    "error_at_plan": {k: _error(r.predicted[k], m[h]) for k, h in COMPARED},
+                    "load": load, "failed": m["failed"]})
+        rows.append(row)
     best = max((row["measured"]["goodput"] for row in rows), default=0.0)
     rec = next((row for row in rows if row["recommended"]), None)
     regret = (1 - rec["measured"]["goodput"] / best) if rec and best > 0 else None

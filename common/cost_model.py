@@ -30,12 +30,17 @@ of the points and reports the fit's error on them (mean and p90 absolute percent
 error), which ``pdserve profile`` prints and stores.
 
 **Serving.** A worker serving through the router runs the same steps slower than the
-engine alone: its gRPC streams, the router and the neighbouring workers share the
-cores. ``pdserve profile`` measures that once per thread count (:mod:`benchmarks.
-profile_serving`: the whole machine serving a decode-heavy wave, its ITL against what
-the step model predicts for the very same batches) and stores the ratio in ``serving``;
-:meth:`Profile.step` hands out the step model times it, :attr:`Profile.steps` keeps the
-engine's own fit.
+engine alone, in two ways: the neighbouring workers share the cores, memory bandwidth
+and caches (a factor on the whole step), and every token a step samples is a message
+that the worker's gRPC thread, the router and the client handle on the same cores while
+the next step runs (a cost per sequence in the step; with several intra-op threads a
+stolen slice of one thread stalls the whole team at the op's barrier). ``pdserve
+profile`` measures both once per thread count (:mod:`benchmarks.profile_serving`: the
+whole machine serving a light and a heavy decode wave, their ITL against what the step
+model predicts for the very same batches) and stores the factor in ``serving`` and the
+per-sequence seconds in ``serving_per_seq``; :meth:`Profile.step` hands out the step
+model with both (the factor scales every coefficient, the per-sequence cost adds to the
+``S`` one), :attr:`Profile.steps` keeps the engine's own fit.
 
 **Transfer time** of ``b`` bytes between a prefill and a decode worker: ``latency_s +
 b / bytes_per_s``, fitted the same way on measured transfers.
@@ -111,6 +116,12 @@ class StepModel:
         return StepModel(tuple(c * factor for c in self.coef), self.floor_s * factor,
                          self.error)
 
+    def plus_per_sequence(self, seconds: float) -> StepModel:
+        """Every step ``seconds`` longer per sequence in it (the serving cost of the
+        message each sampled token becomes)."""
+        return StepModel((*self.coef[:-1], self.coef[-1] + seconds), self.floor_s + seconds,
+                         self.error)
+
     def seconds(self, chunks: Iterable[Chunk]) -> float:
         row = features(chunks)
         return max(self.floor_s, sum(c * x for c, x in zip(self.coef, row, strict=True)))
@@ -167,14 +178,20 @@ class Profile:
     serving: dict[int, float] = field(default_factory=dict)
     """Threads per worker -> how much slower a step runs while serving (1.0: not
     measured)."""
+    serving_per_seq: dict[int, float] = field(default_factory=dict)
+    """Threads per worker -> seconds a serving step takes longer per sequence in it
+    (0: not measured; profiles before it carry the factor alone)."""
 
     def step(self, threads: int) -> StepModel:
         """The step model of a serving worker of ``threads`` threads."""
         if threads not in self.steps:
             raise KeyError(f"the profile has no step model for {threads} thread(s); it has "
                            f"{sorted(self.steps)} (pdserve profile --threads ...)")
-        factor = self.serving.get(threads, 1.0)
-        return self.steps[threads] if factor == 1.0 else self.steps[threads].scaled(factor)
+        model = self.steps[threads]
+        factor, per_seq = self.serving.get(threads, 1.0), self.serving_per_seq.get(threads, 0.0)
+        if factor != 1.0:
+            model = model.scaled(factor)
+        return model.plus_per_sequence(per_seq) if per_seq else model
 
 
 def _lstsq(rows: list[list[float]], ys: list[float]) -> tuple[float, ...]:
@@ -251,7 +268,13 @@ def profile_to_json(p: Profile) -> dict:
         "transfer": {"latency_s": p.transfer.latency_s, "bytes_per_s": p.transfer.bytes_per_s,
                      "error": _error_json(p.transfer.error)},
         "points": p.points, "serving": {str(t): f for t, f in p.serving.items()},
+        "serving_per_seq": {str(t): s for t, s in p.serving_per_seq.items()},
     }
+
+
+def _serving_of(d: dict) -> tuple[dict[int, float], dict[int, float]]:
+    return ({int(t): float(f) for t, f in d.get("serving", {}).items()},
+            {int(t): float(s) for t, s in d.get("serving_per_seq", {}).items()})
 
 
 def profile_from_json(d: dict) -> Profile:
@@ -268,8 +291,7 @@ def profile_from_json(d: dict) -> Profile:
                    d["kv_bytes_per_token"], d["num_blocks"], d["max_num_batched_tokens"],
                    d["max_num_seqs"], d["max_model_len"], steps,
                    TransferModel(tr["latency_s"], tr["bytes_per_s"], _error_of(tr.get("error"))),
-                   d.get("points", {}),
-                   {int(t): float(f) for t, f in d.get("serving", {}).items()})
+                   d.get("points", {}), *_serving_of(d))
 
 
 def refit_profile(path: str | Path, held_out: float = 0.2, seed: int = 0) -> Profile:
@@ -288,7 +310,7 @@ def refit_profile(path: str | Path, held_out: float = 0.2, seed: int = 0) -> Pro
         return Profile(d["model"], d["dtype"], d.get("machine", {}), d["block_size"],
                        d["kv_bytes_per_token"], d["num_blocks"], d["max_num_batched_tokens"],
                        d["max_num_seqs"], d["max_model_len"], steps, transfer, raw,
-                       {int(t): float(f) for t, f in d.get("serving", {}).items()})
+                       *_serving_of(d))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot refit the profile {path}: {e}") from e
 

@@ -233,8 +233,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     pp.add_argument("--quick", action="store_true", help="a smaller grid (~1 minute)")
     pp.add_argument("--no-serving", action="store_true",
                     help="skip the serving calibration (a local cluster per thread count "
-                         "serving a wave; ~1 minute): steps are then taken as the engine "
-                         "alone runs them")
+                         "serving a light and a heavy wave; ~1-2 minutes): steps are then taken as "
+                         "the engine alone runs them")
     pp.add_argument("--serving", default=None, metavar="FILE",
                     help="measure nothing but the serving calibration of FILE's profile; "
                          "write --out")
@@ -385,7 +385,9 @@ def _serving(args: argparse.Namespace, path: str) -> int:
         print(f"pdserve profile: the serving calibration failed: {e}", file=sys.stderr)
         return 1
     save_profile(profile, args.out)
-    print(f"\nprofile (with serving factors {profile.serving}) written to {args.out}")
+    served = ", ".join(f"{t} thread(s): x{f:.2f} + {profile.serving_per_seq.get(t, 0) * 1e3:.2f} "
+                       "ms/sequence" for t, f in sorted(profile.serving.items()))
+    print(f"\nprofile (serving: {served}) written to {args.out}")
     return 0
 
 

@@ -103,3 +103,20 @@ def test_the_serving_factor_scales_what_step_hands_out_and_survives_the_file(tmp
     assert p.step(1).seconds(chunks) == pytest.approx(1.25 * p.steps[1].seconds(chunks))
     save_profile(p, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json").serving == {1: 1.25}
+
+
+def test_the_per_sequence_serving_cost_adds_per_sequence_and_survives_the_file(tmp_path):
+    steps = {1: fit_steps(_points(60)), 2: fit_steps(_points(60))}
+    p = Profile("m", "float32", {}, 16, 1024, 1000, 2048, 256, 2048, steps,
+                fit_transfer([(1 << 20, 0.001), (1 << 24, 0.008), (1 << 22, 0.003)]),
+                serving={1: 1.1, 2: 1.0}, serving_per_seq={1: 0.002, 2: 0.004})
+    for batch in (24, 48):  # well above the fastest step measured (the floor)
+        chunks = [(1, 300)] * batch
+        assert p.step(1).seconds(chunks) == pytest.approx(
+            1.1 * p.steps[1].seconds(chunks) + 0.002 * batch)
+        assert p.step(2).seconds(chunks) == pytest.approx(
+            p.steps[2].seconds(chunks) + 0.004 * batch)
+    save_profile(p, tmp_path / "p.json")
+    q = load_profile(tmp_path / "p.json")
+    assert q.serving_per_seq == {1: 0.002, 2: 0.004}
+    assert q.step(1).seconds([(1, 300)] * 8) == pytest.approx(p.step(1).seconds([(1, 300)] * 8))
