@@ -24,7 +24,12 @@ count ``t`` this measures that once, as deployed:
 thread count, so a prediction is made with the machine's speed of that minute.
 
 The median ITL of such a wave is the decode step of its batch (``per_worker``
-sequences on each worker), which is what most of a serving step's time is.
+sequences on each worker), which is what most of a serving step's time is. The waves
+also give the **spread** of served steps around the model (:func:`step_ratios`: each
+gap over the predicted one, over the median; kept as quantiles in ``serving_jitter``):
+the simulator draws each step's time from it, so that a tail percentile of ITL sees
+the steps a real worker stretches (a neighbour's burst, a gRPC send, the router), not
+only the deterministic step times.
 """
 
 from __future__ import annotations
@@ -96,8 +101,41 @@ def serving_waves(profile: Profile, model: str, threads: int, per_worker: tuple[
             predicted = [g for r in sim.records if r.ok for g in r.itls]
             out.append({"workers": workers, "requests": n, "batch": k,
                         "measured_itl_p50_ms": percentile(measured, 50) * 1e3,
-                        "engine_only_itl_p50_ms": percentile(predicted, 50) * 1e3})
+                        "engine_only_itl_p50_ms": percentile(predicted, 50) * 1e3,
+                        "ratios": step_ratios([r.itls for r in trace.records if r.ok],
+                                              [r.itls for r in sim.records if r.ok])})
     return out
+
+
+def step_ratios(measured: list[list[float]], predicted: list[list[float]]) -> list[float]:
+    """Each measured gap over the predicted one at the same token index, over its
+    wave's median ratio: the served steps' spread around the model, median 1. A wave's
+    requests are alike (one prompt length, one output length, sent at once), so the
+    predicted gap of token ``j`` is the median of the simulated requests' ``j``-th."""
+    import numpy as np
+
+    width = min((len(g) for g in predicted), default=0)
+    if not width:
+        return []
+    at = np.median(np.array([g[:width] for g in predicted]), axis=0)
+    ratios = [m / at[j] for gaps in measured for j, m in enumerate(gaps[:width]) if at[j] > 0]
+    median = float(np.median(ratios)) if ratios else 0.0
+    return [r / median for r in ratios] if median > 0 else []
+
+
+JITTER_PROBS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
+                0.975, 0.995)
+"""Where the spread of served steps is kept (quantiles of the ratios)."""
+
+
+def jitter_quantiles(ratios: list[float]) -> tuple[tuple[float, float], ...]:
+    """``(probability, ratio)`` points of the ratios' distribution (empty: none)."""
+    import numpy as np
+
+    if len(ratios) < 20:
+        return ()
+    qs = np.quantile(np.array(ratios), JITTER_PROBS)
+    return tuple((p, float(q)) for p, q in zip(JITTER_PROBS, qs, strict=True))
 
 
 def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - print-like
@@ -106,6 +144,7 @@ def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - pr
     for each of ``threads`` (default: all of its thread counts; the others keep theirs),
     its workers in the profile's dtype."""
     factors, per_seq = dict(profile.serving), dict(profile.serving_per_seq)
+    jitter = dict(profile.serving_jitter)
     facts: dict = {}
     for t in sorted(profile.steps if threads is None else threads):
         progress(f"serving calibration: {t} thread(s) per worker ...")
@@ -114,13 +153,19 @@ def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - pr
                                                w["engine_only_itl_p50_ms"], w["batch"])
                                               for w in waves])
         per_seq[t] /= 1e3  # the waves are in ms
-        facts[t] = {"waves": waves, "factor": factors[t], "per_seq_ms": per_seq[t] * 1e3}
+        jitter[t] = jitter_quantiles([r for w in waves for r in w.pop("ratios")])
+        facts[t] = {"waves": waves, "factor": factors[t], "per_seq_ms": per_seq[t] * 1e3,
+                    "jitter": jitter[t]}
         for w in waves:
             fitted = factors[t] * w["engine_only_itl_p50_ms"] + per_seq[t] * 1e3 * w["batch"]
             progress(f"  {w['workers']} mixed worker(s), {w['batch']} sequences each: ITL p50 "
                      f"{w['measured_itl_p50_ms']:.1f} ms served vs "
                      f"{w['engine_only_itl_p50_ms']:.1f} ms engine alone (fit: {fitted:.1f})")
-        progress(f"  x{factors[t]:.2f} per step + {per_seq[t] * 1e3:.2f} ms per sequence")
+        spread = dict(jitter[t])
+        progress(f"  x{factors[t]:.2f} per step + {per_seq[t] * 1e3:.2f} ms per sequence; "
+                 f"steps spread p10 {spread.get(0.1, 1):.2f} / p90 {spread.get(0.9, 1):.2f} "
+                 "of the median")
     points = {**profile.points, "serving": {**profile.points.get("serving", {}),
                                             **{str(t): v for t, v in facts.items()}}}
-    return replace(profile, serving=factors, serving_per_seq=per_seq, points=points), facts
+    return replace(profile, serving=factors, serving_per_seq=per_seq, serving_jitter=jitter,
+                   points=points), facts

@@ -181,6 +181,10 @@ class Profile:
     serving_per_seq: dict[int, float] = field(default_factory=dict)
     """Threads per worker -> seconds a serving step takes longer per sequence in it
     (0: not measured; profiles before it carry the factor alone)."""
+    serving_jitter: dict[int, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+    """Threads per worker -> the spread of served steps around the model: ``(probability,
+    ratio)`` quantile points, median 1 (empty: steps take the model's time exactly).
+    The simulator draws each step's factor from it (:func:`draw_jitter`)."""
 
     def step(self, threads: int) -> StepModel:
         """The step model of a serving worker of ``threads`` threads."""
@@ -269,12 +273,26 @@ def profile_to_json(p: Profile) -> dict:
                      "error": _error_json(p.transfer.error)},
         "points": p.points, "serving": {str(t): f for t, f in p.serving.items()},
         "serving_per_seq": {str(t): s for t, s in p.serving_per_seq.items()},
+        "serving_jitter": {str(t): [list(q) for q in qs] for t, qs in p.serving_jitter.items()},
     }
 
 
-def _serving_of(d: dict) -> tuple[dict[int, float], dict[int, float]]:
+def _serving_of(d: dict) -> tuple[dict[int, float], dict[int, float], dict]:
     return ({int(t): float(f) for t, f in d.get("serving", {}).items()},
-            {int(t): float(s) for t, s in d.get("serving_per_seq", {}).items()})
+            {int(t): float(s) for t, s in d.get("serving_per_seq", {}).items()},
+            {int(t): tuple((float(p), float(r)) for p, r in qs)
+             for t, qs in d.get("serving_jitter", {}).items()})
+
+
+def draw_jitter(quantiles: Sequence[tuple[float, float]], u: np.ndarray) -> np.ndarray:
+    """Step factors for uniform draws ``u`` in [0, 1): the inverse of the distribution
+    the ``(probability, ratio)`` points describe, linear between them and flat past the
+    outermost (all ones when there are none)."""
+    if not quantiles:
+        return np.ones_like(u)
+    probs = np.array([p for p, _ in quantiles])
+    ratios = np.array([r for _, r in quantiles])
+    return np.interp(u, probs, ratios)
 
 
 def profile_from_json(d: dict) -> Profile:

@@ -15,7 +15,9 @@ busy/idle state. Its lifecycle mirrors :mod:`workers.engine_loop`:
    of the same instant (so simultaneous arrivals are drained together, as the engine
    loop drains its queue before it steps).
 2. A step: ``schedule()``; its duration is ``step_model.seconds([(n, start), ...])`` of
-   the scheduled chunks; at its end ``update()`` with one sampled token per sampling
+   the scheduled chunks (times a factor drawn from the profile's spread of served steps,
+   ``Profile.serving_jitter``, when it has one: a seeded generator per worker, so a run
+   is repeatable); at its end ``update()`` with one sampled token per sampling
    chunk (any ordinary id: requests run to ``max_tokens`` = their output length with
    ``ignore_eos``), then the host (the simulated router) hears of every token.
 3. At the boundary, as the engine loop does: reservations that waited for blocks are
@@ -46,23 +48,26 @@ token of context each: their times are computed at once (linear in the step's in
 and applied at their end as ``update`` would have, step by step (blocks grown, tokens
 appended, full blocks cached). A command arriving meanwhile cuts the run at the first
 step boundary after it, where the engine loop would have seen it. The run is the same
-as stepping one step at a time (a unit test compares them), with one difference the
-router may see: within a run, the blocks it takes (and the cached blocks that evicts)
-are taken at its end rather than step by step, so the free-block count and the prefix
-index lag by at most one run.
+as stepping one step at a time (a unit test compares them; with a spread of served
+steps, a run draws its steps' factors at its start, so a cut run and single steps see
+different draws of the same distribution), with one difference the router may see:
+within a run, the blocks it takes (and the cached blocks that evicts) are taken at its
+end rather than step by step, so the free-block count and the prefix index lag by at
+most one run.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import zlib
 from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
-from common.cost_model import Profile, features
+from common.cost_model import Profile, draw_jitter, features
 from workers.engine.block_manager import KVEventListener
 from workers.engine.params import SamplingParams, SchedulerConfig
 from workers.engine.scheduler import Scheduler, SchedulerOutput
@@ -133,6 +138,8 @@ class SimWorker:
         self.sched = Scheduler(scheduler_config(profile), listeners)
         self.max_model_len = self.sched.config.max_model_len
         self.model = profile.step(threads)
+        self._jitter = profile.serving_jitter.get(threads, ())
+        self._rng = np.random.default_rng(zlib.crc32(name.encode()))  # same run, same draws
         self.loop, self.host = loop, host
         self.local_prefill_threshold = local_prefill_threshold
         self.fast_forward = fast_forward
@@ -234,7 +241,7 @@ class SimWorker:
         if k > 1:
             self._start_run(out, chunks, k)
             return
-        dt = self.model.seconds(chunks)
+        dt = self.model.seconds(chunks) * float(self._spread(1)[0])
         self.steps += 1
         self.busy_s += dt
         self.loop.at(self.loop.now + dt, lambda: self._step_end(out))
@@ -272,6 +279,13 @@ class SimWorker:
         return False
 
     # -- fast-forward: runs of identical decode steps ------------------------------------
+
+    def _spread(self, k: int) -> np.ndarray:
+        """``k`` step factors drawn from the profile's spread of served steps (ones
+        without one)."""
+        if not self._jitter:
+            return np.ones(k)
+        return draw_jitter(self._jitter, self._rng.random(k))
 
     def _run_length(self, out: SchedulerOutput) -> int:
         """How many steps, this one first, are decode-only steps of the same batch for
@@ -315,7 +329,7 @@ class SimWorker:
         raw1 = sum(c * x for c, x in zip(coef, features([(n, s + 1) for n, s in chunks]),
                                          strict=True))
         durations = np.maximum(self.model.floor_s, raw0 + (raw1 - raw0) * np.arange(k))
-        ends = self.loop.now + np.cumsum(durations)
+        ends = self.loop.now + np.cumsum(durations * self._spread(k))
         self._generation += 1
         self._run = (out, ends, self._generation, self.loop.now)
         self._schedule_run_end()

@@ -58,6 +58,10 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
         out=str(tmp_path / "validate")), profile)
     assert {r["config"] for r in summary["rows"]} == {COLOCATED.label, SPLIT_LABEL}
     assert all(r["failed"] == 0 for r in summary["rows"])
+    for r in summary["rows"]:  # each candidate predicted with the calibration of its minute
+        assert r["serving"]["factor"] > 0 and r["serving"]["per_seq_ms"] >= 0, r
+        assert [w["batch"] for w in r["serving"]["waves"]] == [2, 8], r
+        assert 0 < r["load"] < 2, r  # offered over simulated capacity (~1/3 nominal)
     assert summary["regret"] is None or 0.0 <= summary["regret"] <= 1.0, summary  # None: 0 goodput
     assert summary["recommended"] in {COLOCATED.label, SPLIT_LABEL}, summary
     assert not summary["verdict"], summary["verdict"]

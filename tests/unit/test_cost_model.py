@@ -120,3 +120,21 @@ def test_the_per_sequence_serving_cost_adds_per_sequence_and_survives_the_file(t
     q = load_profile(tmp_path / "p.json")
     assert q.serving_per_seq == {1: 0.002, 2: 0.004}
     assert q.step(1).seconds([(1, 300)] * 8) == pytest.approx(p.step(1).seconds([(1, 300)] * 8))
+
+
+def test_the_spread_of_served_steps_is_drawn_from_its_quantiles_and_survives_the_file(tmp_path):
+    import numpy as np
+
+    from common.cost_model import draw_jitter
+
+    spread = ((0.1, 0.9), (0.5, 1.0), (0.9, 1.3))
+    u = np.array([0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99])
+    assert draw_jitter(spread, u).tolist() == pytest.approx([0.9, 0.9, 0.95, 1.0, 1.15, 1.3,
+                                                             1.3])
+    assert draw_jitter((), u).tolist() == [1.0] * len(u)
+    steps = {1: fit_steps(_points(60))}
+    p = Profile("m", "float32", {}, 16, 1024, 1000, 2048, 256, 2048, steps,
+                fit_transfer([(1 << 20, 0.001), (1 << 24, 0.008), (1 << 22, 0.003)]),
+                serving_jitter={1: spread})
+    save_profile(p, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").serving_jitter == {1: spread}

@@ -216,3 +216,24 @@ def test_the_same_inputs_give_the_same_prediction() -> None:
     a = simulate(PROFILE, DISAGG, reqs, arrivals, SLO(2000, 100))
     b = simulate(PROFILE, DISAGG, reqs, arrivals, SLO(2000, 100))
     assert a == b
+
+
+def test_a_profile_with_a_spread_of_served_steps_stretches_steps_repeatably() -> None:
+    from dataclasses import replace
+
+    spread = {2: ((0.005, 0.8), (0.5, 1.0), (0.995, 1.5))}
+    noisy = replace(PROFILE, serving_jitter=spread)
+    requests = random_workload(6, 64, 40, 0.0, seed=1)
+    arrivals = arrival_times(len(requests), 4.0, 1.0, seed=1)
+    a, b = run(noisy, MIXED, requests, arrivals), run(noisy, MIXED, requests, arrivals)
+    assert [r.token_times for r in a.records] == [r.token_times for r in b.records]
+    assert_no_leak(a)
+    plain = run(PROFILE, MIXED, requests, arrivals)
+    gaps = [g for r in a.records for g in r.itls]
+    exact = [g for r in plain.records for g in r.itls]
+    assert min(gaps) < 0.95 * min(exact)  # some steps drew a factor below 1
+    lone_gaps = run(noisy, MIXED, lone(100, 30), [0.0]).records[0].itls
+    step = PROFILE.step(2)
+    ratios = [g / step.seconds([(1, 100 + i)]) for i, g in enumerate(lone_gaps)]
+    assert 0.8 - 1e-9 <= min(ratios) and max(ratios) <= 1.5 + 1e-9
+    assert len({round(r, 6) for r in ratios}) > 10  # drawn, not one factor

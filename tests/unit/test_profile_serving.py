@@ -36,3 +36,16 @@ def test_the_per_sequence_cost_is_never_negative_and_the_factor_may_fall_below_o
 
 def test_one_wave_gives_a_factor() -> None:
     assert fit_serving([(62.0, 50.0, 8)]) == (pytest.approx(1.24), 0.0)
+
+
+def test_step_ratios_compare_each_gap_with_the_predicted_one_at_its_index() -> None:
+    from benchmarks.profile_serving import jitter_quantiles, step_ratios
+
+    predicted = [[0.05, 0.06, 0.07]] * 3  # every request alike, steps growing
+    measured = [[0.05, 0.06, 0.07], [0.10, 0.12, 0.14], [0.05, 0.06, 0.07]]
+    ratios = step_ratios(measured, predicted)
+    assert sorted(ratios) == pytest.approx([1.0] * 6 + [2.0] * 3)  # over the median
+    assert step_ratios(measured, []) == []
+    assert jitter_quantiles(ratios) == ()  # too few to say
+    qs = dict(jitter_quantiles([1.0] * 80 + [1.5] * 20))
+    assert qs[0.5] == pytest.approx(1.0) and qs[0.995] == pytest.approx(1.5)
