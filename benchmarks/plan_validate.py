@@ -10,7 +10,9 @@ router's live placement on), warmed, driven by :func:`loadtest.runner.run` with 
 same requests and arrival times, after the serving calibration of its thread count was
 measured again and the candidate predicted anew with it (``recalibrate``; see
 :mod:`benchmarks.profile_serving`: a VM's speed drifts by more than the 10% the
-latency target allows within one validation) -> per candidate, prediction error of TTFT
+latency target allows within one validation), and measured once more after the run: a
+candidate during which the machine's speed moved by more than ``Bounds.drift`` runs
+again (``attempts``) -> per candidate, prediction error of TTFT
 p90, ITL p90 and goodput, ``(predicted - measured) / measured`` (and, beside it, the
 error of the plan's own prediction, made from the profile as saved) -> the **decision
 regret**:
@@ -22,8 +24,9 @@ over the candidate's capacity, the sessions per second the simulator says it ser
 every session arrives at once (:func:`capacity`). The issue's latency target holds
 "below 85% of saturation", where a queue's wait is a smooth function of the service
 time: near and past saturation a 5% error in a step's time becomes an unbounded error in
-TTFT. So the TTFT and ITL bounds judge only rows under ``Bounds.saturation``; rows above
-it are printed and saved with their errors but marked not judged. Goodput and the regret
+TTFT. So the TTFT and ITL bounds judge only rows under ``Bounds.saturation``, and only
+rows whose machine kept its speed (``Bounds.drift``, after the last attempt); the others
+are printed and saved with their errors but marked not judged. Goodput and the regret
 are judged everywhere.
 """
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -63,6 +67,9 @@ class Bounds:
     goodput_error: float = 0.05
     saturation: float = 0.85
     """Latency errors are judged only for candidates whose load is below this."""
+    drift: float = 0.10
+    """... and whose machine kept its speed within this while they ran (the serving
+    calibration's factor after the run over the one before)."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +90,11 @@ class ValidateOptions:
     out: str = "bench-results/plan-validate"
     recalibrate: bool = True
     """Measure the serving calibration again before each candidate (its thread count)
-    and predict that candidate with it; the plan's own predictions (``predicted_at_plan``,
-    ``error_at_plan``) are kept beside."""
+    and predict that candidate with it, and again after it; the plan's own predictions
+    (``predicted_at_plan``, ``error_at_plan``) are kept beside."""
+    attempts: int = 3
+    """Runs of a candidate at most, while the machine's speed moves by more than
+    ``bounds.drift`` during one (recalibrating only)."""
 
 
 def launchable(c: PoolConfig) -> bool:
@@ -139,11 +149,30 @@ def capacity(profile: Profile, config: PoolConfig, workload: ExplicitWorkload) -
     return len(workload.arrivals) / result.duration_s if result.duration_s > 0 else math.inf
 
 
-def _recalibrated(profile: Profile, o: ValidateOptions, c: PoolConfig) -> tuple[Profile, dict]:
-    """``profile`` with the serving calibration of ``c``'s thread count measured now."""
-    t = c.mixed_threads or c.prefill_threads
-    now, facts = calibrate(profile, o.model, lambda line: print(line, flush=True), (t,))
-    return now, facts[t]
+class _Calibrations:
+    """The serving calibration of each thread count as last measured: a candidate is
+    predicted with one at most :data:`FRESH_S` old (the previous candidate's closing
+    one, or a new one), and one is measured after each candidate's run, to see whether
+    the machine kept its speed meanwhile."""
+
+    def __init__(self, profile: Profile, o: ValidateOptions) -> None:
+        self.profile, self.o = profile, o
+        self.latest: dict[int, tuple[Profile, dict, float]] = {}
+
+    def recent(self, threads: int) -> tuple[Profile, dict]:
+        got = self.latest.get(threads)
+        if got is None or time.monotonic() - got[2] > FRESH_S:
+            got = self.measure(threads)
+        return got[0], got[1]
+
+    def measure(self, threads: int) -> tuple[Profile, dict, float]:
+        now, facts = calibrate(self.profile, self.o.model,
+                               lambda line: print(line, flush=True), (threads,))
+        self.latest[threads] = (now, facts[threads], time.monotonic())
+        return self.latest[threads]
+
+
+FRESH_S = 90.0
 
 
 def _error(predicted: float, measured: float) -> float:
@@ -177,28 +206,40 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
           f"{os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     offered = offered_rate(workload.arrivals)
+    calibrations = _Calibrations(profile, o)
     for r in chosen:
         row: dict = {"config": r.config.label,
                      "recommended": r.config == predicted.recommended,
                      "predicted_at_plan": {k: r.predicted[k] for k, _ in COMPARED}}
-        now, fig = profile, r.predicted
-        if o.recalibrate:  # this minute's machine speed, for this candidate's threads
-            now, cal = _recalibrated(profile, o, r.config)
-            fig = simulate(now, r.config, workload.requests, workload.arrivals, slo)
-            row["serving"] = cal
-        load = offered / capacity(now, r.config, workload)
-        print(f"\n== {r.config.label}: load {load:.0%} of its simulated capacity; predicted "
-              f"TTFT p90 {fig['ttft_p90_ms']:.0f} ms, ITL p90 {fig['itl_p90_ms']:.0f} ms, "
-              f"goodput {fig['goodput']:.3f}/s ==", flush=True)
-        m = _measure(o, r.config, workload.requests, workload.arrivals, slo, out,
-                     now if o.recalibrate else None)
+        t = r.config.mixed_threads or r.config.prefill_threads
+        for attempt in range(1, o.attempts + 1):
+            now, fig, cal, drift = profile, r.predicted, None, None
+            if o.recalibrate:  # this minute's machine speed, for this candidate's threads
+                now, cal = calibrations.recent(t)
+                fig = simulate(now, r.config, workload.requests, workload.arrivals, slo)
+            load = offered / capacity(now, r.config, workload)
+            print(f"\n== {r.config.label}: load {load:.0%} of its simulated capacity; "
+                  f"predicted TTFT p90 {fig['ttft_p90_ms']:.0f} ms, ITL p90 "
+                  f"{fig['itl_p90_ms']:.0f} ms, goodput {fig['goodput']:.3f}/s ==", flush=True)
+            m = _measure(o, r.config, workload.requests, workload.arrivals, slo, out,
+                         now if o.recalibrate else None)
+            if cal is not None:  # did the machine keep its speed while it ran?
+                after = calibrations.measure(t)[1]
+                drift = after["factor"] / cal["factor"] - 1
+                if abs(drift) > o.bounds.drift and attempt < o.attempts:
+                    print(f"the machine's speed moved {drift:+.0%} while it ran (serving "
+                          f"calibration x{cal['factor']:.2f} before, x{after['factor']:.2f} "
+                          "after): running it again", flush=True)
+                    continue
+            break
         if slo is None:
             m["request_goodput"] = m["request_throughput"]
         row.update({"predicted": {k: fig[k] for k, _ in COMPARED},
                     "measured": {k: m[h] for k, h in COMPARED},
                     "error": {k: _error(fig[k], m[h]) for k, h in COMPARED},
                     "error_at_plan": {k: _error(r.predicted[k], m[h]) for k, h in COMPARED},
-                    "load": load, "failed": m["failed"]})
+                    "load": load, "serving": cal, "drift": drift, "attempts": attempt,
+                    "failed": m["failed"]})
         rows.append(row)
     best = max((row["measured"]["goodput"] for row in rows), default=0.0)
     rec = next((row for row in rows if row["recommended"]), None)
@@ -234,9 +275,18 @@ def verdict(summary: dict, b: Bounds) -> list[str]:
 
 
 def judged_latency(row: dict, b: Bounds) -> bool:
-    """Whether the row's TTFT and ITL errors are held to the bound (its load is below
-    saturation; rows saved before the load column are judged)."""
-    return row.get("load", 0.0) < b.saturation
+    """Whether the row's TTFT and ITL errors are held to the bound: its load is below
+    saturation and the machine kept its speed while it ran (rows saved before these
+    columns are judged)."""
+    return row.get("load", 0.0) < b.saturation and abs(row.get("drift") or 0.0) <= b.drift
+
+
+def _unjudged(row: dict, b: Bounds) -> str:
+    if row.get("load", 0.0) >= b.saturation:
+        return "  (latency not judged: load)"
+    if abs(row.get("drift") or 0.0) > b.drift:
+        return f"  (latency not judged: machine speed moved {row['drift']:+.0%})"
+    return ""
 
 
 def _print(s: dict) -> None:
@@ -246,7 +296,7 @@ def _print(s: dict) -> None:
     for row in s["rows"]:
         p, m, e = row["predicted"], row["measured"], row["error"]
         mark = " *" if row["recommended"] else ""
-        note = "" if judged_latency(row, b) else "  (latency not judged: load)"
+        note = _unjudged(row, b)
         print(f"{row['config'] + mark:<34}{row.get('load', math.nan):>6.0%}"
               f"{p['ttft_p90_ms']:>9.0f}/{m['ttft_p90_ms']:<6.0f}{e['ttft_p90_ms']:>+7.0%} "
               f"{p['itl_p90_ms']:>7.0f}/{m['itl_p90_ms']:<5.0f}{e['itl_p90_ms']:>+6.0%} "

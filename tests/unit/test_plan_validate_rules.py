@@ -62,3 +62,14 @@ def test_goodput_and_regret_are_judged_at_any_load() -> None:
     b = Bounds(saturation=0.85)
     assert any("goodput" in v for v in verdict(_summary(_row(1.2, goodput=0.2)), b))
     assert any("regret" in v for v in verdict({"regret": 0.2, "rows": [_row(0.3)]}, b))
+
+
+def test_latency_errors_are_not_judged_when_the_machine_changed_speed_during_the_run() -> None:
+    b = Bounds(saturation=0.85, drift=0.10)
+    steady, moved = _row(0.5, ttft=-0.3), _row(0.5, ttft=-0.3)
+    steady["drift"], moved["drift"] = 0.04, -0.25
+    assert judged_latency(steady, b) and not judged_latency(moved, b)
+    assert verdict(_summary(moved), b) == []
+    assert len(verdict(_summary(steady), b)) == 1
+    moved["drift"] = None  # not recalibrated: nothing known, judged
+    assert judged_latency(moved, b)
