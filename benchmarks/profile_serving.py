@@ -10,15 +10,18 @@ count ``t`` this measures that once, as deployed:
    full, as ``pdserve up`` fills it) and warm it;
 2. send a **light** and then a **heavy** wave of decode-heavy requests (:data:`WAVES`
    per worker, each wave all at once: 128-token prompts, 64 tokens out, greedy, EOS
-   ignored) and take each wave's median ITL;
+   ignored) and take each wave's median ITL; then a **prefill** wave (one
+   :data:`PREFILL_LEN`-token prompt per worker) and take its median TTFT;
 3. simulate the very same waves with the engine-only step model
-   (:func:`planner.predict.run`, same requests, same arrival times) and take their
-   median ITL;
-4. fit ``served = factor x engine + per_seq x batch`` through the two waves
-   (:func:`fit_serving`): the factor is what sharing the machine costs every step (and
-   how much faster or slower the machine runs now than when the grid was measured),
-   the per-sequence seconds what each sampled token's message costs the cores (its
-   gRPC send, the router's relay, the client). One wave cannot tell them apart.
+   (:func:`planner.predict.run`, same requests, same arrival times) and take the same
+   medians, split into the step model's memory-bound and compute-bound terms
+   (:meth:`~common.cost_model.StepModel.parts`);
+4. fit ``served = fm x memory + fc x compute + per_seq x batch`` through the three
+   waves (:func:`fit_serving`): the factors are what sharing the machine costs each kind
+   of work (and how much faster or slower the machine runs now than when the grid was
+   measured: a shared host can throttle memory bandwidth and leave compute alone), the
+   per-sequence seconds what each sampled token's message costs the cores (its gRPC
+   send, the router's relay, the client).
 
 ``pdserve plan --validate`` runs it again before each candidate, for that candidate's
 thread count, so a prediction is made with the machine's speed of that minute.
@@ -49,32 +52,61 @@ from planner.predict import run as simulate_run
 
 INPUT_LEN, OUTPUT_LEN = 128, 64
 WAVES = (2, 8)
-"""Requests per worker in the light and the heavy wave."""
+"""Requests per worker in the light and the heavy decode wave."""
+PREFILL_LEN = 512
+"""Prompt tokens of the prefill wave (one prompt per worker, 2 tokens out)."""
 
 
-def fit_serving(waves: list[tuple[float, float, int]]) -> tuple[float, float]:
-    """``(factor, per_seq)`` from waves of ``(measured, engine, batch)`` (one time
-    unit): least squares of ``measured = factor x engine + per_seq x batch`` with
-    ``per_seq >= 0`` (at the bound, the factor alone). The factor may come out below 1:
-    it also carries how much faster or slower the machine runs now than when the step
-    grid was measured (a VM's speed drifts: the same decode step took 26.8 ms and 43.4
-    ms 90 minutes apart on one AMD EPYC VM)."""
+def fit_serving(waves: list[tuple[float, float, float, int]]) -> tuple[float, float, float]:
+    """``(memory factor, compute factor, per_seq)`` from waves of ``(measured, memory,
+    compute, batch)`` (one time unit; ``memory + compute`` is the engine-only model's
+    time, split as :meth:`~common.cost_model.StepModel.parts` splits it): least squares
+    of ``measured = fm x memory + fc x compute + per_seq x batch`` with ``per_seq >= 0``
+    and both factors > 0; where the waves cannot tell the two factors apart (or a bound
+    is hit), one factor for both. A factor may come out below 1: it also carries how
+    much faster or slower the machine runs now than when the step grid was measured (a
+    VM's speed drifts: the same decode step took 26.8 ms and 43.4 ms 90 minutes apart on
+    one AMD EPYC VM)."""
     import numpy as np
 
     m = np.array([w[0] for w in waves])
-    e = np.array([w[1] for w in waves])
-    b = np.array([float(w[2]) for w in waves])
-    if len(waves) >= 2 and len(set(b)) >= 2:
-        (factor, per_seq), *_ = np.linalg.lstsq(np.stack([e, b], axis=1), m, rcond=None)
-        if factor > 0.0 and per_seq >= 0.0:
-            return float(factor), float(per_seq)
-    return float(np.dot(e, m) / np.dot(e, e)), 0.0
+    mem = np.array([w[1] for w in waves])
+    comp = np.array([w[2] for w in waves])
+    b = np.array([float(w[3]) for w in waves])
+    for cols in ((mem, comp, b), (mem, comp)):
+        x = np.stack(cols, axis=1)
+        if len(waves) < len(cols) or np.linalg.matrix_rank(x) < len(cols):
+            continue
+        sol, *_ = np.linalg.lstsq(x, m, rcond=None)
+        fm, fc, per_seq = (*sol, 0.0) if len(cols) == 2 else sol
+        if fm > 0 and fc > 0 and per_seq >= 0:
+            return float(fm), float(fc), float(per_seq)
+    e = mem + comp
+    single = float(np.dot(e, m) / np.dot(e, e))
+    return single, single, 0.0
+
+
+def _wave(cluster: LocalCluster, engine_only: Profile, pool: PoolConfig, n: int,
+          input_len: int, output_len: int, seed: int) -> tuple[list, list]:
+    """One wave of ``n`` alike requests sent at once: the measured and the simulated
+    (engine-only) records, each in request order."""
+    requests = random_workload(n, input_len, output_len, 0.0, seed=seed)
+    trace = asyncio.run(drive(RunOptions(cluster.target, tuple(requests), (0.0,) * n,
+                                         progress=False)))
+    done = [r for r in trace.records if r.ok]
+    if len(done) < n:
+        raise RuntimeError(f"the serving wave failed: {n - len(done)} of {n} requests")
+    sim = simulate_run(engine_only, pool, requests, [0.0] * n)
+    return done, [r for r in sim.records if r.ok]
 
 
 def serving_waves(profile: Profile, model: str, threads: int, per_worker: tuple[int, ...] = WAVES,
                   dtype: str = "auto", log_dir: str | None = None) -> list[dict]:
-    """Each wave of ``per_worker`` requests per worker on one cluster of ``threads``-thread
-    workers: what it measured and what the engine-only model predicts."""
+    """Each decode wave of ``per_worker`` requests per worker, then the prefill wave
+    (:data:`PREFILL_LEN`-token prompts, one per worker), on one cluster of
+    ``threads``-thread workers: what each measured (ITL p50; the prefill wave's TTFT
+    p50), what the engine-only model predicts, and that prediction's memory and compute
+    parts."""
     if log_dir is None:  # the cluster's logs, out of the way (they tell only on failure)
         with tempfile.TemporaryDirectory(prefix="pdserve-serving-") as tmp:
             return serving_waves(profile, model, threads, per_worker, dtype, tmp)
@@ -82,28 +114,31 @@ def serving_waves(profile: Profile, model: str, threads: int, per_worker: tuple[
     config = LocalClusterConfig(model=model, mixed=workers, threads_per_worker=threads,
                                 dtype=dtype, port=free_port(), http_port=0, metrics_port=None,
                                 launcher="process", log_dir=log_dir)
-    engine_only = replace(profile, serving={}, serving_per_seq={})
+    engine_only = replace(profile, serving={}, serving_compute={}, serving_per_seq={},
+                          serving_jitter={})
+    step = engine_only.step(threads)
     pool = PoolConfig("mixed", mixed_workers=workers, mixed_threads=threads)
     out = []
     with LocalCluster(config) as cluster:
         cluster.wait_ready()
         cluster.warm()
         for k in per_worker:
-            n = workers * k
-            requests = random_workload(n, INPUT_LEN, OUTPUT_LEN, 0.0, seed=4242 + k)
-            trace = asyncio.run(drive(RunOptions(cluster.target, tuple(requests), (0.0,) * n,
-                                                 progress=False)))
-            measured = [g for r in trace.records if r.ok for g in r.itls]
-            if len(measured) < n:
-                raise RuntimeError(f"the serving wave failed: "
-                                   f"{sum(not r.ok for r in trace.records)} of {n} requests")
-            sim = simulate_run(engine_only, pool, requests, [0.0] * n)
-            predicted = [g for r in sim.records if r.ok for g in r.itls]
-            out.append({"workers": workers, "requests": n, "batch": k,
-                        "measured_itl_p50_ms": percentile(measured, 50) * 1e3,
-                        "engine_only_itl_p50_ms": percentile(predicted, 50) * 1e3,
-                        "ratios": step_ratios([r.itls for r in trace.records if r.ok],
-                                              [r.itls for r in sim.records if r.ok])})
+            done, sim = _wave(cluster, engine_only, pool, workers * k, INPUT_LEN, OUTPUT_LEN,
+                              4242 + k)
+            predicted = percentile([g for r in sim for g in r.itls], 50)
+            memory, compute = step.parts([(1, INPUT_LEN + OUTPUT_LEN // 2)] * k)
+            out.append({"kind": "decode", "workers": workers, "requests": workers * k,
+                        "batch": k,
+                        "measured_ms": percentile([g for r in done for g in r.itls], 50) * 1e3,
+                        "engine_only_ms": predicted * 1e3,
+                        "memory_share": memory / (memory + compute),
+                        "ratios": step_ratios([r.itls for r in done], [r.itls for r in sim])})
+        done, sim = _wave(cluster, engine_only, pool, workers, PREFILL_LEN, 2, 4343)
+        memory, compute = step.parts([(PREFILL_LEN, 0)])
+        out.append({"kind": "prefill", "workers": workers, "requests": workers, "batch": 1,
+                    "measured_ms": percentile([r.ttft for r in done], 50) * 1e3,
+                    "engine_only_ms": percentile([r.ttft for r in sim], 50) * 1e3,
+                    "memory_share": memory / (memory + compute), "ratios": []})
     return out
 
 
@@ -140,32 +175,35 @@ def jitter_quantiles(ratios: list[float]) -> tuple[tuple[float, float], ...]:
 
 def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - print-like
               threads: tuple[int, ...] | None = None) -> tuple[Profile, dict]:
-    """``profile`` with its ``serving`` factors and ``serving_per_seq`` costs measured
-    for each of ``threads`` (default: all of its thread counts; the others keep theirs),
-    its workers in the profile's dtype."""
-    factors, per_seq = dict(profile.serving), dict(profile.serving_per_seq)
-    jitter = dict(profile.serving_jitter)
+    """``profile`` with its serving calibration (``serving``, ``serving_compute``,
+    ``serving_per_seq``, ``serving_jitter``) measured for each of ``threads`` (default:
+    all of its thread counts; the others keep theirs), its workers in the profile's
+    dtype."""
+    memory, compute = dict(profile.serving), dict(profile.serving_compute)
+    per_seq, jitter = dict(profile.serving_per_seq), dict(profile.serving_jitter)
     facts: dict = {}
     for t in sorted(profile.steps if threads is None else threads):
         progress(f"serving calibration: {t} thread(s) per worker ...")
         waves = serving_waves(profile, model, t, dtype=profile.dtype)
-        factors[t], per_seq[t] = fit_serving([(w["measured_itl_p50_ms"],
-                                               w["engine_only_itl_p50_ms"], w["batch"])
-                                              for w in waves])
-        per_seq[t] /= 1e3  # the waves are in ms
+        fm, fc, ps = fit_serving([(w["measured_ms"], w["engine_only_ms"] * w["memory_share"],
+                                   w["engine_only_ms"] * (1 - w["memory_share"]), w["batch"])
+                                  for w in waves])
+        memory[t], compute[t], per_seq[t] = fm, fc, ps / 1e3  # the waves are in ms
         jitter[t] = jitter_quantiles([r for w in waves for r in w.pop("ratios")])
-        facts[t] = {"waves": waves, "factor": factors[t], "per_seq_ms": per_seq[t] * 1e3,
+        facts[t] = {"waves": waves, "factor": fm, "compute_factor": fc, "per_seq_ms": ps,
                     "jitter": jitter[t]}
         for w in waves:
-            fitted = factors[t] * w["engine_only_itl_p50_ms"] + per_seq[t] * 1e3 * w["batch"]
-            progress(f"  {w['workers']} mixed worker(s), {w['batch']} sequences each: ITL p50 "
-                     f"{w['measured_itl_p50_ms']:.1f} ms served vs "
-                     f"{w['engine_only_itl_p50_ms']:.1f} ms engine alone (fit: {fitted:.1f})")
+            e, share = w["engine_only_ms"], w["memory_share"]
+            fitted = fm * e * share + fc * e * (1 - share) + ps * w["batch"]
+            what = ("ITL p50" if w["kind"] == "decode" else "TTFT p50")
+            progress(f"  {w['workers']} mixed worker(s), {w['kind']} wave of {w['batch']} "
+                     f"each: {what} {w['measured_ms']:.1f} ms served vs {e:.1f} ms engine "
+                     f"alone (fit: {fitted:.1f})")
         spread = dict(jitter[t])
-        progress(f"  x{factors[t]:.2f} per step + {per_seq[t] * 1e3:.2f} ms per sequence; "
-                 f"steps spread p10 {spread.get(0.1, 1):.2f} / p90 {spread.get(0.9, 1):.2f} "
-                 "of the median")
+        progress(f"  memory-bound terms x{fm:.2f}, compute x{fc:.2f}, + {ps:.2f} ms per "
+                 f"sequence; steps spread p10 {spread.get(0.1, 1):.2f} / p90 "
+                 f"{spread.get(0.9, 1):.2f} of the median")
     points = {**profile.points, "serving": {**profile.points.get("serving", {}),
                                             **{str(t): v for t, v in facts.items()}}}
-    return replace(profile, serving=factors, serving_per_seq=per_seq, serving_jitter=jitter,
-                   points=points), facts
+    return replace(profile, serving=memory, serving_compute=compute, serving_per_seq=per_seq,
+                   serving_jitter=jitter, points=points), facts

@@ -34,13 +34,17 @@ engine alone, in two ways: the neighbouring workers share the cores, memory band
 and caches (a factor on the whole step), and every token a step samples is a message
 that the worker's gRPC thread, the router and the client handle on the same cores while
 the next step runs (a cost per sequence in the step; with several intra-op threads a
-stolen slice of one thread stalls the whole team at the op's barrier). ``pdserve
-profile`` measures both once per thread count (:mod:`benchmarks.profile_serving`: the
-whole machine serving a light and a heavy decode wave, their ITL against what the step
-model predicts for the very same batches) and stores the factor in ``serving`` and the
-per-sequence seconds in ``serving_per_seq``; :meth:`Profile.step` hands out the step
-model with both (the factor scales every coefficient, the per-sequence cost adds to the
-``S`` one), :attr:`Profile.steps` keeps the engine's own fit.
+stolen slice of one thread stalls the whole team at the op's barrier). The factor is
+two: one for the memory-bound terms (the intercept, reading the weights, and decode
+attention, reading the KV) and one for the rest (compute), since a shared host can
+throttle one and not the other (measured on an AMD EPYC VM in a slow spell: decode
+steps 1.9x the profile, a prefill's first token far less). ``pdserve profile`` measures
+them once per thread count (:mod:`benchmarks.profile_serving`: the whole machine
+serving a light and a heavy decode wave and a prefill wave, against what the step model
+predicts for the very same batches) and stores them in ``serving`` (memory),
+``serving_compute`` and ``serving_per_seq``; :meth:`Profile.step` hands out the step
+model with them (:meth:`StepModel.scaled_parts`, the per-sequence cost added to the
+``S`` coefficient), :attr:`Profile.steps` keeps the engine's own fit.
 
 **Transfer time** of ``b`` bytes between a prefill and a decode worker: ``latency_s +
 b / bytes_per_s``, fitted the same way on measured transfers.
@@ -63,6 +67,13 @@ KNOTS: tuple[int, ...] = (16, 64, 256, 1024)
 
 Chunk = tuple[int, int]
 """``(num_new_tokens, start)``: one sequence's part of a step."""
+
+
+MEMORY_TERMS = frozenset({0, 2 + len(KNOTS)})
+"""Indices in :func:`features` of the terms bound by memory bandwidth: the intercept
+(reading the weights once a step) and decode attention pairs (reading the KV)."""
+COMPUTE_TERMS = frozenset(range(len(KNOTS) + 6)) - MEMORY_TERMS
+"""The rest: tokens (the GEMMs' slope), prefill attention pairs, sequences."""
 
 
 def features(chunks: Iterable[Chunk]) -> list[float]:
@@ -115,6 +126,22 @@ class StepModel:
         """Every step ``factor`` times as long (the serving slowdown)."""
         return StepModel(tuple(c * factor for c in self.coef), self.floor_s * factor,
                          self.error)
+
+    def scaled_parts(self, memory: float, compute: float) -> StepModel:
+        """The memory-bound terms (:data:`MEMORY_TERMS`: the intercept, a step's weight
+        read, and decode attention, its KV read) ``memory`` times as long, the rest
+        (:data:`COMPUTE_TERMS`: the GEMMs' slope in tokens, prefill attention, per
+        sequence work) ``compute`` times; the floor (a small decode) as memory."""
+        scale = [memory if i in MEMORY_TERMS else compute for i in range(len(self.coef))]
+        return StepModel(tuple(c * k for c, k in zip(self.coef, scale, strict=True)),
+                         self.floor_s * memory, self.error)
+
+    def parts(self, chunks: Iterable[Chunk]) -> tuple[float, float]:
+        """``(memory_s, compute_s)`` of a step: the two groups of terms of
+        :meth:`scaled_parts` (they add up to :meth:`seconds`, floor aside)."""
+        row = features(chunks)
+        memory = sum(self.coef[i] * row[i] for i in MEMORY_TERMS)
+        return memory, sum(c * x for c, x in zip(self.coef, row, strict=True)) - memory
 
     def plus_per_sequence(self, seconds: float) -> StepModel:
         """Every step ``seconds`` longer per sequence in it (the serving cost of the
@@ -177,7 +204,11 @@ class Profile:
     [[bytes, seconds]]), kept so a profile can be refitted or inspected."""
     serving: dict[int, float] = field(default_factory=dict)
     """Threads per worker -> how much slower a step runs while serving (1.0: not
-    measured)."""
+    measured); with ``serving_compute``, its memory-bound terms only."""
+    serving_compute: dict[int, float] = field(default_factory=dict)
+    """Threads per worker -> how much slower a step's compute-bound terms run while
+    serving (:meth:`StepModel.scaled_parts`; absent: as ``serving``). A shared host
+    can throttle memory bandwidth and leave compute alone, or the reverse."""
     serving_per_seq: dict[int, float] = field(default_factory=dict)
     """Threads per worker -> seconds a serving step takes longer per sequence in it
     (0: not measured; profiles before it carry the factor alone)."""
@@ -193,8 +224,9 @@ class Profile:
                            f"{sorted(self.steps)} (pdserve profile --threads ...)")
         model = self.steps[threads]
         factor, per_seq = self.serving.get(threads, 1.0), self.serving_per_seq.get(threads, 0.0)
-        if factor != 1.0:
-            model = model.scaled(factor)
+        compute = self.serving_compute.get(threads, factor)
+        if (factor, compute) != (1.0, 1.0):
+            model = model.scaled_parts(factor, compute)
         return model.plus_per_sequence(per_seq) if per_seq else model
 
 
@@ -273,12 +305,16 @@ def profile_to_json(p: Profile) -> dict:
                      "error": _error_json(p.transfer.error)},
         "points": p.points, "serving": {str(t): f for t, f in p.serving.items()},
         "serving_per_seq": {str(t): s for t, s in p.serving_per_seq.items()},
+        "serving_compute": {str(t): f for t, f in p.serving_compute.items()},
         "serving_jitter": {str(t): [list(q) for q in qs] for t, qs in p.serving_jitter.items()},
     }
 
 
-def _serving_of(d: dict) -> tuple[dict[int, float], dict[int, float], dict]:
+def _serving_of(d: dict) -> tuple[dict[int, float], dict[int, float], dict[int, float],
+                                   dict]:
+    """The serving fields, in :class:`Profile`'s order."""
     return ({int(t): float(f) for t, f in d.get("serving", {}).items()},
+            {int(t): float(f) for t, f in d.get("serving_compute", {}).items()},
             {int(t): float(s) for t, s in d.get("serving_per_seq", {}).items()},
             {int(t): tuple((float(p), float(r)) for p, r in qs)
              for t, qs in d.get("serving_jitter", {}).items()})

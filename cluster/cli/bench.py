@@ -385,8 +385,10 @@ def _serving(args: argparse.Namespace, path: str) -> int:
         print(f"pdserve profile: the serving calibration failed: {e}", file=sys.stderr)
         return 1
     save_profile(profile, args.out)
-    served = ", ".join(f"{t} thread(s): x{f:.2f} + {profile.serving_per_seq.get(t, 0) * 1e3:.2f} "
-                       "ms/sequence" for t, f in sorted(profile.serving.items()))
+    served = ", ".join(f"{t} thread(s): memory x{f:.2f}, compute "
+                       f"x{profile.serving_compute.get(t, f):.2f}, + "
+                       f"{profile.serving_per_seq.get(t, 0) * 1e3:.2f} ms/sequence"
+                       for t, f in sorted(profile.serving.items()))
     print(f"\nprofile (serving: {served}) written to {args.out}")
     return 0
 

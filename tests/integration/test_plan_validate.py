@@ -55,12 +55,15 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
         cores=2, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms,
         configs=(COLOCATED.label, SPLIT_LABEL), thresholds=(256,),
         bounds=Bounds(regret=math.inf, latency_error=math.inf, goodput_error=math.inf),
-        out=str(tmp_path / "validate")), profile)
+        out=str(tmp_path / "validate"), attempts=1), profile)  # a rerun is no test
     assert {r["config"] for r in summary["rows"]} == {COLOCATED.label, SPLIT_LABEL}
     assert all(r["failed"] == 0 for r in summary["rows"])
     for r in summary["rows"]:  # each candidate predicted with the calibration of its minute
-        assert r["serving"]["factor"] > 0 and r["serving"]["per_seq_ms"] >= 0, r
-        assert [w["batch"] for w in r["serving"]["waves"]] == [2, 8], r
+        cal = r["serving"]
+        assert cal["factor"] > 0 and cal["compute_factor"] > 0 and cal["per_seq_ms"] >= 0, r
+        assert [(w["kind"], w["batch"]) for w in cal["waves"]] == [
+            ("decode", 2), ("decode", 8), ("prefill", 1)], r
+        assert r["attempts"] >= 1 and r["drift"] is not None, r
         assert 0 < r["load"] < 2, r  # offered over simulated capacity (~1/3 nominal)
     assert summary["regret"] is None or 0.0 <= summary["regret"] <= 1.0, summary  # None: 0 goodput
     assert summary["recommended"] in {COLOCATED.label, SPLIT_LABEL}, summary

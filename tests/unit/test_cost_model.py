@@ -138,3 +138,24 @@ def test_the_spread_of_served_steps_is_drawn_from_its_quantiles_and_survives_the
                 serving_jitter={1: spread})
     save_profile(p, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json").serving_jitter == {1: spread}
+
+
+def test_memory_and_compute_terms_scale_apart(tmp_path):
+    from common.cost_model import COMPUTE_TERMS, MEMORY_TERMS
+
+    assert MEMORY_TERMS | COMPUTE_TERMS == set(range(len(features([]))))
+    steps = {1: fit_steps(_points(60))}
+    p = Profile("m", "float32", {}, 16, 1024, 1000, 2048, 256, 2048, steps,
+                fit_transfer([(1 << 20, 0.001), (1 << 24, 0.008), (1 << 22, 0.003)]),
+                serving={1: 1.8}, serving_compute={1: 1.1})
+    for chunks in ([(1, 900)] * 24, [(512, 0)], [(1, 300)] * 8 + [(256, 128)]):
+        memory, compute = p.steps[1].parts(chunks)
+        assert memory + compute == pytest.approx(p.steps[1].seconds(chunks))
+        assert p.step(1).seconds(chunks) == pytest.approx(1.8 * memory + 1.1 * compute)
+    save_profile(p, tmp_path / "p.json")
+    q = load_profile(tmp_path / "p.json")
+    assert q.serving_compute == {1: 1.1}
+    # A profile of one factor scales both alike.
+    one = Profile("m", "float32", {}, 16, 1024, 1000, 2048, 256, 2048, steps,
+                  p.transfer, serving={1: 1.25})
+    assert one.step(1).seconds([(512, 0)]) == pytest.approx(1.25 * p.steps[1].seconds([(512, 0)]))
