@@ -8,9 +8,7 @@ The planner's simulator and the router's local-or-remote prefill rule ask a
    OpenMP team) builds the engine and times real steps: lone prefills of ``new`` tokens
    after ``cached`` ones, decode batches at several contexts, and decode batches with
    one prefill chunk (:mod:`benchmarks.profile_steps`). It hands back every timed step
-   as JSON in a file, each with a speed reference timed just before it. A shape's point
-   is its fastest step once every step is scaled to one machine speed
-   (:func:`fastest_points`: a VM's speed drifts while the grid runs);
+   as JSON in a file. A shape's point is its fastest step (:func:`fastest_points`);
    the points are fitted with :func:`~common.cost_model.fit_steps`, which holds out a
    seeded 20% of the shapes and reports the fit's error on them.
 2. **KV transfer.** This process sends KV from a paged cache through the real channel
