@@ -151,43 +151,20 @@ def measure_steps(opts: ProfileOptions, threads: int) -> dict:
 
 
 def fastest_points(steps: list[dict]) -> tuple[list[str], list[StepPoint]]:
-    """One point per shape: its fastest step, once every step is brought to one machine
-    speed. A neighbour's load only ever adds time, and on a shared box it lands in
-    bursts that can cover most repetitions of a shape (the median of 3 then measures the
-    neighbour); on a quiet machine the fastest is within noise of the median (timeit's
-    reasoning). A VM's own speed drifts too, over minutes: each step is scaled by the
-    :class:`~benchmarks.profile_steps.SpeedReference` timed just before it, against the
-    reference's 10th percentile over the run (:func:`speed_scale`)."""
-    scale = speed_scale([s.get("reference_s", 0.0) for s in steps])
-    by_shape: dict[str, list[tuple[float, dict]]] = {}
-    for s, k in zip(steps, scale, strict=True):
-        by_shape.setdefault(s["shape"], []).append((s["seconds"] * k, s))
+    """One point per shape: its fastest step. A neighbour's load only ever adds time,
+    and on a shared box it lands in bursts that can cover most repetitions of a shape
+    (the median of 3 then measures the neighbour); on a quiet machine the fastest is
+    within noise of the median (timeit's reasoning)."""
+    by_shape: dict[str, list[dict]] = {}
+    for s in steps:
+        by_shape.setdefault(s["shape"], []).append(s)
     shapes, points = [], []
     for shape, group in by_shape.items():
-        seconds, best = min(group, key=lambda g: g[0])
+        best = min(group, key=lambda s: s["seconds"])
         shapes.append(shape)
-        points.append(StepPoint(tuple((n, start) for n, start in best["chunks"]), seconds))
+        points.append(StepPoint(tuple((n, start) for n, start in best["chunks"]),
+                                best["seconds"]))
     return shapes, points
-
-
-def speed_scale(references: list[float]) -> list[float]:
-    """Per step, what brings it to the machine speed of the run's fast tenth: the
-    reference's 10th percentile over its time beside that step (1 for every step when
-    any step has no reference)."""
-    if not references or min(references) <= 0:
-        return [1.0] * len(references)
-    base = sorted(references)[len(references) // 10]
-    return [base / r for r in references]
-
-
-def reference_spread(steps: list[dict]) -> dict | None:
-    """How much the machine's speed moved during a grid (None without references)."""
-    refs = sorted(s.get("reference_s", 0.0) for s in steps)
-    if not refs or refs[0] <= 0:
-        return None
-    pick = lambda q: refs[min(len(refs) - 1, int(q * len(refs)))] * 1e3  # noqa: E731
-    return {"p10_ms": pick(0.1), "p50_ms": pick(0.5), "p90_ms": pick(0.9),
-            "max_ms": refs[-1] * 1e3}
 
 
 # -- transfer --------------------------------------------------------------------------
@@ -277,18 +254,11 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
     machine = machine_facts()
     results: list[ThreadResult] = []
     child: dict = {}
-    spread: dict[str, dict | None] = {}
     for t in opts.threads:
         say(f"steps with {t} thread(s): measuring in a fresh process...")
         start = time.perf_counter()
         child = measure_steps(opts, t)
         shapes, points = fastest_points(child["steps"])
-        spread[str(t)] = reference_spread(child["steps"])
-        if spread[str(t)]:
-            r = spread[str(t)]
-            say(f"  machine speed during it: the reference took {r['p10_ms']:.1f} / "
-                f"{r['p50_ms']:.1f} / {r['p90_ms']:.1f} ms (p10 / p50 / p90); steps scaled "
-                "to the p10")
         results.append(ThreadResult(t, fit_steps(points, seed=opts.seed), shapes, points,
                                     time.perf_counter() - start))
     dtype, block_bytes = child["dtype"], child["block_bytes"]
@@ -309,7 +279,7 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
         points={"steps": {str(r.threads): [[[list(c) for c in p.chunks], p.seconds]
                                            for p in r.points] for r in results},
                 "shapes": {str(r.threads): r.shapes for r in results},
-                "transfer": [[b, s] for b, s in transfers], "reference": spread})
+                "transfer": [[b, s] for b, s in transfers]})
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, opts.out)
     return profile, results

@@ -39,8 +39,6 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from benchmarks.step_profile import start_decoding
 from loadtest.vocab import from_tokenizer
 from workers.engine.llm_engine import LLMEngine
@@ -130,43 +128,15 @@ class TimedStep:
     """The grid shape it measures (steps of one shape are repetitions)."""
     chunks: tuple[tuple[int, int], ...]  # (new tokens, start) per sequence
     seconds: float
-    reference_s: float = 0.0
-    """The speed reference's time just before this step (0: none was taken)."""
-
-
-class SpeedReference:
-    """A fixed piece of work timed right before every measured step: one memory-bound
-    matrix-vector product over 36 MiB of fp32 and one compute-bound 128 x 576 x 1536
-    product, ~5-10 ms on one core. A VM's speed drifts (on one AMD EPYC VM the same
-    decode step took 26.8 and 43.4 ms 90 minutes apart), and a step grid takes minutes:
-    scaling each step by how slow the reference ran beside it
-    (:func:`benchmarks.profile.fastest_points`) brings every point to one machine
-    speed."""
-
-    def __init__(self, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self._w = torch.randn(2304, 4096, generator=g)
-        self._x = torch.randn(1, 2304, generator=g)
-        self._a = torch.randn(128, 576, generator=g)
-        self._b = torch.randn(576, 1536, generator=g)
-
-    def seconds(self) -> float:
-        start = time.perf_counter()
-        torch.mm(self._x, self._w)
-        torch.mm(self._a, self._b)
-        return time.perf_counter() - start
 
 
 class StepClock:
-    """Times ``engine.step()`` and reports the chunks it ran; with a
-    :class:`SpeedReference`, times it too just before each step (``last_reference``).
-    Installs a wrapper on the engine's scheduler instance (nothing in ``workers/``
-    changes); :meth:`close` removes it. Engine thread only."""
+    """Times ``engine.step()`` and reports the chunks it ran. Installs a wrapper on the
+    engine's scheduler instance (nothing in ``workers/`` changes); :meth:`close` removes
+    it. Engine thread only."""
 
-    def __init__(self, engine: LLMEngine, reference: SpeedReference | None = None) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.reference = reference
-        self.last_reference = 0.0
         self._scheduler = engine.scheduler
         original = self._scheduler.schedule
         self._last = None
@@ -180,8 +150,6 @@ class StepClock:
     def step(self) -> tuple[tuple[tuple[int, int], ...], float, list]:
         """(chunks, wall seconds, outputs) of one engine step."""
         self._last = None
-        if self.reference is not None:
-            self.last_reference = self.reference.seconds()
         start = time.perf_counter()
         outputs = self.engine.step()
         elapsed = time.perf_counter() - start
@@ -214,11 +182,9 @@ class Prompts:
 
 
 def measure(engine: LLMEngine, grid: StepGrid, seed: int = 0,
-            progress: Callable[[str], None] | None = None, reference: bool = True
-            ) -> list[TimedStep]:
-    """Every timed step of ``grid`` (see the module docstring) on an idle engine, each
-    with the :class:`SpeedReference` timed just before it (``reference``); leaves it
-    idle with an empty prefix cache. Raises RuntimeError when a step's chunks are not
+            progress: Callable[[str], None] | None = None) -> list[TimedStep]:
+    """Every timed step of ``grid`` (see the module docstring) on an idle engine; leaves
+    it idle with an empty prefix cache. Raises RuntimeError when a step's chunks are not
     the shape it was set up for."""
     if engine.has_unfinished_requests():
         raise RuntimeError("profile an idle engine: it still has requests")
@@ -228,7 +194,7 @@ def measure(engine: LLMEngine, grid: StepGrid, seed: int = 0,
     prompts = Prompts(engine, seed)
     order = random.Random(seed + 1)
     steps: list[TimedStep] = []
-    clock = StepClock(engine, SpeedReference(seed) if reference else None)
+    clock = StepClock(engine)
     try:
         with _no_gc():
             for n in sorted(set(grid.prefill_new))[:4] + [max(grid.prefill_new)]:
@@ -286,8 +252,7 @@ def _prefills(clock: StepClock, grid: StepGrid, prompts: Prompts, order: random.
         if chunks != ((n, c),):
             raise RuntimeError(f"a prefill of {n} tokens after {c} cached ran as {chunks}: "
                                "the prefix cache did not serve what was set up")
-        steps.append(TimedStep("prefill", f"prefill {n} cached {c}", chunks, seconds,
-                               clock.last_reference))
+        steps.append(TimedStep("prefill", f"prefill {n} cached {c}", chunks, seconds))
         gc.collect()
 
 
@@ -320,8 +285,7 @@ def _mixed(clock: StepClock, grid: StepGrid, prompts: Prompts, order: random.Ran
             if chunks != ((1, ctx + 1),) * b + ((n, 0),):
                 raise RuntimeError(f"a mixed step ({b} decodes at {ctx} + a {n}-token "
                                    f"prefill) ran as {chunks[:2]}...{chunks[-1:]}")
-            steps.append(TimedStep("mixed", f"mixed {b}@{ctx} + {n}", chunks, seconds,
-                                   clock.last_reference))
+            steps.append(TimedStep("mixed", f"mixed {b}@{ctx} + {n}", chunks, seconds))
         finally:
             _end(clock, ids)
 
@@ -335,8 +299,7 @@ def _decodes(clock: StepClock, grid: StepGrid, prompts: Prompts, order: random.R
         try:
             for _ in range(grid.decode_steps):
                 chunks, seconds, _ = clock.step()
-                steps.append(TimedStep("decode", f"decode {b}@{ctx}", chunks, seconds,
-                                       clock.last_reference))
+                steps.append(TimedStep("decode", f"decode {b}@{ctx}", chunks, seconds))
         finally:
             _end(clock, ids)
 

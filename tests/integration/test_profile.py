@@ -42,8 +42,6 @@ def test_profile_measures_fits_and_saves_a_loadable_profile(
 
     step = loaded.step(1)
     assert len(loaded.points["steps"]["1"]) == len(results[0].points) == 20
-    ref = loaded.points["reference"]["1"]  # the speed reference timed beside every step
-    assert 0 < ref["p10_ms"] <= ref["p50_ms"] <= ref["p90_ms"] <= ref["max_ms"]
     assert {s.split()[0] for s in loaded.points["shapes"]["1"]} == {"prefill", "decode",
                                                                   "mixed"}
     for prefill in ([(16, 0)], [(384, 0)], [(256, 128)]):
