@@ -42,8 +42,10 @@ import os
 import tempfile
 from dataclasses import replace
 
+import numpy as np
+
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
-from common.cost_model import Profile
+from common.cost_model import Profile, StepModel
 from loadtest.metrics import percentile
 from loadtest.runner import RunOptions, drive
 from loadtest.workloads import random_workload
@@ -67,8 +69,6 @@ def fit_serving(waves: list[tuple[float, float, float, int]]) -> tuple[float, fl
     much faster or slower the machine runs now than when the step grid was measured (a
     VM's speed drifts: the same decode step took 26.8 ms and 43.4 ms 90 minutes apart on
     one AMD EPYC VM)."""
-    import numpy as np
-
     m = np.array([w[0] for w in waves])
     mem = np.array([w[1] for w in waves])
     comp = np.array([w[2] for w in waves])
@@ -125,21 +125,27 @@ def serving_waves(profile: Profile, model: str, threads: int, per_worker: tuple[
         for k in per_worker:
             done, sim = _wave(cluster, engine_only, pool, workers * k, INPUT_LEN, OUTPUT_LEN,
                               4242 + k)
-            predicted = percentile([g for r in sim for g in r.itls], 50)
-            memory, compute = step.parts([(1, INPUT_LEN + OUTPUT_LEN // 2)] * k)
             out.append({"kind": "decode", "workers": workers, "requests": workers * k,
                         "batch": k,
                         "measured_ms": percentile([g for r in done for g in r.itls], 50) * 1e3,
-                        "engine_only_ms": predicted * 1e3,
-                        "memory_share": memory / (memory + compute),
+                        **_split(step, [(1, INPUT_LEN + OUTPUT_LEN // 2)] * k,
+                                 percentile([g for r in sim for g in r.itls], 50)),
                         "ratios": step_ratios([r.itls for r in done], [r.itls for r in sim])})
         done, sim = _wave(cluster, engine_only, pool, workers, PREFILL_LEN, 2, 4343)
-        memory, compute = step.parts([(PREFILL_LEN, 0)])
         out.append({"kind": "prefill", "workers": workers, "requests": workers, "batch": 1,
                     "measured_ms": percentile([r.ttft for r in done], 50) * 1e3,
-                    "engine_only_ms": percentile([r.ttft for r in sim], 50) * 1e3,
-                    "memory_share": memory / (memory + compute), "ratios": []})
+                    **_split(step, [(PREFILL_LEN, 0)], percentile([r.ttft for r in sim], 50)),
+                    "ratios": []})
     return out
+
+
+def _split(step: StepModel, chunks: list[tuple[int, int]], predicted_s: float) -> dict:
+    """The engine-only prediction of a wave, in ms, and its memory-bound and
+    compute-bound parts in the shares the wave's typical step has them."""
+    memory, compute = step.parts(chunks)
+    share = memory / (memory + compute)
+    return {"engine_only_ms": predicted_s * 1e3, "memory_ms": predicted_s * share * 1e3,
+            "compute_ms": predicted_s * (1 - share) * 1e3}
 
 
 def step_ratios(measured: list[list[float]], predicted: list[list[float]]) -> list[float]:
@@ -147,8 +153,6 @@ def step_ratios(measured: list[list[float]], predicted: list[list[float]]) -> li
     wave's median ratio: the served steps' spread around the model, median 1. A wave's
     requests are alike (one prompt length, one output length, sent at once), so the
     predicted gap of token ``j`` is the median of the simulated requests' ``j``-th."""
-    import numpy as np
-
     width = min((len(g) for g in predicted), default=0)
     if not width:
         return []
@@ -165,8 +169,6 @@ JITTER_PROBS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9,
 
 def jitter_quantiles(ratios: list[float]) -> tuple[tuple[float, float], ...]:
     """``(probability, ratio)`` points of the ratios' distribution (empty: none)."""
-    import numpy as np
-
     if len(ratios) < 20:
         return ()
     qs = np.quantile(np.array(ratios), JITTER_PROBS)
@@ -185,20 +187,18 @@ def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - pr
     for t in sorted(profile.steps if threads is None else threads):
         progress(f"serving calibration: {t} thread(s) per worker ...")
         waves = serving_waves(profile, model, t, dtype=profile.dtype)
-        fm, fc, ps = fit_serving([(w["measured_ms"], w["engine_only_ms"] * w["memory_share"],
-                                   w["engine_only_ms"] * (1 - w["memory_share"]), w["batch"])
-                                  for w in waves])
+        fm, fc, ps = fit_serving([(w["measured_ms"], w["memory_ms"], w["compute_ms"],
+                                   w["batch"]) for w in waves])
         memory[t], compute[t], per_seq[t] = fm, fc, ps / 1e3  # the waves are in ms
         jitter[t] = jitter_quantiles([r for w in waves for r in w.pop("ratios")])
         facts[t] = {"waves": waves, "factor": fm, "compute_factor": fc, "per_seq_ms": ps,
                     "jitter": jitter[t]}
         for w in waves:
-            e, share = w["engine_only_ms"], w["memory_share"]
-            fitted = fm * e * share + fc * e * (1 - share) + ps * w["batch"]
+            fitted = fm * w["memory_ms"] + fc * w["compute_ms"] + ps * w["batch"]
             what = ("ITL p50" if w["kind"] == "decode" else "TTFT p50")
             progress(f"  {w['workers']} mixed worker(s), {w['kind']} wave of {w['batch']} "
-                     f"each: {what} {w['measured_ms']:.1f} ms served vs {e:.1f} ms engine "
-                     f"alone (fit: {fitted:.1f})")
+                     f"each: {what} {w['measured_ms']:.1f} ms served vs "
+                     f"{w['engine_only_ms']:.1f} ms engine alone (fit: {fitted:.1f})")
         spread = dict(jitter[t])
         progress(f"  memory-bound terms x{fm:.2f}, compute x{fc:.2f}, + {ps:.2f} ms per "
                  f"sequence; steps spread p10 {spread.get(0.1, 1):.2f} / p90 "

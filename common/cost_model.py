@@ -72,8 +72,6 @@ Chunk = tuple[int, int]
 MEMORY_TERMS = frozenset({0, 2 + len(KNOTS)})
 """Indices in :func:`features` of the terms bound by memory bandwidth: the intercept
 (reading the weights once a step) and decode attention pairs (reading the KV)."""
-COMPUTE_TERMS = frozenset(range(len(KNOTS) + 6)) - MEMORY_TERMS
-"""The rest: tokens (the GEMMs' slope), prefill attention pairs, sequences."""
 
 
 def features(chunks: Iterable[Chunk]) -> list[float]:
@@ -122,16 +120,12 @@ class StepModel:
     """The fastest step measured: predictions never go below it (an empty-ish batch)."""
     error: FitError | None = None
 
-    def scaled(self, factor: float) -> StepModel:
-        """Every step ``factor`` times as long (the serving slowdown)."""
-        return StepModel(tuple(c * factor for c in self.coef), self.floor_s * factor,
-                         self.error)
-
     def scaled_parts(self, memory: float, compute: float) -> StepModel:
         """The memory-bound terms (:data:`MEMORY_TERMS`: the intercept, a step's weight
-        read, and decode attention, its KV read) ``memory`` times as long, the rest
-        (:data:`COMPUTE_TERMS`: the GEMMs' slope in tokens, prefill attention, per
-        sequence work) ``compute`` times; the floor (a small decode) as memory."""
+        read, and decode attention, its KV read) ``memory`` times as long, the rest (the
+        GEMMs' slope in tokens, prefill attention, per sequence work) ``compute`` times;
+        the floor (a small decode) as memory. ``scaled_parts(f, f)``: every step ``f``
+        times as long."""
         scale = [memory if i in MEMORY_TERMS else compute for i in range(len(self.coef))]
         return StepModel(tuple(c * k for c, k in zip(self.coef, scale, strict=True)),
                          self.floor_s * memory, self.error)

@@ -241,7 +241,9 @@ class SimWorker:
         if k > 1:
             self._start_run(out, chunks, k)
             return
-        dt = self.model.seconds(chunks) * float(self._spread(1)[0])
+        dt = self.model.seconds(chunks)
+        if self._jitter:
+            dt *= float(self._spread(1)[0])
         self.steps += 1
         self.busy_s += dt
         self.loop.at(self.loop.now + dt, lambda: self._step_end(out))
@@ -281,10 +283,8 @@ class SimWorker:
     # -- fast-forward: runs of identical decode steps ------------------------------------
 
     def _spread(self, k: int) -> np.ndarray:
-        """``k`` step factors drawn from the profile's spread of served steps (ones
-        without one)."""
-        if not self._jitter:
-            return np.ones(k)
+        """``k`` step factors drawn from the profile's spread of served steps (callers
+        skip it, and its allocation on every step, when the profile has none)."""
         return draw_jitter(self._jitter, self._rng.random(k))
 
     def _run_length(self, out: SchedulerOutput) -> int:
@@ -329,7 +329,9 @@ class SimWorker:
         raw1 = sum(c * x for c, x in zip(coef, features([(n, s + 1) for n, s in chunks]),
                                          strict=True))
         durations = np.maximum(self.model.floor_s, raw0 + (raw1 - raw0) * np.arange(k))
-        ends = self.loop.now + np.cumsum(durations * self._spread(k))
+        if self._jitter:
+            durations = durations * self._spread(k)
+        ends = self.loop.now + np.cumsum(durations)
         self._generation += 1
         self._run = (out, ends, self._generation, self.loop.now)
         self._schedule_run_end()
