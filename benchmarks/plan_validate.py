@@ -28,6 +28,13 @@ TTFT. So the TTFT and ITL bounds judge only rows under ``Bounds.saturation``, an
 rows whose machine kept its speed (``Bounds.drift``, after the last attempt); the others
 are printed and saved with their errors but marked not judged. Goodput and the regret
 are judged everywhere.
+
+**Placement.** A split's row also counts the prompts computed on the decode worker
+(the static threshold's and the live rule's) as the simulator predicted and as the
+router decided (its ``GetStatus`` decision counts, read before and after the run, so
+the warm-up is left out): a static rule must agree exactly, the live rule within the
+timing of its inputs. That is how a copy of the router's placement that drifted from
+the router's own would show.
 """
 
 from __future__ import annotations
@@ -131,8 +138,23 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
     with LocalCluster(cluster_config(o, c, out / f"{name}-logs", path)) as cluster:
         cluster.wait_ready()
         cluster.warm()
-        return run(RunOptions(cluster.target, tuple(requests), tuple(arrivals), slo=slo,
-                              progress=True), str(out / f"{name}.json"), {"config": c.label})
+        ca = cluster.config.client_tls_ca
+        before = local_prefills(cluster.target, ca)
+        m = run(RunOptions(cluster.target, tuple(requests), tuple(arrivals), slo=slo,
+                           progress=True), str(out / f"{name}.json"), {"config": c.label})
+        m["local_prefills"] = local_prefills(cluster.target, ca) - before
+        return m
+
+
+def local_prefills(target: str, tls_ca: str | None = None) -> int:
+    """Prompts the router has had computed on their decode worker so far: its decision
+    counts whose reason says local (``router.dispatch``: the worker's own static
+    threshold, ``local``; the live rule's, ``local_<reason>``)."""
+    from router.client import Client
+
+    with Client(target, tls_ca) as client:
+        decisions = client.status().routing_decisions
+    return sum(n for key, n in decisions.items() if key.split("/", 1)[1].startswith("local"))
 
 
 def offered_rate(arrivals: list[float]) -> float:
@@ -243,6 +265,10 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
                     "error_at_plan": {k: _error(r.predicted[k], m[h]) for k, h in COMPARED},
                     "load": load, "serving": cal, "drift": drift, "attempts": attempt,
                     "failed": m["failed"]})
+        if r.config.kind != "mixed":
+            row["local_prefills"] = {"predicted": fig["local_prefills"],
+                                     "measured": m["local_prefills"],
+                                     "requests": len(workload.requests)}
         rows.append(row)
     best = max((row["measured"]["goodput"] for row in rows), default=0.0)
     rec = next((row for row in rows if row["recommended"]), None)
@@ -304,6 +330,11 @@ def _print(s: dict) -> None:
               f"{p['ttft_p90_ms']:>9.0f}/{m['ttft_p90_ms']:<6.0f}{e['ttft_p90_ms']:>+7.0%} "
               f"{p['itl_p90_ms']:>7.0f}/{m['itl_p90_ms']:<5.0f}{e['itl_p90_ms']:>+6.0%} "
               f"{p['goodput']:>7.3f}/{m['goodput']:<6.3f}{e['goodput']:>+6.0%}{note}")
+    for row in s["rows"]:
+        if "local_prefills" in row:
+            lp = row["local_prefills"]
+            print(f"{row['config']}: prompts computed on the decode worker, predicted "
+                  f"{lp['predicted']} / measured {lp['measured']} of {lp['requests']}")
     regret = "n/a" if s["regret"] is None else f"{s['regret']:.1%}"
     print(f"\nrecommended (*): {s['recommended']}; decision regret {regret}; search "
           f"{s['search_s']:.2f} s")

@@ -65,6 +65,12 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
             ("decode", 2), ("decode", 8), ("prefill", 1)], r
         assert r["attempts"] >= 1 and r["drift"] is not None, r
         assert 0 < r["load"] < 2, r  # offered over simulated capacity (~1/3 nominal)
+    split = next(r for r in summary["rows"] if r["config"] == SPLIT_LABEL)
+    # The static rule goes by prompt length alone: the simulator's copy of the placement
+    # and the router's must agree prompt for prompt (the short ones stay local).
+    local = split["local_prefills"]
+    assert local["measured"] == local["predicted"] == sum(
+        len(r.prompt) < 256 for r in requests), local
     assert summary["regret"] is None or 0.0 <= summary["regret"] <= 1.0, summary  # None: 0 goodput
     assert summary["recommended"] in {COLOCATED.label, SPLIT_LABEL}, summary
     assert not summary["verdict"], summary["verdict"]
