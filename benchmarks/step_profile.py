@@ -263,14 +263,20 @@ def _count_python_calls(fn: Callable[[], object]) -> int:
     return calls
 
 
+def _gemv_layout(model: DecoderModel) -> str:
+    """How the GEMV holds the weights: row-major, or its kernel's tiles."""
+    gemv = getattr(model.lm_head, "gemv", None)
+    return "tiles of 4 rows" if isinstance(gemv, kernels.PackedF32) else "plain weights"
+
+
 def backend_report(model: DecoderModel) -> dict[str, Any]:
     """Which kernels this engine's model runs, what this torch was built with, and the
     CPU's name and matrix-math flags. Call it before :func:`probes` wraps the model."""
     name = getattr(model, "linear_name", "")
     onednn = "oneDNN _linear_pointwise (weights reordered once)"
     linear = {"torch": "torch F.linear (plain weights)", "onednn": onednn,
-              "gemv+onednn": f"native GEMV up to {GEMV_ROWS} rows (plain weights), above: "
-                             f"{onednn}",
+              "gemv+onednn": f"native GEMV up to {GEMV_ROWS} rows ({_gemv_layout(model)}), "
+                             f"above: {onednn}",
               }.get(name, name or repr(model.linear))
     settings = {}
     build = [line.strip() for line in torch.__config__.show().splitlines()]

@@ -158,6 +158,59 @@ def test_f32_gemv_matches_float64(native, isa, n, k, rows) -> None:
         assert bool(((y.double() - ref).abs() <= bound).all())
 
 
+PACKED_SHAPES = [(37, 56), (5, 16), (64, 576), (130, 8), (4, 24)]  # K a multiple of 8
+
+
+@pytest.mark.parametrize("isa", paths())
+@pytest.mark.parametrize("n,k", PACKED_SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+def test_f32_gemv_on_packed_tiles_is_the_row_major_sum(native, isa, n, k, rows) -> None:
+    w = weight(n, k, seed=n * k)
+    packed = native.f32_gemv_pack(w)
+    assert packed.shape == (n, k) and packed.data.shape == ((n + 3) // 4, k // 8, 4, 8)
+    assert packed.nbytes() == packed.data.numel() * 4
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    for b in (None, bias):
+        y = native.f32_gemv(x, packed, b, isa=isa)
+        assert y.shape == (rows, n)
+        ref = x.double() @ w.double().T + (0 if b is None else b.double())
+        bound = 1e-5 * (x.double().abs() @ w.double().abs().T
+                        + (0 if b is None else b.double().abs())) + 1e-30
+        assert bool(((y.double() - ref).abs() <= bound).all())
+        # The same sums in the same order as the row-major tile of 8-float chunks (the
+        # AVX2 path; an AVX-512 build's packed weights run that tile too).
+        same = "scalar" if isa == "scalar" else ("avx2" if "avx2" in paths() else None)
+        if same is not None:
+            assert torch.equal(y, native.f32_gemv(x, w, b, isa=same))
+
+
+def test_f32_gemv_layout_packs_where_the_avx2_tile_runs(native) -> None:
+    w = weight(12, 64, 1)
+    got = native.f32_gemv_layout(w.T.contiguous().T)
+    if native.int8_isa() == "avx2":
+        assert isinstance(got, native.PackedF32) and got.shape == w.shape
+    else:
+        assert isinstance(got, torch.Tensor) and got.is_contiguous()
+    odd = native.f32_gemv_layout(weight(12, 60, 1))  # K not a multiple of 8: as is
+    assert isinstance(odd, torch.Tensor)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(native.f32_gemv(x, got), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_f32_gemv_pack_rejects_what_it_cannot_take(native) -> None:
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        native.f32_gemv_pack(torch.randn(8, 12))
+    with pytest.raises(RuntimeError, match="float32"):
+        native.f32_gemv_pack(torch.randn(8, 16).bfloat16())
+    packed = native.f32_gemv_pack(torch.randn(8, 16))
+    with pytest.raises(RuntimeError, match="last dim"):
+        native.f32_gemv(torch.randn(1, 8), packed)
+    with pytest.raises(RuntimeError, match="f32_gemv_pack"):  # n that the tiles cannot hold
+        native.f32_gemv(torch.randn(1, 16), native.PackedF32(packed.data, 9))
+
+
 def test_f32_gemv_rejects_what_it_cannot_take(native) -> None:
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="float32"):
@@ -180,7 +233,7 @@ def test_gemv_linear_takes_the_gemv_up_to_its_rows_and_keeps_both_layouts(native
     ops = gemv_linear(gemv, TORCH_LINEAR, max_rows=4)
     w = weight(37, 53, 3)
     dual = ops.prepare(w.T.contiguous().T)  # a non-contiguous weight is made contiguous
-    assert isinstance(dual, DualWeight) and dual.plain.is_contiguous()
+    assert isinstance(dual, DualWeight) and dual.gemv.is_contiguous()
     assert weight_nbytes(dual) == w.numel() * 4  # one pass reads one layout
     for rows in (1, 4, 5, 64):
         x = torch.randn(rows, 53)

@@ -119,7 +119,8 @@ class ModelRunner:
             linear = onednn_linear(self.dtype)
         if (native and self.dtype == torch.float32 and config.decode_gemv
                 and config.quantization is None):
-            linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR)
+            linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR,
+                                 layout=kernels.f32_gemv_layout)
         layer_linear = None
         if config.quantization == "int8":
             # Every layer's projections and the LM head (the step's biggest GEMV: 113 of

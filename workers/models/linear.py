@@ -16,9 +16,12 @@ two GEMM kernels; greedy output still equals Hugging Face's (tests/integration).
 decode (up to :data:`GEMV_ROWS` rows): a float32 step of one token is a matrix-vector
 product bound by reading the weights, which oneDNN's GEMM streams at ~8-9 GB/s on a
 2-core AMD EPYC (AVX2) where the GEMV reaches ~12-13 GB/s (SmolLM2's layer GEMMs: 42 ->
-30 ms at 1-4 tokens, level at 8). The cost is memory: each weight is kept twice, plain
-for the GEMV and in the other op's layout (:class:`DualWeight`; SmolLM2 fp32: +425 MB of
-layer weights; a tied LM head's plain copy is the embedding itself).
+30 ms at 1-4 tokens, level at 8). The GEMV's copy is in the layout its kernel reads
+fastest (``layout``: on AVX2, tiles of 4 rows stored as one stream, 1.1-1.2x faster than
+row-major, ``workers.engine.kernels.f32_gemv_layout``). The cost is memory: each weight
+is kept twice, for the GEMV and in the other op's layout (:class:`DualWeight`; SmolLM2
+fp32: +425 MB of layer weights, and +113 MB where the LM head is tiled: row-major, a
+tied head's GEMV copy is the embedding itself).
 
 :func:`int8_linear` is weight-only int8 (``--quantization int8``): each weight row
 (output channel) becomes int8 values and one float32 scale, symmetric absmax
@@ -56,15 +59,16 @@ class Int8Weight:
 
 @dataclass(frozen=True)
 class DualWeight:
-    """A float weight in two layouts: ``plain`` ``[out, in]`` contiguous (the GEMV's) and
-    ``packed``, what the batched op's ``prepare`` made of it."""
+    """A float weight in two layouts: ``gemv``, the GEMV's (``[out, in]`` contiguous, or
+    the kernel's own tiles; it has ``shape``) and ``packed``, what the batched op's
+    ``prepare`` made of it."""
 
-    plain: torch.Tensor
+    gemv: Any
     packed: Any
 
     @property
     def shape(self) -> torch.Size:
-        return self.plain.shape
+        return self.gemv.shape
 
 
 Weight = torch.Tensor | Int8Weight
@@ -97,11 +101,11 @@ def by_weight(quantized: Linear, plain: Linear) -> Linear:
 
 def weight_nbytes(w: Any) -> int:  # noqa: ANN401 - a prepared weight of any LinearOps
     """Bytes a prepared weight occupies (what one pass over it reads)."""
-    if isinstance(w, Int8Weight):
-        return w.nbytes()
     if isinstance(w, DualWeight):  # one pass reads one layout
-        return w.plain.numel() * w.plain.element_size()
-    return w.numel() * w.element_size()
+        return weight_nbytes(w.gemv)
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return w.nbytes()  # Int8Weight, a GEMV kernel's packed weight
 
 
 def cat_weights(ws: list[Weight]) -> Weight:
@@ -167,24 +171,27 @@ GEMV_ROWS = 4
 """Rows of x up to which :func:`gemv_linear` runs its GEMV (measured on a 2-core AMD EPYC,
 AVX2, SmolLM2 fp32: 1.4x faster than the reordered oneDNN GEMM at 1-4 rows, level at 8)."""
 
-Gemv = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-"""``gemv(x, w, bias)``: ``workers.engine.kernels.f32_gemv``'s contract (float32)."""
+Gemv = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
+"""``gemv(x, w, bias)``: ``workers.engine.kernels.f32_gemv``'s contract (float32; ``w``
+plain or in the layout the kernel's own ``layout`` made)."""
 
 
-def gemv_linear(gemv: Gemv, batched: LinearOps, max_rows: int = GEMV_ROWS) -> LinearOps:
-    """``gemv`` on the plain weight for up to ``max_rows`` rows of x (decode), ``batched``
-    on its own layout above (prefill, large decode batches). Each weight is kept in both
-    (:class:`DualWeight`)."""
+def gemv_linear(gemv: Gemv, batched: LinearOps, max_rows: int = GEMV_ROWS,
+                layout: Callable[[torch.Tensor], Any] | None = None) -> LinearOps:
+    """``gemv`` for up to ``max_rows`` rows of x (decode), on the weight as ``layout``
+    gives it (default: plain ``[out, in]``, contiguous; the kernel's own tiles where it
+    reads those faster), ``batched`` on its own layout above (prefill, large decode
+    batches). Each weight is kept in both (:class:`DualWeight`)."""
 
     def prepare(w: Weight) -> DualWeight:
         if isinstance(w, Int8Weight):
             raise ValueError("gemv_linear takes float weights")
         plain = w.contiguous()
-        return DualWeight(plain, batched.prepare(plain))
+        return DualWeight(layout(plain) if layout else plain, batched.prepare(plain))
 
     def apply(x: torch.Tensor, w: DualWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if x.numel() <= max_rows * x.shape[-1]:
-            return gemv(x, w.plain, bias)
+            return gemv(x, w.gemv, bias)
         return batched.apply(x, w.packed, bias)
 
     return LinearOps(f"gemv+{batched.name}", prepare, apply)

@@ -1,0 +1,100 @@
+"""The float32 decode GEMV on its packed tiles against the same kernel on row-major
+weights: single-stream decode (one 128-token prompt -> 64 tokens, greedy) on the default
+model, both layouts in one process, alternated run by run, so a drifting VM moves both.
+
+``python -m benchmarks.gemv_layout [--threads N] [--runs N] [--model PATH]`` prints the
+machine, each layout's ITL per run and median, each against the bandwidth floor (the
+model's weight bytes at a measured copy bandwidth), and the ratio; it exits 1 if the two
+layouts' greedy tokens differ. Where the engine keeps row-major weights (no native
+kernels, or a GEMV path other than AVX2), both columns are the same layout and it says so.
+
+Lifecycle: one :class:`~workers.engine.llm.LLM` (the engine's own weights, packed where
+:func:`workers.engine.kernels.f32_gemv_layout` packs) -> a second set of the same
+:class:`~workers.models.linear.DualWeight` objects with the GEMV's weight unpacked back
+to ``[out, in]`` -> ``runs`` rounds of (packed, row-major) generations, swapping the
+model's layer list and LM head between them -> the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+
+from workers.engine import kernels
+from workers.engine.llm import LLM
+from workers.engine.params import SamplingParams
+from workers.model_store import resolve_model
+from workers.models.decoder import DecoderModel
+from workers.models.linear import DualWeight
+
+from .engine import copy_bandwidth_gbs, random_prompts
+from .machine import machine_line
+
+
+def row_major(d: DualWeight) -> DualWeight:
+    """``d`` with its GEMV weight as plain ``[out, in]`` rows (the tiles' padding cut)."""
+    g = d.gemv
+    if not isinstance(g, kernels.PackedF32):
+        return d
+    plain = g.data.permute(0, 2, 1, 3).reshape(-1, g.shape[1])[:g.n].contiguous()
+    return DualWeight(plain, d.packed)
+
+
+def _layouts(model: DecoderModel) -> dict[str, tuple[list, object]]:
+    packed = (list(model.layers), model.lm_head)
+    plain = ([dataclasses.replace(lw, **{k: row_major(v) for k, v in vars(lw).items()
+                                         if isinstance(v, DualWeight)})
+              for lw in model.layers], row_major(model.lm_head))
+    return {"packed": packed, "row-major": plain}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gemv_layout",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--model", default=None, help="a local model directory (default: the "
+                    "default model, converted on first use)")
+    args = ap.parse_args(argv)
+    llm = LLM(str(resolve_model(args.model, None)), dtype="float32", kv_cache_memory_gb=0.5,
+              num_threads=args.threads)
+    model = llm.engine.runner.model
+    if not isinstance(model.lm_head, DualWeight):
+        print("the engine runs no native GEMV here (no native kernels, or not float32): "
+              "nothing to compare", file=sys.stderr)
+        return 0
+    layouts = _layouts(model)
+    if not isinstance(layouts["packed"][1].gemv, kernels.PackedF32):
+        print(f"note: this CPU's GEMV path keeps row-major weights ({kernels.int8_isa()}); "
+              "both columns are the same layout")
+    [prompt] = random_prompts(1, 128, llm.engine.runner.vocab_size, 7)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    itl: dict[str, list[float]] = {name: [] for name in layouts}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(args.runs):
+        for name, (layers, head) in layouts.items():
+            model.layers[:] = layers
+            model.lm_head = head
+            out = llm.generate([prompt], params)[0]
+            tokens.setdefault(name, list(out.token_ids))
+            itl[name].append((out.finish_time - out.first_token_time)
+                             / (len(out.token_ids) - 1) * 1e3)
+    model.layers[:], model.lm_head = layouts["packed"]
+    bw = copy_bandwidth_gbs()
+    floor = model.weight_bytes() / (bw * 1e9) * 1e3
+    print(f"{machine_line()}; {args.threads} thread(s); single stream 128 -> 64 tokens, "
+          f"greedy, {model.dtype}; bandwidth floor {floor:.1f} ms ({bw:.1f} GB/s copy)")
+    print(f"{'layout':<10}{'ITL median ms':>14}{'x floor':>9}  runs (ms)")
+    for name, v in itl.items():
+        m = statistics.median(v)
+        print(f"{name:<10}{m:>14.2f}{m / floor:>9.2f}  {', '.join(f'{x:.1f}' for x in v)}")
+    ratio = statistics.median(itl["packed"]) / statistics.median(itl["row-major"])
+    same = tokens["packed"] == tokens["row-major"]
+    print(f"packed / row-major ITL: {ratio:.3f}; same greedy tokens: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
