@@ -32,6 +32,7 @@ from workers.models.linear import (
 
 DTYPES = [torch.float32, torch.bfloat16]
 SHAPES = [(37, 53), (5, 17), (64, 576), (130, 31)]  # (N, K): odd sizes, vector tails
+PACKED_SHAPES = [(37, 56), (5, 16), (64, 576), (130, 8), (4, 24)]  # K a multiple of 8
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +118,48 @@ def test_gemv_and_gemm_paths_agree_and_shapes_pass_through(native, dtype) -> Non
                        dequantize_int8(qw, dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", PACKED_SHAPES)
+def test_int8_in_tiles_gives_the_row_major_results(native, dtype, n, k) -> None:
+    qw = quantize_int8(weight(n, k, n + k))
+    tiles = native._fused_op("gemv_pack")(qw.q)
+    assert tiles.shape == ((n + 3) // 4, k // 8, 4, 8) and tiles.dtype == torch.int8
+    assert Int8Weight(tiles, qw.scale, tiled=True).shape == (n, k)
+    assert torch.equal(native.int8_dequantize(tiles, qw.scale, dtype),
+                       native.int8_dequantize(qw.q, qw.scale, dtype))
+    g = torch.Generator().manual_seed(n)
+    for rows in (1, 3, 4, 5, 40):  # the GEMV up to INT8_GEMV_ROWS, the GEMM above
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        bias = torch.randn(n, generator=g).to(dtype)
+        for isa in paths() if rows <= kernels.INT8_GEMV_ROWS else [None]:
+            y = native.int8_linear(x, tiles, qw.scale, bias, isa=isa)
+            row_major = native.int8_linear(
+                x, qw.q, qw.scale, bias,
+                isa=isa if isa in (None, "scalar") else ("avx2" if "avx2" in paths() else isa))
+            if isa == "avx512":  # the tiles run the AVX2 tile: another summation order
+                ref, mag = reference(x, qw, bias)
+                assert bool(((y.double() - ref).abs() <= 1e-5 * mag + 1e-6
+                             + (2.0**-7 * (mag + ref.abs()) if dtype == torch.bfloat16
+                                else 0)).all())
+            else:
+                assert torch.equal(y, row_major), (isa, rows)
+
+
+def test_int8_linear_ops_put_weights_in_the_kernels_layout(native) -> None:
+    ops = int8_linear(native.int8_linear, native.int8_layout)
+    w = weight(24, 40, 5)
+    prepared = ops.prepare(w)
+    assert prepared.tiled == (native.int8_isa() == "avx2") and prepared.shape == (24, 40)
+    assert ops.prepare(prepared) is prepared  # already in it
+    x = torch.randn(2, 40)
+    ref, mag = reference(x, quantize_int8(w), None)
+    assert bool(((ops.apply(x, prepared, None).double() - ref).abs() <= 1e-5 * mag + 1e-6).all())
+    odd = ops.prepare(weight(8, 36, 1))  # K not whole chunks: row-major
+    assert not odd.tiled and odd.shape == (8, 36)
+    with pytest.raises(RuntimeError, match="scale's length"):
+        native.int8_linear(x, prepared.q, prepared.scale[:20])
+
+
 def test_kernel_rejects_bad_inputs(native) -> None:
     qw = quantize_int8(weight(8, 16, 4))
     with pytest.raises(RuntimeError, match="last dim"):
@@ -156,9 +199,6 @@ def test_f32_gemv_matches_float64(native, isa, n, k, rows) -> None:
         bound = 1e-5 * (x.double().abs() @ w.double().abs().T
                         + (0 if b is None else b.double().abs())) + 1e-30
         assert bool(((y.double() - ref).abs() <= bound).all())
-
-
-PACKED_SHAPES = [(37, 56), (5, 16), (64, 576), (130, 8), (4, 24)]  # K a multiple of 8
 
 
 @pytest.mark.parametrize("isa", paths())
@@ -202,12 +242,12 @@ def test_f32_gemv_layout_packs_where_the_avx2_tile_runs(native) -> None:
 def test_f32_gemv_pack_rejects_what_it_cannot_take(native) -> None:
     with pytest.raises(RuntimeError, match="multiple of 8"):
         native.f32_gemv_pack(torch.randn(8, 12))
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or int8"):
         native.f32_gemv_pack(torch.randn(8, 16).bfloat16())
     packed = native.f32_gemv_pack(torch.randn(8, 16))
     with pytest.raises(RuntimeError, match="last dim"):
         native.f32_gemv(torch.randn(1, 8), packed)
-    with pytest.raises(RuntimeError, match="f32_gemv_pack"):  # n that the tiles cannot hold
+    with pytest.raises(RuntimeError, match="gemv_pack"):  # n that the tiles cannot hold
         native.f32_gemv(torch.randn(1, 16), native.PackedF32(packed.data, 9))
 
 

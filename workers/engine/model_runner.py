@@ -126,7 +126,8 @@ class ModelRunner:
             # Every layer's projections and the LM head (the step's biggest GEMV: 113 of
             # SmolLM2's 220 MB per fp32 step with it in fp32; +0.13 points of perplexity).
             # Native: the int8 GEMV/GEMM kernel; else dequantize per call (slow, any device).
-            layer_linear = int8_linear(kernels.int8_linear if native else None)
+            layer_linear = (int8_linear(kernels.int8_linear, kernels.int8_layout) if native
+                            else int8_linear())
         # RoPE tables reach the calibration's positions too, whatever max_model_len is:
         # workers with different limits must calibrate the same key transform.
         self.model = DecoderModel(

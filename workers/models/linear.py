@@ -44,13 +44,18 @@ import torch.nn.functional as F
 @dataclass(frozen=True)
 class Int8Weight:
     """A weight ``[out, in]`` as ``q * scale[:, None]``: q int8 (values in [-127, 127],
-    contiguous), scale float32 ``[out]``."""
+    contiguous), scale float32 ``[out]``. q is ``[out, in]``, or, once an int8 op's
+    ``layout`` prepared it, in that kernel's own tiles (``tiled``; only its kernel reads
+    it then)."""
 
     q: torch.Tensor
     scale: torch.Tensor
+    tiled: bool = False
 
     @property
     def shape(self) -> torch.Size:
+        if self.tiled:  # [ceil(out/4), in/8, 4, 8]
+            return torch.Size((self.scale.shape[0], self.q.shape[1] * self.q.shape[3]))
         return self.q.shape
 
     def nbytes(self) -> int:
@@ -209,15 +214,21 @@ def _int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                     None if bias is None else bias.to(x.dtype))
 
 
-def int8_linear(kernel: Int8Kernel | None = None) -> LinearOps:
+def int8_linear(kernel: Int8Kernel | None = None,
+                layout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LinearOps:
     """Weight-only int8 linear layers: weights quantized at ``prepare`` (or taken as
-    :class:`Int8Weight`), ``apply`` through ``kernel`` (the native CPU kernel); None:
-    dequantize per call and ``F.linear`` (any device; slower than the float model, a
-    fallback only)."""
+    :class:`Int8Weight`), their values put in ``layout`` (the kernel's fastest, e.g. its
+    tiles; default: as they are), ``apply`` through ``kernel`` (the native CPU kernel);
+    None: dequantize per call and ``F.linear`` (any device; slower than the float model,
+    a fallback only)."""
     run = kernel or _int8_reference
 
     def prepare(w: Weight) -> Int8Weight:
-        return w if isinstance(w, Int8Weight) else quantize_int8(w)
+        w = w if isinstance(w, Int8Weight) else quantize_int8(w)
+        if layout is None or w.tiled:
+            return w
+        q = layout(w.q)
+        return w if q is w.q else Int8Weight(q, w.scale, tiled=True)
 
     def apply(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
         return run(x, w.q, w.scale, bias)

@@ -107,7 +107,7 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
                 for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul",
                              "quantize_kv_rows", "int8_linear", "int8_dequantize",
                              "int8_best_isa", "paged_attention_best_isa", "f32_gemv",
-                             "f32_gemv_pack", "f32_gemv_packed")
+                             "gemv_pack", "f32_gemv_packed")
             )
             _op = ns.paged_decode_attention
             log.info(
@@ -267,14 +267,14 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 isa: str | None = None) -> torch.Tensor:
     """``x @ (q * scale[:, None]).T + bias`` with the weight read as int8.
 
-    x: float32 or bfloat16 ``[..., K]``; q: contiguous int8 ``[N, K]``; scale: float32
-    ``[N]``; bias: ``[N]`` (float32 or x's dtype) or None. Returns ``[..., N]`` in x's
-    dtype. Up to ``max_gemv_rows`` rows of x: the GEMV, each output ``(sum_k x * q) *
-    scale + bias`` in float32, rounded once; more rows: the weight dequantized to x's
-    dtype in blocks and torch's GEMM (see ``int8_linear.cpp``). ``isa``: ``avx512``,
-    ``avx2`` or ``scalar`` forces the GEMV's code path (tests); None: the best this build
-    has (:func:`int8_isa`). Raises RuntimeError for a path the build lacks, or if the
-    kernels are unavailable.
+    x: float32 or bfloat16 ``[..., K]``; q: contiguous int8 ``[N, K]`` (or in tiles,
+    :func:`int8_layout`); scale: float32 ``[N]``; bias: ``[N]`` (float32 or x's dtype) or
+    None. Returns ``[..., N]`` in x's dtype. Up to ``max_gemv_rows`` rows of x: the GEMV,
+    each output ``(sum_k x * q) * scale + bias`` in float32, rounded once; more rows: the
+    weight dequantized to x's dtype in blocks and torch's GEMM (see ``int8_linear.cpp``).
+    ``isa``: ``avx512``, ``avx2`` or ``scalar`` forces the GEMV's code path (tests); None:
+    the best this build has (:func:`int8_isa`). Raises RuntimeError for a path the build
+    lacks, or if the kernels are unavailable.
     """
     code = -1 if isa is None else ISAS[isa]
     return _fused_op("int8_linear")(x, q, scale, bias, int(max_gemv_rows), code)
@@ -318,19 +318,30 @@ PACK_CHUNK = 8
 def f32_gemv_pack(w: torch.Tensor) -> PackedF32:
     """``w`` (float32 ``[N, K]``, K a multiple of :data:`PACK_CHUNK`) in the tile layout
     (see ``int8_linear.cpp``): a new tensor of ``w``'s size, rounded up to whole tiles."""
-    return PackedF32(_fused_op("f32_gemv_pack")(w), w.shape[0])
+    return PackedF32(_fused_op("gemv_pack")(w), w.shape[0])
+
+
+def _tiles_pay(k: int) -> bool:
+    """Whether the GEMV reads a weight of ``k`` columns faster in tiles on this CPU: where
+    its best path is AVX2 (measured on a 2-core AMD EPYC, SmolLM2's layer weights: 1.2-1.3x
+    faster per decode step, one sequential stream per tile of 4 rows instead of four) and
+    K is whole chunks. The AVX-512 path was measured at 1.1-1.2x the bandwidth floor on its
+    row-major weights and keeps them."""
+    return int8_isa() == "avx2" and k % PACK_CHUNK == 0
 
 
 def f32_gemv_layout(w: torch.Tensor) -> torch.Tensor | PackedF32:
-    """The layout :func:`f32_gemv` reads ``w`` fastest in on this CPU: the tile layout
-    where the GEMV's best path is AVX2 and K allows it (measured on a 2-core AMD EPYC,
-    SmolLM2's layer weights: 1.2-1.3x faster per decode step, one sequential stream per
-    tile of 4 rows instead of four), else ``w`` itself, contiguous. The AVX-512 path was
-    measured at 1.1-1.2x the bandwidth floor on its row-major weights and keeps them."""
+    """The layout :func:`f32_gemv` reads ``w`` fastest in on this CPU: :class:`PackedF32`
+    where tiles pay (:func:`_tiles_pay`), else ``w`` itself, contiguous."""
     w = w.contiguous()
-    if int8_isa() == "avx2" and w.shape[-1] % PACK_CHUNK == 0:
-        return f32_gemv_pack(w)
-    return w
+    return f32_gemv_pack(w) if _tiles_pay(w.shape[-1]) else w
+
+
+def int8_layout(q: torch.Tensor) -> torch.Tensor:
+    """An int8 weight's values ``[N, K]`` as :func:`int8_linear` reads them fastest on
+    this CPU: in tiles (``[ceil(N/4), K/8, 4, 8]``, :func:`_tiles_pay`), else as given.
+    :func:`int8_linear` and :func:`int8_dequantize` take either (N from the scales)."""
+    return _fused_op("gemv_pack")(q) if _tiles_pay(q.shape[-1]) else q
 
 
 def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

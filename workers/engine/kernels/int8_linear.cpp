@@ -32,16 +32,18 @@
 // f32_gemv(x, w, bias, isa) runs the same GEMV on a float32 weight (no scales): the
 // decode GEMMs of float32 models.
 //
-// f32_gemv_pack(w) -> wp and f32_gemv_packed(x, wp, n, bias, isa): the same GEMV on a
-// weight stored tile by tile, [ceil(N/4)][K/8][4][8] (the 4 rows of a tile interleaved
-// in 8-float chunks, the last tile padded with zero rows; K a multiple of 8), so one
-// tile's pass reads one sequential stream instead of 4 rows' 4 streams. Measured on a
-// 2-core AMD EPYC (AVX2), SmolLM2's 425 MB of layer weights per decode step: 1.2-1.3x
-// faster than the row-major GEMV, 80-90% of a plain 2-thread read's bandwidth. The chunk
-// is 8 floats, AVX2's register; an AVX-512 build runs its AVX2 tile on it.
+// gemv_pack(w) -> wp stores a float32 or int8 weight tile by tile, [ceil(N/4)][K/8][4][8]
+// (the 4 rows of a tile interleaved in 8-element chunks, the last tile padded with zero
+// rows; K a multiple of 8), so one tile's GEMV pass reads one sequential stream instead
+// of 4 rows' 4 streams: f32_gemv_packed(x, wp, n, bias, isa) for float32; int8_linear and
+// int8_dequantize take q in either layout (the GEMM path gathers rows back). Measured on
+// a 2-core AMD EPYC (AVX2), SmolLM2's 425 MB of fp32 layer weights per decode step:
+// 1.2-1.3x faster than the row-major GEMV, 80-90% of a plain 2-thread read's bandwidth.
+// The chunk is 8 elements, AVX2's float register; an AVX-512 build runs its AVX2 tile on
+// it.
 //
 // Registered as torch.ops.pdserve_kernels.{int8_linear, int8_dequantize, f32_gemv,
-// f32_gemv_pack, f32_gemv_packed}.
+// gemv_pack, f32_gemv_packed}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -77,7 +79,7 @@ using bf16 = c10::BFloat16;
 
 constexpr int kTileN = 4;  // weight rows per tile
 constexpr int kTileM = 4;  // x rows per tile
-constexpr int kPackW = 8;  // floats per chunk of a packed float32 weight (f32_gemv_pack)
+constexpr int kPackW = 8;  // elements per chunk of a weight in tiles (gemv_pack)
 // Weight bytes x rows per parallel chunk below which a call stays on one thread.
 constexpr int64_t kGrain = 32768;
 // Bytes of one dequantized weight block on the GEMM path (fits L2 with room for x).
@@ -106,13 +108,14 @@ void tile_scalar(const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
     }
 }
 
-template <int MT, int NT>
-void tile_scalar_packed(const float* x, int64_t K, const float* p, Tile<MT, NT>& t) {
+template <int MT, int NT, typename WT>
+void tile_scalar_packed(const float* x, int64_t K, const WT* p, Tile<MT, NT>& t) {
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) {
       float s = 0.f;
       for (int64_t k = 0; k < K; ++k)
-        s += x[m * K + k] * p[(k / kPackW) * kTileN * kPackW + n * kPackW + k % kPackW];
+        s += x[m * K + k] *
+             static_cast<float>(p[(k / kPackW) * kTileN * kPackW + n * kPackW + k % kPackW]);
       t.acc[m][n] = s;
     }
 }
@@ -157,14 +160,14 @@ void tile_avx2(const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
 
 // A tile of the packed layout (see the header): p is the tile's start; rows past NT are
 // the padding (or the next rows of a full tile's remainder) and are not read.
-template <int MT, int NT>
-void tile_avx2_packed(const float* x, int64_t K, const float* p, Tile<MT, NT>& t) {
+template <int MT, int NT, typename WT>
+void tile_avx2_packed(const float* x, int64_t K, const WT* p, Tile<MT, NT>& t) {
   __m256 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += kPackW, p += kTileN * kPackW) {
     __m256 w[NT];
-    for (int n = 0; n < NT; ++n) w[n] = _mm256_loadu_ps(p + n * kPackW);
+    for (int n = 0; n < NT; ++n) w[n] = widen8(p + n * kPackW);
     for (int m = 0; m < MT; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * K + k);
       for (int n = 0; n < NT; ++n) acc[m][n] = _mm256_fmadd_ps(xv, w[n], acc[m][n]);
@@ -228,12 +231,12 @@ void run_tile(Isa isa, const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) 
 }
 
 // The packed layout's tile: the AVX2 one on either SIMD path (its chunk is 8 floats).
-template <int MT, int NT>
-void run_tile_packed(Isa isa, const float* x, int64_t K, const float* p, Tile<MT, NT>& t) {
+template <int MT, int NT, typename WT>
+void run_tile_packed(Isa isa, const float* x, int64_t K, const WT* p, Tile<MT, NT>& t) {
 #if PDS_I8_AVX2
-  if (isa != kScalar) return tile_avx2_packed<MT, NT>(x, K, p, t);
+  if (isa != kScalar) return tile_avx2_packed<MT, NT, WT>(x, K, p, t);
 #endif
-  tile_scalar_packed<MT, NT>(x, K, p, t);
+  tile_scalar_packed<MT, NT, WT>(x, K, p, t);
 }
 
 template <typename WT>
@@ -244,18 +247,14 @@ struct Gemv {
   const float* scale;  // [N], or null (float weights: no scale)
   const float* bias;  // [N] float32 or null
   int64_t M, K, N;
-  bool packed = false;  // q in f32_gemv_pack's layout (WT float only)
+  bool packed = false;  // q in gemv_pack's tile layout
 
   template <typename T, int MT, int NT>
   void block(int64_t m0, int64_t n0, T* y) const {
     Tile<MT, NT> t;
     // A tile starts at n0 * K in either layout (packed tiles are 4 whole rows).
-    if constexpr (std::is_same_v<WT, float>) {
-      if (packed) {
-        run_tile_packed<MT, NT>(isa, x + m0 * K, K, q + n0 * K, t);
-      } else {
-        run_tile<MT, NT, WT>(isa, x + m0 * K, K, q + n0 * K, t);
-      }
+    if (packed) {
+      run_tile_packed<MT, NT, WT>(isa, x + m0 * K, K, q + n0 * K, t);
     } else {
       run_tile<MT, NT, WT>(isa, x + m0 * K, K, q + n0 * K, t);
     }
@@ -308,15 +307,34 @@ Isa resolve_isa(int64_t isa) {
   return static_cast<Isa>(isa);
 }
 
+// Whether q is in gemv_pack's tile layout (4-D) rather than row-major [N, K].
+bool tiled(const at::Tensor& q) { return q.dim() == 4; }
+
 void check_weight(const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(q.device().is_cpu() && scale.device().is_cpu(), "CPU tensors expected");
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(),
-              "q must be a contiguous int8 [N, K] tensor, got ", q.scalar_type(), " ",
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(),
+              "scale must be a contiguous float32 [N] tensor, got ", scale.scalar_type(), " ",
+              scale.sizes());
+  const int64_t N = scale.size(0);
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() &&
+                  ((q.dim() == 2 && q.size(0) == N) ||
+                   (tiled(q) && q.size(0) == (N + kTileN - 1) / kTileN &&
+                    q.size(2) == kTileN && q.size(3) == kPackW)),
+              "q must be a contiguous int8 [N, K] tensor (or gemv_pack's [ceil(N/4), K/8, 4, "
+              "8] of one) with N = ", N, " (scale's length), got ", q.scalar_type(), " ",
               q.sizes());
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 &&
-                  scale.size(0) == q.size(0) && scale.is_contiguous(),
-              "scale must be a contiguous float32 [N] tensor with N = ", q.size(0),
-              ", got ", scale.scalar_type(), " ", scale.sizes());
+}
+
+// K of a weight in either layout.
+int64_t weight_k(const at::Tensor& q) { return tiled(q) ? q.size(1) * kPackW : q.size(1); }
+
+// Row n of a tiled weight (K elements) into dst.
+template <typename T>
+void gather_row(const T* q, int64_t K, int64_t n, T* dst) {
+  const T* tile = q + (n / kTileN) * kTileN * K;
+  const int64_t r = n % kTileN;
+  for (int64_t c = 0; c < K / kPackW; ++c)
+    std::memcpy(dst + c * kPackW, tile + (c * kTileN + r) * kPackW, kPackW * sizeof(T));
 }
 
 // v rounded to bfloat16, nearest-even, as c10::BFloat16 does for finite v (q * scale
@@ -357,14 +375,21 @@ inline void dequantize_row(const int8_t* qr, float s, int64_t K, T* o) {
   }
 }
 
-// Rows [n0, n1) of q * scale in dtype T, into out (contiguous [n1 - n0, K]).
+// Rows [n0, n1) of q * scale in dtype T, into out (contiguous [n1 - n0, K]); q row-major
+// or, ``packed``, in gemv_pack's tiles.
 template <typename T>
 void dequantize_rows(const int8_t* q, const float* scale, int64_t K, int64_t n0, int64_t n1,
-                     T* out) {
+                     T* out, bool packed) {
   at::parallel_for(n0, n1, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, K)),
                    [&](int64_t begin, int64_t end) {
+    std::vector<int8_t> row(packed ? K : 0);
     for (int64_t n = begin; n < end; ++n) {
-      dequantize_row<T>(q + n * K, scale[n], K, out + (n - n0) * K);
+      const int8_t* qr = q + n * K;
+      if (packed) {
+        gather_row(q, K, n, row.data());
+        qr = row.data();
+      }
+      dequantize_row<T>(qr, scale[n], K, out + (n - n0) * K);
     }
   });
 }
@@ -374,14 +399,14 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale,
   check_weight(q, scale);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "int8_dequantize: dtype must be float32 or bfloat16, got ", dtype);
-  at::Tensor out = at::empty(q.sizes(), q.options().dtype(dtype));
-  const int64_t N = q.size(0), K = q.size(1);
+  at::Tensor out = at::empty({scale.size(0), weight_k(q)}, q.options().dtype(dtype));
+  const int64_t N = scale.size(0), K = weight_k(q);
   if (dtype == at::kFloat) {
     dequantize_rows<float>(q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, 0, N,
-                           out.data_ptr<float>());
+                           out.data_ptr<float>(), tiled(q));
   } else {
     dequantize_rows<bf16>(q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, 0, N,
-                          static_cast<bf16*>(out.data_ptr()));
+                          static_cast<bf16*>(out.data_ptr()), tiled(q));
   }
   return out;
 }
@@ -394,7 +419,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Te
   const auto dt = x_in.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16,
               "int8_linear: x must be float32 or bfloat16, got ", dt);
-  const int64_t N = q.size(0), K = q.size(1);
+  const int64_t N = scale.size(0), K = weight_k(q);
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "int8_linear: x's last dim must be K = ",
               K, ", got ", x_in.sizes());
   const Isa isa = resolve_isa(isa_in);
@@ -423,10 +448,10 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Te
       at::Tensor wb = w.narrow(0, 0, n1 - n0);
       if (dt == at::kFloat) {
         dequantize_rows<float>(q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, n0, n1,
-                               wb.data_ptr<float>());
+                               wb.data_ptr<float>(), tiled(q));
       } else {
         dequantize_rows<bf16>(q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, n0, n1,
-                              static_cast<bf16*>(wb.data_ptr()));
+                              static_cast<bf16*>(wb.data_ptr()), tiled(q));
       }
       at::Tensor part = at::mm(x, wb.t());
       if (bias.defined()) part.add_(bias.narrow(0, n0, n1 - n0).to(dt));
@@ -436,11 +461,12 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Te
   }
 
   at::Tensor xf = dt == at::kFloat ? x : x.to(at::kFloat);
-  const Gemv<int8_t> g{isa,     xf.data_ptr<float>(),
+  Gemv<int8_t> g{isa,     xf.data_ptr<float>(),
                q.data_ptr<int8_t>(), scale.data_ptr<float>(),
                bias.defined() ? bias.data_ptr<float>() : nullptr,
                M,       K,
                N};
+  g.packed = tiled(q);
   if (dt == at::kFloat) {
     g(y.data_ptr<float>());
   } else {
@@ -486,37 +512,46 @@ at::Tensor f32_gemv(const at::Tensor& x_in, const at::Tensor& w,
   return y.view(shape);
 }
 
-// [N, K] float32 (K a multiple of 8) -> [ceil(N/4), K/8, 4, 8], zero rows padding the
-// last tile: f32_gemv_packed's weight.
-at::Tensor f32_gemv_pack(const at::Tensor& w_in) {
-  TORCH_CHECK(w_in.device().is_cpu(), "CPU tensor expected");
-  TORCH_CHECK(w_in.scalar_type() == at::kFloat && w_in.dim() == 2,
-              "f32_gemv_pack: w must be a float32 [N, K] tensor, got ", w_in.scalar_type(),
-              " ", w_in.sizes());
-  const int64_t N = w_in.size(0), K = w_in.size(1);
-  TORCH_CHECK(K % kPackW == 0, "f32_gemv_pack: K must be a multiple of ", kPackW, ", got ", K);
-  const at::Tensor w = w_in.contiguous();
+template <typename T>
+void pack_tiles(const T* src, int64_t N, int64_t K, T* dst) {
   const int64_t tiles = (N + kTileN - 1) / kTileN, chunks = K / kPackW;
-  at::Tensor out = at::empty({tiles, chunks, kTileN, kPackW}, w.options());
-  const float* src = w.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t c = 0; c < chunks; ++c)
         for (int r = 0; r < kTileN; ++r) {
-          float* o = dst + ((t * chunks + c) * kTileN + r) * kPackW;
+          T* o = dst + ((t * chunks + c) * kTileN + r) * kPackW;
           const int64_t n = t * kTileN + r;
           if (n < N) {
-            std::memcpy(o, src + n * K + c * kPackW, kPackW * sizeof(float));
+            std::memcpy(o, src + n * K + c * kPackW, kPackW * sizeof(T));
           } else {
-            std::memset(o, 0, kPackW * sizeof(float));
+            std::memset(o, 0, kPackW * sizeof(T));
           }
         }
   });
+}
+
+// [N, K] float32 or int8 (K a multiple of 8) -> [ceil(N/4), K/8, 4, 8], zero rows padding
+// the last tile: the GEMV's tile layout (f32_gemv_packed; int8_linear takes either).
+at::Tensor gemv_pack(const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.device().is_cpu(), "CPU tensor expected");
+  TORCH_CHECK((w_in.scalar_type() == at::kFloat || w_in.scalar_type() == at::kChar) &&
+                  w_in.dim() == 2,
+              "gemv_pack: w must be a float32 or int8 [N, K] tensor, got ", w_in.scalar_type(),
+              " ", w_in.sizes());
+  const int64_t N = w_in.size(0), K = w_in.size(1);
+  TORCH_CHECK(K % kPackW == 0, "gemv_pack: K must be a multiple of ", kPackW, ", got ", K);
+  const at::Tensor w = w_in.contiguous();
+  at::Tensor out = at::empty({(N + kTileN - 1) / kTileN, K / kPackW, kTileN, kPackW},
+                             w.options());
+  if (w.scalar_type() == at::kFloat) {
+    pack_tiles(w.data_ptr<float>(), N, K, out.data_ptr<float>());
+  } else {
+    pack_tiles(w.data_ptr<int8_t>(), N, K, out.data_ptr<int8_t>());
+  }
   return out;
 }
 
-// f32_gemv on a weight f32_gemv_pack made of an [n, K] weight.
+// f32_gemv on a weight gemv_pack made of an [n, K] weight.
 at::Tensor f32_gemv_packed(const at::Tensor& x_in, const at::Tensor& wp, int64_t n,
                            const std::optional<at::Tensor>& bias_in, int64_t isa_in) {
   TORCH_CHECK(x_in.device().is_cpu() && wp.device().is_cpu(), "CPU tensors expected");
@@ -525,7 +560,7 @@ at::Tensor f32_gemv_packed(const at::Tensor& x_in, const at::Tensor& wp, int64_t
               wp.scalar_type());
   TORCH_CHECK(wp.dim() == 4 && wp.size(2) == kTileN && wp.size(3) == kPackW &&
                   wp.is_contiguous() && n > (wp.size(0) - 1) * kTileN && n <= wp.size(0) * kTileN,
-              "f32_gemv_packed: wp must be f32_gemv_pack's [ceil(n/4), K/8, 4, 8] of an [n, "
+              "f32_gemv_packed: wp must be gemv_pack's [ceil(n/4), K/8, 4, 8] of an [n, "
               "K] weight, got ", wp.sizes(), " for n = ", n);
   const int64_t N = n, K = wp.size(1) * kPackW;
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "f32_gemv_packed: x's last dim must be "
@@ -560,7 +595,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
   m.def("int8_dequantize(Tensor q, Tensor scale, ScalarType dtype) -> Tensor");
   m.def("int8_best_isa() -> int", &int8_best_isa);
   m.def("f32_gemv(Tensor x, Tensor w, Tensor? bias, int isa=-1) -> Tensor");
-  m.def("f32_gemv_pack(Tensor w) -> Tensor");
+  m.def("gemv_pack(Tensor w) -> Tensor");
   m.def("f32_gemv_packed(Tensor x, Tensor wp, int n, Tensor? bias, int isa=-1) -> Tensor");
 }
 
@@ -568,6 +603,6 @@ TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int8_dequantize", &int8_dequantize);
   m.impl("f32_gemv", &f32_gemv);
-  m.impl("f32_gemv_pack", &f32_gemv_pack);
+  m.impl("gemv_pack", &gemv_pack);
   m.impl("f32_gemv_packed", &f32_gemv_packed);
 }
