@@ -477,6 +477,34 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Te
 
 int64_t int8_best_isa() { return resolve_isa(kAuto); }
 
+// The float32 GEMV of x_in [..., K] on w (an [N, K] weight, row-major or ``packed`` in
+// tiles), checks named after ``op``.
+at::Tensor run_f32_gemv(const char* op, const at::Tensor& x_in, const at::Tensor& w,
+                        int64_t N, int64_t K, const std::optional<at::Tensor>& bias_in,
+                        int64_t isa_in, bool packed) {
+  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, op, ": x's last dim must be K = ", K,
+              ", got ", x_in.sizes());
+  at::Tensor bias;
+  if (bias_in.has_value() && bias_in->defined()) {
+    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N &&
+                    bias_in->scalar_type() == at::kFloat,
+                op, ": bias must be float32 [N], got ", bias_in->scalar_type(), " ",
+                bias_in->sizes());
+    bias = bias_in->contiguous();
+  }
+  at::Tensor x = x_in.reshape({-1, K}).contiguous();
+  const int64_t M = x.size(0);
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y.view(shape);
+  Gemv<float> g{resolve_isa(isa_in), x.data_ptr<float>(), w.data_ptr<float>(), nullptr,
+                bias.defined() ? bias.data_ptr<float>() : nullptr, M, K, N};
+  g.packed = packed;
+  g(y.data_ptr<float>());
+  return y.view(shape);
+}
+
 // y = x · wᵀ (+ bias) for float32 x [..., K] and a contiguous float32 weight [N, K], by
 // the GEMV above (every weight row read once for all rows of x): the decode path of
 // float32 models, where a batch of one or a few tokens makes the GEMM a matrix-vector
@@ -490,26 +518,7 @@ at::Tensor f32_gemv(const at::Tensor& x_in, const at::Tensor& w,
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "f32_gemv: w must be a contiguous [N, K] "
               "tensor, got ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1);
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "f32_gemv: x's last dim must be K = ",
-              K, ", got ", x_in.sizes());
-  at::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N &&
-                    bias_in->scalar_type() == at::kFloat,
-                "f32_gemv: bias must be float32 [N], got ", bias_in->scalar_type(), " ",
-                bias_in->sizes());
-    bias = bias_in->contiguous();
-  }
-  at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.view(shape);
-  const Gemv<float> g{resolve_isa(isa_in), x.data_ptr<float>(), w.data_ptr<float>(), nullptr,
-                      bias.defined() ? bias.data_ptr<float>() : nullptr, M, K, N};
-  g(y.data_ptr<float>());
-  return y.view(shape);
+  return run_f32_gemv("f32_gemv", x_in, w, N, K, bias_in, isa_in, false);
 }
 
 template <typename T>
@@ -563,27 +572,7 @@ at::Tensor f32_gemv_packed(const at::Tensor& x_in, const at::Tensor& wp, int64_t
               "f32_gemv_packed: wp must be gemv_pack's [ceil(n/4), K/8, 4, 8] of an [n, "
               "K] weight, got ", wp.sizes(), " for n = ", n);
   const int64_t N = n, K = wp.size(1) * kPackW;
-  TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, "f32_gemv_packed: x's last dim must be "
-              "K = ", K, ", got ", x_in.sizes());
-  at::Tensor bias;
-  if (bias_in.has_value() && bias_in->defined()) {
-    TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N &&
-                    bias_in->scalar_type() == at::kFloat,
-                "f32_gemv_packed: bias must be float32 [N], got ", bias_in->scalar_type(), " ",
-                bias_in->sizes());
-    bias = bias_in->contiguous();
-  }
-  at::Tensor x = x_in.reshape({-1, K}).contiguous();
-  const int64_t M = x.size(0);
-  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
-  shape.back() = N;
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y.view(shape);
-  Gemv<float> g{resolve_isa(isa_in), x.data_ptr<float>(), wp.data_ptr<float>(), nullptr,
-                bias.defined() ? bias.data_ptr<float>() : nullptr, M, K, N};
-  g.packed = true;
-  g(y.data_ptr<float>());
-  return y.view(shape);
+  return run_f32_gemv("f32_gemv_packed", x_in, wp, N, K, bias_in, isa_in, true);
 }
 
 }  // namespace
