@@ -29,12 +29,15 @@ rows whose machine kept its speed (``Bounds.drift``, after the last attempt); th
 are printed and saved with their errors but marked not judged. Goodput and the regret
 are judged everywhere.
 
-**Placement.** A split's row also counts the prompts computed on the decode worker
-(the static threshold's and the live rule's) as the simulator predicted and as the
-router decided (its ``GetStatus`` decision counts, read before and after the run, so
-the warm-up is left out): a static rule must agree exactly, the live rule within the
-timing of its inputs. That is how a copy of the router's placement that drifted from
-the router's own would show.
+**Placement.** A split's row also counts the placements on the decode worker (the
+static threshold's and the live rule's) as the simulator predicted them and as the
+router decided them (its ``GetStatus`` decision counts, read before and after the run,
+so the warm-up is left out), and apart from those the prompts the router moved to the
+decode worker because their prefill worker failed or stalled (``local_fallback``), which
+the simulator never does. Net of those, a static rule's two counts agree exactly (the
+small validation in ``make test`` holds them to it), the live rule's within the timing
+of its inputs: how a copy of the router's placement that drifted from the router's own
+would show. A request the client resumed elsewhere counts once per attempt.
 """
 
 from __future__ import annotations
@@ -139,22 +142,35 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
         cluster.wait_ready()
         cluster.warm()
         ca = cluster.config.client_tls_ca
-        before = local_prefills(cluster.target, ca)
+        before = local_placements(cluster.target, ca)
         m = run(RunOptions(cluster.target, tuple(requests), tuple(arrivals), slo=slo,
                            progress=True), str(out / f"{name}.json"), {"config": c.label})
-        m["local_prefills"] = local_prefills(cluster.target, ca) - before
+        after = local_placements(cluster.target, ca)
+        m["local_placements"] = (None if before is None or after is None else
+                                 {k: n - before.get(k, 0) for k, n in after.items()})
         return m
 
 
-def local_prefills(target: str, tls_ca: str | None = None) -> int:
-    """Prompts the router has had computed on their decode worker so far: its decision
-    counts whose reason says local (``router.dispatch``: the worker's own static
-    threshold, ``local``; the live rule's, ``local_<reason>``)."""
+def local_placements(target: str, tls_ca: str | None = None) -> dict[str, int] | None:
+    """The router's decisions so far to compute a prompt on its decode worker, by reason
+    (``router.dispatch``: ``local``, the worker's own static threshold; ``local_<rule's
+    reason>``; ``local_fallback``, its prefill worker failed or stalled); None when the
+    router does not answer (the run's own failures are counted elsewhere)."""
+    import grpc
+
     from router.client import Client
 
-    with Client(target, tls_ca) as client:
-        decisions = client.status().routing_decisions
-    return sum(n for key, n in decisions.items() if key.split("/", 1)[1].startswith("local"))
+    try:
+        with Client(target, tls_ca) as client:
+            decisions = client.status().routing_decisions
+    except grpc.RpcError:
+        return None
+    out: dict[str, int] = {}
+    for key, n in decisions.items():
+        reason = key.split("/", 1)[1]
+        if reason.startswith("local"):
+            out[reason] = out.get(reason, 0) + n
+    return out
 
 
 def offered_rate(arrivals: list[float]) -> float:
@@ -266,9 +282,14 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
                     "load": load, "serving": cal, "drift": drift, "attempts": attempt,
                     "failed": m["failed"]})
         if r.config.kind != "mixed":
-            row["local_prefills"] = {"predicted": fig["local_prefills"],
-                                     "measured": m["local_prefills"],
-                                     "requests": len(workload.requests)}
+            placed = m["local_placements"]
+            whole = fig["completed"] + fig["failed"] == len(workload.requests)  # not a slice
+            row["local_prefills"] = {
+                "predicted": fig["local_prefills"] if whole else None,
+                "measured": None if placed is None else sum(
+                    n for k, n in placed.items() if k != "local_fallback"),
+                "fallback": None if placed is None else placed.get("local_fallback", 0),
+                "requests": len(workload.requests)}
         rows.append(row)
     best = max((row["measured"]["goodput"] for row in rows), default=0.0)
     rec = next((row for row in rows if row["recommended"]), None)
@@ -318,6 +339,10 @@ def _unjudged(row: dict, b: Bounds) -> str:
     return ""
 
 
+def _or_na(n: int | None) -> str:
+    return "n/a" if n is None else str(n)
+
+
 def _print(s: dict) -> None:
     b = Bounds(**s["bounds"])
     print(f"\n{'candidate':<34}{'load':>6}{'TTFT p90 pred/meas ms':>24}{'ITL p90 pred/meas':>20}"
@@ -333,8 +358,10 @@ def _print(s: dict) -> None:
     for row in s["rows"]:
         if "local_prefills" in row:
             lp = row["local_prefills"]
-            print(f"{row['config']}: prompts computed on the decode worker, predicted "
-                  f"{lp['predicted']} / measured {lp['measured']} of {lp['requests']}")
+            fallback = f" (+ {lp['fallback']} after a prefill failure)" if lp["fallback"] else ""
+            print(f"{row['config']}: prompts placed on the decode worker, predicted "
+                  f"{_or_na(lp['predicted'])} / measured {_or_na(lp['measured'])}{fallback} "
+                  f"of {lp['requests']}")
     regret = "n/a" if s["regret"] is None else f"{s['regret']:.1%}"
     print(f"\nrecommended (*): {s['recommended']}; decision regret {regret}; search "
           f"{s['search_s']:.2f} s")

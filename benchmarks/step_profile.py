@@ -264,9 +264,14 @@ def _count_python_calls(fn: Callable[[], object]) -> int:
 
 
 def _gemv_layout(model: DecoderModel) -> str:
-    """How the GEMV holds the weights: row-major, or its kernel's tiles."""
-    gemv = getattr(model.lm_head, "gemv", None)
-    return "tiles of 4 rows" if isinstance(gemv, kernels.PackedF32) else "plain weights"
+    """How the GEMV holds the weights: row-major, its kernel's tiles, or some of each
+    (a weight whose K is not whole chunks stays row-major)."""
+    weights = [model.lm_head, *(w for lw in model.layers for w in vars(lw).values())]
+    tiled = [isinstance(getattr(w, "gemv", None), kernels.PackedF32) for w in weights
+             if hasattr(w, "gemv")]
+    if tiled and all(tiled):
+        return "tiles of 4 rows"
+    return "tiles of 4 rows where K allows, else plain" if any(tiled) else "plain weights"
 
 
 def backend_report(model: DecoderModel) -> dict[str, Any]:

@@ -149,6 +149,9 @@ class Dispatcher:
                 prefilled = await self._prefill(wreq, reservation.target, deadline, routing,
                                                 hashes, decode)
                 if prefilled is None:  # compute the whole prompt on the decode worker
+                    # Counted as a local placement of its own (the prefill worker failed or
+                    # stalled), beside the prefill choice already counted for it.
+                    self.chooser.decided(self.chooser.policy.name, "local_fallback")
                     await _write(call, worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit()))
                 else:
                     firsts = [prefilled.first, *prefilled.choices]

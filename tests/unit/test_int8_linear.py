@@ -156,6 +156,11 @@ def test_int8_linear_ops_put_weights_in_the_kernels_layout(native) -> None:
     assert bool(((ops.apply(x, prepared, None).double() - ref).abs() <= 1e-5 * mag + 1e-6).all())
     odd = ops.prepare(weight(8, 36, 1))  # K not whole chunks: row-major
     assert not odd.tiled and odd.shape == (8, 36)
+    if prepared.tiled:  # tiles are the kernel's own: no fusing or dequantizing them in torch
+        with pytest.raises(ValueError, match="tiles"):
+            cat_weights([prepared, prepared])
+        with pytest.raises(ValueError, match="row-major"):
+            dequantize_int8(prepared, torch.float32)
     with pytest.raises(RuntimeError, match="scale's length"):
         native.int8_linear(x, prepared.q, prepared.scale[:20])
 

@@ -283,6 +283,10 @@ def test_failed_prefill_is_recomputed_on_the_decode_worker() -> None:
             assert msgs[-1].usage.cached_tokens == 0  # the decode worker's own count
             assert msgs[-1].routing.migrations == 0
             assert c.router_worker(prefill).down_until > time.monotonic()
+            # Counted as a placement on the decode worker of its own kind (the planner's
+            # validation tells these apart from the placement rule's).
+            decisions = (await c.router.status()).routing_decisions
+            assert sum(n for k, n in decisions.items() if k.endswith("/local_fallback")) == 1
 
     run(body)
 

@@ -17,8 +17,9 @@ decode (up to :data:`GEMV_ROWS` rows): a float32 step of one token is a matrix-v
 product bound by reading the weights, which oneDNN's GEMM streams at ~8-9 GB/s on a
 2-core AMD EPYC (AVX2) where the GEMV reaches ~12-13 GB/s (SmolLM2's layer GEMMs: 42 ->
 30 ms at 1-4 tokens, level at 8). The GEMV's copy is in the layout its kernel reads
-fastest (``layout``: on AVX2, tiles of 4 rows stored as one stream, 1.1-1.2x faster than
-row-major, ``workers.engine.kernels.f32_gemv_layout``). The cost is memory: each weight
+fastest (``layout``: on AVX2, tiles of 4 rows stored as one stream,
+``workers.engine.kernels.f32_gemv_layout``: the layer GEMVs alone 1.2-1.3x faster than
+on row-major weights, single-stream decode ITL 0.88-0.90x). The cost is memory: each weight
 is kept twice, for the GEMV and in the other op's layout (:class:`DualWeight`; SmolLM2
 fp32: +425 MB of layer weights, and +113 MB where the LM head is tiled: row-major, a
 tied head's GEMV copy is the embedding itself).
@@ -116,6 +117,8 @@ def weight_nbytes(w: Any) -> int:  # noqa: ANN401 - a prepared weight of any Lin
 def cat_weights(ws: list[Weight]) -> Weight:
     """Weights stacked along the output dim (fused q/k/v, gate/up): per-output-channel
     quantization commutes with this, so int8 weights stack by rows and scales."""
+    if any(isinstance(w, Int8Weight) and w.tiled for w in ws):
+        raise ValueError("cannot fuse weights already in a kernel's tiles: fuse, then prepare")
     if all(isinstance(w, Int8Weight) for w in ws):
         return Int8Weight(torch.cat([w.q for w in ws]).contiguous(),
                           torch.cat([w.scale for w in ws]))
@@ -137,7 +140,10 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
 
 
 def dequantize_int8(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
-    """``q * scale`` in float32, rounded to ``dtype``."""
+    """``q * scale`` in float32, rounded to ``dtype`` (row-major q; a kernel's tiles:
+    ``workers.engine.kernels.int8_dequantize``)."""
+    if w.tiled:
+        raise ValueError("dequantize_int8 takes row-major q; tiles: the kernel's own op")
     return (w.q.to(torch.float32) * w.scale[:, None]).to(dtype)
 
 

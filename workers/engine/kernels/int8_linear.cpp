@@ -2,7 +2,8 @@
 //
 //   int8_linear(x, q, scale, bias, max_gemv_rows, isa) -> y
 //     x      float32 or bfloat16 [..., K] (made contiguous if it is not)
-//     q      int8 [N, K], contiguous: the weight, one row per output channel
+//     q      int8 [N, K], contiguous: the weight, one row per output channel (or the
+//            same in gemv_pack's tiles, [ceil(N/4), K/8, 4, 8]; see below)
 //     scale  float32 [N]: row n of the weight is q[n] * scale[n]
 //     bias   optional [N], float32 or x's dtype
 //     y      [..., N] in x's dtype
@@ -243,7 +244,7 @@ template <typename WT>
 struct Gemv {
   Isa isa;
   const float* x;  // [M, K] float32
-  const WT* q;  // [N, K]
+  const WT* q;  // [N, K], or in tiles (packed)
   const float* scale;  // [N], or null (float weights: no scale)
   const float* bias;  // [N] float32 or null
   int64_t M, K, N;
