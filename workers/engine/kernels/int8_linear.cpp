@@ -311,6 +311,12 @@ Isa resolve_isa(int64_t isa) {
 // Whether q is in gemv_pack's tile layout (4-D) rather than row-major [N, K].
 bool tiled(const at::Tensor& q) { return q.dim() == 4; }
 
+// Whether w has the shape of gemv_pack's tiles of an [n, K] weight, [ceil(n/4), K/8, 4, 8].
+bool tiles_of(const at::Tensor& w, int64_t n) {
+  return tiled(w) && w.size(0) == (n + kTileN - 1) / kTileN && w.size(2) == kTileN &&
+         w.size(3) == kPackW;
+}
+
 void check_weight(const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(q.device().is_cpu() && scale.device().is_cpu(), "CPU tensors expected");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(),
@@ -318,9 +324,7 @@ void check_weight(const at::Tensor& q, const at::Tensor& scale) {
               scale.sizes());
   const int64_t N = scale.size(0);
   TORCH_CHECK(q.scalar_type() == at::kChar && q.is_contiguous() &&
-                  ((q.dim() == 2 && q.size(0) == N) ||
-                   (tiled(q) && q.size(0) == (N + kTileN - 1) / kTileN &&
-                    q.size(2) == kTileN && q.size(3) == kPackW)),
+                  ((q.dim() == 2 && q.size(0) == N) || tiles_of(q, N)),
               "q must be a contiguous int8 [N, K] tensor (or gemv_pack's [ceil(N/4), K/8, 4, "
               "8] of one) with N = ", N, " (scale's length), got ", q.scalar_type(), " ",
               q.sizes());
@@ -568,8 +572,7 @@ at::Tensor f32_gemv_packed(const at::Tensor& x_in, const at::Tensor& wp, int64_t
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat,
               "f32_gemv_packed: x and wp must be float32, got ", x_in.scalar_type(), " and ",
               wp.scalar_type());
-  TORCH_CHECK(wp.dim() == 4 && wp.size(2) == kTileN && wp.size(3) == kPackW &&
-                  wp.is_contiguous() && n > (wp.size(0) - 1) * kTileN && n <= wp.size(0) * kTileN,
+  TORCH_CHECK(tiles_of(wp, n) && wp.is_contiguous(),
               "f32_gemv_packed: wp must be gemv_pack's [ceil(n/4), K/8, 4, 8] of an [n, "
               "K] weight, got ", wp.sizes(), " for n = ", n);
   const int64_t N = n, K = wp.size(1) * kPackW;
