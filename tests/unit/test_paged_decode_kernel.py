@@ -116,6 +116,20 @@ def test_large_scores_and_empty_context(op) -> None:
     check(out, reference(q, k, v, table, lens, 1.0), torch.float32)
 
 
+def test_nan_query_stays_in_its_head(op) -> None:
+    """A NaN in one query head makes that head's output NaN, as torch's attention does
+    (the softmax's exp clamp must not turn it into a weight), and leaves the other heads
+    and sequences alone. 37 tokens x 3 heads is no multiple of 8 lanes: the exp's tail."""
+    q, k, v, table, lens = make_case([37, 37], 1, 3, 64, torch.float32)
+    q[0, 1, 5] = float("nan")
+    out = op(q, k, v, table, lens, 0.125)
+    assert torch.isnan(out[0, 1]).all()
+    clean = q.clone()
+    clean[0, 1] = 0
+    expected = reference(clean, k, v, table, lens, 0.125)
+    check(out[:, [0, 2]], expected[:, [0, 2]], torch.float32)
+    check(out[1], expected[1], torch.float32)
+
 def test_thread_count_does_not_change_results(op) -> None:
     q, k, v, table, lens = make_case([300] * 6 + [9], 3, 3, 64, torch.float32)
     threads = torch.get_num_threads()
