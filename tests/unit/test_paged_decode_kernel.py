@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workers.models.attention import build_attention_batch
+from workers.models.attention import build_attention_batch, paged_attention
 
 BLOCK = 16
 
@@ -156,6 +156,49 @@ def test_rejects_bad_inputs(op) -> None:
     with pytest.raises(RuntimeError, match="multiple"):
         op(q[:, :3], k, v, table, lens, 1.0)
 
+
+def _write_op(op):  # noqa: ANN001, ANN202 - the fused twin on the same code path
+    import functools
+
+    from workers.engine import kernels
+
+    return functools.partial(kernels.paged_write_decode_attention, isa=op.keywords["isa"])
+
+
+def test_fused_write_matches_index_copy_then_attend(op) -> None:
+    """``paged_attention`` with the fused write op against its three calls: a step of two
+    decodes (one starting a new block), a fresh prefill and a prefill over a cached
+    prefix (which reads the rows this step writes); same cache and output, bit for bit."""
+    kv, group, dim, slots = 3, 3, 64, 20 * BLOCK
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(2, slots, kv, dim, generator=g)
+    batch, _ = build_attention_batch(
+        [[4, 9, 2], [11]], [40, 1], [([5, 6], 0, 20), ([12, 13, 14], 30, 9)], BLOCK)
+    tokens = batch.slot_mapping.numel()
+    qkv = torch.randn(tokens, (kv * group + 2 * kv) * dim, generator=g)
+    q = qkv[:, : kv * group * dim].view(tokens, kv * group, dim)  # views, as in the model
+    k = qkv[:, kv * group * dim: (kv * group + kv) * dim].view(tokens, kv, dim)
+    v = qkv[:, (kv * group + kv) * dim:].view(tokens, kv, dim)
+    plain, fused = base.clone(), base.clone()
+    expected = paged_attention(q, k, v, plain, batch, BLOCK, decode_op=op)
+    got = paged_attention(q, k, v, fused, batch, BLOCK, decode_op=op, write_decode_op=_write_op(op))
+    assert torch.equal(fused, plain)
+    assert torch.equal(got, expected)
+
+
+def test_fused_write_rejects_a_bad_slot_before_writing(op) -> None:
+    q, k, v, table, lens = make_case([20, 3], 2, 2, 16, torch.float32)
+    write = _write_op(op)
+    new_k, new_v = torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    before = k.clone()
+    slots = torch.tensor([5, k.shape[0] * BLOCK])  # the second is one past the cache
+    with pytest.raises(RuntimeError, match="outside"):
+        write(q, new_k, new_v, k, v, slots, table, lens)
+    assert torch.equal(k, before)  # the valid first row was not written either
+    with pytest.raises(RuntimeError, match="dtype"):
+        write(q, new_k.bfloat16(), new_v, k, v, torch.tensor([5, 6]), table, lens)
+    with pytest.raises(RuntimeError, match="tokens"):
+        write(q, new_k[:1], new_v[:1], k, v, torch.tensor([5]), table, lens)
 
 def test_attention_batch_moves_every_tensor_to_the_device() -> None:
     """What a CUDA engine does each step (checked here with the CPU as the target)."""

@@ -134,6 +134,7 @@ class ModelRunner:
             hf, max(max_model_len, CALIBRATION_TOKENS
                     if config.kv_cache_dtype != "auto" else 0),
             decode_op=kernels.paged_decode_attention if native else None,
+            write_decode_op=kernels.paged_write_decode_attention if native else None,
             ops=NATIVE_OPS if native else TORCH_OPS,
             linear=layer_linear or linear or TORCH_LINEAR,
             kv_cache_dtype=config.kv_cache_dtype,

@@ -181,12 +181,16 @@ def paged_attention(
     decode_op: Callable | None = None,
     kv_format: KVFormat | None = None,
     keys: StepKeys | None = None,
+    write_decode_op: Callable | None = None,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; returns [tokens, heads*dim].
 
     Writes k and v into ``cache`` ([2, slots, kv_heads, row]; ``row`` is ``dim`` unless
     ``kv_format`` is quantized) before reading it. ``keys``: the key transform a
     quantized cache stores keys under (:class:`StepKeys`); None: none.
+    ``write_decode_op`` (the native ``paged_write_decode_attention``): with an
+    unquantized cache and decode tokens in the step, it does the writes and the decode
+    attention in one call and allocates the output (``decode_op`` is then unused).
     """
     num_tokens, num_heads, dim = q.shape
     num_kv = k.shape[1]
@@ -206,12 +210,18 @@ def paged_attention(
         k = k.to(q.dtype) if k is not None else None
     else:
         k_rows, v_rows = k, v
-    k_cache.index_copy_(0, batch.slot_mapping, k_rows)
-    v_cache.index_copy_(0, batch.slot_mapping, v_rows)
     row = k_cache.shape[-1]
-    out = torch.empty_like(q)
     k_blocks = k_cache.view(-1, block_size, num_kv, row)
     v_blocks = v_cache.view(-1, block_size, num_kv, row)
+    d = batch.num_decode
+    fused = d > 0 and write_decode_op is not None and not quantized
+    if fused:  # writes, decode attention and the output in one call
+        out = write_decode_op(q, k, v, k_blocks, v_blocks, batch.slot_mapping,
+                              batch.decode_table, batch.decode_lens, dim**-0.5)
+    else:
+        k_cache.index_copy_(0, batch.slot_mapping, k_rows)
+        v_cache.index_copy_(0, batch.slot_mapping, v_rows)
+        out = torch.empty_like(q)
 
     def gathered(blocks: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows = blocks.index_select(0, ids)
@@ -224,14 +234,13 @@ def paged_attention(
         rows = kv_format.dequantize(k_blocks.index_select(0, ids), torch.float32)
         return keys.add_back(rows.view(seqs, -1, num_kv, dim)).to(q.dtype)
 
-    d = batch.num_decode
-    if d and decode_op is not None:
+    if d and not fused and decode_op is not None:
         args = (q[:d], k_blocks, v_blocks, batch.decode_table, batch.decode_lens, dim**-0.5)
         if quantized:
             out[:d] = decode_op(*args, kv_format.code, keys.table if keys else None)
         else:
             out[:d] = decode_op(*args)
-    elif d:
+    elif d and not fused:
         # [d, len, kv, dim] -> [d, kv, len, dim]; queries [d, kv, group, dim].
         blocks = batch.decode_table.view(-1)
         kd = gathered_keys(blocks, d).transpose(1, 2)

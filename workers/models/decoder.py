@@ -134,13 +134,18 @@ class DecoderModel:
         kv_cache_dtype: str = "auto",
         head_linear: LinearOps | None = None,
         prequantized: Mapping[str, Int8Weight] | None = None,
+        write_decode_op: Callable | None = None,
     ) -> None:
-        """``linear``: the decoder layers' projections; ``head_linear``: the LM head's
+        """``decode_op``: the native paged decode attention (None: the torch path);
+        ``write_decode_op``: its twin that also writes the step's K/V (unquantized caches;
+        see :func:`~workers.models.attention.paged_attention`). ``linear``: the decoder
+        layers' projections; ``head_linear``: the LM head's
         (None: ``linear``). A quantized ``linear`` (int8) keeps the embeddings and, given
         a plain ``head_linear``, the LM head in the model dtype. ``prequantized``: int8
         weights by module name (``model.layers.0.self_attn.q_proj``) from a pre-quantized
         checkpoint, used instead of the module's weight (``linear`` must be quantized)."""
         self.decode_op = decode_op  # fused paged decode attention; None: the torch path
+        self.write_decode_op = write_decode_op
         self.ops = ops
         head = head_linear or linear
         if prequantized and not linear.quantized:
@@ -338,7 +343,8 @@ class DecoderModel:
                 self._key_stats.append([key_pre, k.float().pow(2).sum(0), q2.sum(0)])
             attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op,
                                    self.kv_format,
-                                   self._step_keys(i, positions, upto) if keyed else None)
+                                   self._step_keys(i, positions, upto) if keyed else None,
+                                   self.write_decode_op)
             h = ops.add_rms_norm(x, linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
             mlp_out = linear(ops.silu_mul(linear(h, lw.gate_up, None)), lw.down, None)
         x.add_(mlp_out)

@@ -107,7 +107,7 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
                 for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul",
                              "quantize_kv_rows", "int8_linear", "int8_dequantize",
                              "int8_best_isa", "paged_attention_best_isa", "f32_gemv",
-                             "gemv_pack", "f32_gemv_packed")
+                             "gemv_pack", "f32_gemv_packed", "paged_write_decode_attention")
             )
             _op = ns.paged_decode_attention
             log.info(
@@ -191,6 +191,37 @@ def paged_decode_attention(
     return op(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(kv_format),
               key_add, code)
 
+
+def paged_write_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float | None = None,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """Write a step's K/V into the cache, then decode attention for its first rows.
+
+    k, v: ``[tokens, kv_heads, head_dim]`` (rows contiguous), written at
+    ``slot_mapping`` (int32/int64 ``[tokens]``, slot ``block * block_size + offset``) into
+    ``k_cache`` / ``v_cache`` (``[num_blocks, block_size, kv_heads, head_dim]`` of q's
+    dtype: unquantized caches only), as ``index_copy_`` would; then the first
+    ``block_tables.shape[0]`` rows of q (the step's decode tokens) attend as in
+    :func:`paged_decode_attention`. Returns a new contiguous ``[tokens, num_heads,
+    head_dim]`` whose other rows are uninitialised (the caller's prefill rows). Every
+    slot is checked before any row is written; RuntimeError on bad input.
+    """
+    if load() is None:
+        raise RuntimeError(f"paged decode kernel unavailable: {_error}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    code = -1 if isa is None else ISAS[isa]
+    return _fused["paged_write_decode_attention"](q, k, v, k_cache, v_cache, slot_mapping,
+                                                  block_tables, context_lens, float(scale), code)
 
 def _fused_op(name: str) -> Callable:
     if load() is None:

@@ -30,7 +30,10 @@
 // products. bfloat16 halves what every item reads of it (~4x a row of FP8 in float32).
 //
 // Registered as torch.ops.pdserve_kernels.paged_decode_attention(q, k_cache, v_cache,
-// block_tables, context_lens, scale, kv_format=0, key_add=None, isa=-1).
+// block_tables, context_lens, scale, kv_format=0, key_add=None, isa=-1). Its fused twin
+// paged_write_decode_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
+// context_lens, scale, isa=-1) first writes the step's K/V rows into their slots
+// (unquantized caches): one call per layer where index_copy_ x2 and the op were three.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -1018,11 +1021,12 @@ void dispatch_format(int64_t kv_format, const at::Tensor& q, const at::Tensor& k
   }
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
-                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& context_lens, double scale,
-                                  int64_t kv_format,
-                                  const std::optional<at::Tensor>& key_add, int64_t isa) {
+// Checks the inputs and writes the attention of q's S rows into out's first S rows (out:
+// contiguous [>= S, num_heads, head_dim] of q's dtype).
+void decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                 int64_t kv_format, const std::optional<at::Tensor>& key_add, int64_t isa,
+                 at::Tensor& out) {
   TORCH_CHECK(kv_format >= kAuto && kv_format <= kNvfp4, "unknown kv_format code ", kv_format,
               " (known: 0 auto, 1 fp8_e4m3, 2 fp8_e5m2, 3 nvfp4)");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
@@ -1079,8 +1083,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                 "), head_dim (", D, ")], got ", key_add->sizes(), " ", key_add->scalar_type());
   }
   at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
-  at::Tensor out = at::empty({S, H, D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (S == 0 || H == 0) return out;
+  if (S == 0 || H == 0) return;
 
   // Lengths and the block ids each sequence uses are validated (and copied to int64)
   // up front, so the workers never read outside the cache.
@@ -1122,6 +1125,85 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     dispatch_format<c10::Half>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, add,
                                path, out);
   }
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale,
+                                  int64_t kv_format,
+                                  const std::optional<at::Tensor>& key_add, int64_t isa) {
+  TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  decode_into(q, k_cache, v_cache, block_tables, context_lens, scale, kv_format, key_add, isa,
+              out);
+  return out;
+}
+
+// The step's K/V rows into their slots, then decode attention of the first S rows of q
+// (S: block_tables' rows; the decode tokens come first in a step), in one call instead
+// of two index_copy_ and the op (per layer). Unquantized caches (kv_format 0) only.
+// k, v: [T, kv_heads, head_dim] (rows contiguous); slot_mapping: int32/int64 [T], slot
+// block * block_size + offset. Every slot is checked before any row is written. Returns
+// a new contiguous [T, num_heads, head_dim]: rows >= S are left for the caller (prefill).
+at::Tensor paged_write_decode_attention(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v, const at::Tensor& k_cache,
+                                        const at::Tensor& v_cache,
+                                        const at::Tensor& slot_mapping,
+                                        const at::Tensor& block_tables,
+                                        const at::Tensor& context_lens, double scale,
+                                        int64_t isa) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "q must be [tokens, num_heads, head_dim], k and v [tokens, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "k_cache/v_cache must be [num_blocks, block_size, kv_heads, head_dim], alike");
+  const int64_t T = q.size(0), KV = k_cache.size(2), D = k_cache.size(3);
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == T && k.size(1) == KV && k.size(2) == D,
+              "k and v must be [tokens (", T, "), kv_heads (", KV, "), head_dim (", D,
+              ")], got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+                  k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "q, k, v and the caches must share a dtype (unquantized caches only)");
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "paged_write_decode_attention is a CPU kernel");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 &&
+                  v_cache.stride(3) == 1,
+              "k, v and cache rows (last dim) must be contiguous");
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == T,
+              "slot_mapping must be [tokens (", T, ")]");
+  const auto st = slot_mapping.scalar_type();
+  TORCH_CHECK(st == at::kInt || st == at::kLong, "slot_mapping must be int32 or int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) <= T,
+              "block_tables must be [decode seqs <= tokens, max_blocks]");
+  std::vector<int64_t> slot(T);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t i = t * slot_mapping.stride(0);
+    slot[t] = st == at::kInt ? slot_mapping.data_ptr<int32_t>()[i]
+                             : slot_mapping.data_ptr<int64_t>()[i];
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot_mapping[", t, "] = ", slot[t],
+                " is outside [0, num_blocks * block_size = ", slots, ")");
+  }
+  const int64_t B = k_cache.size(1), row = D * static_cast<int64_t>(k.element_size());
+  auto* kd = static_cast<char*>(k_cache.data_ptr());
+  auto* vd = static_cast<char*>(v_cache.data_ptr());
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t es = k.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t blk = slot[t] / B, off = slot[t] % B;
+    for (int64_t h = 0; h < KV; ++h) {
+      std::memcpy(kd + (blk * k_cache.stride(0) + off * k_cache.stride(1) +
+                        h * k_cache.stride(2)) * es,
+                  ks + (t * k.stride(0) + h * k.stride(1)) * es, row);
+      std::memcpy(vd + (blk * v_cache.stride(0) + off * v_cache.stride(1) +
+                        h * v_cache.stride(2)) * es,
+                  vs + (t * v.stride(0) + h * v.stride(1)) * es, row);
+    }
+  }
+  at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
+  decode_into(q.narrow(0, 0, block_tables.size(0)), k_cache, v_cache, block_tables,
+              context_lens, scale, kAuto, std::nullopt, isa, out);
   return out;
 }
 
@@ -1132,9 +1214,14 @@ TORCH_LIBRARY(pdserve_kernels, m) {
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
       "Tensor context_lens, float scale, int kv_format=0, Tensor? key_add=None, int isa=-1) "
       "-> Tensor");
+  m.def(
+      "paged_write_decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, "
+      "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+      "float scale, int isa=-1) -> Tensor");
   m.def("paged_attention_best_isa() -> int", &paged_attention_best_isa);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_write_decode_attention", &paged_write_decode_attention);
 }
