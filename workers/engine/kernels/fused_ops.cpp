@@ -27,8 +27,8 @@
 // on a multiple of I / 2; beyond that the bit-exactness holds as long as torch keeps
 // these kernels (tests/unit/test_fused_kernels.py checks it).
 //
-// AVX-512 (F, BW, VL) code when the build machine has it (-march=native), portable
-// scalar loops otherwise. Rows run on ATen's intra-op pool (at::parallel_for) when an
+// AVX-512 (F, BW, VL) code when the build machine has it (-march=native); on AVX2 + FMA
+// machines without it, 8-lane code for float32 rows; portable scalar loops otherwise. Rows run on ATen's intra-op pool (at::parallel_for) when an
 // op touches more than kGrain elements, on the calling thread below that.
 //
 // Registered as torch.ops.pdserve_kernels.{rms_norm, add_rms_norm, rope_, silu_mul}.
@@ -54,8 +54,8 @@
 #else
 #define PDS_FUSED_AVX512 0
 #endif
-// AVX2 + FMA without AVX-512: silu_mul's float32 rows in 8 lanes (the other ops stay
-// scalar there).
+// AVX2 + FMA without AVX-512: the float32 rows of every op in 8 lanes (bfloat16 stays
+// scalar there: auto picks float32 on such CPUs).
 #if !PDS_FUSED_AVX512 && defined(__AVX2__) && defined(__FMA__)
 #define PDS_FUSED_AVX2 1
 #include <immintrin.h>
@@ -278,8 +278,15 @@ inline __m512 sleef_expv(__m512 d) {
   return keepv(u);
 }
 
+#endif  // PDS_FUSED_AVX512
+
+// ---------------------------------------------------------------- 8-lane helpers
+// (AVX-512 builds use them for torch's 8-lane sum; AVX2 builds for the float32 rows.)
+
+#if PDS_FUSED_AVX512 || PDS_FUSED_AVX2
+
 inline __m256 keep8(__m256 v) {
-  asm("" : "+v"(v));
+  asm("" : "+x"(v));
   return v;
 }
 
@@ -333,7 +340,7 @@ float sumsq_lanes8(const T* x, int64_t n) {
   return sum;
 }
 
-#endif  // PDS_FUSED_AVX512
+#endif  // PDS_FUSED_AVX512 || PDS_FUSED_AVX2
 
 // ---------------------------------------------------------------- rms_norm
 
@@ -350,6 +357,20 @@ void rms_row(const T* x, const T* w, T* out, int64_t n, float eps, int W) {
     st(out + i, _mm512_mul_ps(ld(w + i, m), h), m);
   }
 #else
+#if PDS_FUSED_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (W == 8) {  // the loops below, 8 lanes at a time (two multiplies: nothing to fuse)
+      const float rs = 1.0f / std::sqrt(sumsq_lanes8(x, n) / static_cast<float>(n) + eps);
+      const __m256 r = _mm256_set1_ps(rs);
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i),
+                                                _mm256_mul_ps(_mm256_loadu_ps(x + i), r)));
+      for (; i < n; ++i) out[i] = w[i] * (x[i] * rs);
+      return;
+    }
+  }
+#endif
   const float sum = sumsq_generic(x, n, W);
   const float r = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) {
@@ -368,7 +389,13 @@ void add_row(T* x, const T* res, int64_t n) {
     st(x + i, _mm512_add_ps(ld(x + i, m), ld(res + i, m)), m);
   }
 #else
-  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<T>(to_f(x[i]) + to_f(res[i]));
+  int64_t i = 0;
+#if PDS_FUSED_AVX2
+  if constexpr (std::is_same_v<T, float>)
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(x + i, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(res + i)));
+#endif
+  for (; i < n; ++i) x[i] = static_cast<T>(to_f(x[i]) + to_f(res[i]));
 #endif
 }
 
@@ -454,7 +481,22 @@ void rope_row(T* x, const T* c, const T* s, int64_t half) {
     st(x + half + i, _mm512_add_ps(a2, b2), m);
   }
 #else
-  for (int64_t i = 0; i < half; ++i) {
+  int64_t i = 0;
+#if PDS_FUSED_AVX2
+  if constexpr (std::is_same_v<T, float>) {  // each product kept apart from its sum
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (; i + 8 <= half; i += 8) {
+      const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+      const __m256 a1 = keep8(_mm256_mul_ps(x1, _mm256_loadu_ps(c + i)));
+      const __m256 b1 = keep8(_mm256_mul_ps(_mm256_xor_ps(x2, sign), _mm256_loadu_ps(s + i)));
+      const __m256 a2 = keep8(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + i)));
+      const __m256 b2 = keep8(_mm256_mul_ps(x1, _mm256_loadu_ps(s + half + i)));
+      _mm256_storeu_ps(x + i, _mm256_add_ps(a1, b1));
+      _mm256_storeu_ps(x + half + i, _mm256_add_ps(a2, b2));
+    }
+  }
+#endif
+  for (; i < half; ++i) {
     const float x1 = to_f(x[i]), x2 = to_f(x[half + i]);
     const float a1 = keep(rnd<T>(x1 * to_f(c[i])));
     const float b1 = keep(rnd<T>(-x2 * to_f(s[i])));
