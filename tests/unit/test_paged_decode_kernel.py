@@ -197,8 +197,13 @@ def test_fused_write_rejects_a_bad_slot_before_writing(op) -> None:
     assert torch.equal(k, before)  # the valid first row was not written either
     with pytest.raises(RuntimeError, match="dtype"):
         write(q, new_k.bfloat16(), new_v, k, v, torch.tensor([5, 6]), table, lens)
-    with pytest.raises(RuntimeError, match="tokens"):
+    with pytest.raises(RuntimeError, match="k and v must be"):
         write(q, new_k[:1], new_v[:1], k, v, torch.tensor([5]), table, lens)
+    bad_table = table.clone()
+    bad_table[0, 0] = k.shape[0]  # a block id past the cache: refused before any write
+    with pytest.raises(RuntimeError, match="outside"):
+        write(q, new_k, new_v, k, v, torch.tensor([5, 6]), bad_table, lens)
+    assert torch.equal(k, before)
 
 def test_attention_batch_moves_every_tensor_to_the_device() -> None:
     """What a CUDA engine does each step (checked here with the CPU as the target)."""

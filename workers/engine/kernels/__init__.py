@@ -213,7 +213,8 @@ def paged_write_decode_attention(
     ``block_tables.shape[0]`` rows of q (the step's decode tokens) attend as in
     :func:`paged_decode_attention`. Returns a new contiguous ``[tokens, num_heads,
     head_dim]`` whose other rows are uninitialised (the caller's prefill rows). Every
-    slot is checked before any row is written; RuntimeError on bad input.
+    input (slots, block tables, lengths, shapes, isa) is checked before any row is
+    written: RuntimeError on bad input, the cache untouched.
     """
     if load() is None:
         raise RuntimeError(f"paged decode kernel unavailable: {_error}")
@@ -222,6 +223,7 @@ def paged_write_decode_attention(
     code = -1 if isa is None else ISAS[isa]
     return _fused["paged_write_decode_attention"](q, k, v, k_cache, v_cache, slot_mapping,
                                                   block_tables, context_lens, float(scale), code)
+
 
 def _fused_op(name: str) -> Callable:
     if load() is None:

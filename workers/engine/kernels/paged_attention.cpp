@@ -900,7 +900,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const CT* kp = k_cache.data_ptr<CT>();
   const CT* vp = v_cache.data_ptr<CT>();
   const int64_t k_head = k_cache.stride(2), v_head = v_cache.stride(2);
-  T* op = out.data_ptr<T>();  // contiguous [S, H, D]
+  T* op = out.data_ptr<T>();  // contiguous [>= S, H, D]: rows 0 .. S-1 written
   const float fscale = static_cast<float>(scale);
 
   int64_t max_len = 0, total_len = 0;
@@ -1023,12 +1023,14 @@ void dispatch_format(int64_t kv_format, const at::Tensor& q, const at::Tensor& k
   }
 }
 
-// Checks the inputs and writes the attention of q's S rows into out's first S rows (out:
+// Checks every input, runs `before` (the fused op's cache writes: only once nothing can
+// be refused), then writes the attention of q's S rows into out's first S rows (out:
 // contiguous [>= S, num_heads, head_dim] of q's dtype).
+template <typename Before>
 void decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                  int64_t kv_format, const std::optional<at::Tensor>& key_add, int64_t isa,
-                 at::Tensor& out) {
+                 at::Tensor& out, const Before& before) {
   TORCH_CHECK(kv_format >= kAuto && kv_format <= kNvfp4, "unknown kv_format code ", kv_format,
               " (known: 0 auto, 1 fp8_e4m3, 2 fp8_e5m2, 3 nvfp4)");
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
@@ -1085,7 +1087,11 @@ void decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                 "), head_dim (", D, ")], got ", key_add->sizes(), " ", key_add->scalar_type());
   }
   at::Tensor qc = q.stride(2) == 1 ? q : q.contiguous();
-  if (S == 0 || H == 0) return;
+  if (S == 0 || H == 0) {
+    resolve_isa(isa, D);  // an isa this build lacks is refused all the same
+    before();
+    return;
+  }
 
   // Lengths and the block ids each sequence uses are validated (and copied to int64)
   // up front, so the workers never read outside the cache.
@@ -1117,6 +1123,7 @@ void decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
   }
 
   const int64_t path = resolve_isa(isa, D);
+  before();
   if (dt == at::kFloat) {
     dispatch_format<float>(kv_format, qc, k_cache, v_cache, tables, used, lens, scale, add,
                            path, out);
@@ -1137,7 +1144,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   decode_into(q, k_cache, v_cache, block_tables, context_lens, scale, kv_format, key_add, isa,
-              out);
+              out, [] {});
   return out;
 }
 
@@ -1145,7 +1152,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // (S: block_tables' rows; the decode tokens come first in a step), in one call instead
 // of two index_copy_ and the op (per layer). Unquantized caches (kv_format 0) only.
 // k, v: [T, kv_heads, head_dim] (rows contiguous); slot_mapping: int32/int64 [T], slot
-// block * block_size + offset. Every slot is checked before any row is written. Returns
+// block * block_size + offset. Every input is checked before any row is written. Returns
 // a new contiguous [T, num_heads, head_dim]: rows >= S are left for the caller (prefill).
 at::Tensor paged_write_decode_attention(const at::Tensor& q, const at::Tensor& k,
                                         const at::Tensor& v, const at::Tensor& k_cache,
@@ -1187,25 +1194,27 @@ at::Tensor paged_write_decode_attention(const at::Tensor& q, const at::Tensor& k
                 " is outside [0, num_blocks * block_size = ", slots, ")");
   }
   const int64_t B = k_cache.size(1), row = D * static_cast<int64_t>(k.element_size());
-  auto* kd = static_cast<char*>(k_cache.data_ptr());
-  auto* vd = static_cast<char*>(v_cache.data_ptr());
-  const auto* ks = static_cast<const char*>(k.data_ptr());
-  const auto* vs = static_cast<const char*>(v.data_ptr());
-  const int64_t es = k.element_size();
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t blk = slot[t] / B, off = slot[t] % B;
-    for (int64_t h = 0; h < KV; ++h) {
-      std::memcpy(kd + (blk * k_cache.stride(0) + off * k_cache.stride(1) +
-                        h * k_cache.stride(2)) * es,
-                  ks + (t * k.stride(0) + h * k.stride(1)) * es, row);
-      std::memcpy(vd + (blk * v_cache.stride(0) + off * v_cache.stride(1) +
-                        h * v_cache.stride(2)) * es,
-                  vs + (t * v.stride(0) + h * v.stride(1)) * es, row);
+  auto write_rows = [&] {
+    auto* kd = static_cast<char*>(k_cache.data_ptr());
+    auto* vd = static_cast<char*>(v_cache.data_ptr());
+    const auto* ks = static_cast<const char*>(k.data_ptr());
+    const auto* vs = static_cast<const char*>(v.data_ptr());
+    const int64_t es = k.element_size();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t blk = slot[t] / B, off = slot[t] % B;
+      for (int64_t h = 0; h < KV; ++h) {
+        std::memcpy(kd + (blk * k_cache.stride(0) + off * k_cache.stride(1) +
+                          h * k_cache.stride(2)) * es,
+                    ks + (t * k.stride(0) + h * k.stride(1)) * es, row);
+        std::memcpy(vd + (blk * v_cache.stride(0) + off * v_cache.stride(1) +
+                          h * v_cache.stride(2)) * es,
+                    vs + (t * v.stride(0) + h * v.stride(1)) * es, row);
+      }
     }
-  }
+  };
   at::Tensor out = at::empty(q.sizes(), q.options().memory_format(at::MemoryFormat::Contiguous));
   decode_into(q.narrow(0, 0, block_tables.size(0)), k_cache, v_cache, block_tables,
-              context_lens, scale, kAuto, std::nullopt, isa, out);
+              context_lens, scale, kAuto, std::nullopt, isa, out, write_rows);
   return out;
 }
 
