@@ -216,13 +216,12 @@ def paged_write_decode_attention(
     input (slots, block tables, lengths, shapes, isa) is checked before any row is
     written: RuntimeError on bad input, the cache untouched.
     """
-    if load() is None:
-        raise RuntimeError(f"paged decode kernel unavailable: {_error}")
+    op = _fused_op("paged_write_decode_attention")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     code = -1 if isa is None else ISAS[isa]
-    return _fused["paged_write_decode_attention"](q, k, v, k_cache, v_cache, slot_mapping,
-                                                  block_tables, context_lens, float(scale), code)
+    return op(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+              float(scale), code)
 
 
 def _fused_op(name: str) -> Callable:

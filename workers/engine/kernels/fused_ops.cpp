@@ -28,8 +28,9 @@
 // these kernels (tests/unit/test_fused_kernels.py checks it).
 //
 // AVX-512 (F, BW, VL) code when the build machine has it (-march=native); on AVX2 + FMA
-// machines without it, 8-lane code for float32 rows; portable scalar loops otherwise. Rows run on ATen's intra-op pool (at::parallel_for) when an
-// op touches more than kGrain elements, on the calling thread below that.
+// machines without it, 8-lane code for float32 rows; portable scalar loops otherwise.
+// Rows run on ATen's intra-op pool (at::parallel_for) when an op touches more than
+// kGrain elements, on the calling thread below that.
 //
 // Registered as torch.ops.pdserve_kernels.{rms_norm, add_rms_norm, rope_, silu_mul}.
 
