@@ -261,8 +261,11 @@ def single_stream(llm: LLM, model_path: str, dtype: torch.dtype, quick: bool) ->
 
 def step_profile(llm: LLM, batches: tuple[int, ...], steps: int) -> dict:
     """The decode step profile at each batch size, with that step's floors: the GEMM
-    floor of its shape, and the bytes it must read (weights, and the KV of every context)
-    at the measured copy bandwidth."""
+    floor of its shape, the bytes it must read (weights, and the KV of every context) at
+    the measured copy bandwidth, and the KV alone (``kv_floor_ms``: the least time the
+    decode attention can take). ``floor_share_bound`` is the most of the GEMM floor such a
+    step can reach, GEMM floor / (GEMM floor + KV floor): the GEMMs and the attention run
+    one after the other, and every other part of the step only adds to it."""
     engine = llm.engine
     model = engine.runner.model
     backend = backend_report(model)
@@ -277,9 +280,11 @@ def step_profile(llm: LLM, batches: tuple[int, ...], steps: int) -> dict:
         gemm_floor_seconds(model, [(b, b)])  # warm the shape once, then time it 3 times
         floor = gemm_floor_seconds(model, [(b, b)] * 3) / 3
         kv_bytes = b * prof.context_len * kv_token_bytes
+        kv_floor = kv_bytes / (bw * 1e9)
         rows.append(prof.as_json() | {
             "gemm_floor_ms": floor * 1e3, "weight_bytes": model.weight_bytes(),
-            "kv_read_bytes": kv_bytes,
+            "kv_read_bytes": kv_bytes, "kv_floor_ms": kv_floor * 1e3,
+            "floor_share_bound": floor / (floor + kv_floor),
             "bandwidth_floor_ms": (model.weight_bytes() + kv_bytes) / (bw * 1e9) * 1e3})
     return {"backend": backend, "copy_bandwidth_gbs": bw, "steps": steps, "rows": rows}
 

@@ -322,13 +322,15 @@ def print_backend(report: dict[str, Any]) -> None:
 
 
 def print_profile(dtype: str, rows: list[dict[str, Any]]) -> None:
-    """One table: each row a :meth:`StepProfile.as_json` plus ``gemm_floor_ms`` and
-    ``bandwidth_floor_ms``."""
+    """One table: each row a :meth:`StepProfile.as_json` plus ``gemm_floor_ms``,
+    ``bandwidth_floor_ms``, ``kv_floor_ms`` and ``floor_share_bound`` (see
+    :func:`benchmarks.engine.step_profile`)."""
     print(f"\n{dtype} decode step profile: prompts of {PROMPT_LEN} tokens, greedy; ms of the "
           "median step (share of the probed one)")
     head = ("batch", "ctx", "step", "probed", "GEMM", "attention", "elementw", "LM head",
-            "sampling", "rest", "fwd glue", "GEMM flr", "BW flr", "ops", "py calls")
-    widths = (5, 5, 8, 8, 13, 13, 13, 13, 13, 13, 8, 9, 8, 6, 9)
+            "sampling", "rest", "fwd glue", "GEMM flr", "BW flr", "KV flr", "share",
+            "bound", "ops", "py calls")
+    widths = (5, 5, 8, 8, 13, 13, 13, 13, 13, 13, 8, 9, 8, 7, 5, 5, 6, 9)
     print(" ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)))
     for r in rows:
         total = r["probed_step_ms"]
@@ -340,9 +342,13 @@ def print_profile(dtype: str, rows: list[dict[str, Any]]) -> None:
         values = (r["batch"], r["context_len"], f"{r['step_ms']:.2f}", f"{total:.2f}", *parts,
                   cell(r["rest_ms"]), f"{r['forward_glue_ms']:.2f}",
                   f"{r['gemm_floor_ms']:.2f}", f"{r['bandwidth_floor_ms']:.2f}",
+                  f"{r['kv_floor_ms']:.2f}", f"{r['gemm_floor_ms'] / r['step_ms']:.0%}",
+                  f"{r['floor_share_bound']:.0%}",
                   r["torch_ops"] if r["torch_ops"] is not None else "-", r["python_calls"])
         print(" ".join(f"{v:>{w}}" for v, w in zip(values, widths, strict=True)))
     print("  step: without probes; the parts are from a probed step (the probes' own cost "
           "lands in 'rest'); GEMM flr: the layer GEMMs and LM head alone at this batch; BW "
-          "flr: weights + the KV the step reads, at the measured copy bandwidth; ops: torch "
-          "ops dispatched; py calls: Python function calls")
+          "flr: weights + the KV the step reads, at the measured copy bandwidth; KV flr: "
+          "that KV alone (the least the attention can take); share: GEMM flr / step; "
+          "bound: the most share such a step can reach, GEMM flr / (GEMM flr + KV flr); "
+          "ops: torch ops dispatched; py calls: Python function calls")

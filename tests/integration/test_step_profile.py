@@ -36,7 +36,9 @@ def test_step_parts_sum_to_at_most_the_step_and_probes_are_removed(
         assert sum(parts.values()) <= row["probed_step_ms"] * 1.02 + 0.05, row
         assert row["forward_ms"] <= row["probed_step_ms"] * 1.02 + 0.05, row
         assert row["rest_ms"] >= -0.05 and row["forward_glue_ms"] >= -0.05, row
-        assert row["gemm_floor_ms"] > 0 and row["bandwidth_floor_ms"] > 0
+        assert row["gemm_floor_ms"] > 0 and row["bandwidth_floor_ms"] > row["kv_floor_ms"] > 0
+        floor, kv = row["gemm_floor_ms"], row["kv_floor_ms"]
+        assert row["floor_share_bound"] == pytest.approx(floor / (floor + kv))
         assert row["python_calls"] > 0 and (row["torch_ops"] is None or row["torch_ops"] > 0)
     assert [r["batch"] for r in result["rows"]] == [1, 3]
     assert result["backend"]["linear"] and result["backend"]["cpu"]
@@ -52,7 +54,7 @@ def test_step_parts_sum_to_at_most_the_step_and_probes_are_removed(
     print_backend(result["backend"])
     print_profile("float32", result["rows"])
     table = capsys.readouterr().out
-    assert "GEMMs via" in table and "sampling" in table
+    assert "GEMMs via" in table and "sampling" in table and "bound" in table
 
 
 def test_profile_refuses_a_busy_engine_and_a_full_pool(tiny_checkpoints) -> None:
