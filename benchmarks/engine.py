@@ -29,6 +29,7 @@ without int8 weights, at each thread count of ``compare_threads``, in one proces
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -175,6 +176,10 @@ def run_vllm(python: str, model_path: str, dtype: str, prompts: list[list[int]],
             raise RuntimeError(f"vLLM's result is not JSON: {e}") from e
 
 
+_probe = functools.cache(probe)
+"""One :func:`probe` per interpreter a run compares against, not one per workload."""
+
+
 def vs_vllm(ours: list[list[int]], python: str | None, model_path: str, dtype: str,
             prompts: list[list[int]], out_len: int) -> dict:
     """The vLLM side of one workload: its run (``run_vllm``) with ``same_outputs``, the
@@ -183,7 +188,7 @@ def vs_vllm(ours: list[list[int]], python: str | None, model_path: str, dtype: s
         return {"skipped": NO_VLLM}
     if dtype != "float32":  # ../shared/PEERS.md: its compiled bf16 gave wrong text here
         return {"skipped": f"compared in float32 only, not {dtype}"}
-    version, why = probe(python)
+    version, why = _probe(python)
     if version is None:
         return {"skipped": why}
     print(f"  {version}: offline generate on the same prompts (compiles for a minute or "

@@ -185,11 +185,8 @@ def paged_decode_attention(
     op = load()
     if op is None:
         raise RuntimeError(f"paged decode kernel unavailable: {_error}")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    code = -1 if isa is None else ISAS[isa]
-    return op(q, k_cache, v_cache, block_tables, context_lens, float(scale), int(kv_format),
-              key_add, code)
+    return op(q, k_cache, v_cache, block_tables, context_lens, _scale(q, scale), int(kv_format),
+              key_add, _isa_code(isa))
 
 
 def paged_write_decode_attention(
@@ -217,11 +214,19 @@ def paged_write_decode_attention(
     written: RuntimeError on bad input, the cache untouched.
     """
     op = _fused_op("paged_write_decode_attention")
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    code = -1 if isa is None else ISAS[isa]
     return op(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-              float(scale), code)
+              _scale(q, scale), _isa_code(isa))
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    """The attention scale: ``scale``, or 1/sqrt(head_dim) when None."""
+    return float(q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def _isa_code(isa: str | None) -> int:
+    """An op's ``isa`` argument: the code of a path by name (:data:`ISAS`); -1 (None): the
+    best this build has."""
+    return -1 if isa is None else ISAS[isa]
 
 
 def _fused_op(name: str) -> Callable:
@@ -308,8 +313,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     the best this build has (:func:`int8_isa`). Raises RuntimeError for a path the build
     lacks, or if the kernels are unavailable.
     """
-    code = -1 if isa is None else ISAS[isa]
-    return _fused_op("int8_linear")(x, q, scale, bias, int(max_gemv_rows), code)
+    return _fused_op("int8_linear")(x, q, scale, bias, int(max_gemv_rows), _isa_code(isa))
 
 
 def f32_gemv(x: torch.Tensor, w: torch.Tensor | PackedF32, bias: torch.Tensor | None = None,
@@ -320,7 +324,7 @@ def f32_gemv(x: torch.Tensor, w: torch.Tensor | PackedF32, bias: torch.Tensor | 
     (``workers.models.linear.gemv_linear``). ``isa`` as for :func:`int8_linear`; a packed
     weight runs the AVX2 tile on either SIMD path, bit for bit the row-major AVX2 path.
     Sums in float32 in another order than a GEMM (~1e-6 relative)."""
-    code = -1 if isa is None else ISAS[isa]
+    code = _isa_code(isa)
     if isinstance(w, PackedF32):
         return _fused_op("f32_gemv_packed")(x, w.data, w.n, bias, code)
     return _fused_op("f32_gemv")(x, w, bias, code)
