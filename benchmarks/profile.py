@@ -8,7 +8,7 @@ The planner's simulator and the router's local-or-remote prefill rule ask a
    OpenMP team) builds the engine and times real steps: lone prefills of ``new`` tokens
    after ``cached`` ones, decode batches at several contexts, and decode batches with
    one prefill chunk (:mod:`benchmarks.profile_steps`). It hands back every timed step
-   as JSON in a file. A shape's point is its fastest step (:func:`fastest_points`);
+   as JSON in a file. A shape's point is the median of its steps (:func:`median_points`);
    the points are fitted with :func:`~common.cost_model.fit_steps`, which holds out a
    seeded 20% of the shapes and reports the fit's error on them.
 2. **KV transfer.** This process sends KV from a paged cache through the real channel
@@ -23,9 +23,10 @@ The planner's simulator and the router's local-or-remote prefill rule ask a
    (:func:`~common.cost_model.save_profile`), and a table: per thread count the points,
    the held-out error and a few predictions against measurements; the transfer fit.
 
-The default grid on SmolLM2-135M takes 1-2 minutes per thread count on 2 cores (~4
-minutes for threads 1 and 2 and the transfer); ``quick`` about a third of that. Run it
-on a quiet machine: a neighbour's load is measured too.
+The default grid (5 rounds) on SmolLM2-135M fp32 takes ~10 minutes at 1 thread and ~5.5
+at 2 on a 2-core AVX2 VM (a 2-core Xeon with AMX in bf16: a few minutes in all);
+``quick`` (a smaller grid, 3 rounds) about a tenth of that. Run it on a quiet machine:
+a neighbour's load is measured too.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import os
 import platform
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -150,20 +152,22 @@ def measure_steps(opts: ProfileOptions, threads: int) -> dict:
         return json.loads(out.read_text())
 
 
-def fastest_points(steps: list[dict]) -> tuple[list[str], list[StepPoint]]:
-    """One point per shape: its fastest step. A neighbour's load only ever adds time,
-    and on a shared box it lands in bursts that can cover most repetitions of a shape
-    (the median of 3 then measures the neighbour); on a quiet machine the fastest is
-    within noise of the median (timeit's reasoning)."""
+def median_points(steps: list[dict]) -> tuple[list[str], list[StepPoint]]:
+    """One point per shape: the median of its steps (5 repetitions by default, each in
+    its own round over the grid, so a burst of a neighbour's load that covers up to two
+    rounds moves no point). Measured on a 2-core AVX2 VM, SmolLM2 fp32, one run of 5
+    rounds fitted both ways: held-out error (mean over 30 seeded splits) 2.1% / 3.2% at
+    1 / 2 threads from the median of 5, 2.6% / 3.9% from the fastest of the first 3 (the
+    estimator before), 2.4% / 3.2% from the fastest of 5: the fastest is the luckiest
+    step of a shape, and luck differs from shape to shape."""
     by_shape: dict[str, list[dict]] = {}
     for s in steps:
         by_shape.setdefault(s["shape"], []).append(s)
     shapes, points = [], []
     for shape, group in by_shape.items():
-        best = min(group, key=lambda s: s["seconds"])
         shapes.append(shape)
-        points.append(StepPoint(tuple((n, start) for n, start in best["chunks"]),
-                                best["seconds"]))
+        points.append(StepPoint(tuple((n, start) for n, start in group[0]["chunks"]),
+                                statistics.median(s["seconds"] for s in group)))
     return shapes, points
 
 
@@ -258,7 +262,7 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
         say(f"steps with {t} thread(s): measuring in a fresh process...")
         start = time.perf_counter()
         child = measure_steps(opts, t)
-        shapes, points = fastest_points(child["steps"])
+        shapes, points = median_points(child["steps"])
         results.append(ThreadResult(t, fit_steps(points, seed=opts.seed), shapes, points,
                                     time.perf_counter() - start))
     dtype, block_bytes = child["dtype"], child["block_bytes"]

@@ -59,7 +59,9 @@ class StepGrid:
     mixed: tuple[tuple[int, int, int], ...] = (
         (4, 256, 64), (4, 256, 512), (16, 256, 256), (16, 1024, 128), (32, 256, 1024),
         (64, 256, 64), (8, 1024, 512), (32, 64, 1536))
-    reps: int = 3
+    reps: int = 5
+    """Rounds over the grid; a shape's point is the median of its steps in all rounds
+    (:func:`benchmarks.profile.median_points`)."""
     decode_steps: int = 2
     """Timed decode steps per repetition (after one untimed)."""
 
@@ -118,7 +120,7 @@ class StepGrid:
 
 QUICK_GRID = StepGrid(prefill_new=(16, 64, 256, 1024, 2048), prefill_cached=(0, 1024),
                       decode_batches=(1, 4, 16, 64), decode_contexts=(64, 1024),
-                      mixed=((8, 256, 256), (32, 256, 1024)))
+                      mixed=((8, 256, 256), (32, 256, 1024)), reps=3)
 
 
 @dataclass(frozen=True)

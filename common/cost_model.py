@@ -16,6 +16,11 @@ these features of the batch, with a piecewise-linear term in the batched tokens:
 - ``T = sum n_i``: weight GEMMs and elementwise work. Piecewise linear (a linear spline
   with knots :data:`KNOTS`): a step of 1-16 tokens is bound by reading the weights, one
   of hundreds by compute, and the slope between differs;
+- ``[T > GEMV_ROWS]``: a step up where the engine's linear layers hand over from the
+  decode GEMV (up to :data:`GEMV_ROWS` rows, reading the weights once) to the batched
+  GEMM, which costs a step more than the spline's slope says (measured on a 2-core AVX2
+  VM, SmolLM2 fp32, 1 thread: decode 4@64 43 ms, 8@64 69 ms; without this term the fit
+  missed those two by +9% and -7%);
 - query x key pairs of attention, ``n_i * (start_i + (n_i + 1) / 2)`` per chunk, in
   three sums because the engine runs three kernels at very different costs per pair
   (measured on SmolLM2: a decode pair ~17x a fresh prefill pair): ``A_decode``
@@ -61,22 +66,28 @@ from pathlib import Path
 
 import numpy as np
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
+"""3: the GEMV handover term joined the features (a version 2 file's points refit with
+``pdserve profile --refit FILE``)."""
 KNOTS: tuple[int, ...] = (16, 64, 256, 1024)
 """Where the batched-token slope may change (a linear spline's knots)."""
+GEMV_ROWS = 4
+"""The most tokens a step's linear layers run through the decode GEMV; the same number
+as ``workers.models.linear.GEMV_ROWS`` (this layer cannot import it; a unit test holds
+the two equal)."""
 
 Chunk = tuple[int, int]
 """``(num_new_tokens, start)``: one sequence's part of a step."""
 
 
-MEMORY_TERMS = frozenset({0, 2 + len(KNOTS)})
+MEMORY_TERMS = frozenset({0, 3 + len(KNOTS)})
 """Indices in :func:`features` of the terms bound by memory bandwidth: the intercept
 (reading the weights once a step) and decode attention pairs (reading the KV)."""
 
 
 def features(chunks: Iterable[Chunk]) -> list[float]:
     """The regression row of one step:
-    ``[1, T, (T - k)+ for k in KNOTS, A_decode, A_fresh, A_prefix, S]``."""
+    ``[1, T, (T - k)+ for k in KNOTS, [T > GEMV_ROWS], A_decode, A_fresh, A_prefix, S]``."""
     t = decode = fresh = prefix = 0.0
     s = 0
     for n, start in chunks:
@@ -89,7 +100,8 @@ def features(chunks: Iterable[Chunk]) -> list[float]:
         else:
             prefix += pairs
         s += 1
-    return [1.0, t, *(max(0.0, t - k) for k in KNOTS), decode, fresh, prefix, float(s)]
+    return [1.0, t, *(max(0.0, t - k) for k in KNOTS), float(t > GEMV_ROWS), decode, fresh,
+            prefix, float(s)]
 
 
 @dataclass(frozen=True)
@@ -328,7 +340,8 @@ def draw_jitter(quantiles: Sequence[tuple[float, float]], u: np.ndarray) -> np.n
 def profile_from_json(d: dict) -> Profile:
     if d.get("version") != PROFILE_VERSION:
         raise ValueError(f"profile version {d.get('version')!r}; this pdserve reads "
-                         f"{PROFILE_VERSION}: rerun pdserve profile")
+                         f"{PROFILE_VERSION}: rerun pdserve profile, or refit the file's "
+                         "saved points with pdserve profile --refit FILE --out NEW")
     if tuple(d.get("knots", ())) != KNOTS:
         raise ValueError(f"profile fitted with knots {d.get('knots')}, this pdserve uses "
                          f"{KNOTS}: rerun pdserve profile")

@@ -53,7 +53,7 @@ def synthetic_profile(preset: str = "cpu", **overrides: object) -> Profile:
     for t, slow in p["threads"].items():  # type: ignore[union-attr]
         pair = p["per_pair_s"] * slow  # the same for decode, fresh and prefix attention
         coef = [p["floor_s"] * slow, 0.0, p["per_token_s"] * slow, *[0.0] * (len(KNOTS) - 1),
-                pair, pair, pair, p["per_seq_s"] * slow]
+                0.0, pair, pair, pair, p["per_seq_s"] * slow]  # no GEMV handover step
         steps[int(t)] = StepModel(tuple(coef), p["floor_s"] * slow)  # type: ignore[operator]
     return Profile(f"synthetic-{preset}", "float32", {"synthetic": preset}, p["block_size"],
                    p["kv_bytes_per_token"], p["num_blocks"], p["max_num_batched_tokens"],

@@ -6,6 +6,7 @@ import random
 import pytest
 
 from common.cost_model import (
+    GEMV_ROWS,
     KNOTS,
     PROFILE_VERSION,
     FitError,
@@ -44,6 +45,7 @@ def test_features_count_tokens_attention_pairs_by_kernel_and_sequences():
     row = features([(1, 99), (4, 0), (3, 10)])
     assert row[0] == 1.0 and row[1] == 8.0
     assert row[2:2 + len(KNOTS)] == [0.0] * len(KNOTS)
+    assert row[2 + len(KNOTS)] == 1.0  # 8 tokens: past the decode GEMV
     decode, fresh, prefix, seqs = row[-4:]
     assert decode == 1 * (99 + 1)
     assert fresh == 4 * (0 + 2.5)
@@ -57,6 +59,26 @@ def test_fit_recovers_a_piecewise_linear_machine_and_reports_held_out_error():
     assert m.error.max_pct < 0.5
     for chunks in ([(1, 300)] * 8, [(700, 256)], [(1, 100)] * 4 + [(200, 0)]):
         assert m.seconds(chunks) == pytest.approx(_true_step(chunks), rel=0.01)
+
+
+def test_the_gemv_handover_is_a_step_at_the_engines_gemv_rows():
+    from workers.models.linear import GEMV_ROWS as ENGINE_GEMV_ROWS
+
+    assert GEMV_ROWS == ENGINE_GEMV_ROWS  # the cost model's copy of the engine's number
+    handover = 2 + len(KNOTS)
+    assert [features([(1, 50)] * b)[handover] for b in (1, GEMV_ROWS, GEMV_ROWS + 1, 64)] \
+        == [0.0, 0.0, 1.0, 1.0]
+    assert features([(GEMV_ROWS + 1, 0)])[handover] == 1.0  # counted in tokens, not sequences
+
+    def machine(chunks):  # a made-up machine whose GEMM path costs 15 ms more than the GEMV
+        t = sum(n for n, _ in chunks)
+        return _true_step(chunks) + (0.015 if t > GEMV_ROWS else 0.0)
+
+    rng = random.Random(3)
+    shapes = [[(1, rng.randint(16, 1024))] * rng.randint(1, 12) for _ in range(80)]
+    m = fit_steps([StepPoint(tuple(c), machine(c)) for c in shapes])
+    for b in (2, GEMV_ROWS, GEMV_ROWS + 1, 8):
+        assert m.decode_seconds(b, 300) == pytest.approx(machine([(1, 300)] * b), rel=0.01)
 
 
 def test_noise_shows_in_the_held_out_error():
@@ -90,7 +112,7 @@ def test_profile_file_round_trip_and_version_check(tmp_path):
     with pytest.raises(KeyError, match="--threads"):
         q.step(4)
     path.write_text(path.read_text().replace(f'"version": {PROFILE_VERSION}', '"version": 99'))
-    with pytest.raises(ValueError, match="rerun pdserve profile"):
+    with pytest.raises(ValueError, match="rerun pdserve profile.*--refit"):
         load_profile(path)
 
 
