@@ -24,8 +24,9 @@ The planner's simulator and the router's local-or-remote prefill rule ask a
    the held-out error and a few predictions against measurements; the transfer fit.
 
 The default grid (5 rounds) on SmolLM2-135M fp32 takes ~10 minutes at 1 thread and ~5.5
-at 2 on a 2-core AVX2 VM (a 2-core Xeon with AMX in bf16: a few minutes in all);
-``quick`` (a smaller grid, 3 rounds) about a tenth of that. Run it on a quiet machine:
+at 2 on a 2-core AVX2 VM (a 2-core Xeon with AMX in bf16 took ~4 minutes in all with 3
+rounds, before the grid went to 5); ``quick`` (a smaller grid, 3 rounds) about a tenth
+of that. Run it on a quiet machine:
 a neighbour's load is measured too.
 """
 

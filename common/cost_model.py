@@ -19,8 +19,8 @@ these features of the batch, with a piecewise-linear term in the batched tokens:
 - ``[T > GEMV_ROWS]``: a step up where the engine's linear layers hand over from the
   decode GEMV (up to :data:`GEMV_ROWS` rows, reading the weights once) to the batched
   GEMM, which costs a step more than the spline's slope says (measured on a 2-core AVX2
-  VM, SmolLM2 fp32, 1 thread: decode 4@64 43 ms, 8@64 69 ms; without this term the fit
-  missed those two by +9% and -7%);
+  VM, SmolLM2 fp32, 2 threads: decode 4@64 26 ms, 8@64 42 ms; without this term the fit
+  missed those two by +8.8% and -6.3%);
 - query x key pairs of attention, ``n_i * (start_i + (n_i + 1) / 2)`` per chunk, in
   three sums because the engine runs three kernels at very different costs per pair
   (measured on SmolLM2: a decode pair ~17x a fresh prefill pair): ``A_decode``
