@@ -51,3 +51,29 @@ def test_flush_keeps_an_incomplete_final_character(tok) -> None:
         d = IncrementalDetokenizer(tok, tok("Say:").input_ids)
         text = "".join(d.add(t) for t in ids[:cut]) + d.flush()
         assert text == d.text == tok.decode(ids[:cut])
+
+
+def test_the_backend_decode_gives_what_the_tokenizer_decode_gives(tok) -> None:
+    """The fast path (the Rust tokenizer's decode, skipping transformers' wrapper) is
+    taken for this tokenizer and agrees with ``tok.decode`` on random windows, special
+    tokens and partial characters included; a tokenizer that cleans up spaces keeps the
+    wrapper."""
+    import random
+
+    from workers.engine.detokenizer import _backend_decode
+
+    fast = _backend_decode(tok)
+    assert fast is not None
+    rng = random.Random(0)
+    ids = tok(" héllo 日本語 🙂 the end", add_special_tokens=False).input_ids
+    windows = [ids[i:j] for i in range(len(ids)) for j in range(i, len(ids) + 1)]
+    windows += [[rng.randrange(len(tok)) for _ in range(rng.randrange(1, 9))]
+                for _ in range(300)]
+    windows += [[tok.eos_token_id, *ids[:3], tok.bos_token_id]]
+    for w in windows:
+        assert fast(w, skip_special_tokens=True) == tok.decode(w, skip_special_tokens=True), w
+    tok.clean_up_tokenization_spaces = True
+    try:
+        assert _backend_decode(tok) is None
+    finally:
+        tok.clean_up_tokenization_spaces = False

@@ -196,6 +196,29 @@ def test_many_requests_with_tight_memory_all_finish() -> None:
     assert_empty(s)
 
 
+def test_the_budget_holds_with_chunked_prefills_decodes_and_preemptions() -> None:
+    """Tight memory, a small budget, prompts longer than it (chunked over several steps
+    while others decode) and preemptions: every step stays within the budget, schedules
+    each sequence at most once, and never a sequence it preempted."""
+    s = make(num_blocks=14, budget=12, max_seqs=8)
+    for i in range(12):
+        s.add(str(i), [i % 5 + 1] * (5 + 7 * (i % 4)), SamplingParams(max_tokens=3 + i % 4))
+    steps = chunked = preempting = 0
+    while s.num_unfinished:
+        out = s.schedule()
+        assert out.num_batched_tokens <= 12
+        ids = [c.seq.seq_id for c in out.chunks]
+        assert len(set(ids)) == len(ids)
+        assert not {p.seq_id for p in out.preempted} & set(ids)
+        chunked += any(not c.samples for c in out.chunks) and len(out.chunks) > 1
+        preempting += bool(out.preempted)
+        s.update(out, {c.seq.seq_id: 1000 + steps for c in out.chunks if c.samples}, NO_EOS)
+        steps += 1
+        assert steps < 1000, "scheduler made no progress"
+    assert chunked and preempting  # the case exercised what it is about
+    assert_empty(s)
+
+
 def _forkable(s: Scheduler, prompt_len: int, max_tokens: int = 4) -> tuple:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     parent = s.add("p", list(range(prompt_len)), params)

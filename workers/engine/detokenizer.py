@@ -18,6 +18,22 @@ from typing import Any
 _WINDOW = 6  # tokens of left context re-decoded each step
 
 
+def _backend_decode(tokenizer: Any) -> Any:
+    """The Rust tokenizer's ``decode`` where it gives what ``tokenizer.decode`` gives.
+
+    A transformers fast tokenizer's ``decode`` converts its input, dispatches on its
+    shape, then calls ``backend_tokenizer.decode`` and, only with
+    ``clean_up_tokenization_spaces``, rewrites the text. Without that flag the backend's
+    answer is the same string for a fraction of the Python calls: two decodes per token
+    per sequence made this ~10% of a batch-256 decode step's host time. None (use
+    ``tokenizer.decode``) for any other tokenizer.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return getattr(backend, "decode", None)
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -28,6 +44,7 @@ class IncrementalDetokenizer:
         min_tokens: int = 0,
     ) -> None:
         self._tok = tokenizer
+        self._fast = _backend_decode(tokenizer)
         self._ids: list[int] = list(prompt_token_ids[-_WINDOW:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -41,6 +58,8 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._fast is not None:
+            return self._fast(ids, skip_special_tokens=True)
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:

@@ -307,16 +307,20 @@ class Scheduler:
         limit = self.config.max_num_batched_tokens
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        used = 0  # tokens in out.chunks, kept as we go (a sum per sequence is quadratic)
         for seq in decoding + prefilling:
-            # Recomputed each time: a preempted victim's chunk gives its tokens back.
-            budget = limit - out.num_batched_tokens
-            if budget == 0:
+            if used == limit:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, limit - used)
+            preempted = len(out.preempted)
             if self._grow_or_preempt(seq, n, out):
                 out.chunks.append(ScheduledChunk.next_for(seq, n))
+            if len(out.preempted) != preempted:  # a victim's chunk gave its tokens back
+                used = out.num_batched_tokens
+            else:
+                used += n
         if not out.preempted:
             self._admit(limit - out.num_batched_tokens, out)
         return out
