@@ -5,13 +5,7 @@
 set -u
 OUT=${OUT:-/tmp/device-out}; PY=${PY:-python3}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PDSERVE_TEST_CACHE_DIR=$HOME/.cache/pdserve
-if [ -d .whl ] && [ -z "${NO_WHL:-}" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl > /tmp/pip.txt 2>&1 || { cat /tmp/pip.txt; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+. loadtest/results/device-h200-1204/wheels.sh
 { g++ --version; $PY -c "import torch; print(torch.__config__.show())"; } > "$OUT/toolchain.txt" 2>&1
 timeout 200 $PY loadtest/results/device-h200-1204/throw_probe.py "$PDSERVE_TEST_CACHE_DIR/kernels" \
     > "$OUT/probe.txt" 2>&1; echo "probe rc $?" >> "$OUT/probe.txt"

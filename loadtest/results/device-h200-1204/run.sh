@@ -37,13 +37,7 @@ step() {  # step NAME CAP LOG CMD...: run CMD for at most min(CAP, time left), l
 transformers.__version__, 'cpu capability', torch.backends.cpu.get_cpu_capability(), \
 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))"
   grep -m1 '^flags' /proc/cpuinfo; } > "$OUT/machine.txt" 2>&1
-if [ -d .whl ] && [ -z "${NO_WHL:-}" ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl > /tmp/pip.txt 2>&1 || { cat /tmp/pip.txt; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+. loadtest/results/device-h200-1204/wheels.sh
 
 KERNEL_TESTS="tests/unit/test_paged_decode_kernel.py tests/unit/test_fused_kernels.py
   tests/unit/test_int8_linear.py tests/unit/test_kernel_kv_encode.py
