@@ -34,6 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--profile-only", action="store_true",
                    help="only the decode step profile (where a step's time goes at batch "
                         "1, 32, 256, beside its floors; under a minute)")
+    b.add_argument("--profile-batches", default="1,32,256", metavar="N,N",
+                   help="batch sizes of the decode step profile (default: 1,32,256)")
     b.add_argument("--profile-steps", type=int, default=8, metavar="N",
                    help="timed decode steps per batch size in the step profile (>= 1)")
     b.add_argument("--quantization", choices=("none", "int8"), default="none",
@@ -308,6 +310,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=cmd_bench)
 
 
+def _positive_ints(text: str) -> tuple[int, ...] | None:
+    """``"1,32,256"`` -> ``(1, 32, 256)``; None unless every item is an integer >= 1."""
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        return None
+    return values if values and all(v >= 1 for v in values) else None
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     from benchmarks.engine import BenchOptions, run_bench
 
@@ -316,11 +327,16 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
     if args.profile_steps < 1:
         print(f"--profile-steps must be at least 1, got {args.profile_steps}", file=sys.stderr)
         return EXIT_INVALID
+    batches = _positive_ints(args.profile_batches)
+    if batches is None:
+        print(f"--profile-batches must be batch sizes of at least 1, comma-separated "
+              f"(e.g. 1,32,256), got {args.profile_batches!r}", file=sys.stderr)
+        return EXIT_INVALID
     return run_bench(BenchOptions(
         model=args.model, cache_dir=cache_dir(args), workloads=tuple(args.workload),
         dtypes=tuple(args.dtype), threads=args.threads, out=args.out,
         skip_hf=args.skip_hf, quick=args.quick, profile_only=args.profile_only,
-        profile_steps=args.profile_steps,
+        profile_steps=args.profile_steps, profile_batches=batches,
         quantization=None if args.quantization == "none" else args.quantization,
         compare_threads=tuple(int(t) for t in args.compare_threads.split(",") if t),
         vllm_python=args.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or None,
