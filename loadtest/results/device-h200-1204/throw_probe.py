@@ -61,6 +61,9 @@ def probes(cache: str) -> dict[str, str]:
     out["load_inline, torch's flags"] = INLINE.format(tag="plain", flags=[])
     out["load_inline, -O3 -march=native -fopenmp"] = INLINE.format(
         tag="native", flags=["-O3", "-march=native", "-fopenmp"])
+    out["load_inline, libstdc++ and libgcc linked static"] = INLINE.format(
+        tag="static", flags=[]).replace(
+        "verbose=False)", "verbose=False, extra_ldflags=['-static-libstdc++', '-static-libgcc'])")
     out["ours built with named AVX-512 flags: block id"] = CASE.format(
         setup=f"kernels.CFLAGS = {NAMED_ISA!r}", cache=tempfile.mkdtemp(), isa="avx512",
         call=BAD_BLOCK.format(isa="avx512"))
