@@ -24,9 +24,10 @@ def _backend_decode(tokenizer: Any) -> Any:
     A transformers fast tokenizer's ``decode`` converts its input, dispatches on its
     shape, then calls ``backend_tokenizer.decode`` and, only with
     ``clean_up_tokenization_spaces``, rewrites the text. Without that flag the backend's
-    answer is the same string for a fraction of the Python calls: two decodes per token
-    per sequence made this ~10% of a batch-256 decode step's host time. None (use
-    ``tokenizer.decode``) for any other tokenizer.
+    answer is the same string for a fraction of the Python calls (two decodes per token
+    per sequence through the wrapper took 2.2-2.7 ms of a batch-256 decode step on a
+    2-core AVX2 VM; 0.8 ms direct). None (use ``tokenizer.decode``) for any other
+    tokenizer.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
