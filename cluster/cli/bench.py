@@ -32,9 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face baseline")
     b.add_argument("--quick", action="store_true", help="a small run to check the harness")
     b.add_argument("--profile-only", action="store_true",
-                   help="only the decode step profile (where a step's time goes at batch "
-                        "1, 32, 256, beside its floors; under a minute)")
-    b.add_argument("--profile-batches", default="1,32,256", metavar="N,N",
+                   help="only the decode step profile (where a step's time goes at each "
+                        "--profile-batches size, beside its floors; under a minute)")
+    b.add_argument("--profile-batches", default=None, metavar="N,N",
                    help="batch sizes of the decode step profile (default: 1,32,256)")
     b.add_argument("--profile-steps", type=int, default=8, metavar="N",
                    help="timed decode steps per batch size in the step profile (>= 1)")
@@ -320,14 +320,15 @@ def _positive_ints(text: str) -> tuple[int, ...] | None:
 
 
 def cmd_bench_engine(args: argparse.Namespace) -> int:
-    from benchmarks.engine import BenchOptions, run_bench
+    from benchmarks.engine import BATCHES, BenchOptions, run_bench
 
     args.workload = args.workload or ["a", "b"]
     args.dtype = args.dtype or list(DTYPES)
     if args.profile_steps < 1:
         print(f"--profile-steps must be at least 1, got {args.profile_steps}", file=sys.stderr)
         return EXIT_INVALID
-    batches = _positive_ints(args.profile_batches)
+    batches = (BATCHES if args.profile_batches is None
+               else _positive_ints(args.profile_batches))
     if batches is None:
         print(f"--profile-batches must be batch sizes of at least 1, comma-separated "
               f"(e.g. 1,32,256), got {args.profile_batches!r}", file=sys.stderr)

@@ -44,8 +44,7 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
         min_tokens: int = 0,
     ) -> None:
-        self._tok = tokenizer
-        self._fast = _backend_decode(tokenizer)
+        self._decode_ids = _backend_decode(tokenizer) or tokenizer.decode
         self._ids: list[int] = list(prompt_token_ids[-_WINDOW:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -59,9 +58,7 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        if self._fast is not None:
-            return self._fast(ids, skip_special_tokens=True)
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return self._decode_ids(ids, skip_special_tokens=True)
 
     def add(self, token_id: int) -> str:
         """Feed one generated token; returns the newly stable text (may be empty)."""
