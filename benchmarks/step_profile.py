@@ -34,7 +34,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -274,9 +274,11 @@ def _gemv_layout(model: DecoderModel) -> str:
     return "tiles of 4 rows where K allows, else plain" if any(tiled) else "plain weights"
 
 
-def backend_report(model: DecoderModel) -> dict[str, Any]:
+def backend_report(model: DecoderModel,
+                   tuning: Sequence[tuple[int, float, float]] = ()) -> dict[str, Any]:
     """Which kernels this engine's model runs, what this torch was built with, and the
-    CPU's name and matrix-math flags. Call it before :func:`probes` wraps the model."""
+    CPU's name and matrix-math flags; ``tuning``: the model runner's ``linear_tuning``
+    (how it chose the GEMMs). Call it before :func:`probes` wraps the model."""
     name = getattr(model, "linear_name", "")
     onednn = "oneDNN _linear_pointwise (weights reordered once)"
     linear = {"torch": "torch F.linear (plain weights)", "onednn": onednn,
@@ -299,6 +301,8 @@ def backend_report(model: DecoderModel) -> dict[str, Any]:
         "cpu": cpu_name(), "cpu_flags": [f for f in SHOWN_FLAGS if f in flags],
         "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
         "linear": linear,
+        "linear_tuning": [{"rows": m, "plain_ms": p * 1e3, "onednn_ms": q * 1e3}
+                          for m, p, q in tuning],
         "elementwise": "torch reference ops" if model.ops is TORCH_OPS else "native fused kernels",
         "decode_attention": (f"native paged kernel ({kernels.paged_attention_isa()})"
                              if model.decode_op else "torch (gathered SDPA)"),
@@ -319,6 +323,10 @@ def print_backend(report: dict[str, Any]) -> None:
           + ", ".join(f"{k}={v}" for k, v in report["build_settings"].items()))
     for line in report["libraries"]:
         print(f"  {line}")
+    if report.get("linear_tuning"):
+        print("  GEMMs chosen at load, one layer's GEMMs timed: " + ", ".join(
+            f"{t['rows']} rows F.linear {t['plain_ms']:.2f} / oneDNN {t['onednn_ms']:.2f} ms"
+            for t in report["linear_tuning"]))
 
 
 def print_profile(dtype: str, rows: list[dict[str, Any]]) -> None:

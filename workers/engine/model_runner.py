@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -21,17 +22,31 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from workers.models.attention import build_attention_batch
-from workers.models.decoder import TORCH_OPS, DecoderModel, ElementwiseOps
+from workers.models.decoder import (
+    TORCH_OPS,
+    DecoderModel,
+    ElementwiseOps,
+    ModelShape,
+    supported_architecture,
+)
 from workers.models.int8_checkpoint import load_model as load_int8_model
 from workers.models.int8_checkpoint import quantization_of
 from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS
-from workers.models.linear import TORCH_LINEAR, gemv_linear, int8_linear, onednn_linear
+from workers.models.linear import (
+    TORCH_LINEAR,
+    gemv_linear,
+    int8_linear,
+    onednn_linear,
+    tuned_linear,
+)
 
 from . import kernels
 from .params import EngineConfig
 from .sampler import Sampler, SampleResult, TokenLogprobs, TokenMasks
 from .scheduler import ScheduledChunk
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 NATIVE_OPS = ElementwiseOps(kernels.rms_norm, kernels.add_rms_norm, kernels.rope_, kernels.silu_mul)
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -115,8 +130,19 @@ class ModelRunner:
         native = (self.device.type == "cpu" and config.use_native_kernels
                   and kernels.load(config.kernel_cache_dir) is not None)
         linear = None
+        self.linear_tuning: list[tuple[int, float, float]] = []
+        """Reduced-precision CPU GEMMs: (rows, F.linear s, oneDNN s) as timed at load."""
         if self.device.type == "cpu" and config.prepacked_weights:
             linear = onednn_linear(self.dtype)
+            if (linear is not None and self.dtype != torch.float32
+                    and supported_architecture(hf.config)):
+                # Which is faster depends on the CPU and the thread count (AMX bf16:
+                # F.linear below ~256 rows at 16 threads, oneDNN at 2): measured here.
+                linear, self.linear_tuning = tuned_linear(
+                    linear, ModelShape.of(hf.config).layer_gemms(), self.dtype)
+                log.info("%s GEMMs: %s (%s)", self.dtype, linear.name, ", ".join(
+                    f"{m} rows: F.linear {p * 1e3:.2f} ms, oneDNN {q * 1e3:.2f} ms"
+                    for m, p, q in self.linear_tuning))
         if (native and self.dtype == torch.float32 and config.decode_gemv
                 and config.quantization is None):
             linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR,

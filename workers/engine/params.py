@@ -86,7 +86,9 @@ class EngineConfig:
     kernel_cache_dir: str | None = None  # None: ~/.cache/pdserve/kernels
     prepacked_weights: bool = True
     """CPU: GEMM weights reordered once into oneDNN's blocked layout (faster small-batch
-    GEMMs, same memory; :mod:`workers.models.linear`); False: plain ``F.linear``."""
+    GEMMs, same memory; :mod:`workers.models.linear`); False: plain ``F.linear``. In
+    bf16/fp16 the runner times both at load and keeps, per row count, the faster
+    (:func:`workers.models.linear.tuned_linear`; both layouts where each wins somewhere)."""
     decode_gemv: bool = True
     """CPU, float32, native kernels: decode steps of up to a few tokens run a native GEMV
     on a plain copy of each weight (~1.4x faster single-stream GEMMs on AVX2; each weight

@@ -64,6 +64,12 @@ class LayerWeights:
     down: Any
 
 
+def supported_architecture(cfg: Any, model_class: str = "") -> bool:  # noqa: ANN401
+    """Whether a transformers config (``model_class``: the model's class name, where the
+    config names no architecture) is one :class:`DecoderModel` runs."""
+    return (cfg.architectures or [model_class])[0] in SUPPORTED_ARCHITECTURES
+
+
 @dataclass(frozen=True)
 class ModelShape:
     num_layers: int
@@ -74,6 +80,29 @@ class ModelShape:
     intermediate_size: int
     vocab_size: int
     rms_eps: float
+
+    @classmethod
+    def of(cls, cfg: Any) -> ModelShape:  # noqa: ANN401 - a transformers config
+        """The shape a supported checkpoint's config describes."""
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cls(
+            num_layers=cfg.num_hidden_layers,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+            head_dim=head_dim,
+            intermediate_size=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size,
+            rms_eps=cfg.rms_norm_eps,
+        )
+
+    def layer_gemms(self) -> list[tuple[int, int]]:
+        """``(in, out)`` of one layer's GEMMs as the model runs them: fused q/k/v, the
+        attention output, fused gate/up, down."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [(self.hidden_size, q + 2 * kv), (q, self.hidden_size),
+                (self.hidden_size, 2 * self.intermediate_size),
+                (self.intermediate_size, self.hidden_size)]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -160,22 +189,12 @@ class DecoderModel:
         """Which :class:`LinearOps` the GEMMs run (reports and benchmarks)."""
         cfg = hf_model.config
         arch = (cfg.architectures or [type(hf_model).__name__])[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if not supported_architecture(cfg, type(hf_model).__name__):
             raise ValueError(
                 f"architecture {arch} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
             )
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.shape = ModelShape(
-            num_layers=cfg.num_hidden_layers,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_attention_heads,
-            num_kv_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
-            head_dim=head_dim,
-            intermediate_size=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size,
-            rms_eps=cfg.rms_norm_eps,
-        )
-        self.kv_format = KVFormat(kv_cache_dtype, head_dim,
+        self.shape = ModelShape.of(cfg)
+        self.kv_format = KVFormat(kv_cache_dtype, self.shape.head_dim,
                                   hf_model.model.embed_tokens.weight.dtype)
         """How a cache row stores one token's K or V of one head (see :mod:`.kv_format`)."""
         self.key_transform: KeyTransform | None = None

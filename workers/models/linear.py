@@ -12,6 +12,11 @@ the plain one (no extra memory).
 Both compute the same product up to summation order (fp32: ~1e-5 relative), like any
 two GEMM kernels; greedy output still equals Hugging Face's (tests/integration).
 
+:func:`tuned_linear` (reduced-precision dtypes) measures instead of assuming: on a
+16-vCPU Sapphire Rapids, oneDNN's reordered bf16 weights ran 2-6x *slower* than
+``F.linear`` at 8-128 rows with 16 threads, and faster with 2. The model runner times
+both on the model's own layer shapes at load and keeps the faster per row count.
+
 :func:`gemv_linear` puts a native GEMV in front of another op for the small batches of
 decode (up to :data:`GEMV_ROWS` rows): a float32 step of one token is a matrix-vector
 product bound by reading the weights, which oneDNN's GEMM streams at ~8-9 GB/s on a
@@ -34,6 +39,8 @@ so this module needs nothing from the engine.
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -176,6 +183,86 @@ def onednn_linear(dtype: torch.dtype = torch.float32) -> LinearOps | None:
         return pointwise(x, w, bias, "none", [], "")
 
     return LinearOps("onednn", prepare, apply)
+
+
+TUNE_ROWS = (1, 8, 32, 64, 128, 256, 512)
+"""Tokens per GEMM :func:`tuned_linear` times: decode batches, then prefill chunks."""
+
+
+def plain_rows(plain_s: list[float], packed_s: list[float],
+               margin: float = 0.9) -> list[bool]:
+    """Per measured row count: whether the plain op runs there, which takes its seconds
+    under ``margin`` times the packed op's (a tie or a win inside the noise keeps the
+    packed op)."""
+    return [p < margin * q for p, q in zip(plain_s, packed_s, strict=True)]
+
+
+def by_rows(plain: LinearOps, packed: LinearOps, rows: tuple[int, ...],
+            use_plain: list[bool]) -> LinearOps:
+    """Both ops, each weight kept in both layouts (:class:`DualWeight`); a call of ``m``
+    rows runs the op chosen at the least measured row count >= m (past the last, the
+    last's choice)."""
+    table = [use_plain[bisect.bisect_left(rows, m)] for m in range(rows[-1] + 1)]
+    last = use_plain[-1]
+
+    def prepare(w: Weight) -> DualWeight:
+        return DualWeight(plain.prepare(w), packed.prepare(w))
+
+    def apply(x: torch.Tensor, w: DualWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        m = x.numel() // x.shape[-1]
+        if table[m] if m < len(table) else last:
+            return plain.apply(x, w.gemv, bias)
+        return packed.apply(x, w.packed, bias)
+
+    spans = ", ".join(f"{m}: {plain.name if u else packed.name}"
+                      for m, u in zip(rows, use_plain, strict=True))
+    return LinearOps(f"by rows ({spans})", prepare, apply)
+
+
+def _seconds(ops: LinearOps, weights: list[Any], xs: list[torch.Tensor], reps: int) -> float:
+    """Least seconds of ``reps`` passes over every (x, weight) pair, after one warm-up."""
+    best = float("inf")
+    for i in range(reps + 1):
+        t = time.perf_counter()
+        for x, w in zip(xs, weights, strict=True):
+            ops.apply(x, w, None)
+        if i:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def tuned_linear(packed: LinearOps, shapes: list[tuple[int, int]], dtype: torch.dtype,
+                 rows: tuple[int, ...] = TUNE_ROWS, reps: int = 3,
+                 plain: LinearOps | None = None,
+                 ) -> tuple[LinearOps, list[tuple[int, float, float]]]:
+    """``packed`` (e.g. :func:`onednn_linear`) or ``plain`` (default
+    :data:`TORCH_LINEAR`, ``F.linear`` on the weight as it is), whichever this CPU at
+    this thread count runs faster, timed on weights of ``shapes`` (``(in, out)`` of one
+    layer's GEMMs; seeded random values) at each of ``rows`` (:func:`plain_rows`); where
+    each wins somewhere, both, chosen per call by its row count (:func:`by_rows`; each
+    weight kept twice). Returns the op and what was measured: ``(rows, plain seconds,
+    packed seconds)`` per row count.
+
+    Why measure: on a 16-vCPU Sapphire Rapids (AMX), oneDNN's bf16 GEMMs on reordered
+    weights took 2.3-6x longer than ``F.linear`` at 8-128 rows with 16 threads and were
+    1.2x faster at 256, while with 2 threads they were 1.1-2x faster at every size
+    (``loadtest/results/device-h200-1204/reorder.log``): no fixed rule holds for both."""
+    plain = plain or TORCH_LINEAR
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen).to(dtype) for k, n in shapes]
+    plain_w = [plain.prepare(w) for w in weights]
+    packed_w = [packed.prepare(w) for w in weights]
+    measured = []
+    for m in rows:
+        xs = [torch.randn(m, k, generator=gen).to(dtype) for k, _ in shapes]
+        measured.append((m, _seconds(plain, plain_w, xs, reps),
+                         _seconds(packed, packed_w, xs, reps)))
+    use_plain = plain_rows([p for _, p, _ in measured], [q for _, _, q in measured])
+    if not any(use_plain):
+        return packed, measured
+    if all(use_plain):
+        return plain, measured
+    return by_rows(plain, packed, rows, use_plain), measured
 
 
 GEMV_ROWS = 4
