@@ -105,3 +105,16 @@ def test_tuned_linear_on_onednn_gives_the_same_product():
             x = torch.randn(m, k)
             torch.testing.assert_close(chosen.apply(x, prepared, None), F.linear(x, w),
                                        rtol=1e-4, atol=1e-4)
+
+
+def test_tuned_linear_without_room_for_both_keeps_the_least_total():
+    # packed slower by 2 ms at 8 and 32 rows, plain at 1 row: without memory for both
+    # layouts, plain (the least summed time) for every size; with it, each where it won
+    rows = (1, 8, 32)
+    packed = slow_when(lambda m: 2 <= m <= 32, "packed")
+    plain = slow_when(lambda m: m < 2, "torch")
+    chosen, _ = tuned_linear(packed, SHAPES, torch.float32, rows=rows, plain=plain,
+                             keep_both=False)
+    assert chosen is plain
+    chosen, _ = tuned_linear(packed, SHAPES, torch.float32, rows=rows, plain=plain)
+    assert chosen.name == "by rows (1: packed, 8: torch, 32: torch)"

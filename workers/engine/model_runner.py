@@ -103,6 +103,17 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 31)
 
 
+def _room_for_a_copy(model: torch.nn.Module, share: float = 0.25) -> bool:
+    """Whether a second copy of the model's weights takes at most ``share`` of the
+    memory available now (Linux; elsewhere: assume not)."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return False
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return weights <= share * free
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset(), tokenizer=None) -> None:  # noqa: ANN001
@@ -139,7 +150,8 @@ class ModelRunner:
                 # Which is faster depends on the CPU and the thread count (AMX bf16:
                 # F.linear below ~256 rows at 16 threads, oneDNN at 2): measured here.
                 linear, self.linear_tuning = tuned_linear(
-                    linear, ModelShape.of(hf.config).layer_gemms(), self.dtype)
+                    linear, ModelShape.of(hf.config).layer_gemms(), self.dtype,
+                    keep_both=_room_for_a_copy(hf))
                 log.info("%s GEMMs: %s (%s)", self.dtype, linear.name, ", ".join(
                     f"{m} rows: F.linear {p * 1e3:.2f} ms, oneDNN {q * 1e3:.2f} ms"
                     for m, p, q in self.linear_tuning))

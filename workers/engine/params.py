@@ -88,7 +88,8 @@ class EngineConfig:
     """CPU: GEMM weights reordered once into oneDNN's blocked layout (faster small-batch
     GEMMs, same memory; :mod:`workers.models.linear`); False: plain ``F.linear``. In
     bf16/fp16 the runner times both at load and keeps, per row count, the faster
-    (:func:`workers.models.linear.tuned_linear`; both layouts where each wins somewhere)."""
+    (:func:`workers.models.linear.tuned_linear`; both layouts where each wins somewhere and
+    a second copy of the weights fits in a quarter of the free memory)."""
     decode_gemv: bool = True
     """CPU, float32, native kernels: decode steps of up to a few tokens run a native GEMV
     on a plain copy of each weight (~1.4x faster single-stream GEMMs on AVX2; each weight

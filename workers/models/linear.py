@@ -233,15 +233,16 @@ def _seconds(ops: LinearOps, weights: list[Any], xs: list[torch.Tensor], reps: i
 
 def tuned_linear(packed: LinearOps, shapes: list[tuple[int, int]], dtype: torch.dtype,
                  rows: tuple[int, ...] = TUNE_ROWS, reps: int = 3,
-                 plain: LinearOps | None = None,
+                 plain: LinearOps | None = None, keep_both: bool = True,
                  ) -> tuple[LinearOps, list[tuple[int, float, float]]]:
     """``packed`` (e.g. :func:`onednn_linear`) or ``plain`` (default
     :data:`TORCH_LINEAR`, ``F.linear`` on the weight as it is), whichever this CPU at
     this thread count runs faster, timed on weights of ``shapes`` (``(in, out)`` of one
     layer's GEMMs; seeded random values) at each of ``rows`` (:func:`plain_rows`); where
     each wins somewhere, both, chosen per call by its row count (:func:`by_rows`; each
-    weight kept twice). Returns the op and what was measured: ``(rows, plain seconds,
-    packed seconds)`` per row count.
+    weight kept twice), unless ``keep_both`` is False (the caller has not the memory for
+    a second copy): then the one with the least time summed over ``rows``. Returns the
+    op and what was measured: ``(rows, plain seconds, packed seconds)`` per row count.
 
     Why measure: on a 16-vCPU Sapphire Rapids (AMX), oneDNN's bf16 GEMMs on reordered
     weights took 2.3-6x longer than ``F.linear`` at 8-128 rows with 16 threads and were
@@ -262,6 +263,9 @@ def tuned_linear(packed: LinearOps, shapes: list[tuple[int, int]], dtype: torch.
         return packed, measured
     if all(use_plain):
         return plain, measured
+    if not keep_both:
+        plain_total, packed_total = (sum(t[i] for t in measured) for i in (1, 2))
+        return (plain if plain_total < packed_total else packed), measured
     return by_rows(plain, packed, rows, use_plain), measured
 
 
