@@ -105,10 +105,13 @@ def keep_freed_memory() -> None:
 
 def _room_for_a_copy(model: torch.nn.Module, share: float = 0.25) -> bool:
     """Whether a second copy of the model's weights takes at most ``share`` of the
-    memory available now (Linux; elsewhere: assume not)."""
+    memory available now (Linux's MemAvailable, page cache included; elsewhere: assume
+    not)."""
     try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        free = kib * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
         return False
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     return weights <= share * free
