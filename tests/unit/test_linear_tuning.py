@@ -118,3 +118,11 @@ def test_tuned_linear_without_room_for_both_keeps_the_least_total():
     assert chosen is plain
     chosen, _ = tuned_linear(packed, SHAPES, torch.float32, rows=rows, plain=plain)
     assert chosen.name == "by rows (1: packed, 8: torch, 32: torch)"
+
+
+def test_room_for_a_copy_weighs_the_weights_against_available_memory():
+    from workers.engine.model_runner import _room_for_a_copy
+
+    small = torch.nn.Linear(10, 10)  # 440 bytes
+    assert _room_for_a_copy(small)
+    assert not _room_for_a_copy(small, share=0.0)
