@@ -1,6 +1,7 @@
 """The GEMM choice measured at load (:func:`workers.models.linear.tuned_linear`): the pure
-rule that turns timings into a split (:func:`split_rows`), and the timed choice itself on
-real ops, one of them made slow where it must lose by far more than timing noise."""
+rule that turns timings into a choice per row count (:func:`plain_rows`), and the timed
+choice itself on real ops, one of them made slow where it must lose by far more than
+timing noise."""
 
 from __future__ import annotations
 

@@ -149,7 +149,8 @@ class ModelRunner:
         if self.device.type == "cpu" and config.prepacked_weights:
             linear = onednn_linear(self.dtype)
             if (linear is not None and self.dtype != torch.float32
-                    and config.quantization is None and supported_architecture(hf.config)):
+                    and config.quantization is None
+                    and supported_architecture(hf.config, type(hf).__name__)):
                 # Which is faster depends on the CPU and the thread count (AMX bf16:
                 # F.linear below ~256 rows at 16 threads, oneDNN at 2): measured here.
                 linear, self.linear_tuning = tuned_linear(

@@ -189,7 +189,7 @@ class DecoderModel:
         """Which :class:`LinearOps` the GEMMs run (reports and benchmarks)."""
         cfg = hf_model.config
         arch = (cfg.architectures or [type(hf_model).__name__])[0]
-        if not supported_architecture(cfg, type(hf_model).__name__):
+        if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {arch} is not supported; supported: {SUPPORTED_ARCHITECTURES}"
             )

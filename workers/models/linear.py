@@ -72,9 +72,10 @@ class Int8Weight:
 
 @dataclass(frozen=True)
 class DualWeight:
-    """A float weight in two layouts: ``gemv``, the GEMV's (``[out, in]`` contiguous, or
-    the kernel's own tiles; it has ``shape``) and ``packed``, what the batched op's
-    ``prepare`` made of it."""
+    """A float weight in two layouts, for an op chosen per call by its row count
+    (:func:`by_rows`): ``gemv``, the small-batch op's (the GEMV's ``[out, in]`` contiguous
+    or its kernel's own tiles, or ``F.linear``'s plain weight; it has ``shape``) and
+    ``packed``, what the other op's ``prepare`` made of it."""
 
     gemv: Any
     packed: Any
@@ -206,6 +207,8 @@ def by_rows(plain: LinearOps, packed: LinearOps, rows: tuple[int, ...],
     last = use_plain[-1]
 
     def prepare(w: Weight) -> DualWeight:
+        if isinstance(w, torch.Tensor):
+            w = w.contiguous()  # one copy both layouts start from
         return DualWeight(plain.prepare(w), packed.prepare(w))
 
     def apply(x: torch.Tensor, w: DualWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -285,18 +288,14 @@ def gemv_linear(gemv: Gemv, batched: LinearOps, max_rows: int = GEMV_ROWS,
     reads those faster), ``batched`` on its own layout above (prefill, large decode
     batches). Each weight is kept in both (:class:`DualWeight`)."""
 
-    def prepare(w: Weight) -> DualWeight:
+    def gemv_layout(w: Weight) -> Any:  # noqa: ANN401 - the kernel's own layout
         if isinstance(w, Int8Weight):
             raise ValueError("gemv_linear takes float weights")
-        plain = w.contiguous()
-        return DualWeight(layout(plain) if layout else plain, batched.prepare(plain))
+        return layout(w) if layout else w
 
-    def apply(x: torch.Tensor, w: DualWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.numel() <= max_rows * x.shape[-1]:
-            return gemv(x, w.gemv, bias)
-        return batched.apply(x, w.packed, bias)
-
-    return LinearOps(f"gemv+{batched.name}", prepare, apply)
+    small = LinearOps("gemv", gemv_layout, gemv)
+    both = by_rows(small, batched, (max_rows, max_rows + 1), [True, False])
+    return LinearOps(f"gemv+{batched.name}", both.prepare, both.apply)
 
 
 Int8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],
