@@ -267,7 +267,7 @@ def _gemv_layout(model: DecoderModel) -> str:
     """How the GEMV holds the weights: row-major, its kernel's tiles, or some of each
     (a weight whose K is not whole chunks stays row-major)."""
     weights = [model.lm_head, *(w for lw in model.layers for w in vars(lw).values())]
-    tiled = [isinstance(getattr(w, "gemv", None), kernels.PackedF32) for w in weights
+    tiled = [isinstance(getattr(w, "gemv", None), kernels.GemvTiles) for w in weights
              if hasattr(w, "gemv")]
     if tiled and all(tiled):
         return "tiles of 4 rows"
@@ -275,16 +275,20 @@ def _gemv_layout(model: DecoderModel) -> str:
 
 
 def backend_report(model: DecoderModel,
-                   tuning: Sequence[tuple[int, float, float]] = ()) -> dict[str, Any]:
+                   tuning: Sequence[tuple[int, float, float]] = (),
+                   gemv: kernels.TilesTiming | None = None) -> dict[str, Any]:
     """Which kernels this engine's model runs, what this torch was built with, and the
     CPU's name and matrix-math flags; ``tuning``: the model runner's ``linear_tuning``
-    (how it chose the GEMMs). Call it before :func:`probes` wraps the model."""
+    (how it chose the GEMMs), ``gemv``: its ``gemv_tiling`` (how it chose the GEMV's
+    layout). Call it before :func:`probes` wraps the model."""
     name = getattr(model, "linear_name", "")
     onednn = "oneDNN _linear_pointwise (weights reordered once)"
-    linear = {"torch": "torch F.linear (plain weights)", "onednn": onednn,
-              "gemv+onednn": f"native GEMV up to {GEMV_ROWS} rows ({_gemv_layout(model)}), "
-                             f"above: {onednn}",
-              }.get(name, name or repr(model.linear))
+    names = {"torch": "torch F.linear (plain weights)", "onednn": onednn}
+    linear = names.get(name, name or repr(model.linear))
+    if name.startswith("gemv+"):
+        rest = name.removeprefix("gemv+")
+        linear = (f"native GEMV up to {GEMV_ROWS} rows ({_gemv_layout(model)}), "
+                  f"above: {names.get(rest, rest)}")
     settings = {}
     build = [line.strip() for line in torch.__config__.show().splitlines()]
     for line in build:
@@ -303,6 +307,9 @@ def backend_report(model: DecoderModel,
         "linear": linear,
         "linear_tuning": [{"rows": m, "plain_ms": p * 1e3, "onednn_ms": q * 1e3}
                           for m, p, q in tuning],
+        "gemv_tiling": None if gemv is None else {
+            "tiles": gemv.tiles, "row_major_ms": gemv.row_major_s * 1e3,
+            "tiles_ms": gemv.tiles_s * 1e3, "weight_mb": gemv.weight_bytes / 2**20},
         "elementwise": "torch reference ops" if model.ops is TORCH_OPS else "native fused kernels",
         "decode_attention": (f"native paged kernel ({kernels.paged_attention_isa()})"
                              if model.decode_op else "torch (gathered SDPA)"),
@@ -327,6 +334,11 @@ def print_backend(report: dict[str, Any]) -> None:
         print("  GEMMs chosen at load, one layer's GEMMs timed: " + ", ".join(
             f"{t['rows']} rows F.linear {t['plain_ms']:.2f} / oneDNN {t['onednn_ms']:.2f} ms"
             for t in report["linear_tuning"]))
+    if report.get("gemv_tiling"):
+        g = report["gemv_tiling"]
+        print(f"  GEMV layout chosen at load: {'tiles' if g['tiles'] else 'row-major'} "
+              f"(one row through {g['weight_mb']:.0f} MB of layer weights: row-major "
+              f"{g['row_major_ms']:.2f} ms, tiles {g['tiles_ms']:.2f} ms)")
 
 
 def print_profile(dtype: str, rows: list[dict[str, Any]]) -> None:

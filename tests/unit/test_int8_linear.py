@@ -146,21 +146,22 @@ def test_int8_in_tiles_gives_the_row_major_results(native, dtype, n, k) -> None:
 
 
 def test_int8_linear_ops_put_weights_in_the_kernels_layout(native) -> None:
-    ops = int8_linear(native.int8_linear, native.int8_layout)
+    ops = int8_linear(native.int8_linear, native.int8_tiles)
     w = weight(24, 40, 5)
     prepared = ops.prepare(w)
-    assert prepared.tiled == (native.int8_isa() == "avx2") and prepared.shape == (24, 40)
+    assert prepared.tiled and prepared.shape == (24, 40)
     assert ops.prepare(prepared) is prepared  # already in it
     x = torch.randn(2, 40)
     ref, mag = reference(x, quantize_int8(w), None)
     assert bool(((ops.apply(x, prepared, None).double() - ref).abs() <= 1e-5 * mag + 1e-6).all())
     odd = ops.prepare(weight(8, 36, 1))  # K not whole chunks: row-major
     assert not odd.tiled and odd.shape == (8, 36)
-    if prepared.tiled:  # tiles are the kernel's own: no fusing or dequantizing them in torch
-        with pytest.raises(ValueError, match="tiles"):
-            cat_weights([prepared, prepared])
-        with pytest.raises(ValueError, match="row-major"):
-            dequantize_int8(prepared, torch.float32)
+    # Tiles are the kernel's own: no fusing or dequantizing them in torch.
+    with pytest.raises(ValueError, match="tiles"):
+        cat_weights([prepared, prepared])
+    with pytest.raises(ValueError, match="row-major"):
+        dequantize_int8(prepared, torch.float32)
+    assert not int8_linear(native.int8_linear).prepare(w).tiled  # no layout: row-major
     with pytest.raises(RuntimeError, match="scale's length"):
         native.int8_linear(x, prepared.q, prepared.scale[:20])
 
@@ -189,41 +190,49 @@ def test_linear_ops_quantize_at_prepare_and_take_int8_as_is(native, with_kernel)
 
 # --- the float32 GEMV (the same kernel on float weights) and its dispatch ------------------
 
+def gemv_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               ref: torch.Tensor) -> torch.Tensor:
+    """What the GEMV may differ from the float64 ``ref`` by: float32 sums in another
+    order (1e-5 of the products' magnitudes), and in bfloat16 the one rounding of each
+    output (half an ulp: 2^-8 relative)."""
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().T
+                    + (0 if b is None else b.double().abs())) + 1e-30
+    return bound + (2.0**-8 * ref.abs() if x.dtype == torch.bfloat16 else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("isa", paths())
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5])
-def test_f32_gemv_matches_float64(native, isa, n, k, rows) -> None:
-    w = weight(n, k, seed=n + k)
+def test_f32_gemv_matches_float64(native, dtype, isa, n, k, rows) -> None:
+    w = weight(n, k, seed=n + k).to(dtype)
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(2, rows, k, generator=g)[:, :, :].transpose(0, 1)  # not contiguous
+    x = torch.randn(2, rows, k, generator=g)[:, :, :].transpose(0, 1).to(dtype)  # strided
     bias = torch.randn(n, generator=g)
-    for b in (None, bias):
+    for b in (None, bias, bias.to(dtype)):
         y = native.f32_gemv(x, w, b, isa=isa)
-        assert y.dtype == torch.float32 and y.shape == (rows, 2, n)
+        assert y.dtype == dtype and y.shape == (rows, 2, n)
         ref = x.double() @ w.double().T + (0 if b is None else b.double())
-        bound = 1e-5 * (x.double().abs() @ w.double().abs().T
-                        + (0 if b is None else b.double().abs())) + 1e-30
-        assert bool(((y.double() - ref).abs() <= bound).all())
+        assert bool(((y.double() - ref).abs() <= gemv_bound(x, w, b, ref)).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("isa", paths())
 @pytest.mark.parametrize("n,k", PACKED_SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5])
-def test_f32_gemv_on_packed_tiles_is_the_row_major_sum(native, isa, n, k, rows) -> None:
-    w = weight(n, k, seed=n * k)
-    packed = native.f32_gemv_pack(w)
+def test_f32_gemv_on_packed_tiles_is_the_row_major_sum(native, dtype, isa, n, k, rows) -> None:
+    w = weight(n, k, seed=n * k).to(dtype)
+    packed = native.gemv_tiles(w)
     assert packed.shape == (n, k) and packed.data.shape == ((n + 3) // 4, k // 8, 4, 8)
-    assert packed.nbytes() == packed.data.numel() * 4
+    assert packed.data.dtype == dtype and packed.nbytes() == packed.data.numel() * w.element_size()
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, k, generator=g)
+    x = torch.randn(rows, k, generator=g).to(dtype)
     bias = torch.randn(n, generator=g)
     for b in (None, bias):
         y = native.f32_gemv(x, packed, b, isa=isa)
-        assert y.shape == (rows, n)
+        assert y.shape == (rows, n) and y.dtype == dtype
         ref = x.double() @ w.double().T + (0 if b is None else b.double())
-        bound = 1e-5 * (x.double().abs() @ w.double().abs().T
-                        + (0 if b is None else b.double().abs())) + 1e-30
-        assert bool(((y.double() - ref).abs() <= bound).all())
+        assert bool(((y.double() - ref).abs() <= gemv_bound(x, w, b, ref)).all())
         # The same sums in the same order as the row-major tile of 8-float chunks (the
         # AVX2 path; an AVX-512 build's packed weights run that tile too).
         same = "scalar" if isa == "scalar" else ("avx2" if "avx2" in paths() else None)
@@ -231,35 +240,52 @@ def test_f32_gemv_on_packed_tiles_is_the_row_major_sum(native, isa, n, k, rows) 
             assert torch.equal(y, native.f32_gemv(x, w, b, isa=same))
 
 
-def test_f32_gemv_layout_packs_where_the_avx2_tile_runs(native) -> None:
+def test_gemv_tiles_where_k_is_whole_chunks(native) -> None:
     w = weight(12, 64, 1)
-    got = native.f32_gemv_layout(w.T.contiguous().T)
-    if native.int8_isa() == "avx2":
-        assert isinstance(got, native.PackedF32) and got.shape == w.shape
-    else:
-        assert isinstance(got, torch.Tensor) and got.is_contiguous()
-    odd = native.f32_gemv_layout(weight(12, 60, 1))  # K not a multiple of 8: as is
-    assert isinstance(odd, torch.Tensor)
+    got = native.gemv_tiles_where_whole(w.T.contiguous().T)
+    assert isinstance(got, native.GemvTiles) and got.shape == w.shape
+    odd = native.gemv_tiles_where_whole(weight(12, 60, 1).T.contiguous().T)  # K % 8: as is
+    assert isinstance(odd, torch.Tensor) and odd.is_contiguous()
+    assert native.int8_tiles(quantize_int8(weight(12, 60, 1)).q).dim() == 2
     x = torch.randn(2, 64)
     torch.testing.assert_close(native.f32_gemv(x, got), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
-def test_f32_gemv_pack_rejects_what_it_cannot_take(native) -> None:
+def test_gemv_tiles_reject_what_they_cannot_take(native) -> None:
     with pytest.raises(RuntimeError, match="multiple of 8"):
-        native.f32_gemv_pack(torch.randn(8, 12))
-    with pytest.raises(RuntimeError, match="float32 or int8"):
-        native.f32_gemv_pack(torch.randn(8, 16).bfloat16())
-    packed = native.f32_gemv_pack(torch.randn(8, 16))
+        native.gemv_tiles(torch.randn(8, 12))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8"):
+        native.gemv_tiles(torch.randn(8, 16).half())
+    packed = native.gemv_tiles(torch.randn(8, 16))
     with pytest.raises(RuntimeError, match="last dim"):
         native.f32_gemv(torch.randn(1, 8), packed)
     with pytest.raises(RuntimeError, match="gemv_pack"):  # n that the tiles cannot hold
-        native.f32_gemv(torch.randn(1, 16), native.PackedF32(packed.data, 9))
+        native.f32_gemv(torch.randn(1, 16), native.GemvTiles(packed.data, 9))
+    with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
+        native.f32_gemv(torch.randn(1, 16), native.gemv_tiles(torch.randn(8, 16).bfloat16()))
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.int8])
+def test_time_gemv_tiles_times_both_layouts_and_picks_by_the_margin(native, dtype) -> None:
+    shapes = [(64, 96), (96, 64), (60, 32)]  # (in, out); K = 60 is not whole chunks
+    t = native.time_gemv_tiles(shapes, dtype, layers=3, reps=2)
+    assert t.row_major_s > 0 and t.tiles_s > 0
+    assert t.weight_bytes == 3 * (64 * 96 + 96 * 64) * torch.empty((), dtype=dtype).element_size()
+    assert t.tiles == (t.tiles_s < 0.95 * t.row_major_s)
+    capped = native.time_gemv_tiles(shapes, dtype, layers=3, reps=1, budget=1)
+    assert capped.weight_bytes == t.weight_bytes // 3  # at least one layer, however small
+    # Tiles must win by the margin: under 0 times row-major's time they never do.
+    assert not native.time_gemv_tiles(shapes, dtype, layers=1, reps=1, margin=0.0).tiles
+    assert native.time_gemv_tiles([(60, 8)], dtype, layers=1) == native.TilesTiming(
+        False, 0.0, 0.0, 0)  # nothing to tile
 
 
 def test_f32_gemv_rejects_what_it_cannot_take(native) -> None:
     w = torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
         native.f32_gemv(torch.randn(1, 16).bfloat16(), w)
+    with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):
+        native.f32_gemv(torch.randn(1, 16).half(), w.half())
     with pytest.raises(RuntimeError, match="contiguous"):
         native.f32_gemv(torch.randn(1, 8), w.T)
     with pytest.raises(RuntimeError, match="last dim"):

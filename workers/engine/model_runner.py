@@ -103,10 +103,15 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 31)
 
 
+GEMV_DTYPES = (torch.float32, torch.bfloat16)
+"""Model dtypes whose decode steps run the native GEMV (:func:`kernels.f32_gemv`)."""
+
+
 def _room_for_a_copy(model: torch.nn.Module, share: float = 0.25) -> bool:
     """Whether a second copy of the model's weights takes at most ``share`` of the
     memory available now (Linux's MemAvailable, page cache included; elsewhere: assume
-    not)."""
+    not). Each extra layout the runner keeps (both GEMM layouts, the GEMV's) asks once,
+    before the model is built: together at most half of what was free."""
     try:
         with open("/proc/meminfo") as f:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
@@ -146,30 +151,45 @@ class ModelRunner:
         linear = None
         self.linear_tuning: list[tuple[int, float, float]] = []
         """Reduced-precision CPU GEMMs: (rows, F.linear s, oneDNN s) as timed at load."""
+        self.gemv_tiling: kernels.TilesTiming | None = None
+        """The decode GEMV's layout as timed at load (None: no native GEMV)."""
+        shape = (ModelShape.of(hf.config)
+                 if supported_architecture(hf.config, type(hf).__name__) else None)
         if self.device.type == "cpu" and config.prepacked_weights:
             linear = onednn_linear(self.dtype)
             if (linear is not None and self.dtype != torch.float32
-                    and config.quantization is None
-                    and supported_architecture(hf.config, type(hf).__name__)):
+                    and config.quantization is None and shape is not None):
                 # Which is faster depends on the CPU and the thread count (AMX bf16:
                 # F.linear below ~256 rows at 16 threads, oneDNN at 2): measured here.
                 linear, self.linear_tuning = tuned_linear(
-                    linear, ModelShape.of(hf.config).layer_gemms(), self.dtype,
-                    keep_both=_room_for_a_copy(hf))
+                    linear, shape.layer_gemms(), self.dtype, keep_both=_room_for_a_copy(hf))
                 log.info("%s GEMMs: %s (%s)", self.dtype, linear.name, ", ".join(
                     f"{m} rows: F.linear {p * 1e3:.2f} ms, oneDNN {q * 1e3:.2f} ms"
                     for m, p, q in self.linear_tuning))
-        if (native and self.dtype == torch.float32 and config.decode_gemv
-                and config.quantization is None):
-            linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR,
-                                 layout=kernels.f32_gemv_layout)
+        gemv_dtype = torch.int8 if config.quantization == "int8" else self.dtype
+        if native and shape is not None and (
+                gemv_dtype == torch.int8
+                or (gemv_dtype in GEMV_DTYPES and config.decode_gemv and _room_for_a_copy(hf))):
+            # Row-major or tiles: which the GEMV streams faster depends on the CPU
+            # (tiles: 1.2-2x on AMD EPYCs, AVX2 and AVX-512): measured here.
+            self.gemv_tiling = kernels.time_gemv_tiles(shape.layer_gemms(), gemv_dtype,
+                                                       shape.num_layers)
+            t = self.gemv_tiling
+            log.info("decode GEMV (%s): %s (row-major %.2f ms, tiles %.2f ms per %d MB)",
+                     gemv_dtype, "tiles" if t.tiles else "row-major", t.row_major_s * 1e3,
+                     t.tiles_s * 1e3, t.weight_bytes >> 20)
         layer_linear = None
         if config.quantization == "int8":
             # Every layer's projections and the LM head (the step's biggest GEMV: 113 of
             # SmolLM2's 220 MB per fp32 step with it in fp32; +0.13 points of perplexity).
             # Native: the int8 GEMV/GEMM kernel; else dequantize per call (slow, any device).
-            layer_linear = (int8_linear(kernels.int8_linear, kernels.int8_layout) if native
-                            else int8_linear())
+            tiles = self.gemv_tiling is not None and self.gemv_tiling.tiles
+            layer_linear = (int8_linear(kernels.int8_linear, kernels.int8_tiles if tiles
+                                        else None) if native else int8_linear())
+        elif self.gemv_tiling is not None:
+            linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR,
+                                 layout=(kernels.gemv_tiles_where_whole
+                                         if self.gemv_tiling.tiles else None))
         # RoPE tables reach the calibration's positions too, whatever max_model_len is:
         # workers with different limits must calibrate the same key transform.
         self.model = DecoderModel(

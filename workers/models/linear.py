@@ -18,16 +18,16 @@ two GEMM kernels; greedy output still equals Hugging Face's (tests/integration).
 both on the model's own layer shapes at load and keeps the faster per row count.
 
 :func:`gemv_linear` puts a native GEMV in front of another op for the small batches of
-decode (up to :data:`GEMV_ROWS` rows): a float32 step of one token is a matrix-vector
-product bound by reading the weights, which oneDNN's GEMM streams at ~8-9 GB/s on a
-2-core AMD EPYC (AVX2) where the GEMV reaches ~12-13 GB/s (SmolLM2's layer GEMMs: 42 ->
-30 ms at 1-4 tokens, level at 8). The GEMV's copy is in the layout its kernel reads
-fastest (``layout``: on AVX2, tiles of 4 rows stored as one stream,
-``workers.engine.kernels.f32_gemv_layout``: the layer GEMVs alone 1.2-1.3x faster than
-on row-major weights, single-stream decode ITL 0.88-0.90x). The cost is memory: each weight
-is kept twice, for the GEMV and in the other op's layout (:class:`DualWeight`; SmolLM2
-fp32: +425 MB of layer weights, and +113 MB where the LM head is tiled: row-major, a
-tied head's GEMV copy is the embedding itself).
+decode (up to :data:`GEMV_ROWS` rows): a step of one token is a matrix-vector product
+bound by reading the weights, which oneDNN's GEMM streams at ~8-9 GB/s on a 2-core AMD
+EPYC (AVX2) where the GEMV reaches ~12-13 GB/s (SmolLM2's fp32 layer GEMMs: 42 -> 30 ms at
+1-4 tokens, level at 8), and bf16 at ~17 GB/s on a 2-core Zen 4 where the GEMV on tiles
+reads ~28. The GEMV's copy is in the layout its kernel reads fastest on this CPU
+(``layout``: row-major, or tiles of 4 rows stored as one stream, as the model runner
+measured at load: ``workers.engine.kernels.time_gemv_tiles``). The cost is memory: each
+weight is kept twice, for the GEMV and in the other op's layout (:class:`DualWeight`;
+SmolLM2 fp32: +425 MB of layer weights, and +113 MB where the LM head is tiled:
+row-major, a tied head's GEMV copy is the embedding itself).
 
 :func:`int8_linear` is weight-only int8 (``--quantization int8``): each weight row
 (output channel) becomes int8 values and one float32 scale, symmetric absmax
@@ -277,8 +277,8 @@ GEMV_ROWS = 4
 AVX2, SmolLM2 fp32: 1.4x faster than the reordered oneDNN GEMM at 1-4 rows, level at 8)."""
 
 Gemv = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
-"""``gemv(x, w, bias)``: ``workers.engine.kernels.f32_gemv``'s contract (float32; ``w``
-plain or in the layout the kernel's own ``layout`` made)."""
+"""``gemv(x, w, bias)``: ``workers.engine.kernels.f32_gemv``'s contract (float32 or
+bfloat16; ``w`` plain or in the layout the kernel's own ``layout`` made)."""
 
 
 def gemv_linear(gemv: Gemv, batched: LinearOps, max_rows: int = GEMV_ROWS,

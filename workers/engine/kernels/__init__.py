@@ -305,7 +305,7 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     """``x @ (q * scale[:, None]).T + bias`` with the weight read as int8.
 
     x: float32 or bfloat16 ``[..., K]``; q: contiguous int8 ``[N, K]`` (or in tiles,
-    :func:`int8_layout`); scale: float32 ``[N]``; bias: ``[N]`` (float32 or x's dtype) or
+    :func:`int8_tiles`); scale: float32 ``[N]``; bias: ``[N]`` (float32 or x's dtype) or
     None. Returns ``[..., N]`` in x's dtype. Up to ``max_gemv_rows`` rows of x: the GEMV,
     each output ``(sum_k x * q) * scale + bias`` in float32, rounded once; more rows: the
     weight dequantized to x's dtype in blocks and torch's GEMM (see ``int8_linear.cpp``).
@@ -316,24 +316,25 @@ def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return _fused_op("int8_linear")(x, q, scale, bias, int(max_gemv_rows), _isa_code(isa))
 
 
-def f32_gemv(x: torch.Tensor, w: torch.Tensor | PackedF32, bias: torch.Tensor | None = None,
+def f32_gemv(x: torch.Tensor, w: torch.Tensor | GemvTiles, bias: torch.Tensor | None = None,
              isa: str | None = None) -> torch.Tensor:
-    """``x @ w.T + bias`` for float32 x ``[..., K]`` and a float32 weight ``[N, K]``
-    (contiguous, or :class:`PackedF32`), by the int8 kernel's GEMV (each weight row read
-    once for every row of x): the decode GEMMs of float32 models
-    (``workers.models.linear.gemv_linear``). ``isa`` as for :func:`int8_linear`; a packed
-    weight runs the AVX2 tile on either SIMD path, bit for bit the row-major AVX2 path.
+    """``x @ w.T + bias`` for x ``[..., K]`` and a weight ``[N, K]`` (contiguous, or
+    :class:`GemvTiles`), both float32 or both bfloat16, by the int8 kernel's GEMV (each
+    weight row read once for every row of x, float32 accumulators): the decode GEMMs of
+    float models (``workers.models.linear.gemv_linear``). Returns x's dtype (bfloat16:
+    each output rounded once, as a bf16 GEMM rounds). ``isa`` as for :func:`int8_linear`;
+    tiles run the AVX2 tile on either SIMD path, bit for bit the row-major AVX2 path.
     Sums in float32 in another order than a GEMM (~1e-6 relative)."""
     code = _isa_code(isa)
-    if isinstance(w, PackedF32):
+    if isinstance(w, GemvTiles):
         return _fused_op("f32_gemv_packed")(x, w.data, w.n, bias, code)
     return _fused_op("f32_gemv")(x, w, bias, code)
 
 
 @dataclass(frozen=True)
-class PackedF32:
-    """A float32 weight ``[N, K]`` in :func:`f32_gemv_pack`'s tile layout: each tile of 4
-    rows stored as one sequential stream (``data`` ``[ceil(N/4), K/8, 4, 8]``, the last
+class GemvTiles:
+    """A float32 or bfloat16 weight ``[N, K]`` in :func:`gemv_tiles`' layout: each tile of
+    4 rows stored as one sequential stream (``data`` ``[ceil(N/4), K/8, 4, 8]``, the last
     tile padded with zero rows)."""
 
     data: torch.Tensor
@@ -348,36 +349,99 @@ class PackedF32:
 
 
 PACK_CHUNK = 8
-"""Floats per chunk of :class:`PackedF32` (K must be a multiple of it)."""
+"""Elements per chunk of :class:`GemvTiles` (K must be a multiple of it)."""
 
 
-def f32_gemv_pack(w: torch.Tensor) -> PackedF32:
-    """``w`` (float32 ``[N, K]``, K a multiple of :data:`PACK_CHUNK`) in the tile layout
-    (see ``int8_linear.cpp``): a new tensor of ``w``'s size, rounded up to whole tiles."""
-    return PackedF32(_fused_op("gemv_pack")(w), w.shape[0])
+def gemv_tiles(w: torch.Tensor) -> GemvTiles:
+    """``w`` (float32 or bfloat16 ``[N, K]``, K a multiple of :data:`PACK_CHUNK`) in the
+    tile layout (see ``int8_linear.cpp``): a new tensor of ``w``'s size, rounded up to
+    whole tiles."""
+    return GemvTiles(_fused_op("gemv_pack")(w), w.shape[0])
 
 
-def _tiles_pay(k: int) -> bool:
-    """Whether the GEMV reads a weight of ``k`` columns faster in tiles on this CPU: where
-    its best path is AVX2 (measured on a 2-core AMD EPYC, SmolLM2's layer weights: 1.2-1.3x
-    faster per decode step, one sequential stream per tile of 4 rows instead of four) and
-    K is whole chunks. The AVX-512 path was measured at 1.1-1.2x the bandwidth floor on its
-    row-major weights and keeps them."""
-    return int8_isa() == "avx2" and k % PACK_CHUNK == 0
-
-
-def f32_gemv_layout(w: torch.Tensor) -> torch.Tensor | PackedF32:
-    """The layout :func:`f32_gemv` reads ``w`` fastest in on this CPU: :class:`PackedF32`
-    where tiles pay (:func:`_tiles_pay`), else ``w`` itself, contiguous."""
+def gemv_tiles_where_whole(w: torch.Tensor) -> torch.Tensor | GemvTiles:
+    """``w`` in :func:`gemv_tiles`' layout where K is whole chunks, else ``w`` itself,
+    contiguous: the ``layout`` of a model whose GEMV reads tiles faster
+    (:func:`time_gemv_tiles`)."""
     w = w.contiguous()
-    return f32_gemv_pack(w) if _tiles_pay(w.shape[-1]) else w
+    return gemv_tiles(w) if w.shape[-1] % PACK_CHUNK == 0 else w
 
 
-def int8_layout(q: torch.Tensor) -> torch.Tensor:
-    """An int8 weight's values ``[N, K]`` as :func:`int8_linear` reads them fastest on
-    this CPU: in tiles (``[ceil(N/4), K/8, 4, 8]``, :func:`_tiles_pay`), else as given.
-    :func:`int8_linear` and :func:`int8_dequantize` take either (N from the scales)."""
-    return _fused_op("gemv_pack")(q) if _tiles_pay(q.shape[-1]) else q
+def int8_tiles(q: torch.Tensor) -> torch.Tensor:
+    """An int8 weight's values ``[N, K]`` in the GEMV's tiles (``[ceil(N/4), K/8, 4,
+    8]``) where K is whole chunks, else as given: the ``layout`` of an int8 model whose
+    GEMV reads tiles faster (:func:`time_gemv_tiles`). :func:`int8_linear` and
+    :func:`int8_dequantize` take either (N from the scales)."""
+    return _fused_op("gemv_pack")(q) if q.shape[-1] % PACK_CHUNK == 0 else q
+
+
+@dataclass(frozen=True)
+class TilesTiming:
+    """What :func:`time_gemv_tiles` measured: one decode step's GEMVs (one row of x)
+    over the probe's weights, least seconds row-major and in tiles, and the choice."""
+
+    tiles: bool
+    row_major_s: float
+    tiles_s: float
+    weight_bytes: int
+
+
+TILES_PROBE_BYTES = 256 * 2**20
+"""Weight bytes :func:`time_gemv_tiles` reads per pass (at most): more than a CPU's
+last-level cache, so the reads come from DRAM as a decode step's do."""
+
+
+def time_gemv_tiles(shapes: list[tuple[int, int]], dtype: torch.dtype, layers: int,
+                    reps: int = 3, margin: float = 0.95,
+                    budget: int = TILES_PROBE_BYTES) -> TilesTiming:
+    """Whether this CPU's GEMV (float32 or bfloat16: :func:`f32_gemv`; int8:
+    :func:`int8_linear`) reads weights faster in tiles than row-major, at this thread
+    count: one row of x through weights of ``shapes`` (``(in, out)`` of one layer's
+    GEMMs), for up to ``layers`` layers within ``budget`` bytes, each layout ``reps``
+    times after a warm-up, alternated; tiles win only under ``margin`` times row-major's
+    least time. Takes ~2x ``budget`` of memory while it runs.
+
+    Why measure: on a 2-core AMD EPYC with AVX2 only, tiles ran SmolLM2's fp32 layer
+    GEMVs 1.2-1.3x faster; on a 2-core AMD EPYC Zen 4 (AVX-512), 1.3x in fp32, 1.5x in
+    bf16 and 2x in int8, where row-major had been kept for every AVX-512 CPU."""
+    shapes = [(k, n) for k, n in shapes if k % PACK_CHUNK == 0]
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_layer = sum(k * n for k, n in shapes) * elem
+    if not shapes or not per_layer:
+        return TilesTiming(False, 0.0, 0.0, 0)
+    count = max(1, min(layers, budget // per_layer))
+    rows = [torch.ones(n, k, dtype=dtype) for _ in range(count) for k, n in shapes]
+    if dtype == torch.int8:
+        scales = {n: torch.ones(n) for _, n in shapes}
+
+        def run(x: torch.Tensor, q: torch.Tensor, n: int) -> None:
+            int8_linear(x, q, scales[n])
+
+        tiled: list = [int8_tiles(q) for q in rows]
+        x_dtype = torch.float32
+    else:
+        def run(x: torch.Tensor, w: torch.Tensor | GemvTiles, n: int) -> None:
+            f32_gemv(x, w)
+
+        tiled = [gemv_tiles(w) for w in rows]
+        x_dtype = dtype
+    xs = {k: torch.ones(1, k, dtype=x_dtype) for k, _ in shapes}
+    ns = [n for _ in range(count) for _, n in shapes]
+    best = {"row": float("inf"), "tiles": float("inf")}
+    for i in range(reps + 1):
+        for name, ws in (("row", rows), ("tiles", tiled)):
+            start = time.perf_counter()
+            for w, n in zip(ws, ns, strict=True):
+                run(xs[w.shape[-1] if name == "row" else _k_of(w)], w, n)
+            if i:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return TilesTiming(best["tiles"] < margin * best["row"], best["row"], best["tiles"],
+                       per_layer * count)
+
+
+def _k_of(w: torch.Tensor | GemvTiles) -> int:
+    """K of a weight in tiles (a :class:`GemvTiles` or int8 tiles ``[N/4, K/8, 4, 8]``)."""
+    return w.shape[1] if isinstance(w, GemvTiles) else w.shape[1] * w.shape[3]
 
 
 def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

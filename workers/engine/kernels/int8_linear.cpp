@@ -30,13 +30,15 @@
 // over tiles of output rows on ATen's intra-op pool (at::parallel_for), so it honours
 // torch.set_num_threads; below kGrain weight bytes x rows it stays on the caller.
 //
-// f32_gemv(x, w, bias, isa) runs the same GEMV on a float32 weight (no scales): the
-// decode GEMMs of float32 models.
+// f32_gemv(x, w, bias, isa) runs the same GEMV on a float weight (no scales): the
+// decode GEMMs of float32 models, and of bfloat16 ones (x and w bfloat16: 8 or 16
+// weights at a time widened to float32 by a shift, x converted once per call, float32
+// accumulators, each output rounded to bfloat16 once, as a bf16 GEMM does).
 //
-// gemv_pack(w) -> wp stores a float32 or int8 weight tile by tile, [ceil(N/4)][K/8][4][8]
+// gemv_pack(w) -> wp stores a float32, bfloat16 or int8 weight tile by tile, [ceil(N/4)][K/8][4][8]
 // (the 4 rows of a tile interleaved in 8-element chunks, the last tile padded with zero
 // rows; K a multiple of 8), so one tile's GEMV pass reads one sequential stream instead
-// of 4 rows' 4 streams: f32_gemv_packed(x, wp, n, bias, isa) for float32; int8_linear and
+// of 4 rows' 4 streams: f32_gemv_packed(x, wp, n, bias, isa) for float weights; int8_linear and
 // int8_dequantize take q in either layout (the GEMM path gathers rows back). Measured on
 // a 2-core AMD EPYC (AVX2), SmolLM2's 425 MB of fp32 layer weights per decode step:
 // 1.2-1.3x faster than the row-major GEMV, 80-90% of a plain 2-thread read's bandwidth.
@@ -96,7 +98,8 @@ struct Tile {
 
 // ---------------------------------------------------------------- scalar
 
-// WT: the weight's element type, int8_t (scaled per row afterwards) or float (f32_gemv).
+// WT: the weight's element type, int8_t (scaled per row afterwards), float or bf16
+// (f32_gemv).
 template <int MT, int NT, typename WT>
 void tile_scalar(const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
   for (int m = 0; m < MT; ++m)
@@ -136,6 +139,10 @@ inline __m256 widen8(const int8_t* p) {
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const bf16* p) {  // bfloat16 is float32's top half: exact
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 
 template <int MT, int NT, typename WT>
 void tile_avx2(const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
@@ -186,6 +193,10 @@ inline __m512 widen16(const int8_t* p, __mmask16 mask) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
 }
 inline __m512 widen16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
+inline __m512 widen16(const bf16* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
 
 template <int MT, int NT, typename WT>
 inline void step_avx512(const float* x, int64_t K, const WT* q, int64_t k, __mmask16 mask,
@@ -482,20 +493,25 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Te
 
 int64_t int8_best_isa() { return resolve_isa(kAuto); }
 
-// The float32 GEMV of x_in [..., K] on w (an [N, K] weight, row-major or ``packed`` in
-// tiles), checks named after ``op``.
+// The float GEMV of x_in [..., K] on w (an [N, K] weight, row-major or ``packed`` in
+// tiles; float32, or bfloat16 with x bfloat16 too), checks named after ``op``.
 at::Tensor run_f32_gemv(const char* op, const at::Tensor& x_in, const at::Tensor& w,
                         int64_t N, int64_t K, const std::optional<at::Tensor>& bias_in,
                         int64_t isa_in, bool packed) {
+  const auto dt = x_in.scalar_type();
+  TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu(), "CPU tensors expected");
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && w.scalar_type() == dt,
+              op, ": x and w must both be float32 or both bfloat16, got ", dt, " and ",
+              w.scalar_type());
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(-1) == K, op, ": x's last dim must be K = ", K,
               ", got ", x_in.sizes());
   at::Tensor bias;
   if (bias_in.has_value() && bias_in->defined()) {
     TORCH_CHECK(bias_in->dim() == 1 && bias_in->size(0) == N &&
-                    bias_in->scalar_type() == at::kFloat,
-                op, ": bias must be float32 [N], got ", bias_in->scalar_type(), " ",
-                bias_in->sizes());
-    bias = bias_in->contiguous();
+                    (bias_in->scalar_type() == at::kFloat || bias_in->scalar_type() == dt),
+                op, ": bias must be [N] in float32 or x's dtype, got ",
+                bias_in->scalar_type(), " ", bias_in->sizes());
+    bias = bias_in->to(at::kFloat).contiguous();
   }
   at::Tensor x = x_in.reshape({-1, K}).contiguous();
   const int64_t M = x.size(0);
@@ -503,23 +519,28 @@ at::Tensor run_f32_gemv(const char* op, const at::Tensor& x_in, const at::Tensor
   shape.back() = N;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y.view(shape);
-  Gemv<float> g{resolve_isa(isa_in), x.data_ptr<float>(), w.data_ptr<float>(), nullptr,
-                bias.defined() ? bias.data_ptr<float>() : nullptr, M, K, N};
-  g.packed = packed;
-  g(y.data_ptr<float>());
+  const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  if (dt == at::kFloat) {
+    Gemv<float> g{resolve_isa(isa_in), x.data_ptr<float>(), w.data_ptr<float>(), nullptr,
+                  b, M, K, N};
+    g.packed = packed;
+    g(y.data_ptr<float>());
+  } else {
+    const at::Tensor xf = x.to(at::kFloat);
+    Gemv<bf16> g{resolve_isa(isa_in), xf.data_ptr<float>(),
+                 static_cast<const bf16*>(w.data_ptr()), nullptr, b, M, K, N};
+    g.packed = packed;
+    g(static_cast<bf16*>(y.data_ptr()));
+  }
   return y.view(shape);
 }
 
-// y = x · wᵀ (+ bias) for float32 x [..., K] and a contiguous float32 weight [N, K], by
-// the GEMV above (every weight row read once for all rows of x): the decode path of
-// float32 models, where a batch of one or a few tokens makes the GEMM a matrix-vector
-// product bound by reading the weight (see workers/models/linear.py).
+// y = x · wᵀ (+ bias) for x [..., K] and a contiguous weight [N, K] (both float32 or both
+// bfloat16), by the GEMV above (every weight row read once for all rows of x): the decode
+// path of float models, where a batch of one or a few tokens makes the GEMM a
+// matrix-vector product bound by reading the weight (see workers/models/linear.py).
 at::Tensor f32_gemv(const at::Tensor& x_in, const at::Tensor& w,
                     const std::optional<at::Tensor>& bias_in, int64_t isa_in) {
-  TORCH_CHECK(x_in.device().is_cpu() && w.device().is_cpu(), "CPU tensors expected");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "f32_gemv: x and w must be float32, got ", x_in.scalar_type(), " and ",
-              w.scalar_type());
   TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "f32_gemv: w must be a contiguous [N, K] "
               "tensor, got ", w.sizes());
   const int64_t N = w.size(0), K = w.size(1);
@@ -544,13 +565,15 @@ void pack_tiles(const T* src, int64_t N, int64_t K, T* dst) {
   });
 }
 
-// [N, K] float32 or int8 (K a multiple of 8) -> [ceil(N/4), K/8, 4, 8], zero rows padding
+// [N, K] float32, bfloat16 or int8 (K a multiple of 8) -> [ceil(N/4), K/8, 4, 8], zero rows padding
 // the last tile: the GEMV's tile layout (f32_gemv_packed; int8_linear takes either).
 at::Tensor gemv_pack(const at::Tensor& w_in) {
   TORCH_CHECK(w_in.device().is_cpu(), "CPU tensor expected");
-  TORCH_CHECK((w_in.scalar_type() == at::kFloat || w_in.scalar_type() == at::kChar) &&
+  TORCH_CHECK((w_in.scalar_type() == at::kFloat || w_in.scalar_type() == at::kBFloat16 ||
+                  w_in.scalar_type() == at::kChar) &&
                   w_in.dim() == 2,
-              "gemv_pack: w must be a float32 or int8 [N, K] tensor, got ", w_in.scalar_type(),
+              "gemv_pack: w must be a float32, bfloat16 or int8 [N, K] tensor, got ",
+              w_in.scalar_type(),
               " ", w_in.sizes());
   const int64_t N = w_in.size(0), K = w_in.size(1);
   TORCH_CHECK(K % kPackW == 0, "gemv_pack: K must be a multiple of ", kPackW, ", got ", K);
@@ -559,6 +582,8 @@ at::Tensor gemv_pack(const at::Tensor& w_in) {
                              w.options());
   if (w.scalar_type() == at::kFloat) {
     pack_tiles(w.data_ptr<float>(), N, K, out.data_ptr<float>());
+  } else if (w.scalar_type() == at::kBFloat16) {
+    pack_tiles(static_cast<const bf16*>(w.data_ptr()), N, K, static_cast<bf16*>(out.data_ptr()));
   } else {
     pack_tiles(w.data_ptr<int8_t>(), N, K, out.data_ptr<int8_t>());
   }
@@ -568,10 +593,6 @@ at::Tensor gemv_pack(const at::Tensor& w_in) {
 // f32_gemv on a weight gemv_pack made of an [n, K] weight.
 at::Tensor f32_gemv_packed(const at::Tensor& x_in, const at::Tensor& wp, int64_t n,
                            const std::optional<at::Tensor>& bias_in, int64_t isa_in) {
-  TORCH_CHECK(x_in.device().is_cpu() && wp.device().is_cpu(), "CPU tensors expected");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat,
-              "f32_gemv_packed: x and wp must be float32, got ", x_in.scalar_type(), " and ",
-              wp.scalar_type());
   TORCH_CHECK(tiles_of(wp, n) && wp.is_contiguous(),
               "f32_gemv_packed: wp must be gemv_pack's [ceil(n/4), K/8, 4, 8] of an [n, "
               "K] weight, got ", wp.sizes(), " for n = ", n);
