@@ -5,8 +5,8 @@ both layouts in one process, alternated run by run, so a drifting VM moves both.
 ``python -m benchmarks.gemv_layout [--dtype float32|bfloat16] [--threads N] [--runs N]
 [--model PATH]`` prints the machine, the layout the engine chose at load (and the
 timings it chose by), each layout's ITL per run and median, each against the bandwidth
-floor (the model's weight bytes at a measured copy bandwidth), and the ratio; it exits 1
-if the two layouts' greedy tokens differ.
+floor (the model's weight bytes at a measured copy bandwidth), the ratio, and for how
+many tokens the two layouts' greedy outputs agree; it exits 1 if even the first differs.
 
 Lifecycle: one :class:`~workers.engine.llm.LLM` (the engine's own weights, in the layout
 :func:`workers.engine.kernels.time_gemv_tiles` chose) -> a second set of the same
@@ -104,9 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         m = statistics.median(v)
         print(f"{name:<10}{m:>14.2f}{m / floor:>9.2f}  {', '.join(f'{x:.1f}' for x in v)}")
     ratio = statistics.median(itl["tiles"]) / statistics.median(itl["row-major"])
-    same = tokens["tiles"] == tokens["row-major"]
-    print(f"tiles / row-major ITL: {ratio:.3f}; same greedy tokens: {'yes' if same else 'NO'}")
-    return 0 if same else 1
+    a, b = tokens["tiles"], tokens["row-major"]
+    agree = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+    print(f"tiles / row-major ITL: {ratio:.3f}; greedy tokens equal for {agree} of {len(a)}")
+    # The layouts sum in different orders on an AVX-512 build (tiles: 8 lanes, row-major:
+    # 16), so a near-tie can flip a later token (bf16 rounds each output); never the first.
+    return 0 if agree else 1
 
 
 if __name__ == "__main__":
