@@ -8,13 +8,7 @@
 # stream (~6.5 device minutes with the start).
 #   OUT=DIR bash loadtest/results/device-h200-1204/gemv.sh   (.whl/, .devmodel/ carried)
 # Dry run here: NO_WHL=1 QUICK=1 PY=.venv/bin/python bash ...gemv.sh
-set -u
-OUT=${OUT:-/tmp/device-out}; PY=${PY:-python3}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PDSERVE_TEST_CACHE_DIR=$HOME/.cache/pdserve
-. loadtest/results/device-h200-1204/wheels.sh
-MODEL=/tmp/smollm2-shaped; N=$(nproc)
-grep -m1 '^flags' /proc/cpuinfo > "$OUT/flags.txt"
-timeout 60 $PY loadtest/results/device-h200-1204/make_model.py .devmodel $MODEL > "$OUT/model.log" 2>&1
+. loadtest/results/device-h200-1204/prelude.sh
 run() { local cap=$1 log=$2; shift 2; local s=$(date +%s)
     timeout "$cap" "$@" > "$OUT/$log" 2>&1
     echo "$log: rc $? in $(( $(date +%s) - s ))s (cap $cap)" >> "$OUT/steps.txt"; }

@@ -7,12 +7,7 @@
 # that plus threads pinned to cores (OMP_PROC_BIND=close, OMP_PLACES=cores). ~3 device
 # minutes with the start.
 #   OUT=DIR bash loadtest/results/device-h200-1204/omp.sh   (.whl/, .devmodel/ carried)
-set -u
-OUT=${OUT:-/tmp/device-out}; PY=${PY:-python3}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PDSERVE_TEST_CACHE_DIR=$HOME/.cache/pdserve
-. loadtest/results/device-h200-1204/wheels.sh
-MODEL=/tmp/smollm2-shaped; N=$(nproc)
-timeout 60 $PY loadtest/results/device-h200-1204/make_model.py .devmodel $MODEL > "$OUT/model.log" 2>&1
+. loadtest/results/device-h200-1204/prelude.sh
 prof() { local name=$1; shift; local s=$(date +%s)
     env "$@" timeout 80 $PY -c "import sys; from cluster.cli import main; sys.exit(main())" \
         bench-engine --model $MODEL --profile-only --dtype float32 --dtype bfloat16 \

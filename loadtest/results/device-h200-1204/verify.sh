@@ -4,12 +4,7 @@
 # F.linear at 8-128 rows with 16 threads (reorder.log): the step profile at 16 threads in
 # both dtypes, workload (a) in both, the bf16 profile at 2 threads (~4.5 device minutes).
 #   OUT=DIR bash loadtest/results/device-h200-1204/verify.sh   (.whl/, .devmodel/ carried)
-set -u
-OUT=${OUT:-/tmp/device-out}; PY=${PY:-python3}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PDSERVE_TEST_CACHE_DIR=$HOME/.cache/pdserve
-. loadtest/results/device-h200-1204/wheels.sh
-MODEL=/tmp/smollm2-shaped; N=$(nproc)
-timeout 60 $PY loadtest/results/device-h200-1204/make_model.py .devmodel $MODEL > "$OUT/model.log" 2>&1
+. loadtest/results/device-h200-1204/prelude.sh
 bench() { timeout "$1" $PY -c "import sys; from cluster.cli import main; sys.exit(main())" \
     bench-engine --model $MODEL "${@:3}" > "$OUT/$2" 2>&1; echo "$2: rc $?" >> "$OUT/steps.txt"; }
 D=${DTYPES:-float32 bfloat16}; DT=$(for d in $D; do printf -- "--dtype %s " $d; done)
