@@ -91,9 +91,11 @@ class EngineConfig:
     (:func:`workers.models.linear.tuned_linear`; both layouts where each wins somewhere and
     a second copy of the weights fits in a quarter of the free memory)."""
     decode_gemv: bool = True
-    """CPU, float32, native kernels: decode steps of up to a few tokens run a native GEMV
-    on a plain copy of each weight (~1.4x faster single-stream GEMMs on AVX2; each weight
-    kept twice, :func:`workers.models.linear.gemv_linear`); False: one layout only."""
+    """CPU, float32 or bfloat16, native kernels: decode steps of up to a few tokens run a
+    native GEMV on its own copy of each weight, row-major or in tiles as timed at load
+    (1.4-2x faster single-stream GEMMs on AMD EPYCs; each weight kept twice, when a copy
+    fits in a quarter of the free memory: :func:`workers.models.linear.gemv_linear`);
+    False: one layout only."""
     quantization: str | None = None
     """Weight quantization of the decoder layers' linear layers: None (the model dtype)
     or ``int8`` (weight-only, per-output-channel scales; :mod:`workers.models.linear`).
