@@ -411,8 +411,9 @@ def time_gemv_tiles(shapes: list[tuple[int, int]], dtype: torch.dtype, layers: i
         return TilesTiming(False, 0.0, 0.0, 0)
     count = max(1, min(layers, budget // per_layer))
     rows = [torch.ones(n, k, dtype=dtype) for _ in range(count) for k, n in shapes]
+    ks, ns = ([s[i] for _ in range(count) for s in shapes] for i in (0, 1))
     if dtype == torch.int8:
-        scales = {n: torch.ones(n) for _, n in shapes}
+        scales = {n: torch.ones(n) for n in ns}
 
         def run(x: torch.Tensor, q: torch.Tensor, n: int) -> None:
             int8_linear(x, q, scales[n])
@@ -425,23 +426,17 @@ def time_gemv_tiles(shapes: list[tuple[int, int]], dtype: torch.dtype, layers: i
 
         tiled = [gemv_tiles(w) for w in rows]
         x_dtype = dtype
-    xs = {k: torch.ones(1, k, dtype=x_dtype) for k, _ in shapes}
-    ns = [n for _ in range(count) for _, n in shapes]
+    xs = {k: torch.ones(1, k, dtype=x_dtype) for k in ks}
     best = {"row": float("inf"), "tiles": float("inf")}
     for i in range(reps + 1):
         for name, ws in (("row", rows), ("tiles", tiled)):
             start = time.perf_counter()
-            for w, n in zip(ws, ns, strict=True):
-                run(xs[w.shape[-1] if name == "row" else _k_of(w)], w, n)
+            for w, k, n in zip(ws, ks, ns, strict=True):
+                run(xs[k], w, n)
             if i:
                 best[name] = min(best[name], time.perf_counter() - start)
     return TilesTiming(best["tiles"] < margin * best["row"], best["row"], best["tiles"],
                        per_layer * count)
-
-
-def _k_of(w: torch.Tensor | GemvTiles) -> int:
-    """K of a weight in tiles (a :class:`GemvTiles` or int8 tiles ``[N/4, K/8, 4, 8]``)."""
-    return w.shape[1] if isinstance(w, GemvTiles) else w.shape[1] * w.shape[3]
 
 
 def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
