@@ -21,6 +21,9 @@ For one batch size B at a time, on an engine already built:
    the parts; ``fwd glue`` is the share of it inside the forward (embedding, RoPE table
    lookup, residual add, logits to fp32, the Python of the layer loop). The breakdown
    reported is that of the median probed step, so its parts always add up to it.
+   Probed steps run the Python layer (the probes sit on its calls), so where the model
+   runs each layer as one native call (``model.layer_op``), the bare step is the faster
+   of the two and the gap between them is what that call saves plus the probes' cost.
 4. **Counted steps.** One step under a dispatch mode counts the torch ops it runs, one
    under ``sys.setprofile`` counts Python function calls (each in its own step: the
    counting slows the step down and is not timed).
@@ -152,6 +155,8 @@ def probes(engine: LLMEngine) -> Iterator[PartClock]:
         stack.enter_context(_patched(model, "linear",
                                      clock.wrap_linear(model.linear, model.lm_head)))
         stack.enter_context(_patched(model, "ops", ops))
+        # The probes sit on the Python layer's calls: no layer runs as one native call.
+        stack.enter_context(_patched(model, "layer_op", None))
         stack.enter_context(_patched(decoder_module, "paged_attention",
                                      clock.wrap("attention", decoder_module.paged_attention)))
         stack.enter_context(_patched(runner.sampler, "sample",
@@ -313,6 +318,8 @@ def backend_report(model: DecoderModel,
         "elementwise": "torch reference ops" if model.ops is TORCH_OPS else "native fused kernels",
         "decode_attention": (f"native paged kernel ({kernels.paged_attention_isa()})"
                              if model.decode_op else "torch (gathered SDPA)"),
+        "layers": ("one native call each in decode-only steps (bare steps)"
+                   if model.layer_op is not None else "Python, op by op"),
         "mkldnn_available": torch.backends.mkldnn.is_available(),
         "mkl_available": torch.backends.mkl.is_available(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -324,7 +331,8 @@ def print_backend(report: dict[str, Any]) -> None:
     print(f"\nCPU: {report['cpu']}; flags: {' '.join(report['cpu_flags']) or 'none of note'}; "
           f"{report['torch_threads']} torch threads")
     print(f"torch {report['torch']}: GEMMs via {report['linear']}; elementwise: "
-          f"{report['elementwise']}; decode attention: {report['decode_attention']}")
+          f"{report['elementwise']}; decode attention: {report['decode_attention']}; "
+          f"decoder layers: {report['layers']}")
     print(f"  mkldnn available: {report['mkldnn_available']}, mkl available: "
           f"{report['mkl_available']}, "
           + ", ".join(f"{k}={v}" for k, v in report["build_settings"].items()))

@@ -189,7 +189,8 @@ class ModelRunner:
         elif self.gemv_tiling is not None:
             linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR,
                                  layout=(kernels.gemv_tiles_where_whole
-                                         if self.gemv_tiling.tiles else None))
+                                         if self.gemv_tiling.tiles else None),
+                                 native=kernels.gemv_form)
         # RoPE tables reach the calibration's positions too, whatever max_model_len is:
         # workers with different limits must calibrate the same key transform.
         self.model = DecoderModel(
@@ -197,6 +198,7 @@ class ModelRunner:
                     if config.kv_cache_dtype != "auto" else 0),
             decode_op=kernels.paged_decode_attention if native else None,
             write_decode_op=kernels.paged_write_decode_attention if native else None,
+            layer_op=kernels.decode_layer if native and config.native_layers else None,
             ops=NATIVE_OPS if native else TORCH_OPS,
             linear=layer_linear or linear or TORCH_LINEAR,
             kv_cache_dtype=config.kv_cache_dtype,

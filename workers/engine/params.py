@@ -96,6 +96,11 @@ class EngineConfig:
     (1.4-2x faster single-stream GEMMs on AMD EPYCs; each weight kept twice, when a copy
     fits in a quarter of the free memory: :func:`workers.models.linear.gemv_linear`);
     False: one layout only."""
+    native_layers: bool = True
+    """CPU, native kernels: a step whose every token decodes runs each decoder layer as one
+    native call (``workers.engine.kernels.decode_layer``: the same ops, bit for bit,
+    without ~20 Python dispatches a layer) wherever its GEMMs have a native form; False:
+    the Python layer always (the step profile's per-part probes need it)."""
     quantization: str | None = None
     """Weight quantization of the decoder layers' linear layers: None (the model dtype)
     or ``int8`` (weight-only, per-output-channel scales; :mod:`workers.models.linear`).

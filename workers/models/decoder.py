@@ -164,6 +164,7 @@ class DecoderModel:
         head_linear: LinearOps | None = None,
         prequantized: Mapping[str, Int8Weight] | None = None,
         write_decode_op: Callable | None = None,
+        layer_op: Callable | None = None,
     ) -> None:
         """``decode_op``: the native paged decode attention (None: the torch path);
         ``write_decode_op``: its twin that also writes the step's K/V (unquantized caches;
@@ -172,9 +173,17 @@ class DecoderModel:
         (None: ``linear``). A quantized ``linear`` (int8) keeps the embeddings and, given
         a plain ``head_linear``, the LM head in the model dtype. ``prequantized``: int8
         weights by module name (``model.layers.0.self_attn.q_proj``) from a pre-quantized
-        checkpoint, used instead of the module's weight (``linear`` must be quantized)."""
+        checkpoint, used instead of the module's weight (``linear`` must be quantized).
+        ``layer_op`` (the native ``decode_layer``): runs each layer of a step whose every
+        token decodes in one call, the Python layer's ops bit for bit, where ``linear``
+        has a native form at that batch (:attr:`LinearOps.native`) and the cache is
+        unquantized; None: always the Python layer."""
         self.decode_op = decode_op  # fused paged decode attention; None: the torch path
         self.write_decode_op = write_decode_op
+        self.layer_op = layer_op
+        self._layer_native = linear.native if layer_op is not None else None
+        # rows -> per layer (weights, kinds) for layer_op, or None: not native at that size
+        self._native_by_rows: dict[int, list[tuple[list[torch.Tensor], list[int]]] | None] = {}
         self.ops = ops
         head = head_linear or linear
         if prequantized and not linear.quantized:
@@ -317,6 +326,27 @@ class DecoderModel:
                     total += weight_nbytes(t)
         return total
 
+    def _native_layers(self, batch: AttentionBatch, rows: int
+                       ) -> list[tuple[list[torch.Tensor], list[int]]] | None:
+        """Per layer, the projections' weights and kinds ``layer_op`` runs for this step,
+        or None when the step takes the Python layer: not every token decodes, the cache
+        is quantized, keys are being calibrated, or a projection has no native form at
+        ``rows`` rows."""
+        if (self.layer_op is None or self._layer_native is None or batch.prefills
+                or batch.num_decode != rows
+                or self.kv_format.quantized or self._key_stats is not None):
+            return None
+        if rows not in self._native_by_rows:
+            per_layer: list[tuple[list[torch.Tensor], list[int]]] | None = []
+            for lw in self.layers:
+                forms = [self._layer_native(w, rows) for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+                if any(f is None for f in forms):
+                    per_layer = None
+                    break
+                per_layer.append(([f[0] for f in forms], [f[1] for f in forms]))  # type: ignore[index]
+            self._native_by_rows[rows] = per_layer
+        return self._native_by_rows[rows]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -340,32 +370,41 @@ class DecoderModel:
         x = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         n = x.shape[0]
         mlp_out: torch.Tensor | None = None
-        for i, lw in enumerate(self.layers):
-            # The previous layer's MLP residual add is fused into this layer's input norm.
-            if mlp_out is None:
-                h = ops.rms_norm(x, lw.input_norm, eps)
-            else:
-                h = ops.add_rms_norm(x, mlp_out, lw.input_norm, eps)
-            qkv = linear(h, lw.qkv, lw.qkv_bias)
-            # Queries and keys are adjacent in the fused projection: rotate them together.
-            qk = qkv[:, : q_size + kv_size].view(n, heads, s.head_dim)
-            v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
-            if lw.q_norm is not None:
-                q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
-                q.copy_(ops.rms_norm(q, lw.q_norm, eps))
-                k.copy_(ops.rms_norm(k, lw.k_norm, eps))
-            if self._key_stats is not None:  # calibrating: pre-RoPE keys
-                key_pre = qk[:, s.num_heads:].float().sum(0)
-            q, k = ops.rope_(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
-            if self._key_stats is not None:
-                q2 = q.float().pow(2).view(n, s.num_kv_heads, -1, s.head_dim).mean(2)
-                self._key_stats.append([key_pre, k.float().pow(2).sum(0), q2.sum(0)])
-            attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op,
-                                   self.kv_format,
-                                   self._step_keys(i, positions, upto) if keyed else None,
-                                   self.write_decode_op)
-            h = ops.add_rms_norm(x, linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
-            mlp_out = linear(ops.silu_mul(linear(h, lw.gate_up, None)), lw.down, None)
+        native = self._native_layers(batch, n) if n else None
+        if native is not None:  # one native call per layer, the same ops as below
+            for i, (lw, (weights, kinds)) in enumerate(zip(self.layers, native, strict=True)):
+                mlp_out = self.layer_op(  # type: ignore[misc]
+                    x, mlp_out, lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, eps,
+                    weights, kinds, lw.qkv_bias, lw.o_bias, cos, sin, s.num_heads,
+                    s.num_kv_heads, kv_cache[i], block_size, batch.slot_mapping,
+                    batch.decode_table, batch.decode_lens)
+        else:
+            for i, lw in enumerate(self.layers):
+                # The previous layer's MLP residual add is fused into this layer's input norm.
+                if mlp_out is None:
+                    h = ops.rms_norm(x, lw.input_norm, eps)
+                else:
+                    h = ops.add_rms_norm(x, mlp_out, lw.input_norm, eps)
+                qkv = linear(h, lw.qkv, lw.qkv_bias)
+                # Queries and keys are adjacent in the fused projection: rotate them together.
+                qk = qkv[:, : q_size + kv_size].view(n, heads, s.head_dim)
+                v = qkv[:, q_size + kv_size :].view(n, s.num_kv_heads, s.head_dim)
+                if lw.q_norm is not None:
+                    q, k = qk[:, : s.num_heads], qk[:, s.num_heads :]
+                    q.copy_(ops.rms_norm(q, lw.q_norm, eps))
+                    k.copy_(ops.rms_norm(k, lw.k_norm, eps))
+                if self._key_stats is not None:  # calibrating: pre-RoPE keys
+                    key_pre = qk[:, s.num_heads:].float().sum(0)
+                q, k = ops.rope_(qk, cos, sin).split([s.num_heads, s.num_kv_heads], dim=1)
+                if self._key_stats is not None:
+                    q2 = q.float().pow(2).view(n, s.num_kv_heads, -1, s.head_dim).mean(2)
+                    self._key_stats.append([key_pre, k.float().pow(2).sum(0), q2.sum(0)])
+                attn = paged_attention(q, k, v, kv_cache[i], batch, block_size, self.decode_op,
+                                       self.kv_format,
+                                       self._step_keys(i, positions, upto) if keyed else None,
+                                       self.write_decode_op)
+                h = ops.add_rms_norm(x, linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
+                mlp_out = linear(ops.silu_mul(linear(h, lw.gate_up, None)), lw.down, None)
         x.add_(mlp_out)
         h = ops.rms_norm(x[sample_rows], self.final_norm, eps)
         return linear(h, self.lm_head, None).float()

@@ -91,16 +91,26 @@ checkpoints, :mod:`workers.models.int8_checkpoint`)."""
 Linear = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
 
 
+NativeForm = Callable[[Any, int], "tuple[torch.Tensor, int] | None"]
+"""``native(prepared, rows)``: how a native decode layer runs this op's prepared weight
+for ``rows`` rows of x, as ``(tensor, kind)`` (``workers.engine.kernels.decode_layer``'s
+kinds: > 0 a GEMV's tiles of that many rows, 0 a GEMV on ``[out, in]``, -1 oneDNN's
+reordered weight, -2 ``F.linear``); None where it cannot."""
+ONEDNN_KIND, TORCH_KIND = -1, -2
+
+
 @dataclass(frozen=True)
 class LinearOps:
     """``prepare(weight)`` once per weight when the model is built, then ``apply(x,
     prepared, bias)`` per call. ``prepare`` takes a float weight; only ops with
-    ``quantized`` set also take an :class:`Int8Weight` (used as is)."""
+    ``quantized`` set also take an :class:`Int8Weight` (used as is). ``native``: the
+    same product as a native decode layer calls it (:data:`NativeForm`); None: never."""
 
     name: str
     prepare: Callable[[Weight], Any]
     apply: Linear
     quantized: bool = False
+    native: NativeForm | None = None
 
 
 def by_weight(quantized: Linear, plain: Linear) -> Linear:
@@ -155,7 +165,8 @@ def dequantize_int8(w: Int8Weight, dtype: torch.dtype) -> torch.Tensor:
     return (w.q.to(torch.float32) * w.scale[:, None]).to(dtype)
 
 
-TORCH_LINEAR = LinearOps("torch", lambda w: w, F.linear)
+TORCH_LINEAR = LinearOps("torch", lambda w: w, F.linear,
+                         native=lambda w, rows: (w, TORCH_KIND))
 
 _BATCH_HINT = 64
 """Tokens per GEMM the blocked layout is tuned for (a step's decode batch plus a prefill
@@ -183,7 +194,7 @@ def onednn_linear(dtype: torch.dtype = torch.float32) -> LinearOps | None:
     def apply(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return pointwise(x, w, bias, "none", [], "")
 
-    return LinearOps("onednn", prepare, apply)
+    return LinearOps("onednn", prepare, apply, native=lambda w, rows: (w, ONEDNN_KIND))
 
 
 TUNE_ROWS = (1, 8, 32, 64, 128, 256, 512)
@@ -217,9 +228,15 @@ def by_rows(plain: LinearOps, packed: LinearOps, rows: tuple[int, ...],
             return plain.apply(x, w.gemv, bias)
         return packed.apply(x, w.packed, bias)
 
+    def native(w: DualWeight, m: int) -> tuple[torch.Tensor, int] | None:
+        if table[m] if m < len(table) else last:
+            return plain.native(w.gemv, m) if plain.native else None
+        return packed.native(w.packed, m) if packed.native else None
+
     spans = ", ".join(f"{m}: {plain.name if u else packed.name}"
                       for m, u in zip(rows, use_plain, strict=True))
-    return LinearOps(f"by rows ({spans})", prepare, apply)
+    return LinearOps(f"by rows ({spans})", prepare, apply,
+                     native=native if plain.native or packed.native else None)
 
 
 def _seconds(ops: LinearOps, weights: list[Any], xs: list[torch.Tensor], reps: int) -> float:
@@ -282,20 +299,23 @@ bfloat16; ``w`` plain or in the layout the kernel's own ``layout`` made)."""
 
 
 def gemv_linear(gemv: Gemv, batched: LinearOps, max_rows: int = GEMV_ROWS,
-                layout: Callable[[torch.Tensor], Any] | None = None) -> LinearOps:
+                layout: Callable[[torch.Tensor], Any] | None = None,
+                native: Callable[[Any], tuple[torch.Tensor, int]] | None = None) -> LinearOps:
     """``gemv`` for up to ``max_rows`` rows of x (decode), on the weight as ``layout``
     gives it (default: plain ``[out, in]``, contiguous; the kernel's own tiles where it
     reads those faster), ``batched`` on its own layout above (prefill, large decode
-    batches). Each weight is kept in both (:class:`DualWeight`)."""
+    batches). Each weight is kept in both (:class:`DualWeight`). ``native``: the GEMV's
+    weight as a native decode layer takes it (``workers.engine.kernels.gemv_form``)."""
 
     def gemv_layout(w: Weight) -> Any:  # noqa: ANN401 - the kernel's own layout
         if isinstance(w, Int8Weight):
             raise ValueError("gemv_linear takes float weights")
         return layout(w) if layout else w
 
-    small = LinearOps("gemv", gemv_layout, gemv)
+    small = LinearOps("gemv", gemv_layout, gemv,
+                      native=(lambda w, rows: native(w)) if native else None)
     both = by_rows(small, batched, (max_rows, max_rows + 1), [True, False])
-    return LinearOps(f"gemv+{batched.name}", both.prepare, both.apply)
+    return LinearOps(f"gemv+{batched.name}", both.prepare, both.apply, native=both.native)
 
 
 Int8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],

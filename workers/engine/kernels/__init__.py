@@ -17,6 +17,10 @@ kernel, same exp as torch's silu.
 dequantize-in-register GEMV for decode-sized batches (AVX-512 or AVX2), a blockwise
 dequantized GEMM for prefill-sized ones.
 
+:func:`decode_layer` (``decode_layer.cpp``) is a whole decoder layer of a decode step in
+one call: the same ops the Python layer makes, in the same order, from C++ (~20 Python
+dispatches a layer become one).
+
 All run on torch's intra-op thread pool (``at::parallel_for``), so they honour
 ``torch.set_num_threads``. All sources build into one library.
 
@@ -55,7 +59,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("paged_attention.cpp", "fused_ops.cpp", "kv_encode.cpp",
-                          "int8_linear.cpp"))
+                          "int8_linear.cpp", "decode_layer.cpp"))
 HEADERS = (Path(__file__).with_name("pds_common.h"),)
 """Included by the sources, so part of the cache key (never compiled on their own)."""
 DEFAULT_CACHE_DIR = Path("~/.cache/pdserve/kernels")
@@ -107,7 +111,8 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
                 for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul",
                              "quantize_kv_rows", "int8_linear", "int8_dequantize",
                              "int8_best_isa", "paged_attention_best_isa", "f32_gemv",
-                             "gemv_pack", "f32_gemv_packed", "paged_write_decode_attention")
+                             "gemv_pack", "f32_gemv_packed", "paged_write_decode_attention",
+                             "decode_layer")
             )
             _op = ns.paged_decode_attention
             log.info(
@@ -216,6 +221,35 @@ def paged_write_decode_attention(
     op = _fused_op("paged_write_decode_attention")
     return op(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens,
               _scale(q, scale), _isa_code(isa))
+
+
+def decode_layer(x: torch.Tensor, mlp_out: torch.Tensor | None, input_norm: torch.Tensor,
+                 post_norm: torch.Tensor, q_norm: torch.Tensor | None,
+                 k_norm: torch.Tensor | None, eps: float, weights: list[torch.Tensor],
+                 kinds: list[int], qkv_bias: torch.Tensor | None, o_bias: torch.Tensor | None,
+                 cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                 cache: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """One decoder layer of a step whose every token decodes, in one native call: bit for
+    bit ``workers.models.decoder.DecoderModel``'s Python layer (its norms, projections,
+    RoPE, K/V writes and paged attention, in the same order; see ``decode_layer.cpp``).
+
+    x: the residual stream ``[tokens, hidden]``, updated in place (``+= mlp_out``, the
+    previous layer's MLP output or None, then ``+=`` the attention's projection); weights:
+    qkv, o, gate_up, down as ``kinds`` says (:func:`gemv_form`, or -1 oneDNN's reordered
+    weight, -2 ``F.linear``'s plain one); cache: the layer's ``[2, slots, kv_heads,
+    head_dim]`` (unquantized). Returns the layer's MLP output.
+    """
+    return _fused_op("decode_layer")(
+        x, mlp_out, input_norm, post_norm, q_norm, k_norm, float(eps), weights, kinds,
+        qkv_bias, o_bias, cos, sin, num_heads, num_kv_heads, cache, block_size, slot_mapping,
+        block_tables, context_lens, SUM_LANES, SILU_LANES)
+
+
+def gemv_form(w: torch.Tensor | GemvTiles) -> tuple[torch.Tensor, int]:
+    """A GEMV weight as :func:`decode_layer` takes it: ``(tensor, kind)``, kind the tiles'
+    row count, or 0 for a row-major ``[N, K]``."""
+    return (w.data, w.n) if isinstance(w, GemvTiles) else (w, 0)
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:

@@ -1,0 +1,135 @@
+"""A decode-only step runs each decoder layer as one native call (``kernels.decode_layer``)
+and computes exactly what the Python layer computes: the same logits bit for bit, step
+by step, on every tiny architecture (biases, q/k norms, GQA), in float32 and bfloat16,
+through every kind of projection the call takes (the GEMV on tiles and row-major,
+oneDNN's reordered weights, ``F.linear``). Steps with a prefill, quantized caches and
+int8 weights keep the Python layer.
+
+Greedy agreement with Hugging Face through the native layer is
+``test_engine_matches_hf``'s (every engine there decodes through it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_no_leaks
+from test_engine_matches_hf import prompts_for
+from test_gemv_layout import fixed
+from tiny_models import ARCHS
+
+from workers.engine import kernels
+from workers.engine.llm import LLM
+from workers.engine.params import SamplingParams
+
+STEPS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native() -> None:
+    if kernels.load() is None:
+        pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+
+
+def run(llm: LLM, prompts: list[list[int]], layer_op) -> tuple[list, int, int]:  # noqa: ANN001
+    """Generate with ``layer_op`` set (None: the Python layer); returns every step's
+    logits, how many steps were decode-only, and how many native layer calls ran."""
+    model = llm.engine.runner.model
+    logits, decode_only, calls = [], 0, 0
+    forward, own = model.forward, model.layer_op
+
+    def recorded(input_ids, positions, batch, *rest):  # noqa: ANN001, ANN202
+        nonlocal decode_only
+        decode_only += not batch.prefills
+        out = forward(input_ids, positions, batch, *rest)
+        logits.append(out.clone())
+        return out
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        nonlocal calls
+        calls += 1
+        return layer_op(*args)
+
+    model.forward, model.layer_op = recorded, counted if layer_op else None
+    try:
+        outs = llm.generate(prompts, STEPS)
+    finally:
+        model.forward, model.layer_op = forward, own
+    assert all(len(o.token_ids) == STEPS.max_tokens for o in outs)
+    return logits, decode_only, calls
+
+
+def assert_same_steps(llm: LLM, prompts: list[list[int]]) -> set[int]:
+    """Native and Python layers give the same logits at every step; returns the kinds
+    of projection the native steps ran."""
+    model = llm.engine.runner.model
+    op = model.layer_op
+    assert op is not None
+    native_logits, decode_only, calls = run(llm, prompts, op)
+    python_logits, _, none = run(llm, prompts, None)
+    assert decode_only >= STEPS.max_tokens - 1 and none == 0
+    assert calls == decode_only * len(model.layers)  # every decode-only step, no other
+    assert len(native_logits) == len(python_logits)
+    for a, b in zip(native_logits, python_logits, strict=True):
+        assert torch.equal(a, b)
+    assert_no_leaks(llm.engine)
+    rows = len(prompts)
+    return {k for lw in model.layers for _, k in
+            (model._layer_native(w, rows) for w in (lw.qkv, lw.o, lw.gate_up, lw.down))}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_layers_equal_the_python_layers(tiny_checkpoints, monkeypatch, arch,
+                                               dtype) -> None:
+    monkeypatch.setattr(kernels, "time_gemv_tiles", fixed(True))
+    llm = LLM(tiny_checkpoints[arch], dtype=dtype, num_blocks=96, block_size=4,
+              enable_prefix_caching=False)
+    prompts = prompts_for(llm)
+    # One sequence: the GEMV, on tiles (kind: their rows) where K is whole chunks, else
+    # row-major (0); the tiny llama has both.
+    kinds = assert_same_steps(llm, prompts[:1])
+    assert kinds and all(k >= 0 for k in kinds)
+    if arch == "llama":
+        assert 0 in kinds and any(k > 0 for k in kinds)
+    # Six: past the GEMV's rows, the batched op's weights (oneDNN's where it has them).
+    kinds = assert_same_steps(llm, (prompts * 2)[:6])
+    assert kinds and all(k < 0 for k in kinds)
+
+
+def test_plain_weights_run_f_linear(tiny_checkpoints) -> None:
+    llm = LLM(tiny_checkpoints["qwen2"], dtype="float32", num_blocks=96, block_size=4,
+              enable_prefix_caching=False, prepacked_weights=False, decode_gemv=False)
+    assert assert_same_steps(llm, (prompts_for(llm) * 2)[:6]) == {-2}
+
+
+@pytest.mark.parametrize("options", [{"kv_cache_dtype": "fp8_e4m3"}, {"quantization": "int8"},
+                                     {"native_layers": False}])
+def test_python_layers_where_the_native_call_does_not_apply(tiny_checkpoints, options) -> None:
+    llm = LLM(tiny_checkpoints["llama"], dtype="float32", num_blocks=96, block_size=4,
+              **options)
+    model = llm.engine.runner.model
+    op = model.layer_op or kernels.decode_layer
+    _, decode_only, calls = run(llm, prompts_for(llm)[:2], op)
+    assert decode_only > 0 and calls == 0
+    assert_no_leaks(llm.engine)
+
+
+def test_decode_layer_refuses_bad_arguments(tiny_checkpoints) -> None:
+    llm = LLM(tiny_checkpoints["llama"], dtype="float32", num_blocks=16, block_size=4)
+    runner = llm.engine.runner
+    model, s = runner.model, runner.model.shape
+    lw = model.layers[0]
+    w, kind = model._layer_native(lw.qkv, 1)
+    x = torch.zeros(1, s.hidden_size)
+    args = dict(mlp_out=None, input_norm=lw.input_norm, post_norm=lw.post_norm, q_norm=None,
+                k_norm=None, eps=1e-5, qkv_bias=None, o_bias=None, cos=model.cos[:1],
+                sin=model.sin[:1], num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                cache=runner.kv_cache[0], block_size=4,
+                slot_mapping=torch.zeros(1, dtype=torch.long),
+                block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                context_lens=torch.ones(1, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="qkv, o, gate_up, down"):
+        kernels.decode_layer(x, weights=[w], kinds=[kind], **args)
+    with pytest.raises(RuntimeError, match="unknown projection kind"):
+        kernels.decode_layer(x, weights=[w] * 4, kinds=[-7] * 4, **args)
