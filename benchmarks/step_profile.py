@@ -379,4 +379,5 @@ def print_profile(dtype: str, rows: list[dict[str, Any]]) -> None:
           "flr: weights + the KV the step reads, at the measured copy bandwidth; KV flr: "
           "that KV alone (the least the attention can take); share: GEMM flr / step; "
           "bound: the most share such a step can reach, GEMM flr / (GEMM flr + KV flr); "
-          "ops: torch ops dispatched; py calls: Python function calls")
+          "ops: torch ops called from Python (a native layer counts as one); py calls: "
+          "Python function calls")
