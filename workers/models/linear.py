@@ -222,14 +222,17 @@ def by_rows(plain: LinearOps, packed: LinearOps, rows: tuple[int, ...],
             w = w.contiguous()  # one copy both layouts start from
         return DualWeight(plain.prepare(w), packed.prepare(w))
 
+    def plain_at(m: int) -> bool:
+        return table[m] if m < len(table) else last
+
     def apply(x: torch.Tensor, w: DualWeight, bias: torch.Tensor | None) -> torch.Tensor:
         m = x.numel() // x.shape[-1]
-        if table[m] if m < len(table) else last:
+        if plain_at(m):
             return plain.apply(x, w.gemv, bias)
         return packed.apply(x, w.packed, bias)
 
     def native(w: DualWeight, m: int) -> tuple[torch.Tensor, int] | None:
-        if table[m] if m < len(table) else last:
+        if plain_at(m):
             return plain.native(w.gemv, m) if plain.native else None
         return packed.native(w.packed, m) if packed.native else None
 
