@@ -642,7 +642,7 @@ constexpr bool rows_fit(int kh, int ng, int c) {
 
 template <typename T, int NG, int KH, int C>
 void attend_rows_avx512(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
-                        const Geometry& g, int64_t k_head, int64_t v_head,
+                        const Geometry& g, int64_t, int64_t k_head, int64_t v_head,
                         const __mmask16* masks, float* scores, int64_t s_stride,
                         float* acc_out) {
   constexpr int NGP = padded_group(NG), NA = KH * NGP, NR = (NA + 3) / 4 * 4;
@@ -715,6 +715,74 @@ void attend_rows_avx512(const float* qf, const T* kc, const T* vc, Table table, 
         _mm512_storeu_ps(acc_out + (h * NG + j) * P + 16 * c,
                          _mm512_mul_ps(acc[(h * NG + j) * C + c], s));
     }
+}
+
+template <typename T, int NG>
+void attend_rows_any(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
+                     const Geometry& g, int64_t KH, int64_t k_head, int64_t v_head,
+                     const __mmask16* masks, float* scores, int64_t s_stride,
+                     float* acc_out) {
+  constexpr int NGP = padded_group(NG), NR = (NGP + 3) / 4 * 4;
+  const int64_t B = g.block_size, P = g.padded_dim, C = P / 16;
+  const int64_t nblocks = (len + B - 1) / B;
+  alignas(64) float tmp[NR];
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t t0 = b * B, n = std::min(B, len - t0);
+    const T* kb = kc + table[b] * g.k_block;
+    for (int64_t o = 0; o < n; ++o) {
+      const T* r = kb + o * g.k_token;
+      for (int64_t h = 0; h < KH; ++h) {
+        __m512 acc[NR];
+#pragma GCC unroll 8
+        for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
+        const float* qh = qf + h * NGP * P;
+        for (int64_t c = 0; c < C; ++c) {
+          const __m512 kv = load16(r + h * k_head + 16 * c, masks[c]);
+#pragma GCC unroll 8
+          for (int j = 0; j < NGP; ++j)
+            acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j * P + 16 * c), kv, acc[j]);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < NR; i += 4)
+          _mm_store_ps(tmp + i, reduce4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+        float* out = scores + h * s_stride + (t0 + o) * NGP;
+#pragma GCC unroll 8
+        for (int j = 0; j < NGP; ++j) out[j] = tmp[j];
+      }
+    }
+  }
+  float inv[8 * kMaxGroup];
+  for (int64_t h = 0; h < KH; ++h)
+    softmax_token_major<true>(scores + h * s_stride, len, NGP, NG, inv + h * NG);
+  std::fill(acc_out, acc_out + KH * NG * P, 0.0f);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t t0 = b * B, n = std::min(B, len - t0);
+    const T* vb = vc + table[b] * g.v_block;
+    for (int64_t o = 0; o < n; ++o) {
+      const T* r = vb + o * g.v_token;
+      for (int64_t h = 0; h < KH; ++h) {
+        const float* pt = scores + h * s_stride + (t0 + o) * NGP;
+        float* ah = acc_out + h * NG * P;
+        __m512 p[NG];
+#pragma GCC unroll 8
+        for (int j = 0; j < NG; ++j) p[j] = _mm512_set1_ps(pt[j]);
+        for (int64_t c = 0; c < C; ++c) {
+          const __m512 vv = load16(r + h * v_head + 16 * c, masks[c]);
+#pragma GCC unroll 8
+          for (int j = 0; j < NG; ++j) {
+            float* a = ah + j * P + 16 * c;
+            _mm512_storeu_ps(a, _mm512_fmadd_ps(p[j], vv, _mm512_loadu_ps(a)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < KH * NG; ++i) {
+    const __m512 sc = _mm512_set1_ps(inv[i]);
+    for (int64_t c = 0; c < C; ++c)
+      _mm512_storeu_ps(acc_out + i * P + 16 * c,
+                       _mm512_mul_ps(_mm512_loadu_ps(acc_out + i * P + 16 * c), sc));
+  }
 }
 
 #endif  // PDS_AVX512
@@ -909,6 +977,78 @@ void attend_avx2(const float* qf, const typename Src::Cache* kc, const typename 
   }
 }
 
+// attend_rows_any on 8-float registers (head_dim a multiple of 8): every score through
+// reduce4_avx2, as attend_avx2's K tiles do for every group size but 5 (rows_walk sends
+// 5 to that walk), so the two walks give the same bits.
+template <typename T, int NG>
+void attend_rows_avx2(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
+                      const Geometry& g, int64_t KH, int64_t k_head, int64_t v_head,
+                      float* scores, int64_t s_stride, float* acc_out) {
+  constexpr int NGP = padded_group(NG), NR = (NGP + 3) / 4 * 4;
+  const int64_t B = g.block_size, P = g.padded_dim, C = g.head_dim / 8;
+  const int64_t nblocks = (len + B - 1) / B;
+  alignas(32) float tmp[NR];
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t t0 = b * B, n = std::min(B, len - t0);
+    const T* kb = kc + table[b] * g.k_block;
+    for (int64_t o = 0; o < n; ++o) {
+      const T* r = kb + o * g.k_token;
+      for (int64_t h = 0; h < KH; ++h) {
+        __m256 acc[NR];
+#pragma GCC unroll 8
+        for (int i = 0; i < NR; ++i) acc[i] = _mm256_setzero_ps();
+        const float* qh = qf + h * NGP * P;
+        for (int64_t c = 0; c < C; ++c) {
+          const __m256 kv = load8(r + h * k_head + 8 * c);
+#pragma GCC unroll 8
+          for (int j = 0; j < NGP; ++j)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j * P + 8 * c), kv, acc[j]);
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < NR; i += 4)
+          _mm_store_ps(tmp + i, reduce4_avx2(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+        float* out = scores + h * s_stride + (t0 + o) * NGP;
+#pragma GCC unroll 8
+        for (int j = 0; j < NGP; ++j) out[j] = tmp[j];
+      }
+    }
+  }
+  float inv[8 * kMaxGroup];
+  for (int64_t h = 0; h < KH; ++h)
+    softmax_token_major<true>(scores + h * s_stride, len, NGP, NG, inv + h * NG);
+  // V: the accumulators stay in acc_out (KH * NG * head_dim of them do not fit in 16
+  // registers); per output the same FMAs over the tokens in order.
+  std::fill(acc_out, acc_out + KH * NG * P, 0.0f);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t t0 = b * B, n = std::min(B, len - t0);
+    const T* vb = vc + table[b] * g.v_block;
+    for (int64_t o = 0; o < n; ++o) {
+      const T* r = vb + o * g.v_token;
+      for (int64_t h = 0; h < KH; ++h) {
+        const float* pt = scores + h * s_stride + (t0 + o) * NGP;
+        float* ah = acc_out + h * NG * P;
+        __m256 p[NG];
+#pragma GCC unroll 8
+        for (int j = 0; j < NG; ++j) p[j] = _mm256_set1_ps(pt[j]);
+        for (int64_t c = 0; c < C; ++c) {
+          const __m256 vv = load8(r + h * v_head + 8 * c);
+#pragma GCC unroll 8
+          for (int j = 0; j < NG; ++j) {
+            float* a = ah + j * P + 8 * c;
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(p[j], vv, _mm256_loadu_ps(a)));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < KH * NG; ++i) {
+    const __m256 sc = _mm256_set1_ps(inv[i]);
+    for (int64_t c = 0; c < C; ++c)
+      _mm256_storeu_ps(acc_out + i * P + 8 * c,
+                       _mm256_mul_ps(_mm256_loadu_ps(acc_out + i * P + 8 * c), sc));
+  }
+}
+
 #endif  // PDS_AVX2
 
 // Portable version (any ISA; the compiler vectorises the inner loops).
@@ -974,37 +1114,81 @@ int64_t paged_attention_best_isa() { return resolve_isa(kIsaAuto, 64); }
 #if PDS_AVX512
 template <typename T>
 using RowsFn = void (*)(const float*, const T*, const T*, Table, int64_t, const Geometry&,
-                        int64_t, int64_t, const __mmask16*, float*, int64_t, float*);
+                        int64_t, int64_t, int64_t, const __mmask16*, float*, int64_t, float*);
 
 // The row-order kernel for kh kv heads of ng query heads each and c 16-float chunks per
-// head, or null where none is compiled (those shapes take the per-head walk).
+// head: one with its accumulators in registers where compiled for the shape, else
+// attend_rows_any.
 template <typename T>
 RowsFn<T> rows_kernel(int64_t kh, int64_t ng, int64_t c) {
+  static const bool any = std::getenv("PDS_ROWS_ANY") != nullptr;
+  if (!any) {
 #define PDS_ROWS(KH, NG, C)                                                                  \
   if (kh == KH && ng == NG && c == C) return &attend_rows_avx512<T, NG, KH, C>;
-  PDS_ROWS(3, 3, 4) PDS_ROWS(2, 3, 1) PDS_ROWS(2, 3, 2)
+    PDS_ROWS(3, 3, 4) PDS_ROWS(2, 3, 1) PDS_ROWS(2, 3, 2)
 #undef PDS_ROWS
-  return nullptr;
+  }
+  switch (ng) {
+    case 1: return &attend_rows_any<T, 1>;
+    case 2: return &attend_rows_any<T, 2>;
+    case 3: return &attend_rows_any<T, 3>;
+    case 4: return &attend_rows_any<T, 4>;
+    case 5: return &attend_rows_any<T, 5>;
+    case 6: return &attend_rows_any<T, 6>;
+    case 7: return &attend_rows_any<T, 7>;
+    case 8: return &attend_rows_any<T, 8>;
+    default: return nullptr;
+  }
 }
+#endif
 
-// Unquantized caches whose kv heads sit side by side in a row, with one item per
-// sequence: attend_rows_avx512. Only where there are at least 2 sequences per thread (a
-// lone context splits across threads by kv head in the per-head walk). Returns whether
-// it ran.
+#if PDS_AVX2
+template <typename T>
+using RowsFn8 = void (*)(const float*, const T*, const T*, Table, int64_t, const Geometry&,
+                         int64_t, int64_t, int64_t, float*, int64_t, float*);
+
+template <typename T>
+RowsFn8<T> rows_kernel8(int64_t ng) {
+  switch (ng) {  // not 5: see attend_rows_avx2
+    case 1: return &attend_rows_avx2<T, 1>;
+    case 2: return &attend_rows_avx2<T, 2>;
+    case 3: return &attend_rows_avx2<T, 3>;
+    case 4: return &attend_rows_avx2<T, 4>;
+    case 6: return &attend_rows_avx2<T, 6>;
+    case 7: return &attend_rows_avx2<T, 7>;
+    case 8: return &attend_rows_avx2<T, 8>;
+    default: return nullptr;
+  }
+}
+#endif
+
+#if PDS_AVX512 || PDS_AVX2
+// Unquantized caches whose kv heads sit side by side in a row: one item per sequence in
+// row order (attend_rows_*). Only with at least 2 sequences per thread: fewer split
+// across the threads by kv head in the per-head walk. Returns whether it ran.
 template <typename T>
 bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const std::vector<int64_t>& tables, int64_t table_stride,
-               const std::vector<int64_t>& lens, int64_t max_len, float fscale,
+               const std::vector<int64_t>& lens, int64_t max_len, float fscale, int64_t isa,
                at::Tensor& out) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(2);
   const int64_t G = H / KV, P = (D + 15) / 16 * 16;
   const int64_t k_head = k_cache.stride(2), v_head = v_cache.stride(2);
-  if (k_head != D || v_head != D || G > kMaxGroup || S < 2 * at::get_num_threads())
+  if (k_head != D || v_head != D || G > kMaxGroup || KV > 8 || S < 2 * at::get_num_threads())
     return false;
   static const bool off = std::getenv("PDS_NO_ROWS") != nullptr;
   if (off) return false;
-  const RowsFn<T> fn = rows_kernel<T>(KV, G, P / 16);
-  if (fn == nullptr) return false;
+#if PDS_AVX512
+  const RowsFn<T> wide = isa == kIsaAvx512 ? rows_kernel<T>(KV, G, P / 16) : nullptr;
+#else
+  const void* wide = nullptr;
+#endif
+#if PDS_AVX2
+  const RowsFn8<T> narrow = isa == kIsaAvx2 ? rows_kernel8<T>(G) : nullptr;
+#else
+  const void* narrow = nullptr;
+#endif
+  if (wide == nullptr && narrow == nullptr) return false;
   Geometry geo{k_cache.size(1), D, P, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
                v_cache.stride(1), k_cache.size(3) * static_cast<int64_t>(sizeof(T))};
   const int64_t NGP = G == 7 ? 8 : G, s_stride = NGP * (max_len + 8);
@@ -1016,8 +1200,10 @@ bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(KV * NGP * P, 0.0f), acc(KV * G * P, 0.0f);
     std::vector<float> scores(KV * s_stride);
+#if PDS_AVX512
     std::vector<__mmask16> masks(P / 16, static_cast<__mmask16>(0xFFFF));
     if (D % 16) masks.back() = static_cast<__mmask16>((1u << (D % 16)) - 1);
+#endif
     for (int64_t s = begin; s < end; ++s) {
       const int64_t len = lens[s];
       T* orow = op + s * H * D;
@@ -1031,8 +1217,17 @@ bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
           float* dst = qf.data() + (h * NGP + j) * P;
           for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(qr[d]) * fscale;
         }
-      fn(qf.data(), kp, vp, tables.data() + s * table_stride, len, geo, k_head, v_head,
-         masks.data(), scores.data(), s_stride, acc.data());
+      Table table = tables.data() + s * table_stride;
+#if PDS_AVX512
+      if (wide != nullptr)
+        wide(qf.data(), kp, vp, table, len, geo, KV, k_head, v_head, masks.data(),
+             scores.data(), s_stride, acc.data());
+#endif
+#if PDS_AVX2
+      if (narrow != nullptr)
+        narrow(qf.data(), kp, vp, table, len, geo, KV, k_head, v_head, scores.data(), s_stride,
+               acc.data());
+#endif
       for (int64_t i = 0; i < H; ++i) store_row(orow + i * D, acc.data() + i * P, D);
     }
   });
@@ -1068,10 +1263,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     max_len = std::max(max_len, l);
     total_len += l;
   }
-#if PDS_AVX512
+#if PDS_AVX512 || PDS_AVX2
   if constexpr (F == kAuto) {
-    if (isa == kIsaAvx512 && rows_walk<T>(q, k_cache, v_cache, tables, table_stride, lens,
-                                          max_len, fscale, out))
+    if (rows_walk<T>(q, k_cache, v_cache, tables, table_stride, lens, max_len, fscale, isa,
+                     out))
       return;
   }
 #endif
