@@ -143,6 +143,32 @@ def test_thread_count_does_not_change_results(op) -> None:
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("dim,kv_heads,group,dtype", [
+    (64, 3, 3, torch.float32),    # SmolLM2's shape: the AVX-512 kernel compiled for it
+    (16, 2, 3, torch.bfloat16),   # the tiny test models' shapes, likewise
+    (32, 2, 3, torch.float16),
+    (32, 4, 1, torch.float32),    # the rest: the any-shape kernels
+    (64, 2, 7, torch.bfloat16),   # 7 heads padded to 8
+    (64, 8, 4, torch.float32),
+    (20, 3, 2, torch.float32),    # a masked tail chunk (AVX2: the per-head walk only)
+    (64, 2, 5, torch.float32),    # AVX2 keeps 5 on the per-head walk
+    (128, 2, 8, torch.float16),
+])
+def test_row_walk_gives_the_per_head_walks_bits(op, dim, kv_heads, group, dtype) -> None:
+    """The row-order walk (a sequence's rows read whole, every kv head at once) against
+    the per-head walk on the same inputs: equal bit for bit, empty and 1-token contexts
+    included, whichever walk a batch takes."""
+    from workers.engine import kernels
+
+    q, k, v, table, lens = make_case([0, *LENS], kv_heads, group, dim, dtype, seed=dim + group)
+    with kernels.row_walk(True):
+        rows = op(q, k, v, table, lens, 0.2)
+    with kernels.row_walk(False):
+        heads = op(q, k, v, table, lens, 0.2)
+    assert torch.equal(rows, heads)
+    check(rows, reference(q, k, v, table, lens, 0.2), dtype)
+
+
 def test_rejects_bad_inputs(op) -> None:
     q, k, v, table, lens = make_case([20, 3], 2, 2, 16, torch.float32)
     bad = table.clone()

@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,7 +110,8 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
                 (name, getattr(ns, name).default)
                 for name in ("rms_norm", "add_rms_norm", "rope_", "silu_mul",
                              "quantize_kv_rows", "int8_linear", "int8_dequantize",
-                             "int8_best_isa", "paged_attention_best_isa", "f32_gemv",
+                             "int8_best_isa", "paged_attention_best_isa",
+                             "paged_attention_row_walk", "f32_gemv",
                              "gemv_pack", "f32_gemv_packed", "paged_write_decode_attention",
                              "decode_layer")
             )
@@ -482,6 +483,24 @@ def paged_attention_isa() -> str:
     """The decode attention's best code path in this build: ``avx512``, ``avx2`` or
     ``scalar``."""
     return _isa_name(_fused_op("paged_attention_best_isa")())
+
+
+def set_row_walk(on: bool) -> bool:
+    """Allows (the default) or forbids the decode attention's row-order walk (one item per
+    sequence, cache rows read whole in memory order; see paged_attention.cpp) and returns
+    whether it was allowed. Both walks give the same bits: this is for A/B timing and
+    for tests that hold them to that. Process-wide."""
+    return bool(_fused_op("paged_attention_row_walk")(on))
+
+
+@contextmanager
+def row_walk(on: bool) -> Iterator[None]:
+    """``with row_walk(False):`` runs the block with the per-head walk only."""
+    before = set_row_walk(on)
+    try:
+        yield
+    finally:
+        set_row_walk(before)
 
 
 def int8_isa() -> str:

@@ -1,9 +1,15 @@
 // Fused paged decode attention for CPU.
 //
 // One query token per sequence attends to that sequence's context, read straight from
-// the paged KV cache (no gather copy). Work items are (sequence, kv head, group of up to
-// 8 query heads sharing that kv head) and run on ATen's intra-op pool
+// the paged KV cache (no gather copy). Work items run on ATen's intra-op pool
 // (at::parallel_for), so they share torch's threads and honour torch.set_num_threads.
+// Two walks, the same bits:
+// - row order (unquantized caches, AVX-512 or AVX2, at least 2 sequences per thread):
+//   an item is a sequence, every kv head at once, and the passes read each cache row
+//   [kv_heads, head_dim] whole, in memory order, which the hardware prefetchers stream
+//   (from DRAM 1.6x the per-head walk on a 2-core Zen 4: see attend_rows_avx512);
+// - per head (everything else): an item is (sequence, kv head, group of up to 8 query
+//   heads sharing that kv head), so a lone sequence still spreads over the threads.
 //
 // Per item, walking the block table: K pass, scores = (scale * q) . k for every context
 // token (fp32); softmax, exp(score - max) and its sum per head; V pass, out = sum_t p_t
@@ -45,9 +51,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -70,6 +76,11 @@
 namespace {
 
 constexpr int kMaxGroup = 8;  // query heads per work item
+
+// Whether rows_walk may run (paged_attention_row_walk: the benchmark's A/B and the
+// tests' check that both walks give the same bits).
+std::atomic<bool> g_row_walk{true};
+
 
 inline float to_f32(float x) { return x; }
 inline float to_f32(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -635,10 +646,9 @@ void attend_avx512(const float* qf, const typename Src::Cache* kc,
 // bare read of 256 SmolLM2 contexts). Per score and per output the FMAs are
 // attend_avx512's, in the same order (reduce4's tree for each lane does not depend on
 // the vectors beside it), so both walks give the same bits.
-// Limits (rows_fit): KH * NGP K accumulators and KH * NG * C V accumulators.
-constexpr bool rows_fit(int kh, int ng, int c) {
-  return kh * padded_group(ng) <= 24 && kh * ng * c <= 48;
-}
+// Compiled for a few shapes (rows_kernel), with every accumulator in a register: KH *
+// NGP in the K pass, KH * NG * C in the V pass (GCC spills what does not fit in 32);
+// attend_rows_any takes any other shape.
 
 template <typename T, int NG, int KH, int C>
 void attend_rows_avx512(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
@@ -646,6 +656,7 @@ void attend_rows_avx512(const float* qf, const T* kc, const T* vc, Table table, 
                         const __mmask16* masks, float* scores, int64_t s_stride,
                         float* acc_out) {
   constexpr int NGP = padded_group(NG), NA = KH * NGP, NR = (NA + 3) / 4 * 4;
+  static_assert(NR <= 24 && KH * NG * C <= 48, "accumulators for this shape do not fit");
   const int64_t B = g.block_size, P = g.padded_dim;
   const int64_t nblocks = (len + B - 1) / B;
   alignas(64) float tmp[NR];
@@ -1110,6 +1121,9 @@ int64_t resolve_isa(int64_t isa, int64_t head_dim) {
 
 int64_t paged_attention_best_isa() { return resolve_isa(kIsaAuto, 64); }
 
+// Allows (on) or forbids the row-order walk; returns whether it was allowed.
+bool paged_attention_row_walk(bool on) { return g_row_walk.exchange(on); }
+
 // T: q's (and the output's) dtype; F: the cache's kv_format code (0: rows of T).
 #if PDS_AVX512
 template <typename T>
@@ -1121,13 +1135,11 @@ using RowsFn = void (*)(const float*, const T*, const T*, Table, int64_t, const 
 // attend_rows_any.
 template <typename T>
 RowsFn<T> rows_kernel(int64_t kh, int64_t ng, int64_t c) {
-  static const bool any = std::getenv("PDS_ROWS_ANY") != nullptr;
-  if (!any) {
 #define PDS_ROWS(KH, NG, C)                                                                  \
   if (kh == KH && ng == NG && c == C) return &attend_rows_avx512<T, NG, KH, C>;
-    PDS_ROWS(3, 3, 4) PDS_ROWS(2, 3, 1) PDS_ROWS(2, 3, 2)
+  PDS_ROWS(3, 3, 4)                   // SmolLM2-135M: 3 kv heads of 3, head_dim 64
+  PDS_ROWS(2, 3, 1) PDS_ROWS(2, 3, 2)  // the tests' tiny models
 #undef PDS_ROWS
-  }
   switch (ng) {
     case 1: return &attend_rows_any<T, 1>;
     case 2: return &attend_rows_any<T, 2>;
@@ -1176,8 +1188,7 @@ bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   const int64_t k_head = k_cache.stride(2), v_head = v_cache.stride(2);
   if (k_head != D || v_head != D || G > kMaxGroup || KV > 8 || S < 2 * at::get_num_threads())
     return false;
-  static const bool off = std::getenv("PDS_NO_ROWS") != nullptr;
-  if (off) return false;
+  if (!g_row_walk.load(std::memory_order_relaxed)) return false;
 #if PDS_AVX512
   const RowsFn<T> wide = isa == kIsaAvx512 ? rows_kernel<T>(KV, G, P / 16) : nullptr;
 #else
@@ -1592,6 +1603,7 @@ TORCH_LIBRARY(pdserve_kernels, m) {
       "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
       "float scale, int isa=-1) -> Tensor");
   m.def("paged_attention_best_isa() -> int", &paged_attention_best_isa);
+  m.def("paged_attention_row_walk(bool on) -> bool", &paged_attention_row_walk);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
