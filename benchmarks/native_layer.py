@@ -1,17 +1,21 @@
-"""Decode steps with each decoder layer as one native call (``kernels.decode_layer``)
-against the same steps through the Python layer, on the default model, toggled step by
-step in one engine, so a drifting VM moves both.
+"""Decode steps through one path against another, toggled step by step in one engine on
+the default model, so a drifting VM moves both. Two comparisons (``--compare``):
 
-``python -m benchmarks.native_layer [--dtype float32|bfloat16] [--threads N]
-[--batches 1,32,256] [--steps N] [--model PATH]`` prints the machine, then per batch
-size the median decode step of each path and their ratio; first it checks that both
-paths give the same greedy tokens (one 128-token prompt -> 32 tokens) and exits 1 if
-they do not.
+- ``native-layer`` (the default): each decoder layer as one native call
+  (``kernels.decode_layer``) against the Python layer;
+- ``row-walk``: the decode attention's row-order walk (a sequence's cache rows read
+  whole, in memory order) against its per-head walk (``kernels.set_row_walk``).
 
-Lifecycle: one :class:`~workers.engine.llm.LLM` -> the greedy check (the model's
-``layer_op`` set, then None) -> per batch size, requests put straight into decode
+``python -m benchmarks.native_layer [--compare native-layer|row-walk] [--dtype
+float32|bfloat16] [--threads N] [--batches 1,32,256] [--steps N] [--model PATH]`` prints
+the machine, then per batch size the median decode step of each path and their ratio;
+first it checks that both paths give the same greedy tokens (one 128-token prompt -> 32
+tokens) and exits 1 if they do not.
+
+Lifecycle: one :class:`~workers.engine.llm.LLM` -> the greedy check (path a, then b) ->
+per batch size, requests put straight into decode
 (:func:`benchmarks.step_profile.start_decoding`: no prefill), two warm-up steps, then
-``steps`` rounds of (native step, Python step) -> every request aborted -> the table.
+``steps`` rounds of (a step, b step) -> every request aborted -> the table.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from workers.engine import kernels
 from workers.engine.llm import LLM
 from workers.engine.params import SamplingParams
 from workers.model_store import resolve_model
@@ -30,9 +37,29 @@ from .machine import machine_line
 from .step_profile import PROMPT_LEN, start_decoding
 
 
+@dataclass(frozen=True)
+class Switch:
+    """Two paths of one engine: ``use(True)`` selects path ``a``, ``use(False)`` ``b``."""
+
+    a: str
+    b: str
+    use: Callable[[bool], object]
+
+
+def switch(compare: str, model: object) -> Switch | None:
+    """The switch for ``compare`` on ``model``, or None where this build has only one path."""
+    if compare == "row-walk":
+        return Switch("rows", "per head", kernels.set_row_walk) if kernels.available() else None
+    native = model.layer_op
+    if native is None:
+        return None
+    return Switch("native", "Python", lambda on: setattr(model, "layer_op", native if on else None))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.native_layer",
                                  description=__doc__.split("\n\n")[0])
+    ap.add_argument("--compare", choices=("native-layer", "row-walk"), default="native-layer")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="1,32,256")
@@ -45,43 +72,43 @@ def main(argv: list[str] | None = None) -> int:
               kv_cache_memory_gb=max(0.5, max(batches) * (PROMPT_LEN + 64) * 50e3 / 2**30))
     engine = llm.engine
     model = engine.runner.model
-    native = model.layer_op
-    if native is None:
-        print("the engine runs no native layer here (no native kernels): nothing to compare",
-              file=sys.stderr)
+    sw = switch(args.compare, model)
+    if sw is None:
+        print("only one path here (no native kernels): nothing to compare", file=sys.stderr)
         return 0
     vocab = engine.runner.vocab_size
     [prompt] = random_prompts(1, PROMPT_LEN, vocab, 7)
     greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     tokens = []
-    for op in (native, None):
-        model.layer_op = op
+    for on in (True, False):
+        sw.use(on)
         tokens.append(list(llm.generate([prompt], greedy)[0].token_ids))
-    model.layer_op = native
-    print(f"{machine_line()}; {args.threads} thread(s); {model.dtype}; decode steps of "
-          f"{PROMPT_LEN}-token contexts, greedy; each path {args.steps} steps, alternated")
+    sw.use(True)
+    print(f"{machine_line()}; {args.threads} thread(s); {model.dtype}; {args.compare}: decode "
+          f"steps of {PROMPT_LEN}-token contexts, greedy; each path {args.steps} steps, "
+          "alternated")
     print(f"greedy tokens (128 -> 32): {'equal' if tokens[0] == tokens[1] else 'DIFFER'}")
-    print(f"{'batch':>6}{'native ms':>11}{'Python ms':>11}{'ratio':>8}")
+    print(f"{'batch':>6}{sw.a + ' ms':>13}{sw.b + ' ms':>13}{'ratio':>8}")
     for batch in batches:
         ids = start_decoding(engine, random_prompts(batch, PROMPT_LEN, vocab, batch),
                              max_tokens=2 * args.steps + 8)
         try:
-            times: dict[object, list[float]] = {native: [], None: []}
+            times: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(2):
                 engine.step()
             for _ in range(args.steps):
-                for op in (native, None):
-                    model.layer_op = op
+                for on in (True, False):
+                    sw.use(on)
                     t = time.perf_counter()
                     engine.step()
-                    times[op].append(time.perf_counter() - t)
+                    times[on].append(time.perf_counter() - t)
         finally:
-            model.layer_op = native
+            sw.use(True)
             for rid in ids:
                 engine.abort_request(rid)
             engine.scheduler.block_manager.reset_prefix_cache()
-        a, b = (statistics.median(times[op]) * 1e3 for op in (native, None))
-        print(f"{batch:>6}{a:>11.2f}{b:>11.2f}{a / b:>8.3f}")
+        a, b = (statistics.median(times[on]) * 1e3 for on in (True, False))
+        print(f"{batch:>6}{a:>13.2f}{b:>13.2f}{a / b:>8.3f}")
     return 0 if tokens[0] == tokens[1] else 1
 
 

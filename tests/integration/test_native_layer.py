@@ -135,16 +135,20 @@ def test_decode_layer_refuses_bad_arguments(tiny_checkpoints) -> None:
         kernels.decode_layer(x, weights=[w] * 4, kinds=[-7] * 4, **args)
 
 
-def test_the_benchmark_runs_both_paths(tiny_checkpoints, capsys) -> None:
+@pytest.mark.parametrize("compare,a", [("native-layer", "native"), ("row-walk", "rows")])
+def test_the_benchmark_runs_both_paths(tiny_checkpoints, capsys, compare, a) -> None:
     from benchmarks import native_layer
 
     threads = torch.get_num_threads()
     try:
         assert native_layer.main(["--model", str(tiny_checkpoints["llama"]), "--batches",
-                                  "1,6", "--steps", "2", "--threads", "1"]) == 0
+                                  "1,6", "--steps", "2", "--threads", "1",
+                                  "--compare", compare]) == 0
     finally:
         torch.set_num_threads(threads)
+    assert kernels.set_row_walk(True)  # the benchmark leaves the row walk allowed
     out = capsys.readouterr().out
     assert "greedy tokens (128 -> 32): equal" in out
+    assert f"{a} ms" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
-    assert [r[0] for r in rows] == ["1", "6"] and all(len(r) == 4 for r in rows)
+    assert [r[0] for r in rows] == ["1", "6"] and all(len(r[-4:]) == 4 for r in rows)
