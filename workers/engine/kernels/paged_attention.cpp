@@ -653,7 +653,7 @@ void attend_avx512(const float* qf, const typename Src::Cache* kc,
 template <typename T, int NG, int KH, int C>
 void attend_rows_avx512(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
                         const Geometry& g, int64_t, int64_t k_head, int64_t v_head,
-                        const __mmask16* masks, float* scores, int64_t s_stride,
+                        const uint16_t* masks, float* scores, int64_t s_stride,
                         float* acc_out) {
   constexpr int NGP = padded_group(NG), NA = KH * NGP, NR = (NA + 3) / 4 * 4;
   static_assert(NR <= 24 && KH * NG * C <= 48, "accumulators for this shape do not fit");
@@ -728,73 +728,21 @@ void attend_rows_avx512(const float* qf, const T* kc, const T* vc, Table table, 
     }
 }
 
-template <typename T, int NG>
-void attend_rows_any(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
-                     const Geometry& g, int64_t KH, int64_t k_head, int64_t v_head,
-                     const __mmask16* masks, float* scores, int64_t s_stride,
-                     float* acc_out) {
-  constexpr int NGP = padded_group(NG), NR = (NGP + 3) / 4 * 4;
-  const int64_t B = g.block_size, P = g.padded_dim, C = P / 16;
-  const int64_t nblocks = (len + B - 1) / B;
-  alignas(64) float tmp[NR];
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t t0 = b * B, n = std::min(B, len - t0);
-    const T* kb = kc + table[b] * g.k_block;
-    for (int64_t o = 0; o < n; ++o) {
-      const T* r = kb + o * g.k_token;
-      for (int64_t h = 0; h < KH; ++h) {
-        __m512 acc[NR];
-#pragma GCC unroll 8
-        for (int i = 0; i < NR; ++i) acc[i] = _mm512_setzero_ps();
-        const float* qh = qf + h * NGP * P;
-        for (int64_t c = 0; c < C; ++c) {
-          const __m512 kv = load16(r + h * k_head + 16 * c, masks[c]);
-#pragma GCC unroll 8
-          for (int j = 0; j < NGP; ++j)
-            acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j * P + 16 * c), kv, acc[j]);
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < NR; i += 4)
-          _mm_store_ps(tmp + i, reduce4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
-        float* out = scores + h * s_stride + (t0 + o) * NGP;
-#pragma GCC unroll 8
-        for (int j = 0; j < NGP; ++j) out[j] = tmp[j];
-      }
-    }
-  }
-  float inv[8 * kMaxGroup];
-  for (int64_t h = 0; h < KH; ++h)
-    softmax_token_major<true>(scores + h * s_stride, len, NGP, NG, inv + h * NG);
-  std::fill(acc_out, acc_out + KH * NG * P, 0.0f);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const int64_t t0 = b * B, n = std::min(B, len - t0);
-    const T* vb = vc + table[b] * g.v_block;
-    for (int64_t o = 0; o < n; ++o) {
-      const T* r = vb + o * g.v_token;
-      for (int64_t h = 0; h < KH; ++h) {
-        const float* pt = scores + h * s_stride + (t0 + o) * NGP;
-        float* ah = acc_out + h * NG * P;
-        __m512 p[NG];
-#pragma GCC unroll 8
-        for (int j = 0; j < NG; ++j) p[j] = _mm512_set1_ps(pt[j]);
-        for (int64_t c = 0; c < C; ++c) {
-          const __m512 vv = load16(r + h * v_head + 16 * c, masks[c]);
-#pragma GCC unroll 8
-          for (int j = 0; j < NG; ++j) {
-            float* a = ah + j * P + 16 * c;
-            _mm512_storeu_ps(a, _mm512_fmadd_ps(p[j], vv, _mm512_loadu_ps(a)));
-          }
-        }
-      }
-    }
-  }
-  for (int64_t i = 0; i < KH * NG; ++i) {
-    const __m512 sc = _mm512_set1_ps(inv[i]);
-    for (int64_t c = 0; c < C; ++c)
-      _mm512_storeu_ps(acc_out + i * P + 16 * c,
-                       _mm512_mul_ps(_mm512_loadu_ps(acc_out + i * P + 16 * c), sc));
-  }
-}
+// The row walk's vector operations on 16 floats (attend_rows_any).
+struct Wide {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  template <typename T>
+  static V row(const T* p, const uint16_t* masks, int64_t c) { return load16(p, masks[c]); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static __m128 sum4(V a, V b, V c, V d) { return reduce4(a, b, c, d); }
+  static int64_t chunks(const Geometry& g) { return g.padded_dim / 16; }
+};
 
 #endif  // PDS_AVX512
 
@@ -988,36 +936,59 @@ void attend_avx2(const float* qf, const typename Src::Cache* kc, const typename 
   }
 }
 
-// attend_rows_any on 8-float registers (head_dim a multiple of 8): every score through
-// reduce4_avx2, as attend_avx2's K tiles do for every group size but 5 (rows_walk sends
-// 5 to that walk), so the two walks give the same bits.
-template <typename T, int NG>
-void attend_rows_avx2(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
-                      const Geometry& g, int64_t KH, int64_t k_head, int64_t v_head,
-                      float* scores, int64_t s_stride, float* acc_out) {
-  constexpr int NGP = padded_group(NG), NR = (NGP + 3) / 4 * 4;
-  const int64_t B = g.block_size, P = g.padded_dim, C = g.head_dim / 8;
+// The row walk's vector operations on 8 floats (head_dim a multiple of 8: no masks).
+struct Narrow {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  template <typename T>
+  static V row(const T* p, const uint16_t*, int64_t) { return load8(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static __m128 sum4(V a, V b, V c, V d) { return reduce4_avx2(a, b, c, d); }
+  static int64_t chunks(const Geometry& g) { return g.head_dim / 8; }
+};
+
+#endif  // PDS_AVX2
+
+#if PDS_AVX512 || PDS_AVX2
+// The row walk for any shape, on Vec's registers (Wide: 16 floats, Narrow: 8): per kv
+// head NGP K accumulators (rounded up to 4 for sum4), the V accumulators in acc_out
+// (KH * NG * head_dim of them), the same FMAs per output over the tokens in order.
+// Every score goes through sum4, as the per-head walks' K tiles do (Narrow: for every
+// group size but 5, which rows_kernel leaves to that walk), so the walks give the same
+// bits.
+template <typename Vec, typename T, int NG>
+void attend_rows_any(const float* qf, const T* kc, const T* vc, Table table, int64_t len,
+                     const Geometry& g, int64_t KH, int64_t k_head, int64_t v_head,
+                     const uint16_t* masks, float* scores, int64_t s_stride,
+                     float* acc_out) {
+  using V = typename Vec::V;
+  constexpr int W = Vec::kLanes, NGP = padded_group(NG), NR = (NGP + 3) / 4 * 4;
+  const int64_t B = g.block_size, P = g.padded_dim, C = Vec::chunks(g);
   const int64_t nblocks = (len + B - 1) / B;
-  alignas(32) float tmp[NR];
+  alignas(16) float tmp[NR];
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t t0 = b * B, n = std::min(B, len - t0);
     const T* kb = kc + table[b] * g.k_block;
     for (int64_t o = 0; o < n; ++o) {
       const T* r = kb + o * g.k_token;
       for (int64_t h = 0; h < KH; ++h) {
-        __m256 acc[NR];
+        V acc[NR];
 #pragma GCC unroll 8
-        for (int i = 0; i < NR; ++i) acc[i] = _mm256_setzero_ps();
+        for (int i = 0; i < NR; ++i) acc[i] = Vec::zero();
         const float* qh = qf + h * NGP * P;
         for (int64_t c = 0; c < C; ++c) {
-          const __m256 kv = load8(r + h * k_head + 8 * c);
+          const V kv = Vec::row(r + h * k_head + W * c, masks, c);
 #pragma GCC unroll 8
-          for (int j = 0; j < NGP; ++j)
-            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j * P + 8 * c), kv, acc[j]);
+          for (int j = 0; j < NGP; ++j) acc[j] = Vec::fma(Vec::load(qh + j * P + W * c), kv, acc[j]);
         }
 #pragma GCC unroll 8
         for (int i = 0; i < NR; i += 4)
-          _mm_store_ps(tmp + i, reduce4_avx2(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
+          _mm_store_ps(tmp + i, Vec::sum4(acc[i], acc[i + 1], acc[i + 2], acc[i + 3]));
         float* out = scores + h * s_stride + (t0 + o) * NGP;
 #pragma GCC unroll 8
         for (int j = 0; j < NGP; ++j) out[j] = tmp[j];
@@ -1027,8 +998,6 @@ void attend_rows_avx2(const float* qf, const T* kc, const T* vc, Table table, in
   float inv[8 * kMaxGroup];
   for (int64_t h = 0; h < KH; ++h)
     softmax_token_major<true>(scores + h * s_stride, len, NGP, NG, inv + h * NG);
-  // V: the accumulators stay in acc_out (KH * NG * head_dim of them do not fit in 16
-  // registers); per output the same FMAs over the tokens in order.
   std::fill(acc_out, acc_out + KH * NG * P, 0.0f);
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t t0 = b * B, n = std::min(B, len - t0);
@@ -1038,29 +1007,27 @@ void attend_rows_avx2(const float* qf, const T* kc, const T* vc, Table table, in
       for (int64_t h = 0; h < KH; ++h) {
         const float* pt = scores + h * s_stride + (t0 + o) * NGP;
         float* ah = acc_out + h * NG * P;
-        __m256 p[NG];
+        V p[NG];
 #pragma GCC unroll 8
-        for (int j = 0; j < NG; ++j) p[j] = _mm256_set1_ps(pt[j]);
+        for (int j = 0; j < NG; ++j) p[j] = Vec::set1(pt[j]);
         for (int64_t c = 0; c < C; ++c) {
-          const __m256 vv = load8(r + h * v_head + 8 * c);
+          const V vv = Vec::row(r + h * v_head + W * c, masks, c);
 #pragma GCC unroll 8
           for (int j = 0; j < NG; ++j) {
-            float* a = ah + j * P + 8 * c;
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(p[j], vv, _mm256_loadu_ps(a)));
+            float* a = ah + j * P + W * c;
+            Vec::store(a, Vec::fma(p[j], vv, Vec::load(a)));
           }
         }
       }
     }
   }
   for (int64_t i = 0; i < KH * NG; ++i) {
-    const __m256 sc = _mm256_set1_ps(inv[i]);
+    const V s = Vec::set1(inv[i]);
     for (int64_t c = 0; c < C; ++c)
-      _mm256_storeu_ps(acc_out + i * P + 8 * c,
-                       _mm256_mul_ps(_mm256_loadu_ps(acc_out + i * P + 8 * c), sc));
+      Vec::store(acc_out + i * P + W * c, Vec::mul(Vec::load(acc_out + i * P + W * c), s));
   }
 }
-
-#endif  // PDS_AVX2
+#endif
 
 // Portable version (any ISA; the compiler vectorises the inner loops).
 template <typename Src>
@@ -1124,53 +1091,45 @@ int64_t paged_attention_best_isa() { return resolve_isa(kIsaAuto, 64); }
 // Allows (on) or forbids the row-order walk; returns whether it was allowed.
 bool paged_attention_row_walk(bool on) { return g_row_walk.exchange(on); }
 
-// T: q's (and the output's) dtype; F: the cache's kv_format code (0: rows of T).
-#if PDS_AVX512
+#if PDS_AVX512 || PDS_AVX2
 template <typename T>
 using RowsFn = void (*)(const float*, const T*, const T*, Table, int64_t, const Geometry&,
-                        int64_t, int64_t, int64_t, const __mmask16*, float*, int64_t, float*);
+                        int64_t, int64_t, int64_t, const uint16_t*, float*, int64_t, float*);
 
-// The row-order kernel for kh kv heads of ng query heads each and c 16-float chunks per
-// head: one with its accumulators in registers where compiled for the shape, else
-// attend_rows_any.
-template <typename T>
-RowsFn<T> rows_kernel(int64_t kh, int64_t ng, int64_t c) {
-#define PDS_ROWS(KH, NG, C)                                                                  \
-  if (kh == KH && ng == NG && c == C) return &attend_rows_avx512<T, NG, KH, C>;
-  PDS_ROWS(3, 3, 4)                   // SmolLM2-135M: 3 kv heads of 3, head_dim 64
-  PDS_ROWS(2, 3, 1) PDS_ROWS(2, 3, 2)  // the tests' tiny models
-#undef PDS_ROWS
+template <typename Vec, typename T>
+RowsFn<T> any_kernel(int64_t ng) {
   switch (ng) {
-    case 1: return &attend_rows_any<T, 1>;
-    case 2: return &attend_rows_any<T, 2>;
-    case 3: return &attend_rows_any<T, 3>;
-    case 4: return &attend_rows_any<T, 4>;
-    case 5: return &attend_rows_any<T, 5>;
-    case 6: return &attend_rows_any<T, 6>;
-    case 7: return &attend_rows_any<T, 7>;
-    case 8: return &attend_rows_any<T, 8>;
+    case 1: return &attend_rows_any<Vec, T, 1>;
+    case 2: return &attend_rows_any<Vec, T, 2>;
+    case 3: return &attend_rows_any<Vec, T, 3>;
+    case 4: return &attend_rows_any<Vec, T, 4>;
+    case 5: return &attend_rows_any<Vec, T, 5>;
+    case 6: return &attend_rows_any<Vec, T, 6>;
+    case 7: return &attend_rows_any<Vec, T, 7>;
+    case 8: return &attend_rows_any<Vec, T, 8>;
     default: return nullptr;
   }
 }
-#endif
 
-#if PDS_AVX2
+// The row-order kernel on path `isa` for kh kv heads of ng query heads each, c 16-float
+// chunks per head: AVX-512's with every accumulator in a register where compiled for the
+// shape, else attend_rows_any; null where the per-head walk must run.
 template <typename T>
-using RowsFn8 = void (*)(const float*, const T*, const T*, Table, int64_t, const Geometry&,
-                         int64_t, int64_t, int64_t, float*, int64_t, float*);
-
-template <typename T>
-RowsFn8<T> rows_kernel8(int64_t ng) {
-  switch (ng) {  // not 5: see attend_rows_avx2
-    case 1: return &attend_rows_avx2<T, 1>;
-    case 2: return &attend_rows_avx2<T, 2>;
-    case 3: return &attend_rows_avx2<T, 3>;
-    case 4: return &attend_rows_avx2<T, 4>;
-    case 6: return &attend_rows_avx2<T, 6>;
-    case 7: return &attend_rows_avx2<T, 7>;
-    case 8: return &attend_rows_avx2<T, 8>;
-    default: return nullptr;
+RowsFn<T> rows_kernel(int64_t isa, int64_t kh, int64_t ng, int64_t c) {
+#if PDS_AVX512
+  if (isa == kIsaAvx512) {
+#define PDS_ROWS(KH, NG, C)                                                                  \
+  if (kh == KH && ng == NG && c == C) return &attend_rows_avx512<T, NG, KH, C>;
+    PDS_ROWS(3, 3, 4)                   // SmolLM2-135M: 3 kv heads of 3, head_dim 64
+    PDS_ROWS(2, 3, 1) PDS_ROWS(2, 3, 2)  // the tests' tiny models
+#undef PDS_ROWS
+    return any_kernel<Wide, T>(ng);
   }
+#endif
+#if PDS_AVX2
+  if (isa == kIsaAvx2 && ng != 5) return any_kernel<Narrow, T>(ng);
+#endif
+  return nullptr;
 }
 #endif
 
@@ -1189,17 +1148,8 @@ bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   if (k_head != D || v_head != D || G > kMaxGroup || KV > 8 || S < 2 * at::get_num_threads())
     return false;
   if (!g_row_walk.load(std::memory_order_relaxed)) return false;
-#if PDS_AVX512
-  const RowsFn<T> wide = isa == kIsaAvx512 ? rows_kernel<T>(KV, G, P / 16) : nullptr;
-#else
-  const void* wide = nullptr;
-#endif
-#if PDS_AVX2
-  const RowsFn8<T> narrow = isa == kIsaAvx2 ? rows_kernel8<T>(G) : nullptr;
-#else
-  const void* narrow = nullptr;
-#endif
-  if (wide == nullptr && narrow == nullptr) return false;
+  const RowsFn<T> fn = rows_kernel<T>(isa, KV, G, P / 16);
+  if (fn == nullptr) return false;
   Geometry geo{k_cache.size(1), D, P, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
                v_cache.stride(1), k_cache.size(3) * static_cast<int64_t>(sizeof(T))};
   const int64_t NGP = G == 7 ? 8 : G, s_stride = NGP * (max_len + 8);
@@ -1211,10 +1161,8 @@ bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(KV * NGP * P, 0.0f), acc(KV * G * P, 0.0f);
     std::vector<float> scores(KV * s_stride);
-#if PDS_AVX512
-    std::vector<__mmask16> masks(P / 16, static_cast<__mmask16>(0xFFFF));
-    if (D % 16) masks.back() = static_cast<__mmask16>((1u << (D % 16)) - 1);
-#endif
+    std::vector<uint16_t> masks(P / 16, 0xFFFF);  // Wide's row loads (D % 16: the tail's)
+    if (D % 16) masks.back() = static_cast<uint16_t>((1u << (D % 16)) - 1);
     for (int64_t s = begin; s < end; ++s) {
       const int64_t len = lens[s];
       T* orow = op + s * H * D;
@@ -1228,17 +1176,8 @@ bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
           float* dst = qf.data() + (h * NGP + j) * P;
           for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(qr[d]) * fscale;
         }
-      Table table = tables.data() + s * table_stride;
-#if PDS_AVX512
-      if (wide != nullptr)
-        wide(qf.data(), kp, vp, table, len, geo, KV, k_head, v_head, masks.data(),
-             scores.data(), s_stride, acc.data());
-#endif
-#if PDS_AVX2
-      if (narrow != nullptr)
-        narrow(qf.data(), kp, vp, table, len, geo, KV, k_head, v_head, scores.data(), s_stride,
-               acc.data());
-#endif
+      fn(qf.data(), kp, vp, tables.data() + s * table_stride, len, geo, KV, k_head, v_head,
+         masks.data(), scores.data(), s_stride, acc.data());
       for (int64_t i = 0; i < H; ++i) store_row(orow + i * D, acc.data() + i * P, D);
     }
   });
@@ -1246,6 +1185,7 @@ bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
 }
 #endif
 
+// T: q's (and the output's) dtype; F: the cache's kv_format code (0: rows of T).
 template <typename T, int F>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const std::vector<int64_t>& tables, int64_t table_stride,
@@ -1296,10 +1236,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     std::vector<float> vbuf(F == kAuto ? 0 : geo.block_size * P);
     Scratch sc{kbuf.data(), vbuf.data(), fp8};
     if (key_add != nullptr) sc.key_add_stride = KV * D;
-#if PDS_AVX512
-    std::vector<__mmask16> masks(P / 16, static_cast<__mmask16>(0xFFFF));
-    if (D % 16) masks.back() = static_cast<__mmask16>((1u << (D % 16)) - 1);
-#endif
+    std::vector<uint16_t> masks(P / 16, 0xFFFF);  // Wide's row loads (D % 16: the tail's)
+    if (D % 16) masks.back() = static_cast<uint16_t>((1u << (D % 16)) - 1);
     for (int64_t it = begin; it < end; ++it) {
       const int64_t s = it / (KV * subgroups);
       const int64_t h = (it / subgroups) % KV;
