@@ -160,13 +160,16 @@ def test_row_walk_gives_the_per_head_walks_bits(op, dim, kv_heads, group, dtype)
     included, whichever walk a batch takes."""
     from workers.engine import kernels
 
-    q, k, v, table, lens = make_case([0, *LENS], kv_heads, group, dim, dtype, seed=dim + group)
-    with kernels.row_walk(True):
-        rows = op(q, k, v, table, lens, 0.2)
-    with kernels.row_walk(False):
-        heads = op(q, k, v, table, lens, 0.2)
-    assert torch.equal(rows, heads)
-    check(rows, reference(q, k, v, table, lens, 0.2), dtype)
+    # A batch, then a lone short context and a pair: too little work to wake a second
+    # thread, so the row walk takes them on one thread.
+    for n, lengths in enumerate(([0, *LENS], [37], [5, 90])):
+        q, k, v, table, lens = make_case(lengths, kv_heads, group, dim, dtype, seed=dim + n)
+        with kernels.row_walk(True):
+            rows = op(q, k, v, table, lens, 0.2)
+        with kernels.row_walk(False):
+            heads = op(q, k, v, table, lens, 0.2)
+        assert torch.equal(rows, heads), lengths
+        check(rows, reference(q, k, v, table, lens, 0.2), dtype)
 
 
 def test_rejects_bad_inputs(op) -> None:

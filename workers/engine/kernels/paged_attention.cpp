@@ -4,7 +4,8 @@
 // the paged KV cache (no gather copy). Work items run on ATen's intra-op pool
 // (at::parallel_for), so they share torch's threads and honour torch.set_num_threads.
 // Two walks, the same bits:
-// - row order (unquantized caches, AVX-512 or AVX2, at least 2 sequences per thread):
+// - row order (unquantized caches, AVX-512 or AVX2, at least 2 sequences per thread or a
+//   step small enough for one thread):
 //   an item is a sequence, every kv head at once, and the passes read each cache row
 //   [kv_heads, head_dim] whole, in memory order, which the hardware prefetchers stream
 //   (from DRAM 1.6x the per-head walk on a 2-core Zen 4: see attend_rows_avx512);
@@ -1135,17 +1136,19 @@ RowsFn<T> rows_kernel(int64_t isa, int64_t kh, int64_t ng, int64_t c) {
 
 #if PDS_AVX512 || PDS_AVX2
 // Unquantized caches whose kv heads sit side by side in a row: one item per sequence in
-// row order (attend_rows_*). Only with at least 2 sequences per thread: fewer split
-// across the threads by kv head in the per-head walk. Returns whether it ran.
+// row order (attend_rows_*). Only with at least 2 sequences per thread, or when the step
+// is small enough to run on one thread anyway (one_thread): fewer sequences split across
+// the threads by kv head in the per-head walk. Returns whether it ran.
 template <typename T>
 bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const std::vector<int64_t>& tables, int64_t table_stride,
                const std::vector<int64_t>& lens, int64_t max_len, float fscale, int64_t isa,
-               at::Tensor& out) {
+               bool one_thread, at::Tensor& out) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(2);
   const int64_t G = H / KV, P = (D + 15) / 16 * 16;
   const int64_t k_head = k_cache.stride(2), v_head = v_cache.stride(2);
-  if (k_head != D || v_head != D || G > kMaxGroup || KV > 8 || S < 2 * at::get_num_threads())
+  if (k_head != D || v_head != D || G > kMaxGroup || KV > 8 ||
+      (!one_thread && S < 2 * at::get_num_threads()))
     return false;
   if (!g_row_walk.load(std::memory_order_relaxed)) return false;
   const RowsFn<T> fn = rows_kernel<T>(isa, KV, G, P / 16);
@@ -1158,7 +1161,7 @@ bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, S, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, S, one_thread ? S : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(KV * NGP * P, 0.0f), acc(KV * G * P, 0.0f);
     std::vector<float> scores(KV * s_stride);
     std::vector<uint16_t> masks(P / 16, 0xFFFF);  // Wide's row loads (D % 16: the tail's)
@@ -1214,19 +1217,20 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     max_len = std::max(max_len, l);
     total_len += l;
   }
-#if PDS_AVX512 || PDS_AVX2
-  if constexpr (F == kAuto) {
-    if (rows_walk<T>(q, k_cache, v_cache, tables, table_stride, lens, max_len, fscale, isa,
-                     out))
-      return;
-  }
-#endif
   const int64_t items = S * KV * subgroups;
   // Small steps are not worth waking the pool for: on a 2-core AVX2 EPYC one lone
   // 142-token context (work 109k) took 19 us on one thread and 33 us on two; the second
   // thread started to pay at about twice that work.
   const int64_t work = total_len * KV * (G + 1) * D;
-  const int64_t grain = work < (1 << 18) ? std::max<int64_t>(items, 1) : 1;
+  const bool one_thread = work < (1 << 18);
+  const int64_t grain = one_thread ? std::max<int64_t>(items, 1) : 1;
+#if PDS_AVX512 || PDS_AVX2
+  if constexpr (F == kAuto) {
+    if (rows_walk<T>(q, k_cache, v_cache, tables, table_stride, lens, max_len, fscale, isa,
+                     one_thread, out))
+      return;
+  }
+#endif
 
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     const int64_t P = geo.padded_dim;
