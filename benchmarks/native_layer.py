@@ -7,7 +7,8 @@ the default model, so a drifting VM moves both. Two comparisons (``--compare``):
   whole, in memory order) against its per-head walk (``kernels.set_row_walk``).
 
 ``python -m benchmarks.native_layer [--compare native-layer|row-walk] [--dtype
-float32|bfloat16] [--threads N] [--batches 1,32,256] [--steps N] [--model PATH]`` prints
+float32|bfloat16] [--quantization int8] [--threads N] [--batches 1,32,256] [--steps N]
+[--model PATH]`` prints
 the machine, then per batch size the median decode step of each path and their ratio;
 first it checks that both paths give the same greedy tokens (one 128-token prompt -> 32
 tokens) and exits 1 if they do not.
@@ -61,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--compare", choices=("native-layer", "row-walk"), default="native-layer")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--quantization", choices=("int8",), default=None,
+                    help="int8 weights (the layers' and the LM head's)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per path and batch")
@@ -69,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM(str(resolve_model(args.model, None)), dtype=args.dtype, num_threads=args.threads,
+              quantization=args.quantization,
               kv_cache_memory_gb=max(0.5, max(batches) * (PROMPT_LEN + 64) * 50e3 / 2**30))
     engine = llm.engine
     model = engine.runner.model
@@ -84,9 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         sw.use(on)
         tokens.append(list(llm.generate([prompt], greedy)[0].token_ids))
     sw.use(True)
-    print(f"{machine_line()}; {args.threads} thread(s); {model.dtype}; {args.compare}: decode "
-          f"steps of {PROMPT_LEN}-token contexts, greedy; each path {args.steps} steps, "
-          "alternated")
+    weights = f", {args.quantization} weights" if args.quantization else ""
+    print(f"{machine_line()}; {args.threads} thread(s); {model.dtype}{weights}; "
+          f"{args.compare}: decode steps of {PROMPT_LEN}-token contexts, greedy; each path "
+          f"{args.steps} steps, alternated")
     print(f"greedy tokens (128 -> 32): {'equal' if tokens[0] == tokens[1] else 'DIFFER'}")
     print(f"{'batch':>6}{sw.a + ' ms':>13}{sw.b + ' ms':>13}{'ratio':>8}")
     for batch in batches:

@@ -2,8 +2,8 @@
 and computes exactly what the Python layer computes: the same logits bit for bit, step
 by step, on every tiny architecture (biases, q/k norms, GQA), in float32 and bfloat16,
 through every kind of projection the call takes (the GEMV on tiles and row-major,
-oneDNN's reordered weights, ``F.linear``). Steps with a prefill, quantized caches and
-int8 weights keep the Python layer.
+oneDNN's reordered weights, ``F.linear``, int8 weights with their scales). Steps with a
+prefill and quantized caches keep the Python layer.
 
 Greedy agreement with Hugging Face through the native layer is
 ``test_engine_matches_hf``'s (every engine there decodes through it).
@@ -74,8 +74,8 @@ def assert_same_steps(llm: LLM, prompts: list[list[int]]) -> set[int]:
         assert torch.equal(a, b)
     assert_no_leaks(llm.engine)
     rows = len(prompts)
-    return {k for lw in model.layers for _, k in
-            (model._layer_native(w, rows) for w in (lw.qkv, lw.o, lw.gate_up, lw.down))}
+    return {f[1] for lw in model.layers
+            for f in (model._layer_native(w, rows) for w in (lw.qkv, lw.o, lw.gate_up, lw.down))}
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -103,8 +103,21 @@ def test_plain_weights_run_f_linear(tiny_checkpoints) -> None:
     assert assert_same_steps(llm, (prompts_for(llm) * 2)[:6]) == {-2}
 
 
-@pytest.mark.parametrize("options", [{"kv_cache_dtype": "fp8_e4m3"}, {"quantization": "int8"},
-                                     {"native_layers": False}])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tiles", [True, False])
+def test_int8_weights_run_natively(tiny_checkpoints, monkeypatch, dtype, tiles) -> None:
+    """``--quantization int8``: every projection int8 (kind -3, its scales passed along),
+    values in tiles or row-major, for one sequence (the int8 GEMV) and for 20 (past its
+    16 rows: the kernel's blockwise GEMM), the Python layer's logits bit for bit."""
+    monkeypatch.setattr(kernels, "time_gemv_tiles", fixed(tiles))
+    llm = LLM(tiny_checkpoints["llama"], dtype=dtype, num_blocks=192, block_size=4,
+              enable_prefix_caching=False, quantization="int8")
+    prompts = prompts_for(llm)
+    assert assert_same_steps(llm, prompts[:1]) == {-3}
+    assert assert_same_steps(llm, (prompts * 10)[:20]) == {-3}
+
+
+@pytest.mark.parametrize("options", [{"kv_cache_dtype": "fp8_e4m3"}, {"native_layers": False}])
 def test_python_layers_where_the_native_call_does_not_apply(tiny_checkpoints, options) -> None:
     llm = LLM(tiny_checkpoints["llama"], dtype="float32", num_blocks=96, block_size=4,
               **options)
@@ -121,6 +134,7 @@ def test_decode_layer_refuses_bad_arguments(tiny_checkpoints) -> None:
     model, s = runner.model, runner.model.shape
     lw = model.layers[0]
     w, kind = model._layer_native(lw.qkv, 1)
+    assert kind != -3
     x = torch.zeros(1, s.hidden_size)
     args = dict(mlp_out=None, input_norm=lw.input_norm, post_norm=lw.post_norm, q_norm=None,
                 k_norm=None, eps=1e-5, qkv_bias=None, o_bias=None, cos=model.cos[:1],
@@ -133,6 +147,8 @@ def test_decode_layer_refuses_bad_arguments(tiny_checkpoints) -> None:
         kernels.decode_layer(x, weights=[w], kinds=[kind], **args)
     with pytest.raises(RuntimeError, match="unknown projection kind"):
         kernels.decode_layer(x, weights=[w] * 4, kinds=[-7] * 4, **args)
+    with pytest.raises(RuntimeError, match="needs its scales"):
+        kernels.decode_layer(x, weights=[w] * 4, kinds=[-3] * 4, **args)
 
 
 @pytest.mark.parametrize("compare,a", [("native-layer", "native"), ("row-walk", "rows")])

@@ -185,7 +185,7 @@ class ModelRunner:
             # Native: the int8 GEMV/GEMM kernel; else dequantize per call (slow, any device).
             tiles = self.gemv_tiling is not None and self.gemv_tiling.tiles
             layer_linear = (int8_linear(kernels.int8_linear, kernels.int8_tiles if tiles
-                                        else None) if native else int8_linear())
+                                        else None, native=True) if native else int8_linear())
         elif self.gemv_tiling is not None:
             linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR,
                                  layout=(kernels.gemv_tiles_where_whole

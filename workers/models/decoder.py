@@ -137,6 +137,17 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class NativeLayer:
+    """One layer's projections (qkv, o, gate_up, down) as a native decode layer takes
+    them (:data:`~workers.models.linear.NativeForm`): weights, kinds, and each int8
+    projection's scales (None for float ones)."""
+
+    weights: list[torch.Tensor]
+    kinds: list[int]
+    scales: list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
 class ElementwiseOps:
     """The memory-bound ops between GEMMs. ``TORCH_OPS`` are the reference; the native
     kernels (``workers.engine.kernels``) are fused versions equal to them bit for bit."""
@@ -182,8 +193,9 @@ class DecoderModel:
         self.write_decode_op = write_decode_op
         self.layer_op = layer_op
         self._layer_native = linear.native if layer_op is not None else None
-        # rows -> per layer (weights, kinds) for layer_op, or None: not native at that size
-        self._native_by_rows: dict[int, list[tuple[list[torch.Tensor], list[int]]] | None] = {}
+        # rows -> per layer (weights, kinds, int8 scales) for layer_op, or None: not native
+        # at that size
+        self._native_by_rows: dict[int, list[NativeLayer] | None] = {}
         self.ops = ops
         head = head_linear or linear
         if prequantized and not linear.quantized:
@@ -326,9 +338,9 @@ class DecoderModel:
                     total += weight_nbytes(t)
         return total
 
-    def _native_layers(self, batch: AttentionBatch, rows: int
-                       ) -> list[tuple[list[torch.Tensor], list[int]]] | None:
-        """Per layer, the projections' weights and kinds ``layer_op`` runs for this step,
+    def _native_layers(self, batch: AttentionBatch, rows: int) -> list[NativeLayer] | None:
+        """Per layer, the projections' weights, kinds and scales (int8; else None)
+        ``layer_op`` runs for this step,
         or None when the step takes the Python layer: not every token decodes, the cache
         is quantized, keys are being calibrated, or a projection has no native form at
         ``rows`` rows."""
@@ -337,13 +349,14 @@ class DecoderModel:
                 or self.kv_format.quantized or self._key_stats is not None):
             return None
         if rows not in self._native_by_rows:
-            per_layer: list[tuple[list[torch.Tensor], list[int]]] | None = []
+            per_layer: list[NativeLayer] | None = []
             for lw in self.layers:
                 forms = [self._layer_native(w, rows) for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
                 if any(f is None for f in forms):
                     per_layer = None
                     break
-                per_layer.append(([f[0] for f in forms], [f[1] for f in forms]))  # type: ignore[index]
+                per_layer.append(NativeLayer([f[0] for f in forms], [f[1] for f in forms],  # type: ignore[index]
+                                             [f[2] if len(f) == 3 else None for f in forms]))  # type: ignore[arg-type, index]
             self._native_by_rows[rows] = per_layer
         return self._native_by_rows[rows]
 
@@ -372,12 +385,12 @@ class DecoderModel:
         mlp_out: torch.Tensor | None = None
         native = self._native_layers(batch, n) if n else None
         if native is not None:  # one native call per layer, the same ops as below
-            for i, (lw, (weights, kinds)) in enumerate(zip(self.layers, native, strict=True)):
+            for i, (lw, nl) in enumerate(zip(self.layers, native, strict=True)):
                 mlp_out = self.layer_op(  # type: ignore[misc]
                     x, mlp_out, lw.input_norm, lw.post_norm, lw.q_norm, lw.k_norm, eps,
-                    weights, kinds, lw.qkv_bias, lw.o_bias, cos, sin, s.num_heads,
+                    nl.weights, nl.kinds, lw.qkv_bias, lw.o_bias, cos, sin, s.num_heads,
                     s.num_kv_heads, kv_cache[i], block_size, batch.slot_mapping,
-                    batch.decode_table, batch.decode_lens)
+                    batch.decode_table, batch.decode_lens, nl.scales)
         else:
             for i, lw in enumerate(self.layers):
                 # The previous layer's MLP residual add is fused into this layer's input norm.

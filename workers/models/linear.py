@@ -91,12 +91,14 @@ checkpoints, :mod:`workers.models.int8_checkpoint`)."""
 Linear = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
 
 
-NativeForm = Callable[[Any, int], "tuple[torch.Tensor, int] | None"]
+NativeForm = Callable[
+    [Any, int], "tuple[torch.Tensor, int] | tuple[torch.Tensor, int, torch.Tensor] | None"]
 """``native(prepared, rows)``: how a native decode layer runs this op's prepared weight
 for ``rows`` rows of x, as ``(tensor, kind)`` (``workers.engine.kernels.decode_layer``'s
 kinds: > 0 a GEMV's tiles of that many rows, 0 a GEMV on ``[out, in]``, -1 oneDNN's
-reordered weight, -2 ``F.linear``); None where it cannot."""
-ONEDNN_KIND, TORCH_KIND = -1, -2
+reordered weight, -2 ``F.linear``) or, for int8 weights, ``(values, -3, scales)``; None
+where it cannot."""
+ONEDNN_KIND, TORCH_KIND, INT8_KIND = -1, -2, -3
 
 
 @dataclass(frozen=True)
@@ -334,12 +336,14 @@ def _int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 
 
 def int8_linear(kernel: Int8Kernel | None = None,
-                layout: Callable[[torch.Tensor], torch.Tensor] | None = None) -> LinearOps:
+                layout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                native: bool = False) -> LinearOps:
     """Weight-only int8 linear layers: weights quantized at ``prepare`` (or taken as
     :class:`Int8Weight`), their values put in ``layout`` (the kernel's fastest, e.g. its
     tiles; default: as they are), ``apply`` through ``kernel`` (the native CPU kernel);
     None: dequantize per call and ``F.linear`` (any device; slower than the float model,
-    a fallback only)."""
+    a fallback only). ``native``: ``kernel`` is ``workers.engine.kernels.int8_linear``
+    with its defaults, which a native decode layer calls the same way (kind -3)."""
     run = kernel or _int8_reference
 
     def prepare(w: Weight) -> Int8Weight:
@@ -353,4 +357,5 @@ def int8_linear(kernel: Int8Kernel | None = None,
         return run(x, w.q, w.scale, bias)
 
     return LinearOps("int8" if kernel is not None else "int8-torch", prepare, apply,
-                     quantized=True)
+                     quantized=True,
+                     native=(lambda w, rows: (w.q, INT8_KIND, w.scale)) if native else None)

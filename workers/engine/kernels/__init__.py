@@ -230,7 +230,8 @@ def decode_layer(x: torch.Tensor, mlp_out: torch.Tensor | None, input_norm: torc
                  kinds: list[int], qkv_bias: torch.Tensor | None, o_bias: torch.Tensor | None,
                  cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                  cache: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
-                 block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+                 block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 scales: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """One decoder layer of a step whose every token decodes, in one native call: bit for
     bit ``workers.models.decoder.DecoderModel``'s Python layer (its norms, projections,
     RoPE, K/V writes and paged attention, in the same order; see ``decode_layer.cpp``).
@@ -238,13 +239,16 @@ def decode_layer(x: torch.Tensor, mlp_out: torch.Tensor | None, input_norm: torc
     x: the residual stream ``[tokens, hidden]``, updated in place (``+= mlp_out``, the
     previous layer's MLP output or None, then ``+=`` the attention's projection); weights:
     qkv, o, gate_up, down as ``kinds`` says (:func:`gemv_form`, or -1 oneDNN's reordered
-    weight, -2 ``F.linear``'s plain one); cache: the layer's ``[2, slots, kv_heads,
-    head_dim]`` (unquantized). Returns the layer's MLP output.
+    weight, -2 ``F.linear``'s plain one, -3 int8 values for :func:`int8_linear`, their
+    scales in ``scales``: one entry per projection, None for float ones; None: all
+    float); cache: the layer's ``[2, slots, kv_heads, head_dim]`` (unquantized). Returns
+    the layer's MLP output.
     """
     return _fused_op("decode_layer")(
         x, mlp_out, input_norm, post_norm, q_norm, k_norm, float(eps), weights, kinds,
         qkv_bias, o_bias, cos, sin, num_heads, num_kv_heads, cache, block_size, slot_mapping,
-        block_tables, context_lens, SUM_LANES, SILU_LANES)
+        block_tables, context_lens, SUM_LANES, SILU_LANES, scales or [None] * 4,
+        INT8_GEMV_ROWS)
 
 
 def gemv_form(w: torch.Tensor | GemvTiles) -> tuple[torch.Tensor, int]:

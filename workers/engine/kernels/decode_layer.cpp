@@ -12,17 +12,20 @@
 //
 // Scope (the caller checks it, workers/models/decoder.py NativeLayer): a step whose every
 // token decodes (one per sequence, no prefill), an unquantized cache, float32 or bfloat16,
-// projections run by one of the kinds below. Anything else takes the Python path.
+// projections run by one of the kinds below (float or int8 weights). Anything else takes
+// the Python path.
 //
 // Registered as torch.ops.pdserve_kernels.decode_layer(x, mlp_out, input_norm, post_norm,
 // q_norm, k_norm, eps, weights, kinds, qkv_bias, o_bias, cos, sin, num_heads,
 // num_kv_heads, cache, block_size, slot_mapping, block_tables, context_lens, sum_lanes,
-// silu_lanes) -> the layer's MLP output. x, the residual stream [tokens, hidden], is
+// silu_lanes, scales, int8_gemv_rows) -> the layer's MLP output. x, the residual stream [tokens, hidden], is
 // updated in place: x += mlp_out (the previous layer's MLP output; None for the first
 // layer) then x += the attention's projection, as the Python layer's two add_rms_norm do.
 // weights: qkv, o, gate_up, down, each as ``kinds`` says: > 0 the GEMV's tiles
 // (f32_gemv_packed, that many output rows), 0 the GEMV on a row-major weight (f32_gemv),
-// -1 oneDNN on its reordered weight, -2 at::linear on the plain weight.
+// -1 oneDNN on its reordered weight, -2 at::linear on the plain weight, -3 int8_linear on
+// int8 values (row-major or tiles) with that projection's ``scales`` entry and
+// ``int8_gemv_rows``, as workers.models.linear.int8_linear calls it.
 // cache: the layer's [2, slots, kv_heads, head_dim] (K then V), written at slot_mapping.
 
 #include <ATen/ATen.h>
@@ -42,7 +45,7 @@ c10::TypedOperatorHandle<Sig> typed(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
 }
 
-enum Kind : int64_t { kGemv = 0, kOneDnn = -1, kTorch = -2 };  // > 0: GEMV tiles of n rows
+enum Kind : int64_t { kGemv = 0, kOneDnn = -1, kTorch = -2, kInt8 = -3 };  // > 0: GEMV tiles
 
 // The ops a layer calls, looked up once (the library's own are registered by the time
 // the first layer runs; oneDNN's only where torch has it).
@@ -67,6 +70,9 @@ struct Ops {
       gemv_tiles = typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t,
                                     const OptTensor&, int64_t)>(
           "pdserve_kernels::f32_gemv_packed");
+  using Int8 = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const OptTensor&, int64_t, int64_t);
+  c10::TypedOperatorHandle<Int8> int8 = typed<Int8>("pdserve_kernels::int8_linear");
   using Attend = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const at::Tensor&, double, int64_t);
@@ -81,9 +87,16 @@ const Ops& ops() {
   return o;
 }
 
+// One projection. int8: ``scale`` (its per-row scales) and ``int8_rows`` (the GEMV's
+// row limit) are as the Python layer passes them; unused otherwise.
 at::Tensor linear(const Ops& o, const at::Tensor& x, const at::Tensor& w, int64_t kind,
-                  const OptTensor& bias) {
+                  const OptTensor& bias, const OptTensor& scale = std::nullopt,
+                  int64_t int8_rows = 0) {
   if (kind > 0) return o.gemv_tiles.call(x, w, kind, bias, -1);
+  if (kind == kInt8) {
+    TORCH_CHECK(scale.has_value(), "decode_layer: an int8 projection needs its scales");
+    return o.int8.call(x, w, *scale, bias, int8_rows, -1);
+  }
   if (kind == kGemv) return o.gemv.call(x, w, bias, -1);
   if (kind == kTorch) return at::linear(x, w, bias);
   TORCH_CHECK(kind == kOneDnn, "decode_layer: unknown projection kind ", kind);
@@ -105,9 +118,13 @@ at::Tensor decode_layer(at::Tensor& x, const OptTensor& mlp_out, const at::Tenso
                         int64_t num_heads, int64_t num_kv_heads, const at::Tensor& cache,
                         int64_t block_size, const at::Tensor& slot_mapping,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        int64_t sum_lanes, int64_t silu_lanes) {
-  TORCH_CHECK(weights.size() == 4 && kinds.size() == 4,
-              "decode_layer: weights and kinds are qkv, o, gate_up, down");
+                        int64_t sum_lanes, int64_t silu_lanes,
+                        const c10::List<std::optional<at::Tensor>>& scales,
+                        int64_t int8_gemv_rows) {
+  TORCH_CHECK(weights.size() == 4 && kinds.size() == 4 && scales.size() == 4,
+              "decode_layer: weights, kinds and scales are qkv, o, gate_up, down");
+  const OptTensor s_qkv = scales.get(0), s_o = scales.get(1), s_gate_up = scales.get(2),
+                  s_down = scales.get(3);
   TORCH_CHECK(x.dim() == 2, "decode_layer: x must be [tokens, hidden]");
   TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2,
               "decode_layer: cache must be [2, slots, kv_heads, head_dim]");
@@ -118,7 +135,7 @@ at::Tensor decode_layer(at::Tensor& x, const OptTensor& mlp_out, const at::Tenso
   const int64_t q_size = num_heads * dim, kv_size = num_kv_heads * dim;
   at::Tensor h = mlp_out.has_value() ? o.add_rms_norm.call(x, *mlp_out, input_norm, eps, sum_lanes)
                                      : o.rms_norm.call(x, input_norm, eps, sum_lanes);
-  const at::Tensor qkv = linear(o, h, weights[0], kinds[0], qkv_bias);
+  const at::Tensor qkv = linear(o, h, weights[0], kinds[0], qkv_bias, s_qkv, int8_gemv_rows);
   // Queries and keys are adjacent in the fused projection: rotated together.
   at::Tensor qk = qkv.slice(1, 0, q_size + kv_size).view({n, num_heads + num_kv_heads, dim});
   const at::Tensor v = qkv.slice(1, q_size + kv_size).view({n, num_kv_heads, dim});
@@ -134,10 +151,13 @@ at::Tensor decode_layer(at::Tensor& x, const OptTensor& mlp_out, const at::Tenso
   const at::Tensor attn = o.write_attend.call(qk_parts[0], qk_parts[1], v, k_blocks, v_blocks,
                                               slot_mapping, block_tables, context_lens,
                                               std::pow(static_cast<double>(dim), -0.5), -1);
-  const at::Tensor proj = linear(o, attn.view({n, q_size}), weights[1], kinds[1], o_bias);
+  const at::Tensor proj =
+      linear(o, attn.view({n, q_size}), weights[1], kinds[1], o_bias, s_o, int8_gemv_rows);
   h = o.add_rms_norm.call(x, proj, post_norm, eps, sum_lanes);
-  const at::Tensor gate_up = linear(o, h, weights[2], kinds[2], std::nullopt);
-  return linear(o, o.silu_mul.call(gate_up, silu_lanes), weights[3], kinds[3], std::nullopt);
+  const at::Tensor gate_up =
+      linear(o, h, weights[2], kinds[2], std::nullopt, s_gate_up, int8_gemv_rows);
+  return linear(o, o.silu_mul.call(gate_up, silu_lanes), weights[3], kinds[3], std::nullopt,
+                s_down, int8_gemv_rows);
 }
 
 }  // namespace
@@ -148,7 +168,8 @@ TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
       "Tensor? q_norm, Tensor? k_norm, float eps, Tensor[] weights, int[] kinds, "
       "Tensor? qkv_bias, Tensor? o_bias, Tensor cos, Tensor sin, int num_heads, "
       "int num_kv_heads, Tensor(b!) cache, int block_size, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor context_lens, int sum_lanes, int silu_lanes) -> Tensor");
+      "Tensor block_tables, Tensor context_lens, int sum_lanes, int silu_lanes, "
+      "Tensor?[] scales, int int8_gemv_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) { m.impl("decode_layer", &decode_layer); }
