@@ -8,10 +8,9 @@ the default model, so a drifting VM moves both. Two comparisons (``--compare``):
 
 ``python -m benchmarks.native_layer [--compare native-layer|row-walk] [--dtype
 float32|bfloat16] [--quantization int8] [--threads N] [--batches 1,32,256] [--steps N]
-[--model PATH]`` prints
-the machine, then per batch size the median decode step of each path and their ratio;
-first it checks that both paths give the same greedy tokens (one 128-token prompt -> 32
-tokens) and exits 1 if they do not.
+[--model PATH]`` prints the machine, then per batch size the median decode step of each
+path and their ratio; first it checks that both paths give the same greedy tokens (one
+128-token prompt -> 32 tokens) and exits 1 if they do not.
 
 Lifecycle: one :class:`~workers.engine.llm.LLM` -> the greedy check (path a, then b) ->
 per batch size, requests put straight into decode

@@ -339,11 +339,10 @@ class DecoderModel:
         return total
 
     def _native_layers(self, batch: AttentionBatch, rows: int) -> list[NativeLayer] | None:
-        """Per layer, the projections' weights, kinds and scales (int8; else None)
-        ``layer_op`` runs for this step,
-        or None when the step takes the Python layer: not every token decodes, the cache
-        is quantized, keys are being calibrated, or a projection has no native form at
-        ``rows`` rows."""
+        """Per layer, the projections' weights, kinds and scales (int8; else None) that
+        ``layer_op`` runs for this step, or None when the step takes the Python layer: not
+        every token decodes, the cache is quantized, keys are being calibrated, or a
+        projection has no native form at ``rows`` rows."""
         if (self.layer_op is None or self._layer_native is None or batch.prefills
                 or batch.num_decode != rows
                 or self.kv_format.quantized or self._key_stats is not None):

@@ -82,7 +82,6 @@ constexpr int kMaxGroup = 8;  // query heads per work item
 // tests' check that both walks give the same bits).
 std::atomic<bool> g_row_walk{true};
 
-
 inline float to_f32(float x) { return x; }
 inline float to_f32(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_f32(c10::Half x) { return static_cast<float>(x); }
@@ -1143,9 +1142,9 @@ template <typename T>
 bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                const std::vector<int64_t>& tables, int64_t table_stride,
                const std::vector<int64_t>& lens, int64_t max_len, float fscale, int64_t isa,
-               bool one_thread, at::Tensor& out) {
+               bool one_thread, const Geometry& geo, at::Tensor& out) {
   const int64_t S = q.size(0), H = q.size(1), D = q.size(2), KV = k_cache.size(2);
-  const int64_t G = H / KV, P = (D + 15) / 16 * 16;
+  const int64_t G = H / KV, P = geo.padded_dim;
   const int64_t k_head = k_cache.stride(2), v_head = v_cache.stride(2);
   if (k_head != D || v_head != D || G > kMaxGroup || KV > 8 ||
       (!one_thread && S < 2 * at::get_num_threads()))
@@ -1153,8 +1152,6 @@ bool rows_walk(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor&
   if (!g_row_walk.load(std::memory_order_relaxed)) return false;
   const RowsFn<T> fn = rows_kernel<T>(isa, KV, G, P / 16);
   if (fn == nullptr) return false;
-  Geometry geo{k_cache.size(1), D, P, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-               v_cache.stride(1), k_cache.size(3) * static_cast<int64_t>(sizeof(T))};
   const int64_t NGP = G == 7 ? 8 : G, s_stride = NGP * (max_len + 8);
   const T* qp = q.data_ptr<T>();
   const int64_t q_seq = q.stride(0), q_head = q.stride(1);
@@ -1227,7 +1224,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if PDS_AVX512 || PDS_AVX2
   if constexpr (F == kAuto) {
     if (rows_walk<T>(q, k_cache, v_cache, tables, table_stride, lens, max_len, fscale, isa,
-                     one_thread, out))
+                     one_thread, geo, out))
       return;
   }
 #endif
@@ -1240,8 +1237,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     std::vector<float> vbuf(F == kAuto ? 0 : geo.block_size * P);
     Scratch sc{kbuf.data(), vbuf.data(), fp8};
     if (key_add != nullptr) sc.key_add_stride = KV * D;
-    std::vector<uint16_t> masks(P / 16, 0xFFFF);  // Wide's row loads (D % 16: the tail's)
-    if (D % 16) masks.back() = static_cast<uint16_t>((1u << (D % 16)) - 1);
+#if PDS_AVX512
+    std::vector<__mmask16> masks(P / 16, static_cast<__mmask16>(0xFFFF));
+    if (D % 16) masks.back() = static_cast<__mmask16>((1u << (D % 16)) - 1);
+#endif
     for (int64_t it = begin; it < end; ++it) {
       const int64_t s = it / (KV * subgroups);
       const int64_t h = (it / subgroups) % KV;
