@@ -4,9 +4,12 @@ the default model, so a drifting VM moves both. Two comparisons (``--compare``):
 - ``native-layer`` (the default): each decoder layer as one native call
   (``kernels.decode_layer``) against the Python layer;
 - ``row-walk``: the decode attention's row-order walk (a sequence's cache rows read
-  whole, in memory order) against its per-head walk (``kernels.set_row_walk``).
+  whole, in memory order) against its per-head walk (``kernels.set_row_walk``);
+- ``int8-rows`` (with ``--quantization int8``): the int8 GEMV up to the rows the model
+  runner timed at load (``kernels.time_int8_gemv_rows``) against the fixed default
+  (``kernels.INT8_GEMV_ROWS``), past which the kernel dequantizes and runs a GEMM.
 
-``python -m benchmarks.native_layer [--compare native-layer|row-walk] [--dtype
+``python -m benchmarks.native_layer [--compare native-layer|row-walk|int8-rows] [--dtype
 float32|bfloat16] [--quantization int8] [--threads N] [--batches 1,32,256] [--steps N]
 [--model PATH]`` prints the machine, then per batch size the median decode step of each
 path and their ratio; first it checks that both paths give the same greedy tokens (one
@@ -21,6 +24,7 @@ per batch size, requests put straight into decode
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -29,8 +33,10 @@ from dataclasses import dataclass
 
 from workers.engine import kernels
 from workers.engine.llm import LLM
+from workers.engine.model_runner import ModelRunner
 from workers.engine.params import SamplingParams
 from workers.model_store import resolve_model
+from workers.models.linear import int8_linear
 
 from .engine import random_prompts
 from .machine import machine_line
@@ -46,10 +52,25 @@ class Switch:
     use: Callable[[bool], object]
 
 
-def switch(compare: str, model: object) -> Switch | None:
-    """The switch for ``compare`` on ``model``, or None where this build has only one path."""
+def switch(compare: str, runner: ModelRunner) -> Switch | None:
+    """The switch for ``compare`` on ``runner``'s model, or None where this build (or
+    model) has only one path."""
+    model = runner.model
     if compare == "row-walk":
         return Switch("rows", "per head", kernels.set_row_walk) if kernels.available() else None
+    if compare == "int8-rows":
+        if runner.int8_rows is None or ", head" in model.linear_name:
+            return None  # no int8 kernel, or an LM head the swap below would not cover
+        rows = kernels.INT8_GEMV_ROWS
+        measured = (model.linear, model.layer_op)
+        fixed = (int8_linear(functools.partial(kernels.int8_linear, max_gemv_rows=rows)).apply,
+                 functools.partial(kernels.decode_layer, int8_gemv_rows=rows)
+                 if model.layer_op is not None else None)
+
+        def use(on: bool) -> None:
+            model.linear, model.layer_op = measured if on else fixed
+
+        return Switch(f"<={runner.int8_rows.rows}", f"<={rows}", use)
     native = model.layer_op
     if native is None:
         return None
@@ -59,7 +80,8 @@ def switch(compare: str, model: object) -> Switch | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.native_layer",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--compare", choices=("native-layer", "row-walk"), default="native-layer")
+    ap.add_argument("--compare", choices=("native-layer", "row-walk", "int8-rows"),
+                    default="native-layer")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--quantization", choices=("int8",), default=None,
                     help="int8 weights (the layers' and the LM head's)")
@@ -75,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
               kv_cache_memory_gb=max(0.5, max(batches) * (PROMPT_LEN + 64) * 50e3 / 2**30))
     engine = llm.engine
     model = engine.runner.model
-    sw = switch(args.compare, model)
+    sw = switch(args.compare, engine.runner)
     if sw is None:
         print("only one path here (no native kernels): nothing to compare", file=sys.stderr)
         return 0

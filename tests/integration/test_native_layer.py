@@ -104,17 +104,41 @@ def test_plain_weights_run_f_linear(tiny_checkpoints) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("tiles", [True, False])
-def test_int8_weights_run_natively(tiny_checkpoints, monkeypatch, dtype, tiles) -> None:
+@pytest.mark.parametrize(("tiles", "gemv_rows"), [(True, 16), (False, 16), (True, 32)])
+def test_int8_weights_run_natively(tiny_checkpoints, monkeypatch, dtype, tiles,
+                                   gemv_rows) -> None:
     """``--quantization int8``: every projection int8 (kind -3, its scales passed along),
-    values in tiles or row-major, for one sequence (the int8 GEMV) and for 20 (past its
-    16 rows: the kernel's blockwise GEMM), the Python layer's logits bit for bit."""
+    values in tiles or row-major, for one sequence (the int8 GEMV) and for 20: past 16
+    GEMV rows the kernel's blockwise GEMM, within 32 the GEMV again. Either way the
+    native layer is given the rows the model runner timed, as its Python layer is, so
+    the logits are the Python layer's bit for bit (the two paths sum in other orders)."""
     monkeypatch.setattr(kernels, "time_gemv_tiles", fixed(tiles))
+    timing = kernels.Int8RowsTiming(gemv_rows, (gemv_rows,), (1.0,), (2.0,))
+    monkeypatch.setattr(kernels, "time_int8_gemv_rows", lambda *_, **__: timing)
     llm = LLM(tiny_checkpoints["llama"], dtype=dtype, num_blocks=192, block_size=4,
               enable_prefix_caching=False, quantization="int8")
+    assert llm.engine.runner.int8_rows is timing
     prompts = prompts_for(llm)
     assert assert_same_steps(llm, prompts[:1]) == {-3}
     assert assert_same_steps(llm, (prompts * 10)[:20]) == {-3}
+
+
+def test_int8_gemv_rows_change_the_path_not_the_tokens(tiny_checkpoints, monkeypatch) -> None:
+    """The rows the runner times decide which int8 path a 20-sequence step takes (the
+    logits differ in the last bits between them), never the greedy tokens."""
+    outs = []
+    for rows in (16, 32):
+        timing = kernels.Int8RowsTiming(rows, (rows,), (1.0,), (2.0,))
+        monkeypatch.setattr(kernels, "time_int8_gemv_rows", lambda *_, t=timing, **__: t)
+        llm = LLM(tiny_checkpoints["llama"], dtype="float32", num_blocks=192, block_size=4,
+                  enable_prefix_caching=False, quantization="int8")
+        prompts = (prompts_for(llm) * 10)[:20]
+        logits, _, _ = run(llm, prompts, llm.engine.runner.model.layer_op)
+        outs.append((logits, [o.token_ids for o in llm.generate(prompts, STEPS)]))
+        assert_no_leaks(llm.engine)
+    (a, tokens_a), (b, tokens_b) = outs
+    assert tokens_a == tokens_b
+    assert any(not torch.equal(x, y) for x, y in zip(a[1:], b[1:], strict=True))
 
 
 @pytest.mark.parametrize("options", [{"kv_cache_dtype": "fp8_e4m3"}, {"native_layers": False}])

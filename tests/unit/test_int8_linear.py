@@ -280,6 +280,30 @@ def test_time_gemv_tiles_times_both_layouts_and_picks_by_the_margin(native, dtyp
         False, 0.0, 0.0, 0)  # nothing to tile
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", [True, False])
+def test_time_int8_gemv_rows_probes_in_order_and_stops_at_the_first_loss(native, dtype,
+                                                                       tiles) -> None:
+    shapes = [(64, 96), (96, 64), (60, 32)]  # (in, out); K = 60 stays row-major in tiles
+    probe = (4, 8, 32)
+    # A GEMV held to under 1e9 times the GEMM's time keeps every probed count ...
+    t = native.time_int8_gemv_rows(shapes, dtype, tiles, layers=2, probe=probe, reps=1,
+                                   margin=1e9)
+    assert (t.rows, t.probed) == (32, probe)
+    assert len(t.gemv_s) == len(t.gemm_s) == 3 and min(t.gemv_s + t.gemm_s) > 0
+    # ... and one held to under 0 times loses the first: half of it is kept.
+    t = native.time_int8_gemv_rows(shapes, dtype, tiles, layers=2, probe=probe, reps=1,
+                                   margin=0.0)
+    assert (t.rows, t.probed) == (2, (4,))
+    # At the real margin the choice is the last count before the first loss.
+    t = native.time_int8_gemv_rows(shapes, dtype, tiles, layers=2, probe=probe, reps=1)
+    kept = [g < q for g, q in zip(t.gemv_s, t.gemm_s, strict=True)]
+    assert kept[:-1] == [True] * (len(kept) - 1)
+    assert t.rows == (t.probed[-1] if all(kept) else t.probed[-2] if len(kept) > 1 else 2)
+    assert native.time_int8_gemv_rows([], dtype, tiles, layers=1) == native.Int8RowsTiming(
+        native.INT8_GEMV_ROWS, (), (), ())  # nothing to time: the default
+
+
 def test_f32_gemv_rejects_what_it_cannot_take(native) -> None:
     w = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="both be float32 or both bfloat16"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -179,13 +180,30 @@ class ModelRunner:
                      gemv_dtype, "tiles" if t.tiles else "row-major", t.row_major_s * 1e3,
                      t.tiles_s * 1e3, t.weight_bytes >> 20)
         layer_linear = None
+        layer_op = kernels.decode_layer if native and config.native_layers else None
+        self.int8_rows: kernels.Int8RowsTiming | None = None
+        """Up to how many rows the int8 GEMV runs, as timed at load (None: no int8 kernel)."""
         if config.quantization == "int8":
             # Every layer's projections and the LM head (the step's biggest GEMV: 113 of
             # SmolLM2's 220 MB per fp32 step with it in fp32; +0.13 points of perplexity).
             # Native: the int8 GEMV/GEMM kernel; else dequantize per call (slow, any device).
             tiles = self.gemv_tiling is not None and self.gemv_tiling.tiles
-            layer_linear = (int8_linear(kernels.int8_linear, kernels.int8_tiles if tiles
-                                        else None, native=True) if native else int8_linear())
+            if native and shape is not None:
+                # GEMV or dequantize-then-GEMM: the crossover is 16 rows on one CPU and
+                # 128-256 on another (kernels.time_int8_gemv_rows): measured here.
+                self.int8_rows = kernels.time_int8_gemv_rows(
+                    shape.layer_gemms(), self.dtype, tiles, shape.num_layers)
+                log.info("int8 GEMV up to %d rows (%s)", self.int8_rows.rows, ", ".join(
+                    f"{m}: GEMV {g * 1e3:.2f} ms, GEMM {q * 1e3:.2f} ms" for m, g, q in zip(
+                        self.int8_rows.probed, self.int8_rows.gemv_s, self.int8_rows.gemm_s,
+                        strict=True)))
+            rows = self.int8_rows.rows if self.int8_rows else kernels.INT8_GEMV_ROWS
+            layer_linear = (int8_linear(
+                functools.partial(kernels.int8_linear, max_gemv_rows=rows),
+                kernels.int8_tiles if tiles else None, native=True) if native
+                else int8_linear())
+            if layer_op is not None:
+                layer_op = functools.partial(kernels.decode_layer, int8_gemv_rows=rows)
         elif self.gemv_tiling is not None:
             linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR,
                                  layout=(kernels.gemv_tiles_where_whole
@@ -198,7 +216,7 @@ class ModelRunner:
                     if config.kv_cache_dtype != "auto" else 0),
             decode_op=kernels.paged_decode_attention if native else None,
             write_decode_op=kernels.paged_write_decode_attention if native else None,
-            layer_op=kernels.decode_layer if native and config.native_layers else None,
+            layer_op=layer_op,
             ops=NATIVE_OPS if native else TORCH_OPS,
             linear=layer_linear or linear or TORCH_LINEAR,
             kv_cache_dtype=config.kv_cache_dtype,

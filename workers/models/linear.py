@@ -343,7 +343,8 @@ def int8_linear(kernel: Int8Kernel | None = None,
     tiles; default: as they are), ``apply`` through ``kernel`` (the native CPU kernel);
     None: dequantize per call and ``F.linear`` (any device; slower than the float model,
     a fallback only). ``native``: ``kernel`` is ``workers.engine.kernels.int8_linear``
-    with its defaults, which a native decode layer calls the same way (kind -3)."""
+    (with the GEMV rows the model's native decode layer is given), which that layer
+    calls the same way (kind -3)."""
     run = kernel or _int8_reference
 
     def prepare(w: Weight) -> Int8Weight:

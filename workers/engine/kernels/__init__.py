@@ -224,6 +224,12 @@ def paged_write_decode_attention(
               _scale(q, scale), _isa_code(isa))
 
 
+INT8_GEMV_ROWS = 16
+"""Rows of x up to which :func:`int8_linear` runs its GEMV by default; more: the
+dequantized GEMM. A model runner measures its own (:func:`time_int8_gemv_rows`) and
+passes it to both :func:`int8_linear` and :func:`decode_layer`."""
+
+
 def decode_layer(x: torch.Tensor, mlp_out: torch.Tensor | None, input_norm: torch.Tensor,
                  post_norm: torch.Tensor, q_norm: torch.Tensor | None,
                  k_norm: torch.Tensor | None, eps: float, weights: list[torch.Tensor],
@@ -231,7 +237,8 @@ def decode_layer(x: torch.Tensor, mlp_out: torch.Tensor | None, input_norm: torc
                  cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
                  cache: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scales: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+                 scales: list[torch.Tensor | None] | None = None,
+                 int8_gemv_rows: int = INT8_GEMV_ROWS) -> torch.Tensor:
     """One decoder layer of a step whose every token decodes, in one native call: bit for
     bit ``workers.models.decoder.DecoderModel``'s Python layer (its norms, projections,
     RoPE, K/V writes and paged attention, in the same order; see ``decode_layer.cpp``).
@@ -241,14 +248,15 @@ def decode_layer(x: torch.Tensor, mlp_out: torch.Tensor | None, input_norm: torc
     qkv, o, gate_up, down as ``kinds`` says (:func:`gemv_form`, or -1 oneDNN's reordered
     weight, -2 ``F.linear``'s plain one, -3 int8 values for :func:`int8_linear`, their
     scales in ``scales``: one entry per projection, None for float ones; None: all
-    float); cache: the layer's ``[2, slots, kv_heads, head_dim]`` (unquantized). Returns
-    the layer's MLP output.
+    float; up to ``int8_gemv_rows`` rows of x by the GEMV, as the model's
+    :func:`int8_linear` runs them); cache: the layer's ``[2, slots, kv_heads,
+    head_dim]`` (unquantized). Returns the layer's MLP output.
     """
     return _fused_op("decode_layer")(
         x, mlp_out, input_norm, post_norm, q_norm, k_norm, float(eps), weights, kinds,
         qkv_bias, o_bias, cos, sin, num_heads, num_kv_heads, cache, block_size, slot_mapping,
         block_tables, context_lens, SUM_LANES, SILU_LANES, scales or [None] * 4,
-        INT8_GEMV_ROWS)
+        int(int8_gemv_rows))
 
 
 def gemv_form(w: torch.Tensor | GemvTiles) -> tuple[torch.Tensor, int]:
@@ -332,12 +340,6 @@ def quantize_kv_rows(x: torch.Tensor, kv_format: int) -> torch.Tensor:
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 """The native kernels' code paths, by name (the ``isa`` of :func:`int8_linear` and
 :func:`paged_decode_attention`)."""
-INT8_GEMV_ROWS = 16
-"""Rows of x up to which :func:`int8_linear` runs its GEMV; more: the dequantized GEMM
-(measured crossover on a 2-core AVX-512 Xeon, fp32 and bf16; see
-``tests/unit/test_int8_linear.py``'s sibling benchmark in ``pdserve bench-engine``)."""
-
-
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None, max_gemv_rows: int = INT8_GEMV_ROWS,
                 isa: str | None = None) -> torch.Tensor:
@@ -476,6 +478,80 @@ def time_gemv_tiles(shapes: list[tuple[int, int]], dtype: torch.dtype, layers: i
                 best[name] = min(best[name], time.perf_counter() - start)
     return TilesTiming(best["tiles"] < margin * best["row"], best["row"], best["tiles"],
                        per_layer * count)
+
+
+@dataclass(frozen=True)
+class Int8RowsTiming:
+    """What :func:`time_int8_gemv_rows` measured: per probed row count, the least
+    seconds of one pass of x's rows through the probe's int8 weights by the GEMV and by
+    the dequantize-then-GEMM path, and the rows chosen (the GEMV up to ``rows``)."""
+
+    rows: int
+    probed: tuple[int, ...]
+    gemv_s: tuple[float, ...]
+    gemm_s: tuple[float, ...]
+
+
+INT8_ROWS_PROBE = (8, 16, 32, 64, 128, 256)
+"""Rows of x :func:`time_int8_gemv_rows` tries, in order (a decode batch's sizes)."""
+
+INT8_ROWS_PROBE_BYTES = 16 * 2**20
+"""int8 weight bytes per pass of :func:`time_int8_gemv_rows` (at most): past 16 rows
+both paths do more arithmetic than reading, so a few layers tell the crossover."""
+
+
+def time_int8_gemv_rows(shapes: list[tuple[int, int]], dtype: torch.dtype, tiles: bool,
+                        layers: int, probe: tuple[int, ...] = INT8_ROWS_PROBE,
+                        reps: int = 2, margin: float = 1.0,
+                        budget: int = INT8_ROWS_PROBE_BYTES) -> Int8RowsTiming:
+    """Up to how many rows of x :func:`int8_linear`'s GEMV beats its dequantize-then-GEMM
+    path on this CPU, at this thread count: ``probe``'s row counts in order, x of
+    ``dtype`` through int8 weights of ``shapes`` (``(in, out)`` of one layer's GEMMs, in
+    tiles where ``tiles`` and K is whole chunks, else row-major) for up to ``layers``
+    layers within ``budget`` bytes, each path ``reps`` times after a warm-up,
+    alternated. The GEMV keeps a row count where it takes under ``margin`` times the
+    GEMM path's least time; the first count it loses ends the probe. ``rows``: the last
+    count it kept, or half the first probed if it lost there.
+
+    Why measure: the crossover was 16 rows on a 2-core Intel Xeon (AVX-512, AMX), and
+    between 128 and 256 on a 2-core AMD EPYC Zen 4, where the GEMM path at 32 rows took
+    4.3x the GEMV's time (SmolLM2's layer shapes, float32 x, tiles)."""
+    elem_shapes = [(k, n) for k, n in shapes if k and n]
+    per_layer = sum(k * n for k, n in elem_shapes)
+    if not per_layer:
+        return Int8RowsTiming(INT8_GEMV_ROWS, (), (), ())
+    count = max(1, min(layers, budget // per_layer))
+    qs, scales, ks = [], [], []
+    for _ in range(count):
+        for k, n in elem_shapes:
+            q = torch.ones(n, k, dtype=torch.int8)
+            qs.append(int8_tiles(q) if tiles else q)
+            scales.append(torch.ones(n))
+            ks.append(k)
+    gemv_s: list[float] = []
+    gemm_s: list[float] = []
+    probed: list[int] = []
+    rows = max(1, probe[0] // 2) if probe else INT8_GEMV_ROWS
+    for k, q, scale in zip(ks, qs, scales, strict=True):  # first calls: the pool wakes up
+        for limit in (1, 0):
+            int8_linear(torch.ones(1, k, dtype=dtype), q, scale, max_gemv_rows=limit)
+    for m in probe:
+        xs = {k: torch.ones(m, k, dtype=dtype) for k in set(ks)}
+        best = {"gemv": float("inf"), "gemm": float("inf")}
+        for i in range(reps + 1):
+            for name, limit in (("gemv", m), ("gemm", 0)):
+                start = time.perf_counter()
+                for q, scale, k in zip(qs, scales, ks, strict=True):
+                    int8_linear(xs[k], q, scale, max_gemv_rows=limit)
+                if i:
+                    best[name] = min(best[name], time.perf_counter() - start)
+        probed.append(m)
+        gemv_s.append(best["gemv"])
+        gemm_s.append(best["gemm"])
+        if best["gemv"] >= margin * best["gemm"]:
+            break
+        rows = m
+    return Int8RowsTiming(rows, tuple(probed), tuple(gemv_s), tuple(gemm_s))
 
 
 def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
