@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("paged_attention.cpp", "fused_ops.cpp", "kv_encode.cpp",
                           "int8_linear.cpp", "decode_layer.cpp"))
-HEADERS = (Path(__file__).with_name("pds_common.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("pds_common.h", "pds_onednn.h"))
 """Included by the sources, so part of the cache key (never compiled on their own)."""
 DEFAULT_CACHE_DIR = Path("~/.cache/pdserve/kernels")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17")

@@ -32,6 +32,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "pds_onednn.h"
+
 #include <cmath>
 #include <optional>
 #include <string>
@@ -78,8 +80,7 @@ struct Ops {
                             const at::Tensor&, const at::Tensor&, double, int64_t);
   c10::TypedOperatorHandle<Attend> write_attend =
       typed<Attend>("pdserve_kernels::paged_write_decode_attention");
-  std::optional<c10::OperatorHandle> onednn =
-      c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""});
+  const std::optional<c10::OperatorHandle>& onednn = pds::onednn_linear_op();
 };
 
 const Ops& ops() {
@@ -101,13 +102,7 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const at::Tensor& w, int64_
   if (kind == kTorch) return at::linear(x, w, bias);
   TORCH_CHECK(kind == kOneDnn, "decode_layer: unknown projection kind ", kind);
   TORCH_CHECK(o.onednn.has_value(), "decode_layer: this torch has no oneDNN linear");
-  // _linear_pointwise(X, W, B, attr, scalars, algorithm): as onednn_linear calls it.
-  torch::jit::Stack stack{x, w, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
-                          c10::IValue(std::string("none")),
-                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
-                          c10::IValue(std::string(""))};
-  o.onednn->callBoxed(stack);
-  return stack.back().toTensor();
+  return pds::onednn_linear(*o.onednn, x, w, bias);
 }
 
 at::Tensor decode_layer(at::Tensor& x, const OptTensor& mlp_out, const at::Tensor& input_norm,

@@ -16,9 +16,11 @@
 // the accumulators stay in L1. Each output is (sum_k x[m,k] * q[n,k]) * scale[n] +
 // bias[n], in float32, then rounded to x's dtype once.
 //
-// Larger batches (prefill) dequantize the weight in blocks of rows to x's dtype
-// (q * scale rounded to it) and call torch's GEMM (at::mm, MKL/oneDNN) block by block:
-// there a GEMM's blocking beats any GEMV, and dequantizing costs ~1/M of the GEMM.
+// Larger batches (prefill; where the GEMV stops is max_gemv_rows, timed per CPU by
+// workers.engine.kernels.time_int8_gemv_rows) dequantize the weight in blocks of rows to
+// x's dtype (q * scale rounded to it) and call a GEMM block by block (oneDNN in float32,
+// at::mm in bfloat16: block_gemm): there a GEMM's blocking beats any GEMV, and
+// dequantizing costs ~1/M of the GEMM.
 // In float32 both paths compute the same product up to summation order (~1e-6
 // relative); in bfloat16 the GEMM path also rounds each dequantized weight to bfloat16
 // (relative 2^-9), as the unquantized bf16 model's weights are.
@@ -54,6 +56,8 @@
 #include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
+
+#include "pds_onednn.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -440,6 +444,18 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale,
   return out;
 }
 
+// The GEMM path's product x @ wb.T. float32: oneDNN where this torch has it (the
+// model's own float GEMMs run there too), which reorders the plain block within the
+// call; at::mm's MKL SGEMM took 6-12% longer at 128-512 rows of SmolLM2's layers and
+// as long at 64 and 2048 (2-core Zen 4, alternated in one process). bfloat16: at::mm, which reaches oneDNN itself (the same time here)
+// and takes bfloat16 on CPUs whose oneDNN refuses it (AVX2 only).
+at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& wb) {
+  const auto& onednn = pds::onednn_linear_op();
+  if (onednn && x.scalar_type() == at::kFloat)
+    return pds::onednn_linear(*onednn, x, wb, std::nullopt);
+  return at::mm(x, wb.t());
+}
+
 at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scale,
                        const std::optional<at::Tensor>& bias_in, int64_t max_gemv_rows,
                        int64_t isa_in) {
@@ -482,7 +498,7 @@ at::Tensor int8_linear(const at::Tensor& x_in, const at::Tensor& q, const at::Te
         dequantize_rows<bf16>(q.data_ptr<int8_t>(), scale.data_ptr<float>(), K, n0, n1,
                               static_cast<bf16*>(wb.data_ptr()), tiled(q));
       }
-      at::Tensor part = at::mm(x, wb.t());
+      at::Tensor part = block_gemm(x, wb);
       if (bias.defined()) part.add_(bias.narrow(0, n0, n1 - n0).to(dt));
       y.narrow(1, n0, n1 - n0).copy_(part);
     }
