@@ -460,9 +460,11 @@ inline void prefetch_rows(const T* base, int64_t rows, int64_t stride, int64_t b
 // follow the walk, and prefetching there too only costs (a 2-core Zen 4: ~0-7% slower);
 // where the next block sits elsewhere (tables of a long-lived server, whose free blocks
 // come back in any order) they cannot, so row o of the block's n rows asks for its
-// share of the next block's lines, spread so that the requests in flight stay few
-// (256 SmolLM2 contexts in shuffled blocks: 5-7% less time; python -m
-// benchmarks.native_layer --compare row-walk measures the walk in an engine).
+// share of the next block's lines, spread so that the requests in flight stay few.
+// 256 SmolLM2 contexts, 2-core Zen 4: 5-7% less time in shuffled blocks, 8% in the
+// tables a long-lived server's block manager ends up with (no two blocks of a table
+// adjacent). Those still take 1.6-1.9x the time of consecutive blocks, as a bare read
+// of them does: the memory system's cost, not the walk's (see the README).
 inline bool jump_after(Table table, int64_t b, int64_t nblocks) {
   return b + 1 < nblocks && table[b + 1] != table[b] + 1;
 }
