@@ -340,6 +340,8 @@ def quantize_kv_rows(x: torch.Tensor, kv_format: int) -> torch.Tensor:
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 """The native kernels' code paths, by name (the ``isa`` of :func:`int8_linear` and
 :func:`paged_decode_attention`)."""
+
+
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None, max_gemv_rows: int = INT8_GEMV_ROWS,
                 isa: str | None = None) -> torch.Tensor:
@@ -515,7 +517,7 @@ def time_int8_gemv_rows(shapes: list[tuple[int, int]], dtype: torch.dtype, tiles
 
     Why measure: the crossover was 16 rows on a 2-core Intel Xeon (AVX-512, AMX), and
     between 128 and 256 on a 2-core AMD EPYC Zen 4, where the GEMM path at 32 rows took
-    4.3x the GEMV's time (SmolLM2's layer shapes, float32 x, tiles)."""
+    1.6-4.3x the GEMV's time (SmolLM2's layer shapes, float32 x, tiles)."""
     elem_shapes = [(k, n) for k, n in shapes if k and n]
     per_layer = sum(k * n for k, n in elem_shapes)
     if not per_layer:
