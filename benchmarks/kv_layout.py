@@ -1,13 +1,16 @@
 """How a long-lived server's block tables slow the decode attention down.
 
-A fresh engine hands out blocks in id order, so a sequence's blocks sit side by side. A
-server that has run for a while hands out whatever its free queue holds: blocks come back
-in the order sequences finish, and every decode step that fills a block takes the queue's
-head. This benchmark drives the real :class:`~workers.engine.block_manager.BlockManager`
-(no model: pure bookkeeping) through that churn, ``batch`` sequences decoding at once,
-each replaced by a fresh one when its output is done, then runs the native decode
-attention over the block tables it ended with against the same contexts in consecutive
-blocks, alternated in one process, on a cache of the model's shape.
+The engine benchmarks decode over tables that are runs of consecutive blocks, an ideal
+layout. A fresh engine comes close (each prompt's blocks in id order; blocks taken as
+contexts grow interleave across the sequences decoding together). A server that has run
+for a while hands out whatever its free queue holds: blocks come back in the order
+sequences finish, and every decode step that fills a block takes the queue's head.
+
+This benchmark drives the real :class:`~workers.engine.block_manager.BlockManager` (no
+model: pure bookkeeping) through that churn, ``batch`` sequences decoding at once, each
+replaced by a fresh one when its output is done, then runs the native decode attention
+over the block tables it ended with against the same contexts in consecutive blocks,
+alternated in one process, on a cache of the model's shape.
 
 ``python -m benchmarks.kv_layout [--block-size 16] [--batch 256] [--steps 3000]
 [--kv-cache-gb 4] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30] [--repeats 5]``

@@ -445,10 +445,11 @@ at::Tensor int8_dequantize(const at::Tensor& q, const at::Tensor& scale,
 }
 
 // The GEMM path's product x @ wb.T. float32: oneDNN where this torch has it (the
-// model's own float GEMMs run there too), which reorders the plain block within the
-// call; at::mm's MKL SGEMM took 6-12% longer at 128-512 rows of SmolLM2's layers and
-// as long at 64 and 2048 (2-core Zen 4, alternated in one process). bfloat16: at::mm, which reaches oneDNN itself (the same time here)
-// and takes bfloat16 on CPUs whose oneDNN refuses it (AVX2 only).
+// model's own float GEMMs run there too), its primitive built on the plain [N, K]
+// block; at::mm's MKL SGEMM took 6-7% longer at 128-512 rows of SmolLM2's layers and as
+// long at 64 and 2048 (2-core Zen 4, alternated in one process). bfloat16: at::mm, which
+// reaches oneDNN itself (the same time here) and takes bfloat16 on CPUs whose oneDNN
+// refuses it (AVX2 only).
 at::Tensor block_gemm(const at::Tensor& x, const at::Tensor& wb) {
   const auto& onednn = pds::onednn_linear_op();
   if (onednn && x.scalar_type() == at::kFloat)

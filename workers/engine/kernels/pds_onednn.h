@@ -22,7 +22,7 @@ inline const std::optional<c10::OperatorHandle>& onednn_linear_op() {
 }
 
 // x @ w.T (+ bias): w reordered by mkldnn::_reorder_linear_weight, or a plain [N, K]
-// (oneDNN then reorders it within the call).
+// (the primitive is then built on that layout as it is).
 inline at::Tensor onednn_linear(const c10::OperatorHandle& op, const at::Tensor& x,
                                 const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   // _linear_pointwise(X, W, B, attr, scalars, algorithm)
