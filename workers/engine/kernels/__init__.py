@@ -418,6 +418,19 @@ def int8_tiles(q: torch.Tensor) -> torch.Tensor:
     return _fused_op("gemv_pack")(q) if q.shape[-1] % PACK_CHUNK == 0 else q
 
 
+def _least_seconds(passes: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
+    """Each pass's least seconds over ``reps`` timed rounds after one untimed round, the
+    passes alternated within each round (a drifting machine moves them all)."""
+    best = dict.fromkeys(passes, float("inf"))
+    for i in range(reps + 1):
+        for name, once in passes.items():
+            start = time.perf_counter()
+            once()
+            if i:
+                best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
 @dataclass(frozen=True)
 class TilesTiming:
     """What :func:`time_gemv_tiles` measured: one decode step's GEMVs (one row of x)
@@ -470,14 +483,14 @@ def time_gemv_tiles(shapes: list[tuple[int, int]], dtype: torch.dtype, layers: i
         tiled = [gemv_tiles(w) for w in rows]
         x_dtype = dtype
     xs = {k: torch.ones(1, k, dtype=x_dtype) for k in ks}
-    best = {"row": float("inf"), "tiles": float("inf")}
-    for i in range(reps + 1):
-        for name, ws in (("row", rows), ("tiles", tiled)):
-            start = time.perf_counter()
+
+    def layout(ws: list) -> Callable[[], None]:
+        def once() -> None:
             for w, k, n in zip(ws, ks, ns, strict=True):
                 run(xs[k], w, n)
-            if i:
-                best[name] = min(best[name], time.perf_counter() - start)
+        return once
+
+    best = _least_seconds({"row": layout(rows), "tiles": layout(tiled)}, reps)
     return TilesTiming(best["tiles"] < margin * best["row"], best["row"], best["tiles"],
                        per_layer * count)
 
@@ -539,17 +552,17 @@ def time_int8_gemv_rows(shapes: list[tuple[int, int]], dtype: torch.dtype, tiles
     for k, q, scale in zip(ks, qs, scales, strict=True):  # first calls: the pool wakes up
         for limit in (1, 0):
             int8_linear(torch.ones(1, k, dtype=dtype), q, scale, max_gemv_rows=limit)
+
     def timed(m: int) -> dict[str, float]:
         xs = {k: torch.ones(m, k, dtype=dtype) for k in set(ks)}
-        best = {"gemv": float("inf"), "gemm": float("inf")}
-        for i in range(reps + 1):
-            for name, limit in (("gemv", m), ("gemm", 0)):
-                start = time.perf_counter()
+
+        def path(limit: int) -> Callable[[], None]:
+            def once() -> None:
                 for q, scale, k in zip(qs, scales, ks, strict=True):
                     int8_linear(xs[k], q, scale, max_gemv_rows=limit)
-                if i:
-                    best[name] = min(best[name], time.perf_counter() - start)
-        return best
+            return once
+
+        return _least_seconds({"gemv": path(m), "gemm": path(0)}, reps)
 
     for m in probe:
         best = timed(m)

@@ -18,9 +18,10 @@
 // Registered as torch.ops.pdserve_kernels.decode_layer(x, mlp_out, input_norm, post_norm,
 // q_norm, k_norm, eps, weights, kinds, qkv_bias, o_bias, cos, sin, num_heads,
 // num_kv_heads, cache, block_size, slot_mapping, block_tables, context_lens, sum_lanes,
-// silu_lanes, scales, int8_gemv_rows) -> the layer's MLP output. x, the residual stream [tokens, hidden], is
-// updated in place: x += mlp_out (the previous layer's MLP output; None for the first
-// layer) then x += the attention's projection, as the Python layer's two add_rms_norm do.
+// silu_lanes, scales, int8_gemv_rows) -> the layer's MLP output. x, the residual stream
+// [tokens, hidden], is updated in place: x += mlp_out (the previous layer's MLP output;
+// None for the first layer) then x += the attention's projection, as the Python layer's
+// two add_rms_norm do.
 // weights: qkv, o, gate_up, down, each as ``kinds`` says: > 0 the GEMV's tiles
 // (f32_gemv_packed, that many output rows), 0 the GEMV on a row-major weight (f32_gemv),
 // -1 oneDNN on its reordered weight, -2 at::linear on the plain weight, -3 int8_linear on

@@ -465,9 +465,7 @@ inline void prefetch_rows(const T* base, int64_t rows, int64_t stride, int64_t b
 // tables a long-lived server's block manager ends up with (no two blocks of a table
 // adjacent). Those still take 1.6-1.9x the time of consecutive blocks, as a bare read
 // of them does: the memory system's cost, not the walk's (see the README).
-inline bool jump_after(Table table, int64_t b, int64_t nblocks) {
-  return b + 1 < nblocks && table[b + 1] != table[b] + 1;
-}
+//
 // Bytes from a row's start through the last row's row_elems elements.
 template <typename T>
 inline int64_t span_bytes(int64_t rows, int64_t row_stride, int64_t row_elems) {
@@ -479,6 +477,22 @@ inline void prefetch_share(const T* next, int64_t bytes, int64_t o, int64_t n) {
   const int64_t lines = (bytes + 63) / 64;
   for (int64_t l = o * lines / n, e = (o + 1) * lines / n; l < e; ++l)
     _mm_prefetch(p + l * 64, _MM_HINT_T0);
+}
+// A pass's next block where the table jumps to it (else nothing: null, 0 bytes).
+template <typename T>
+struct NextBlock {
+  const T* p = nullptr;
+  int64_t bytes = 0;
+  // Row o of the current block's n rows asks for its share of the next block's lines.
+  void prefetch(int64_t o, int64_t n) const { prefetch_share(p, bytes, o, n); }
+};
+// Block b + 1 of ``cache`` (its ``rows`` rows of row_elems elements, row_stride apart).
+template <typename T>
+inline NextBlock<T> next_block(const T* cache, Table table, int64_t b, int64_t nblocks,
+                               int64_t rows, int64_t block_stride, int64_t row_stride,
+                               int64_t row_elems) {
+  if (b + 1 >= nblocks || table[b + 1] == table[b] + 1) return {};
+  return {cache + table[b + 1] * block_stride, span_bytes<T>(rows, row_stride, row_elems)};
 }
 
 #endif
@@ -688,11 +702,10 @@ void attend_rows_avx512(const float* qf, const T* kc, const T* vc, Table table, 
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t t0 = b * B, n = std::min(B, len - t0);
     const T* kb = kc + table[b] * g.k_block;
-    const T* next = jump_after(table, b, nblocks) ? kc + table[b + 1] * g.k_block : nullptr;
-    const int64_t next_bytes =
-        next ? span_bytes<T>(std::min(B, len - t0 - B), g.k_token, KH * k_head) : 0;
+    const NextBlock<T> next = next_block(kc, table, b, nblocks, std::min(B, len - t0 - B),
+                                         g.k_block, g.k_token, KH * k_head);
     for (int64_t o = 0; o < n; ++o) {
-      prefetch_share(next, next_bytes, o, n);
+      next.prefetch(o, n);
       const T* r = kb + o * g.k_token;
       __m512 acc[NR];
 #pragma GCC unroll 32
@@ -727,11 +740,10 @@ void attend_rows_avx512(const float* qf, const T* kc, const T* vc, Table table, 
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t t0 = b * B, n = std::min(B, len - t0);
     const T* vb = vc + table[b] * g.v_block;
-    const T* next = jump_after(table, b, nblocks) ? vc + table[b + 1] * g.v_block : nullptr;
-    const int64_t next_bytes =
-        next ? span_bytes<T>(std::min(B, len - t0 - B), g.v_token, KH * v_head) : 0;
+    const NextBlock<T> next = next_block(vc, table, b, nblocks, std::min(B, len - t0 - B),
+                                         g.v_block, g.v_token, KH * v_head);
     for (int64_t o = 0; o < n; ++o) {
-      prefetch_share(next, next_bytes, o, n);
+      next.prefetch(o, n);
       const T* r = vb + o * g.v_token;
 #pragma GCC unroll 8
       for (int h = 0; h < KH; ++h) {
@@ -1007,11 +1019,10 @@ void attend_rows_any(const float* qf, const T* kc, const T* vc, Table table, int
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t t0 = b * B, n = std::min(B, len - t0);
     const T* kb = kc + table[b] * g.k_block;
-    const T* next = jump_after(table, b, nblocks) ? kc + table[b + 1] * g.k_block : nullptr;
-    const int64_t next_bytes =
-        next ? span_bytes<T>(std::min(B, len - t0 - B), g.k_token, KH * k_head) : 0;
+    const NextBlock<T> next = next_block(kc, table, b, nblocks, std::min(B, len - t0 - B),
+                                         g.k_block, g.k_token, KH * k_head);
     for (int64_t o = 0; o < n; ++o) {
-      prefetch_share(next, next_bytes, o, n);
+      next.prefetch(o, n);
       const T* r = kb + o * g.k_token;
       for (int64_t h = 0; h < KH; ++h) {
         V acc[NR];
@@ -1039,11 +1050,10 @@ void attend_rows_any(const float* qf, const T* kc, const T* vc, Table table, int
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t t0 = b * B, n = std::min(B, len - t0);
     const T* vb = vc + table[b] * g.v_block;
-    const T* next = jump_after(table, b, nblocks) ? vc + table[b + 1] * g.v_block : nullptr;
-    const int64_t next_bytes =
-        next ? span_bytes<T>(std::min(B, len - t0 - B), g.v_token, KH * v_head) : 0;
+    const NextBlock<T> next = next_block(vc, table, b, nblocks, std::min(B, len - t0 - B),
+                                         g.v_block, g.v_token, KH * v_head);
     for (int64_t o = 0; o < n; ++o) {
-      prefetch_share(next, next_bytes, o, n);
+      next.prefetch(o, n);
       const T* r = vb + o * g.v_token;
       for (int64_t h = 0; h < KH; ++h) {
         const float* pt = scores + h * s_stride + (t0 + o) * NGP;
