@@ -10,23 +10,27 @@ This benchmark drives the real :class:`~workers.engine.block_manager.BlockManage
 model: pure bookkeeping) through that churn, ``batch`` sequences decoding at once, each
 replaced by a fresh one when its output is done, then runs the native decode attention
 over the block tables it ended with against the same contexts in consecutive blocks,
-alternated in one process, on a cache of the model's shape.
+alternated in one process, on a cache of the model's shape; and does so at each block
+size asked for (the same sequences, the same cache rows seen as blocks of that size), so
+the sizes compare in one run.
 
-``python -m benchmarks.kv_layout [--block-size 16] [--batch 256] [--steps 3000]
+``python -m benchmarks.kv_layout [--block-sizes 128,16] [--batch 256] [--steps 3000]
 [--kv-cache-gb 4] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30] [--repeats 5]``
-prints the machine, the churn (how many consecutive pairs of table entries are adjacent
-blocks), and the median time of one decode step's attention over every layer for both
-layouts and their ratio. The defaults are SmolLM2-135M in float32 with ``pdserve up``'s
-block size.
+prints the machine, and per block size the churn (how many consecutive pairs of table
+entries are adjacent blocks), the median time of one decode step's attention over every
+layer for both layouts, their ratio, and the server tables' time against the first
+size's. The defaults are SmolLM2-135M in float32 with the engine's CPU block size
+(:data:`~workers.engine.params.DEFAULT_BLOCK_SIZES`) against 16, the size it had before.
 
-Lifecycle: churn (seeded, no torch) -> the tables and lengths -> a float32 cache of
-``kv-cache-gb`` -> ``repeats`` rounds of (server tables, consecutive tables), each timed
-after one untimed pass -> the table.
+Lifecycle: churn each size (seeded, no torch) -> the tables and lengths -> float32 cache
+rows of ``kv-cache-gb`` -> ``repeats`` rounds of every (size, layout), each timed after
+one untimed pass -> the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import sys
@@ -125,10 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from workers.engine import kernels
+    from workers.engine.params import default_block_size
 
+    default = default_block_size("cpu")
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kv_layout",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-sizes", default=f"{default},16", help="tokens per block, "
+                    "comma-separated; each is churned with the same sequences (default: "
+                    f"the engine's CPU default {default}, then 16)")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3000, help="decode steps of churn")
     ap.add_argument("--kv-cache-gb", type=float, default=4.0)
@@ -139,43 +147,61 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
+    try:
+        sizes = [int(x) for x in args.block_sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        ap.error(f"--block-sizes wants positive integers like 128,16, got {args.block_sizes!r}")
     if kernels.load() is None:
         print(f"native kernels unavailable: {kernels.unavailable_reason()}", file=sys.stderr)
         return 1
     torch.set_num_threads(args.threads)
-    B, KV, D, L = args.block_size, args.kv_heads, args.head_dim, args.layers
-    block_bytes = 2 * L * B * KV * D * 4  # K and V of every layer, float32
-    num_blocks = int(args.kv_cache_gb * 2**30 // block_bytes)
-    t = churn_tables(Churn(num_blocks, B, args.batch, args.steps))
-    width = max(len(x) for x in t.tables)
-    lens = torch.tensor(t.lens, dtype=torch.int32)
-    layouts = {name: torch.tensor([x + [0] * (width - len(x)) for x in tabs], dtype=torch.int32)
-               for name, tabs in (("server", t.tables), ("consecutive", consecutive(t.tables)))}
-    k = [torch.randn(num_blocks, B, KV, D) for _ in range(L)]
-    v = [torch.randn(num_blocks, B, KV, D) for _ in range(L)]
-    q = torch.randn(len(t.lens), args.heads, D)
-    times: dict[str, list[float]] = {name: [] for name in layouts}
+    KV, D, L = args.kv_heads, args.head_dim, args.layers
+    # One pool of cache rows per layer (K and V), seen as blocks of each size in turn.
+    unit = math.lcm(*sizes)
+    rows = int(args.kv_cache_gb * 2**30 // (2 * L * KV * D * 4)) // unit * unit
+    k = [torch.randn(rows, KV, D) for _ in range(L)]
+    v = [torch.randn(rows, KV, D) for _ in range(L)]
+    cases: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    churned: dict[int, Tables] = {}
+    for B in sizes:
+        t = churned[B] = churn_tables(Churn(rows // B, B, args.batch, args.steps))
+        width = max(len(x) for x in t.tables)
+        lens = torch.tensor(t.lens, dtype=torch.int32)
+        for name, tabs in (("server", t.tables), ("consecutive", consecutive(t.tables))):
+            cases[B, name] = (torch.tensor([x + [0] * (width - len(x)) for x in tabs],
+                                           dtype=torch.int32), lens)
+    q = torch.randn(max(len(t.lens) for t in churned.values()), args.heads, D)
+    times: dict[tuple[int, str], list[float]] = {case: [] for case in cases}
     for _ in range(args.repeats):
-        for name, table in layouts.items():
+        for (B, name), (table, lens) in cases.items():
+            kb = [x.view(rows // B, B, KV, D) for x in k]
+            vb = [x.view(rows // B, B, KV, D) for x in v]
             for timed in (False, True):
                 start = time.perf_counter()
                 for layer in range(L):
-                    kernels.paged_decode_attention(q, k[layer], v[layer], table, lens)
+                    kernels.paged_decode_attention(q[:len(lens)], kb[layer], vb[layer],
+                                                   table, lens)
                 if timed:
-                    times[name].append(time.perf_counter() - start)
-    kv_gb = 2 * L * int(lens.sum()) * KV * D * 4 / 1e9
+                    times[B, name].append(time.perf_counter() - start)
+    t0 = churned[sizes[0]]
+    kv_gb = 2 * L * sum(t0.lens) * KV * D * 4 / 1e9
     print(f"{machine_line()}; {args.threads} thread(s); decode attention, float32, "
-          f"{args.heads} heads / {KV} kv heads x {D}, {L} layers, block size {B}, "
-          f"{num_blocks} blocks ({args.kv_cache_gb:g} GB)")
+          f"{args.heads} heads / {KV} kv heads x {D}, {L} layers, "
+          f"{args.kv_cache_gb:g} GB of cache")
     print(f"churn: {args.steps} steps of {args.batch} sequences (prompts of 128, outputs of "
-          f"32-256), {t.sequences} started; at the end {len(t.lens)} contexts of "
-          f"{statistics.mean(t.lens):.0f} tokens on average, {kv_gb:.2f} GB of KV; adjacent "
-          f"table entries: {t.adjacent:.0%} (consecutive layout: 100%)")
-    server, base = (statistics.median(times[n]) * 1e3 for n in ("server", "consecutive"))
-    print(f"{'layout':>12}{'ms':>10}{'GB/s':>8}")
-    for name, ms in (("server", server), ("consecutive", base)):
-        print(f"{name:>12}{ms:>10.1f}{kv_gb / ms * 1e3:>8.1f}")
-    print(f"server / consecutive: {server / base:.2f}x")
+          f"32-256), {t0.sequences} started; at the end {len(t0.lens)} contexts of "
+          f"{statistics.mean(t0.lens):.0f} tokens on average, {kv_gb:.2f} GB of KV; the "
+          f"median of {args.repeats} timed passes over every layer, alternated")
+    first = statistics.median(times[sizes[0], "server"])
+    print(f"{'block size':>10}{'adjacent':>10}{'server ms':>11}{'GB/s':>7}"
+          f"{'consecutive ms':>16}{'server/consec':>15}{f'server vs {sizes[0]}':>15}")
+    for B in sizes:
+        server, base = (statistics.median(times[B, n]) for n in ("server", "consecutive"))
+        print(f"{B:>10}{churned[B].adjacent:>10.0%}{server * 1e3:>11.1f}"
+              f"{kv_gb / server:>7.1f}{base * 1e3:>16.1f}{server / base:>14.2f}x"
+              f"{server / first:>14.2f}x")
     return 0
 
 

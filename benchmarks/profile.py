@@ -65,6 +65,7 @@ from common.cost_model import (
 )
 from workers.engine.dtype_choice import cpu_flags
 from workers.engine.model_runner import keep_freed_memory
+from workers.engine.params import default_block_size
 from workers.transfer.channel import TransferConfig
 from workers.transfer.sender import KVSender
 from workers.transfer.state import TransferState
@@ -92,7 +93,9 @@ class ProfileOptions:
     kv_cache_gb: float = 1.0
     """The KV pool the profiled workers get (the profile's ``num_blocks``); the
     measurement itself sizes its pool to the grid."""
-    block_size: int = 16
+    block_size: int = 0
+    """0: the engine's CPU default (:func:`~workers.engine.params.default_block_size`),
+    filled in at construction: the profile records the size it measured with."""
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
@@ -106,6 +109,8 @@ class ProfileOptions:
     def __post_init__(self) -> None:
         if not self.threads:
             raise ValueError("give at least one thread count")
+        if self.block_size == 0:
+            object.__setattr__(self, "block_size", default_block_size("cpu"))
         bad = [t for t in self.threads if not 1 <= t <= cores()]
         if bad:
             raise ValueError(f"thread counts {bad} are outside 1..{cores()}, the cores this "

@@ -43,7 +43,7 @@ from benchmarks.step_profile import start_decoding
 from loadtest.vocab import from_tokenizer
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.model_runner import model_context_len
-from workers.engine.params import EngineConfig, SamplingParams
+from workers.engine.params import EngineConfig, SamplingParams, default_block_size
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--grid", required=True, help="a StepGrid as JSON")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=default_block_size("cpu"))
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)

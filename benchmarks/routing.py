@@ -44,6 +44,7 @@ from common.prefix_index import RedisPrefixIndex
 from loadtest.metrics import percentile
 from router.client import AsyncClient
 from router.policies import CacheAware, Candidate
+from workers.engine.params import default_block_size
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,17 @@ class RoutingBenchOptions:
     workers: int = 64
     overhead_tokens: int = 2048
     overhead_only: bool = False
+    overhead_block_size: int = 0
+    """Tokens per block of the timed decision; 0: the engine's CPU default (the block size
+    the cluster's workers register, which the router hashes prompts with)."""
     out: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.overhead_block_size < 0:
+            raise ValueError(f"overhead_block_size must be >= 1 (0: the engine's default), "
+                             f"got {self.overhead_block_size}")
+        if self.overhead_block_size == 0:
+            object.__setattr__(self, "overhead_block_size", default_block_size("cpu"))
 
 
 def workload(o: RoutingBenchOptions) -> list[list[int]]:
@@ -104,7 +115,8 @@ def routing_overhead(o: RoutingBenchOptions) -> dict:
         client = redis.Redis.from_url(server.url)
         rng = random.Random(1)
         prompt = [rng.randrange(1000, 40000) for _ in range(o.overhead_tokens)]
-        hashes = block_hashes(prompt, 16, "bench-model", None)
+        bs = o.overhead_block_size
+        hashes = block_hashes(prompt, bs, "bench-model", None)
         workers = [f"10.0.{i // 250}.{i % 250}:50061" for i in range(o.workers)]
         out = {}
         for scenario in ("typical", "worst"):
@@ -116,8 +128,8 @@ def routing_overhead(o: RoutingBenchOptions) -> dict:
                     index.publish(w, hashes[: ((i + 1) * len(hashes)) // 4])
                 else:  # the others hold other prompts' blocks
                     other = [rng.randrange(1000, 40000) for _ in range(1024)]
-                    index.publish(w, block_hashes(other, 16, "bench-model", None))
-            out[scenario] = _time_decision(index, prompt, workers)
+                    index.publish(w, block_hashes(other, bs, "bench-model", None))
+            out[scenario] = _time_decision(index, prompt, workers, bs)
         out["redis_round_trip"] = _time_round_trip(client)
         client.close()
         return out
@@ -125,16 +137,17 @@ def routing_overhead(o: RoutingBenchOptions) -> dict:
         server.stop()
 
 
-def _time_decision(index: RedisPrefixIndex, prompt: list[int], workers: list[str]) -> dict:
+def _time_decision(index: RedisPrefixIndex, prompt: list[int], workers: list[str],
+                   block_size: int) -> dict:
     policy = CacheAware()
     times, phases = [], []
     for _ in range(300 + 20):
         t0 = time.perf_counter()
-        h = block_hashes(prompt, 16, "bench-model", None)
+        h = block_hashes(prompt, block_size, "bench-model", None)
         t1 = time.perf_counter()
         counts = index.lookup(h)
         t2 = time.perf_counter()
-        policy.choose([Candidate(w, 0, 0, counts.get(w, 0) * 16) for w in workers],
+        policy.choose([Candidate(w, 0, 0, counts.get(w, 0) * block_size) for w in workers],
                       len(prompt))
         t3 = time.perf_counter()
         times.append(t3 - t0)
@@ -161,7 +174,8 @@ def _print_overhead(o: RoutingBenchOptions, overhead: dict) -> None:
     floor = overhead["redis_round_trip"]["p50_ms"]
     for scenario in ("typical", "worst"):
         t = overhead[scenario]
-        print(f"routing overhead (hash + lookup + score), {o.overhead_tokens}-token prompt, "
+        print(f"routing overhead (hash + lookup + score), {o.overhead_tokens}-token prompt in "
+              f"blocks of {o.overhead_block_size}, "
               f"{o.workers} registered workers, {scenario} index: p50 {t['p50_ms']:.3f} ms, "
               f"p99 {t['p99_ms']:.3f} ms (target p50 < 1 ms); p50 by phase: hash "
               f"{t['hash_p50_ms']:.3f}, lookup {t['lookup_p50_ms']:.3f}, score "
@@ -177,7 +191,8 @@ def run(o: RoutingBenchOptions) -> dict:
     prompts = workload(o)
     load0 = os.getloadavg()
     n = len(prompts)
-    best = (n - o.system_prompts) * (o.system_tokens // 16 * 16) / sum(len(p) for p in prompts)
+    bs = default_block_size("cpu")  # the cluster's workers take the default: hits are whole blocks
+    best = (n - o.system_prompts) * (o.system_tokens // bs * bs) / sum(len(p) for p in prompts)
     print(f"workload: {o.system_prompts} system prompts x {o.system_tokens} tokens, "
           f"{o.questions} unique {o.question_tokens}-token questions each ({n} requests, "
           f"shuffled), {o.concurrency} at a time, max_tokens 4, 2 prefill + 1 decode workers "
@@ -216,13 +231,15 @@ def run_overhead(o: RoutingBenchOptions) -> dict:
     """Part 2 alone: the routing decision's cost, no cluster and no model."""
     load0 = os.getloadavg()
     print(f"workload: routing decisions for one {o.overhead_tokens}-token prompt, "
-          f"{o.workers} registered workers, 300 timed runs per index")
+          f"{o.workers} registered workers, blocks of {o.overhead_block_size} tokens, 300 "
+          f"timed runs per index")
     _print_machine(load0)
     overhead = routing_overhead(o)
     _print_overhead(o, overhead)
     load1 = os.getloadavg()
     print(f"loadavg after: {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}")
-    result = {"workload": {k: getattr(o, k) for k in ("workers", "overhead_tokens")},
+    result = {"workload": {k: getattr(o, k) for k in ("workers", "overhead_tokens",
+                                                      "overhead_block_size")},
               "routing_overhead": overhead,
               "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "loadavg_before": load0,
                           "loadavg_after": load1}}

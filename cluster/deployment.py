@@ -94,7 +94,10 @@ class DeploymentConfig:
         "quantize` directory needs int8; prefill and decode workers must agree"))
     kv_cache_gb: float = field(default=1.0, metadata=setting(
         "GiB preallocated for each worker's paged KV cache"))
-    block_size: int = field(default=16, metadata=setting("tokens per KV cache block"))
+    block_size: int = field(default=0, metadata=setting(
+        "tokens per KV cache block; 0: the device's default, 128 on CPU (as vLLM's CPU "
+        "backend: long-lived servers' scattered blocks cost the decode attention less; "
+        "prefix-cache hits land on block boundaries) and 16 on CUDA"))
     max_model_len: int | None = field(default=None, metadata=setting(
         "longest prompt + output a request may have, in tokens",
         shown="the model's context, within the KV cache"))

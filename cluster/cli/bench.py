@@ -99,6 +99,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     bq.add_argument("--overhead-only", action="store_true",
                     help="only time the routing decision (hash + lookup + score): seconds, "
                          "no cluster, no model")
+    bq.add_argument("--overhead-block-size", type=int, default=0, metavar="TOKENS",
+                    help="tokens per block the timed decision hashes (default 0: the "
+                         "engine's CPU default, as the cluster's workers use)")
     bq.add_argument("--out", default=None,
                     help="default: bench-results/routing.json, or routing-overhead.json with "
                          "--overhead-only")
@@ -653,6 +656,7 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
     run(RoutingBenchOptions(model=path, system_prompts=args.system_prompts,
                             questions=args.questions, concurrency=args.concurrency,
                             overhead_only=args.overhead_only,
+                            overhead_block_size=args.overhead_block_size,
                             out=args.out or ("bench-results/routing-overhead.json"
                                              if args.overhead_only
                                              else "bench-results/routing.json")))

@@ -15,6 +15,7 @@ from benchmarks.profile import ProfileOptions, cores, report, run_profile
 from benchmarks.profile_steps import StepGrid
 from cluster.cli import EXIT_INVALID, main
 from common.cost_model import load_profile
+from workers.engine.params import default_block_size
 
 GRID = StepGrid(prefill_new=(16, 64, 128, 256, 384), prefill_cached=(0, 128),
                 decode_batches=(1, 4, 16, 32), decode_contexts=(32, 256),
@@ -35,8 +36,9 @@ def test_profile_measures_fits_and_saves_a_loadable_profile(
     assert loaded == profile
     assert loaded.model == "llama" and loaded.dtype == "float32"
     assert loaded.machine["cpu"] and loaded.machine["cores"] >= 1 and loaded.machine["torch"]
-    assert loaded.kv_bytes_per_token > 0 and loaded.block_size == 16
-    assert loaded.num_blocks == int(0.01 * 2**30) // (16 * loaded.kv_bytes_per_token)
+    assert loaded.kv_bytes_per_token > 0 and loaded.block_size == default_block_size("cpu")
+    assert loaded.num_blocks == int(0.01 * 2**30) // (loaded.block_size
+                                                     * loaded.kv_bytes_per_token)
     assert 0 < loaded.max_model_len <= 512
     assert (loaded.max_num_batched_tokens, loaded.max_num_seqs) == (2048, 256)
 
