@@ -14,7 +14,7 @@ alternated in one process, on a cache of the model's shape; and does so at each 
 size asked for (the same sequences, the same cache rows seen as blocks of that size), so
 the sizes compare in one run.
 
-``python -m benchmarks.kv_layout [--block-sizes 128,16] [--batch 256] [--steps 3000]
+``python -m benchmarks.kv_layout [--block-sizes 64,16] [--batch 256] [--steps 3000]
 [--kv-cache-gb 4] [--heads 9 --kv-heads 3 --head-dim 64 --layers 30] [--repeats 5]``
 prints the machine, and per block size the churn (how many consecutive pairs of table
 entries are adjacent blocks), the median time of one decode step's attention over every
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         sizes = []
     if not sizes or min(sizes) < 1:
-        ap.error(f"--block-sizes wants positive integers like 128,16, got {args.block_sizes!r}")
+        ap.error(f"--block-sizes wants positive integers like 64,16, got {args.block_sizes!r}")
     if kernels.load() is None:
         print(f"native kernels unavailable: {kernels.unavailable_reason()}", file=sys.stderr)
         return 1

@@ -95,9 +95,10 @@ class DeploymentConfig:
     kv_cache_gb: float = field(default=1.0, metadata=setting(
         "GiB preallocated for each worker's paged KV cache"))
     block_size: int = field(default=0, metadata=setting(
-        "tokens per KV cache block; 0: the device's default, 128 on CPU (as vLLM's CPU "
-        "backend: long-lived servers' scattered blocks cost the decode attention less; "
-        "prefix-cache hits land on block boundaries) and 16 on CUDA"))
+        "tokens per KV cache block; 0: the device's default, 64 on CPU (a long-lived "
+        "server's scattered blocks cost the decode attention less than at 16; prefix-cache "
+        "hits land on block boundaries, so chat turns recompute a little more) and 16 on "
+        "CUDA"))
     max_model_len: int | None = field(default=None, metadata=setting(
         "longest prompt + output a request may have, in tokens",
         shown="the model's context, within the KV cache"))

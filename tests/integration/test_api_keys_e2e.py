@@ -18,7 +18,7 @@ ALICE = "sk-alice-" + "a" * 24
 BOB = "sk-bob-" + "b" * 24
 OPS = "sk-ops-" + "c" * 24
 PROMPT = [(7 * i) % 200 + 3 for i in range(300)]  # remote (past the local-prefill threshold),
-# and two whole blocks of the default 128 tokens to cache
+# and whole blocks of the default 64 tokens to cache
 GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 
 

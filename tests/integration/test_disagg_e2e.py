@@ -131,7 +131,7 @@ def test_shared_prefix_is_reused_and_streamed_text_is_whole(smol_disagg, smollm2
         pieces = [m.text for m in client.stream(prompts[0], **GREEDY)]
     served_equals_hf(smollm2_path, served, prompts, GREEDY["max_tokens"])
     assert served[0].usage["cached_tokens"] == 0
-    assert all(s.usage["cached_tokens"] >= 128 for s in served[1:])  # a whole default block
+    assert all(s.usage["cached_tokens"] >= 192 for s in served[1:])  # 3 default blocks
     assert "".join(pieces) == served[0].text
     assert_cluster_idle(smol_disagg)
 

@@ -23,13 +23,16 @@ QUANTIZATIONS: tuple[str | None, ...] = (None, "int8")
 """``EngineConfig.quantization`` values; the CLI spells None ``none``."""
 QUANTIZATION_CHOICES = ("none", "int8")
 
-DEFAULT_BLOCK_SIZES = {"cpu": 128, "cuda": 16}
-"""Tokens per KV block when none is asked for, per device kind. CPUs take 128, as
-vLLM's CPU backend does: a server that has run a while holds each sequence's blocks in
-scattered places, and on CPUs the decode attention pays per piece (over the same churned
-tables, SmolLM2 fp32, 256 contexts: 119 ms at 128 against 205 ms at 16;
-``python -m benchmarks.kv_layout --block-sizes 16,128``). The price: prefix-cache hits
-land on 128-token boundaries. GPUs keep 16."""
+DEFAULT_BLOCK_SIZES = {"cpu": 64, "cuda": 16}
+"""Tokens per KV block when none is asked for, per device kind. A server that has run a
+while holds each sequence's blocks in scattered places, and on CPUs the decode attention
+pays per piece; prefix-cache hits land on block boundaries, so a chat turn recomputes
+what the last block of the cached history left over (half a block on average). Measured
+on one 2-core Zen 4 (SmolLM2 fp32; ``loadtest/results/block-size-zen4-1205/``), against
+16: the attention over churned tables 0.78x at 64 and 0.69x at 128
+(``python -m benchmarks.kv_layout``); a 3-turn chat's later turns' prefill 1.10x at 64
+and 1.24x at 128. CPUs take 64: most of the first for less than half the second (vLLM's
+CPU backend takes 128; ``--block-size 128`` does too). GPUs keep 16."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class EngineConfig:
     by the engine on the machine it runs on (:meth:`resolved`)."""
     block_size: int = 0
     """Tokens per KV cache block; 0: the device's default (:data:`DEFAULT_BLOCK_SIZES`:
-    128 on CPU, 16 on CUDA), set at construction, so a built config always holds the
+    64 on CPU, 16 on CUDA), set at construction, so a built config always holds the
     size it runs with."""
     kv_cache_memory_gb: float = 2.0
     num_blocks: int | None = None
