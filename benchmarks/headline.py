@@ -37,6 +37,7 @@ from pathlib import Path
 
 from cluster.autoscale import AutoscaleLoop
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
+from common.cost_model import load_profile
 from loadtest.metrics import SLO, percentile
 from loadtest.runner import RunOptions, run
 from loadtest.workloads import Request, arrival_times, mixed_workload, multi_turn_workload
@@ -92,6 +93,8 @@ def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None) -> LocalC
                   "autoscale_interval_s": o.autoscale_interval_s,
                   "slo_ttft_ms": slo.ttft_ms if slo else None,
                   "slo_tpot_ms": slo.tpot_ms if slo else None}
+    if o.profile:  # every cluster at the profile's block size, which the planner simulates
+        extra["block_size"] = load_profile(o.profile).block_size
     return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
                               kv_cache_gb=1.0, threads_per_worker=1, dtype=o.dtype,
                               launcher="process", log_dir=str(out / f"{name}-logs"), **extra)

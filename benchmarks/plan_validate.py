@@ -113,10 +113,11 @@ def launchable(c: PoolConfig) -> bool:
     return len(threads) == 1
 
 
-def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path,
+def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path, block_size: int,
                    profile_path: str | None = None) -> LocalClusterConfig:
-    """The local cluster of ``c``; an adaptive router reads ``profile_path`` (default:
-    the validation's profile)."""
+    """The local cluster of ``c``, its KV blocks of ``block_size`` tokens (the profile's,
+    which the simulator copies); an adaptive router reads ``profile_path`` (default: the
+    validation's profile)."""
     t = c.mixed_threads or c.prefill_threads
     pools: dict = ({"mixed": c.mixed_workers} if c.kind == "mixed" else
                    {"prefill": c.prefill_workers, "decode": c.decode_workers,
@@ -126,11 +127,12 @@ def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path,
     return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
                               kv_cache_gb=o.kv_cache_gb, threads_per_worker=t, dtype=o.dtype,
                               policy=c.policy, launcher="process", log_dir=str(log_dir),
-                              **pools)
+                              block_size=block_size, **pools)
 
 
 def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[float],
-             slo: SLO | None, out: Path, profile: Profile | None = None) -> dict:
+             slo: SLO | None, out: Path, block_size: int, profile: Profile | None = None
+             ) -> dict:
     """Run ``c`` for real; an adaptive router gets ``profile`` (saved under ``out``)
     when given, else the validation's profile file."""
     name = "".join(ch if ch.isalnum() else "-" for ch in c.label).strip("-")
@@ -138,7 +140,7 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
     if profile is not None and c.kind == "adaptive":
         path = str(out / f"{name}-profile.json")
         save_profile(profile, path)
-    with LocalCluster(cluster_config(o, c, out / f"{name}-logs", path)) as cluster:
+    with LocalCluster(cluster_config(o, c, out / f"{name}-logs", block_size, path)) as cluster:
         cluster.wait_ready()
         cluster.warm()
         ca = cluster.config.client_tls_ca
@@ -260,7 +262,7 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
                   f"predicted TTFT p90 {fig['ttft_p90_ms']:.0f} ms, ITL p90 "
                   f"{fig['itl_p90_ms']:.0f} ms, goodput {fig['goodput']:.3f}/s ==", flush=True)
             m = _measure(o, r.config, workload.requests, workload.arrivals, slo, out,
-                         now if o.recalibrate else None)
+                         profile.block_size, now if o.recalibrate else None)
             if cal is not None:  # did the machine keep its speed while it ran?
                 after = calibrations.measure(t)[1]
                 drift = max((after[k] / cal[k] - 1 for k in ("factor", "compute_factor")),

@@ -113,7 +113,8 @@ def serving_waves(profile: Profile, model: str, threads: int, per_worker: tuple[
     workers = max(1, (os.cpu_count() or 1) // threads)
     config = LocalClusterConfig(model=model, mixed=workers, threads_per_worker=threads,
                                 dtype=dtype, port=free_port(), http_port=0, metrics_port=None,
-                                launcher="process", log_dir=log_dir)
+                                launcher="process", log_dir=log_dir,
+                                block_size=profile.block_size)  # as the profile simulates
     engine_only = replace(profile, serving={}, serving_compute={}, serving_per_seq={},
                           serving_jitter={})
     step = engine_only.step(threads)

@@ -42,6 +42,7 @@ from planner.autoscale import (
     role_changes,
     simulated_goodput,
 )
+from workers.engine.params import default_block_size
 
 from .local import LocalCluster, free_port
 
@@ -58,6 +59,12 @@ class AutoscaleLoop:
                              "the prefix index (no --no-redis)")
         self.cluster = cluster
         profile = load_profile(c.profile)
+        blocks = c.block_size or default_block_size("cuda" if c.gpus_per_worker else "cpu")
+        if blocks != profile.block_size:
+            log.warning("autoscale: %s was measured with %d-token KV blocks and the workers "
+                        "run %d: its prefix-cache hits and attention times are off; profile "
+                        "again (`pdserve profile`) or run --block-size %d", c.profile,
+                        profile.block_size, blocks, profile.block_size)
         interval = c.autoscale_interval_s
         self.config = config or AutoscaleConfig(
             interval_s=interval, window_s=3 * interval, min_dwell_s=3 * interval)

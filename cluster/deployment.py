@@ -78,7 +78,8 @@ class DeploymentConfig:
         "number of decode workers", shown="1 with 1 prefill worker, unless --mixed is given"))
     local_prefill_threshold: int = field(default=32, metadata=setting(
         "decode workers prefill a prompt themselves when its uncached part is shorter "
-        "than this many tokens; 0: always on a prefill worker"))
+        "than this many tokens, or than one KV block when they cache the rest of it; 0: "
+        "always on a prefill worker"))
     # -- engine, per worker ----------------------------------------------------------------
     dtype: str = field(default="auto", metadata=setting(
         "weights and KV cache dtype; auto: bfloat16 on GPUs and on CPUs with native bf16 "
@@ -230,6 +231,9 @@ class DeploymentConfig:
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or (self.mixed or 0) < 0:
             raise DeploymentError("worker counts must be >= 0")
+        if self.block_size < 0:
+            raise DeploymentError(f"--block-size {self.block_size}: tokens per KV block "
+                                  "must be >= 1, or 0 for the device's default")
         if (self.prefill == 0) != (self.decode == 0):
             raise DeploymentError(f"--prefill {self.prefill} --decode {self.decode}: a "
                                   "disaggregated cluster needs at least one of each")

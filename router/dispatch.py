@@ -332,9 +332,11 @@ class Dispatcher:
 
 def same_kv(a: Worker, b: Worker) -> bool:
     """Whether KV moves between two workers: the same model, dtype and KV cache format
-    (their ``model_id``, which seeds the block hashes; unknown matches anything). The
-    decode worker refuses anything else, naming both (workers/transfer/header.py)."""
-    return not a.model_id or not b.model_id or a.model_id == b.model_id
+    (their ``model_id``, which seeds the block hashes; unknown matches anything) and the
+    same block size (a CPU and a GPU worker left to their defaults differ). The decode
+    worker refuses anything else, naming both (workers/transfer/header.py)."""
+    return (not a.model_id or not b.model_id or a.model_id == b.model_id) \
+        and a.block_size == b.block_size
 
 
 _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]{0,63}): ")

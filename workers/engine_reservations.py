@@ -70,7 +70,8 @@ class ReservationDriver:
         # Local below the threshold (conditional disaggregation), or with no receiver:
         # the role changed while this reserve was queued (workers/roles.py).
         expect = self._kv_expect
-        if expect is not None and kv.uncached_tokens >= (add.local_threshold or 0):
+        if expect is not None and kv.uncached_tokens >= local_limit(
+                add.local_threshold, kv.cached_tokens, self.engine.config.block_size):
             try:
                 handle = expect(rid, list(kv.target_block_ids))
             except Exception:  # noqa: BLE001 - receiver closed: compute here
@@ -134,3 +135,14 @@ class ReservationDriver:
             return
         for final in finals:
             self._emit(final)
+
+
+def local_limit(threshold: int | None, cached_tokens: int, block_size: int) -> int:
+    """The uncached tokens from which a reserved prompt is prefilled remotely. Below
+    ``threshold`` (0 or None: never local) it is computed here; and a prompt found cached
+    here computes here what its last whole block leaves over (less than a block), as it
+    did when blocks were smaller than the threshold, instead of a transfer for part of a
+    block."""
+    if not threshold:
+        return 0
+    return max(threshold, block_size) if cached_tokens else threshold

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -652,14 +653,19 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
     from benchmarks.routing import RoutingBenchOptions, run
     from workers.model_store import resolve_model
 
+    try:
+        opts = RoutingBenchOptions(model="", system_prompts=args.system_prompts,
+                                   questions=args.questions, concurrency=args.concurrency,
+                                   overhead_only=args.overhead_only,
+                                   overhead_block_size=args.overhead_block_size,
+                                   out=args.out or ("bench-results/routing-overhead.json"
+                                                    if args.overhead_only
+                                                    else "bench-results/routing.json"))
+    except ValueError as e:
+        print(f"pdserve bench-routing: {e}", file=sys.stderr)
+        return EXIT_INVALID
     path = "" if args.overhead_only else str(resolve_model(args.model, cache_dir(args)))
-    run(RoutingBenchOptions(model=path, system_prompts=args.system_prompts,
-                            questions=args.questions, concurrency=args.concurrency,
-                            overhead_only=args.overhead_only,
-                            overhead_block_size=args.overhead_block_size,
-                            out=args.out or ("bench-results/routing-overhead.json"
-                                             if args.overhead_only
-                                             else "bench-results/routing.json")))
+    run(dataclasses.replace(opts, model=path))
     return 0
 
 

@@ -29,10 +29,11 @@ while holds each sequence's blocks in scattered places, and on CPUs the decode a
 pays per piece; prefix-cache hits land on block boundaries, so a chat turn recomputes
 what the last block of the cached history left over (half a block on average). Measured
 on one 2-core Zen 4 (SmolLM2 fp32; ``loadtest/results/block-size-zen4-1205/``), against
-16: the attention over churned tables 0.78x at 64 and 0.69x at 128
-(``python -m benchmarks.kv_layout``); a 3-turn chat's later turns' prefill 1.10x at 64
-and 1.24x at 128. CPUs take 64: most of the first for less than half the second (vLLM's
-CPU backend takes 128; ``--block-size 128`` does too). GPUs keep 16."""
+16: the attention over churned tables 0.76x at 64 and 0.66x at 128
+(``python -m benchmarks.kv_layout``); a 3-turn chat's later turns' prefill 1.06x at 64
+and 1.18x at 128 (``python -m benchmarks.block_size_chat``). CPUs take 64: 70% of the
+first for a third of the second (vLLM's CPU backend takes 128; ``--block-size 128`` does
+too). GPUs keep 16."""
 
 
 @dataclass(frozen=True)
