@@ -69,7 +69,7 @@ import numpy as np
 
 from common.cost_model import Profile, draw_jitter, features
 from workers.engine.block_manager import KVEventListener
-from workers.engine.params import SamplingParams, SchedulerConfig
+from workers.engine.params import SamplingParams, SchedulerConfig, local_limit
 from workers.engine.scheduler import Scheduler, SchedulerOutput
 from workers.engine.sequence import FinishReason, Sequence
 
@@ -216,7 +216,8 @@ class SimWorker:
             if seq is None:
                 return
             self._pending.popleft()
-            local = seq.num_tokens - seq.num_computed_tokens < self.local_prefill_threshold
+            local = seq.num_tokens - seq.num_computed_tokens < local_limit(
+                self.local_prefill_threshold, seq.num_computed_tokens, self.sched.config.block_size)
             if local:
                 self.sched.recompute(seq, None, NO_EOS)
             self.host.on_reserved(self, seq, local)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from common.sampling import InvalidRequestError
 
+from .engine.params import local_limit
 from .engine_commands import Reserve, TransferDone, request_error
 from .reservation import Actions, Reservation, ReservationState
 
@@ -136,13 +137,3 @@ class ReservationDriver:
         for final in finals:
             self._emit(final)
 
-
-def local_limit(threshold: int | None, cached_tokens: int, block_size: int) -> int:
-    """The uncached tokens from which a reserved prompt is prefilled remotely. Below
-    ``threshold`` (0 or None: never local) it is computed here; and a prompt found cached
-    here computes here what its last whole block leaves over (less than a block), as it
-    did when blocks were smaller than the threshold, instead of a transfer for part of a
-    block."""
-    if not threshold:
-        return 0
-    return max(threshold, block_size) if cached_tokens else threshold

@@ -12,8 +12,12 @@ from benchmarks.profile import ProfileOptions
 from cluster.deployment import DeploymentConfig, DeploymentError
 from router.dispatch import same_kv
 from router.pool import Worker
-from workers.engine.params import DEFAULT_BLOCK_SIZES, EngineConfig, default_block_size
-from workers.engine_reservations import local_limit
+from workers.engine.params import (
+    DEFAULT_BLOCK_SIZES,
+    EngineConfig,
+    default_block_size,
+    local_limit,
+)
 
 
 def test_cpu_takes_64_and_cuda_16() -> None:

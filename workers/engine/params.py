@@ -17,7 +17,7 @@ from .dtype_choice import DTYPE_CHOICES, DTYPES, resolve_dtype
 
 __all__ = ["DTYPES", "DTYPE_CHOICES", "KV_CACHE_DTYPES", "QUANTIZATIONS",
            "QUANTIZATION_CHOICES", "EngineConfig", "InvalidRequestError", "SamplingParams",
-           "SchedulerConfig", "DEFAULT_BLOCK_SIZES", "default_block_size"]
+           "SchedulerConfig", "DEFAULT_BLOCK_SIZES", "default_block_size", "local_limit"]
 
 QUANTIZATIONS: tuple[str | None, ...] = (None, "int8")
 """``EngineConfig.quantization`` values; the CLI spells None ``none``."""
@@ -160,3 +160,15 @@ def default_block_size(device: str = "cpu") -> int:
     """Tokens per KV block for ``device`` (``cpu``, ``cuda`` or ``cuda:N``) when the
     configuration names none (:data:`DEFAULT_BLOCK_SIZES`)."""
     return DEFAULT_BLOCK_SIZES["cpu" if device == "cpu" else "cuda"]
+
+
+def local_limit(threshold: int | None, cached_tokens: int, block_size: int) -> int:
+    """The uncached tokens from which a decode worker sends a reserved prompt to a prefill
+    worker (``workers/engine_reservations.py``, and the planner's copy of it). Below
+    ``threshold`` (0 or None: never local) it is computed here; and a prompt found cached
+    here computes here what its last whole block leaves over (less than a block), as it
+    did when blocks were smaller than the threshold, instead of a transfer for part of a
+    block."""
+    if not threshold:
+        return 0
+    return max(threshold, block_size) if cached_tokens else threshold
