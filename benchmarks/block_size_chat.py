@@ -26,6 +26,7 @@ import statistics
 import sys
 import time
 
+from .kv_layout import parse_block_sizes
 from .machine import machine_line
 
 VOCAB = (100, 40000)
@@ -70,12 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                     "default model, converted on first use)")
     args = ap.parse_args(argv)
     try:
-        sizes = [int(x) for x in args.block_sizes.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1 or args.turns < 2 or args.conversations < 1:
-        ap.error("--block-sizes wants positive integers like 16,64; --turns at least 2 and "
-                 "--conversations at least 1")
+        sizes = parse_block_sizes(args.block_sizes)
+    except ValueError as e:
+        ap.error(f"--block-sizes: {e}")
+    if args.turns < 2 or args.conversations < 1:
+        ap.error("--turns must be at least 2 and --conversations at least 1")
     torch.set_num_threads(args.threads)
     path = str(resolve_model(args.model, None))
     llms = {b: LLM(path, dtype=args.dtype, kv_cache_memory_gb=2.0, num_threads=args.threads,

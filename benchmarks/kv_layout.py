@@ -116,6 +116,17 @@ def churn_tables(c: Churn) -> Tables:
     return Tables(tables, [s.num_tokens for s, _ in running], adjacent_share(tables), started)
 
 
+def parse_block_sizes(text: str) -> list[int]:
+    """``"64,16"`` -> ``[64, 16]``; ValueError unless every size is a positive integer."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"block sizes are positive integers like 64,16, got {text!r}")
+    return sizes
+
+
 def consecutive(tables: list[list[int]]) -> list[list[int]]:
     """The same table lengths, each table a run of block ids, one after another."""
     out, start = [], 0
@@ -148,11 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     try:
-        sizes = [int(x) for x in args.block_sizes.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        ap.error(f"--block-sizes wants positive integers like 64,16, got {args.block_sizes!r}")
+        sizes = parse_block_sizes(args.block_sizes)
+    except ValueError as e:
+        ap.error(f"--block-sizes: {e}")
     if kernels.load() is None:
         print(f"native kernels unavailable: {kernels.unavailable_reason()}", file=sys.stderr)
         return 1

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.kv_layout import Churn, adjacent_share, churn_tables, consecutive
+from benchmarks.kv_layout import (
+    Churn,
+    adjacent_share,
+    churn_tables,
+    consecutive,
+    parse_block_sizes,
+)
 
 
 def test_the_churn_ends_with_the_running_sequences_tables() -> None:
@@ -37,3 +43,10 @@ def test_the_baseline_keeps_each_length_in_one_run_of_blocks() -> None:
 def test_a_cache_too_small_for_the_batch_says_what_to_change() -> None:
     with pytest.raises(RuntimeError, match="kv-cache-gb"):
         churn_tables(Churn(num_blocks=10, block_size=4, batch=8, steps=5, prompt_len=10))
+
+
+def test_block_sizes_parse_or_say_what_they_want() -> None:
+    assert parse_block_sizes("64,16,128") == [64, 16, 128]
+    for bad in ("", "64,", "0,16", "-16", "sixteen"):
+        with pytest.raises(ValueError, match="positive integers like 64,16"):
+            parse_block_sizes(bad)
