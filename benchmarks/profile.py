@@ -65,7 +65,7 @@ from common.cost_model import (
 )
 from workers.engine.dtype_choice import cpu_flags
 from workers.engine.model_runner import keep_freed_memory
-from workers.engine.params import default_block_size
+from workers.engine.params import resolve_block_size
 from workers.transfer.channel import TransferConfig
 from workers.transfer.sender import KVSender
 from workers.transfer.state import TransferState
@@ -109,8 +109,7 @@ class ProfileOptions:
     def __post_init__(self) -> None:
         if not self.threads:
             raise ValueError("give at least one thread count")
-        if self.block_size == 0:
-            object.__setattr__(self, "block_size", default_block_size("cpu"))
+        object.__setattr__(self, "block_size", resolve_block_size(self.block_size))
         bad = [t for t in self.threads if not 1 <= t <= cores()]
         if bad:
             raise ValueError(f"thread counts {bad} are outside 1..{cores()}, the cores this "

@@ -44,7 +44,7 @@ from common.prefix_index import RedisPrefixIndex
 from loadtest.metrics import percentile
 from router.client import AsyncClient
 from router.policies import CacheAware, Candidate
-from workers.engine.params import default_block_size
+from workers.engine.params import default_block_size, resolve_block_size
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,8 @@ class RoutingBenchOptions:
     out: str | None = None
 
     def __post_init__(self) -> None:
-        if self.overhead_block_size < 0:
-            raise ValueError(f"overhead_block_size must be >= 1 (0: the engine's default), "
-                             f"got {self.overhead_block_size}")
-        if self.overhead_block_size == 0:
-            object.__setattr__(self, "overhead_block_size", default_block_size("cpu"))
+        object.__setattr__(self, "overhead_block_size", resolve_block_size(
+            self.overhead_block_size, name="overhead_block_size"))
 
 
 def workload(o: RoutingBenchOptions) -> list[list[int]]:

@@ -42,7 +42,7 @@ from planner.autoscale import (
     role_changes,
     simulated_goodput,
 )
-from workers.engine.params import default_block_size
+from workers.engine.params import resolve_block_size
 
 from .local import LocalCluster, free_port
 
@@ -59,7 +59,7 @@ class AutoscaleLoop:
                              "the prefix index (no --no-redis)")
         self.cluster = cluster
         profile = load_profile(c.profile)
-        blocks = c.block_size or default_block_size("cuda" if c.gpus_per_worker else "cpu")
+        blocks = resolve_block_size(c.block_size, "cuda" if c.gpus_per_worker else "cpu")
         if blocks != profile.block_size:
             log.warning("autoscale: %s was measured with %d-token KV blocks and the workers "
                         "run %d: its prefix-cache hits and attention times are off; profile "

@@ -136,4 +136,3 @@ class ReservationDriver:
             return
         for final in finals:
             self._emit(final)
-

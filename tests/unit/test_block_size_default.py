@@ -17,6 +17,7 @@ from workers.engine.params import (
     EngineConfig,
     default_block_size,
     local_limit,
+    resolve_block_size,
 )
 
 
@@ -69,3 +70,12 @@ def test_kv_moves_only_between_workers_of_one_block_size() -> None:
     assert not same_kv(worker(64), worker(16))  # a CPU and a GPU worker left to defaults
     assert not same_kv(worker(64, "a"), worker(64, "b"))
     assert same_kv(worker(64, ""), worker(64, "b"))  # an unknown model matches
+
+
+def test_every_config_fills_in_a_zero_through_one_resolver() -> None:
+    assert resolve_block_size(0) == 64 and resolve_block_size(0, "cuda:0") == 16
+    assert resolve_block_size(32, "cuda") == 32
+    with pytest.raises(ValueError, match="overhead_block_size must be >= 1"):
+        resolve_block_size(-1, name="overhead_block_size")
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        ProfileOptions(model="m", threads=(1,), block_size=-1)

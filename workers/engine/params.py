@@ -17,7 +17,8 @@ from .dtype_choice import DTYPE_CHOICES, DTYPES, resolve_dtype
 
 __all__ = ["DTYPES", "DTYPE_CHOICES", "KV_CACHE_DTYPES", "QUANTIZATIONS",
            "QUANTIZATION_CHOICES", "EngineConfig", "InvalidRequestError", "SamplingParams",
-           "SchedulerConfig", "DEFAULT_BLOCK_SIZES", "default_block_size", "local_limit"]
+           "SchedulerConfig", "DEFAULT_BLOCK_SIZES", "default_block_size", "local_limit",
+           "resolve_block_size"]
 
 QUANTIZATIONS: tuple[str | None, ...] = (None, "int8")
 """``EngineConfig.quantization`` values; the CLI spells None ``none``."""
@@ -132,11 +133,8 @@ class EngineConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, "
                              f"got {self.dtype!r}")
-        if self.block_size < 0:
-            raise ValueError(f"block_size must be >= 1 (0: the device's default), "
-                             f"got {self.block_size}")
-        if self.block_size == 0:  # frozen: the one place a field is filled in
-            object.__setattr__(self, "block_size", default_block_size(self.device))
+        # frozen: the one place a field is filled in
+        object.__setattr__(self, "block_size", resolve_block_size(self.block_size, self.device))
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of None, "
@@ -160,6 +158,15 @@ def default_block_size(device: str = "cpu") -> int:
     """Tokens per KV block for ``device`` (``cpu``, ``cuda`` or ``cuda:N``) when the
     configuration names none (:data:`DEFAULT_BLOCK_SIZES`)."""
     return DEFAULT_BLOCK_SIZES["cpu" if device == "cpu" else "cuda"]
+
+
+def resolve_block_size(asked: int, device: str = "cpu", name: str = "block_size") -> int:
+    """``asked`` tokens per KV block, or ``device``'s default when it is 0; ValueError
+    naming ``name`` when negative. Every config that takes 0 for "the default" fills it in
+    here, so none holds a 0 once built."""
+    if asked < 0:
+        raise ValueError(f"{name} must be >= 1 (0: the device's default), got {asked}")
+    return asked or default_block_size(device)
 
 
 def local_limit(threshold: int | None, cached_tokens: int, block_size: int) -> int:
