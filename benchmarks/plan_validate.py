@@ -10,24 +10,32 @@ router's live placement on), warmed, driven by :func:`loadtest.runner.run` with 
 same requests and arrival times, after the serving calibration of its thread count was
 measured again and the candidate predicted anew with it (``recalibrate``; see
 :mod:`benchmarks.profile_serving`: a VM's speed drifts by more than the 10% the
-latency target allows within one validation), and measured once more after the run: a
-candidate during which the machine's speed moved by more than ``Bounds.drift`` runs
-again (``attempts``) -> per candidate, prediction error of TTFT
-p90, ITL p90 and goodput, ``(predicted - measured) / measured`` (and, beside it, the
-error of the plan's own prediction, made from the profile as saved) -> the **decision
-regret**:
+latency target allows within one validation), its workers tracing their steps
+(:mod:`workers.step_trace`) -> per candidate, prediction error of TTFT p90, ITL p90 and
+goodput, ``(predicted - measured) / measured`` (and, beside it, the error of the plan's
+own prediction, made from the profile as saved) -> the same candidate simulated again
+**at the run's own speed**: the serving calibration fitted to the steps its workers ran
+while the requests ran (:func:`~benchmarks.profile_serving.speed_of_run`), and that
+simulation's error (``error_at_run_speed``) beside ``drift``, how far those steps ran
+from the calibration the prediction used -> the **decision regret**:
 ``1 - goodput(recommended) / max goodput`` over the measured candidates -> a table and
 ``validation.json`` under ``out``, and :func:`verdict`, what the bounds say.
+
+**What each bound judges.** The regret and the goodput errors judge the predictions made
+before each run, as a plan is made. The TTFT and ITL bounds judge the simulator at the
+run's own speed: a queue's TTFT p90 moves ~10% for 4% of step speed at moderate load
+(measured: 2026-12-04), and a VM's speed moves by more within a run, which no model of
+the queue can foresee. What that leaves to the 10% is the simulator's own part: the
+scheduler, the routing, batching, transfers and the spread of steps. Both errors are
+printed and saved.
 
 **Load.** Each candidate's row carries its *load*: the workload's offered session rate
 over the candidate's capacity, the sessions per second the simulator says it serves when
 every session arrives at once (:func:`capacity`). The issue's latency target holds
 "below 85% of saturation", where a queue's wait is a smooth function of the service
 time: near and past saturation a 5% error in a step's time becomes an unbounded error in
-TTFT. So the TTFT and ITL bounds judge only rows under ``Bounds.saturation``, and only
-rows whose machine kept its speed (``Bounds.drift``, after the last attempt); the others
-are printed and saved with their errors but marked not judged. Goodput and the regret
-are judged everywhere.
+TTFT. So the TTFT and ITL bounds judge only rows under ``Bounds.saturation``; the others
+are printed and saved with their errors but marked not judged.
 
 **Placement.** A split's row also counts the placements on the decode worker (the
 static threshold's and the live rule's) as the simulator predicted them and as the
@@ -42,9 +50,11 @@ would show. A request the client resumed elsewhere counts once per attempt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -58,9 +68,10 @@ from planner.predict import run as simulate_run
 from planner.predict import simulate
 from planner.search import DEFAULT_THRESHOLDS, candidates, plan
 from planner.workload import ExplicitWorkload
+from workers.step_trace import read_step_trace
 
 from .machine import machine_line
-from .profile_serving import calibrate
+from .profile_serving import calibrate, speed_of_run
 
 COMPARED = (("ttft_p90_ms", "p90_ttft_ms"), ("itl_p90_ms", "p90_itl_ms"),
             ("goodput", "request_goodput"))
@@ -77,9 +88,6 @@ class Bounds:
     goodput_error: float = 0.05
     saturation: float = 0.85
     """Latency errors are judged only for candidates whose load is below this."""
-    drift: float = 0.10
-    """... and whose machine kept its speed within this while they ran (the serving
-    calibration's factor after the run over the one before)."""
 
 
 @dataclass(frozen=True)
@@ -100,11 +108,8 @@ class ValidateOptions:
     out: str = "bench-results/plan-validate"
     recalibrate: bool = True
     """Measure the serving calibration again before each candidate (its thread count)
-    and predict that candidate with it, and again after it; the plan's own predictions
+    and predict that candidate with it; the plan's own predictions
     (``predicted_at_plan``, ``error_at_plan``) are kept beside."""
-    attempts: int = 3
-    """Runs of a candidate at most, while the machine's speed moves by more than
-    ``bounds.drift`` during one (recalibrating only)."""
 
 
 def launchable(c: PoolConfig) -> bool:
@@ -134,23 +139,33 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
              slo: SLO | None, out: Path, block_size: int, profile: Profile | None = None
              ) -> dict:
     """Run ``c`` for real; an adaptive router gets ``profile`` (saved under ``out``)
-    when given, else the validation's profile file."""
+    when given, else the validation's profile file. The result has the harness's
+    metrics, the router's placements and ``steps``: every worker's engine steps that
+    started while the requests ran (their step traces, warm-up left out)."""
     name = "".join(ch if ch.isalnum() else "-" for ch in c.label).strip("-")
     path = None
     if profile is not None and c.kind == "adaptive":
         path = str(out / f"{name}-profile.json")
         save_profile(profile, path)
-    with LocalCluster(cluster_config(o, c, out / f"{name}-logs", block_size, path)) as cluster:
+    traces = out / f"{name}-steps"
+    shutil.rmtree(traces, ignore_errors=True)  # a rerun into the same directory
+    config = dataclasses.replace(cluster_config(o, c, out / f"{name}-logs", block_size, path),
+                                 step_trace_dir=str(traces))
+    with LocalCluster(config) as cluster:
         cluster.wait_ready()
         cluster.warm()
         ca = cluster.config.client_tls_ca
         before = local_placements(cluster.target, ca)
+        started = time.time()
         m = run(RunOptions(cluster.target, tuple(requests), tuple(arrivals), slo=slo,
                            progress=True), str(out / f"{name}.json"), {"config": c.label})
+        ended = time.time()
         after = local_placements(cluster.target, ca)
         m["local_placements"] = (None if before is None or after is None else
                                  {k: n - before.get(k, 0) for k, n in after.items()})
-        return m
+    m["steps"] = [step for f in sorted(traces.glob("*.steps.csv"))
+                  for step in read_step_trace(str(f), started, ended)]
+    return m
 
 
 def local_placements(target: str, tls_ca: str | None = None) -> dict[str, int] | None:
@@ -191,9 +206,9 @@ def capacity(profile: Profile, config: PoolConfig, workload: ExplicitWorkload) -
 
 class _Calibrations:
     """The serving calibration of each thread count as last measured: a candidate is
-    predicted with one at most :data:`FRESH_S` old (the previous candidate's closing
-    one, or a new one), and one is measured after each candidate's run, to see whether
-    the machine kept its speed meanwhile."""
+    predicted with one at most :data:`FRESH_S` old, else a new one. (Whether the machine
+    kept that speed while the candidate ran is its step traces' to say:
+    :func:`~benchmarks.profile_serving.speed_of_run`.)"""
 
     def __init__(self, profile: Profile, o: ValidateOptions) -> None:
         self.profile, self.o = profile, o
@@ -252,37 +267,39 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
                      "recommended": r.config == predicted.recommended,
                      "predicted_at_plan": {k: r.predicted[k] for k, _ in COMPARED}}
         t = r.config.mixed_threads or r.config.prefill_threads
-        for attempt in range(1, o.attempts + 1):
-            now, fig, cal, drift = profile, r.predicted, None, None
-            if o.recalibrate:  # this minute's machine speed, for this candidate's threads
-                now, cal = calibrations.recent(t)
-                fig = simulate(now, r.config, workload.requests, workload.arrivals, slo)
-            load = offered / capacity(now, r.config, workload)
-            print(f"\n== {r.config.label}: load {load:.0%} of its simulated capacity; "
-                  f"predicted TTFT p90 {fig['ttft_p90_ms']:.0f} ms, ITL p90 "
-                  f"{fig['itl_p90_ms']:.0f} ms, goodput {fig['goodput']:.3f}/s ==", flush=True)
-            m = _measure(o, r.config, workload.requests, workload.arrivals, slo, out,
-                         profile.block_size, now if o.recalibrate else None)
-            if cal is not None:  # did the machine keep its speed while it ran?
-                after = calibrations.measure(t)[1]
-                drift = max((after[k] / cal[k] - 1 for k in ("factor", "compute_factor")),
-                            key=abs)
-                if abs(drift) > o.bounds.drift and attempt < o.attempts:
-                    print(f"the machine's speed moved {drift:+.0%} while it ran (serving "
-                          f"calibration memory x{cal['factor']:.2f}, compute "
-                          f"x{cal['compute_factor']:.2f} before; x{after['factor']:.2f}, "
-                          f"x{after['compute_factor']:.2f} after): running it again",
-                          flush=True)
-                    continue
-            break
+        now, fig, cal = profile, r.predicted, None
+        if o.recalibrate:  # this minute's machine speed, for this candidate's threads
+            now, cal = calibrations.recent(t)
+            fig = simulate(now, r.config, workload.requests, workload.arrivals, slo)
+        load = offered / capacity(now, r.config, workload)
+        print(f"\n== {r.config.label}: load {load:.0%} of its simulated capacity; "
+              f"predicted TTFT p90 {fig['ttft_p90_ms']:.0f} ms, ITL p90 "
+              f"{fig['itl_p90_ms']:.0f} ms, goodput {fig['goodput']:.3f}/s ==", flush=True)
+        m = _measure(o, r.config, workload.requests, workload.arrivals, slo, out,
+                     profile.block_size, now if o.recalibrate else None)
         if slo is None:
             m["request_goodput"] = m["request_throughput"]
-        row.update({"predicted": {k: fig[k] for k, _ in COMPARED},
-                    "measured": {k: m[h] for k, h in COMPARED},
-                    "error": {k: _error(fig[k], m[h]) for k, h in COMPARED},
-                    "error_at_plan": {k: _error(r.predicted[k], m[h]) for k, h in COMPARED},
-                    "load": load, "serving": cal, "drift": drift, "attempts": attempt,
-                    "failed": m["failed"]})
+        measured = {k: m[h] for k, h in COMPARED}
+        row.update({"predicted": {k: fig[k] for k, _ in COMPARED}, "measured": measured,
+                    "error": {k: _error(fig[k], measured[k]) for k, _ in COMPARED},
+                    "error_at_plan": {k: _error(r.predicted[k], measured[k])
+                                      for k, _ in COMPARED},
+                    "load": load, "serving": cal, "failed": m["failed"]})
+        # The simulator again, at the speed the machine had while this ran (its steps).
+        speed = speed_of_run(now, t, m["steps"])
+        row["run_speed"] = None if speed is None else speed[1]
+        row["drift"] = None if speed is None else speed[1]["drift"]
+        if speed is not None:
+            at_run = simulate(speed[0], r.config, workload.requests, workload.arrivals, slo)
+            row["predicted_at_run_speed"] = {k: at_run[k] for k, _ in COMPARED}
+            row["error_at_run_speed"] = {k: _error(at_run[k], measured[k])
+                                         for k, _ in COMPARED}
+            s = speed[1]
+            print(f"its {s['steps']} steps ran {s['drift']:+.0%} against the calibration "
+                  f"it was predicted with; at their own speed (memory x{s['factor']:.2f}, "
+                  f"compute x{s['compute_factor']:.2f}, + {s['per_seq_ms']:.2f} ms per "
+                  f"sequence) the simulator says TTFT p90 {at_run['ttft_p90_ms']:.0f} ms, "
+                  f"ITL p90 {at_run['itl_p90_ms']:.0f} ms", flush=True)
         if r.config.kind != "mixed":
             placed = m["local_placements"]
             whole = fig["completed"] + fig["failed"] == len(workload.requests)  # not a slice
@@ -316,29 +333,33 @@ def verdict(summary: dict, b: Bounds) -> list[str]:
     elif regret > b.regret:
         out.append(f"decision regret {regret:.1%} > {b.regret:.0%}")
     for row in summary["rows"]:
-        judged = [("goodput", b.goodput_error)]
+        judged = [("goodput", row["error"], b.goodput_error, "")]
         if judged_latency(row, b):
-            judged += [("ttft_p90_ms", b.latency_error), ("itl_p90_ms", b.latency_error)]
-        for key, bound in judged:
-            e = row["error"][key]
+            latency, how = latency_errors(row)
+            judged += [(k, latency, b.latency_error, how) for k in ("ttft_p90_ms", "itl_p90_ms")]
+        for key, errors, bound, how in judged:
+            e = errors[key]
             if abs(e) > bound:
-                out.append(f"{row['config']}: {key} off by {e:+.0%} (bound {bound:.0%})")
+                out.append(f"{row['config']}: {key}{how} off by {e:+.0%} (bound {bound:.0%})")
     return out
+
+
+def latency_errors(row: dict) -> tuple[dict, str]:
+    """The errors a row's TTFT and ITL are judged on: the simulator's at the run's own
+    speed where its steps were traced, else the prediction's; and how to name them."""
+    if "error_at_run_speed" in row:
+        return row["error_at_run_speed"], " (at the run's speed)"
+    return row["error"], ""
 
 
 def judged_latency(row: dict, b: Bounds) -> bool:
     """Whether the row's TTFT and ITL errors are held to the bound: its load is below
-    saturation and the machine kept its speed while it ran (rows saved before these
-    columns are judged)."""
-    return row.get("load", 0.0) < b.saturation and abs(row.get("drift") or 0.0) <= b.drift
+    saturation (rows saved before this column are judged)."""
+    return row.get("load", 0.0) < b.saturation
 
 
 def _unjudged(row: dict, b: Bounds) -> str:
-    if row.get("load", 0.0) >= b.saturation:
-        return "  (latency not judged: load)"
-    if abs(row.get("drift") or 0.0) > b.drift:
-        return f"  (latency not judged: machine speed moved {row['drift']:+.0%})"
-    return ""
+    return "" if judged_latency(row, b) else "  (latency not judged: load)"
 
 
 def _or_na(n: int | None) -> str:
@@ -346,17 +367,27 @@ def _or_na(n: int | None) -> str:
 
 
 def _print(s: dict) -> None:
-    b = Bounds(**s["bounds"])
+    b = Bounds(**{k: v for k, v in s["bounds"].items() if k in Bounds.__dataclass_fields__})
+    at_run = [row for row in s["rows"] if "predicted_at_run_speed" in row]
     print(f"\n{'candidate':<34}{'load':>6}{'TTFT p90 pred/meas ms':>24}{'ITL p90 pred/meas':>20}"
           f"{'goodput pred/meas':>20}")
     for row in s["rows"]:
         p, m, e = row["predicted"], row["measured"], row["error"]
         mark = " *" if row["recommended"] else ""
-        note = _unjudged(row, b)
+        note = _unjudged(row, b) if not at_run else ""
         print(f"{row['config'] + mark:<34}{row.get('load', math.nan):>6.0%}"
               f"{p['ttft_p90_ms']:>9.0f}/{m['ttft_p90_ms']:<6.0f}{e['ttft_p90_ms']:>+7.0%} "
               f"{p['itl_p90_ms']:>7.0f}/{m['itl_p90_ms']:<5.0f}{e['itl_p90_ms']:>+6.0%} "
               f"{p['goodput']:>7.3f}/{m['goodput']:<6.3f}{e['goodput']:>+6.0%}{note}")
+    if at_run:
+        print(f"\n{'at the run speed (its steps)':<34}{'drift':>6}"
+              f"{'TTFT p90 sim/meas ms':>24}{'ITL p90 sim/meas':>20}")
+    for row in at_run:
+        p, m, e = row["predicted_at_run_speed"], row["measured"], row["error_at_run_speed"]
+        print(f"{row['config']:<34}{row['drift']:>+6.0%}"
+              f"{p['ttft_p90_ms']:>9.0f}/{m['ttft_p90_ms']:<6.0f}{e['ttft_p90_ms']:>+7.0%} "
+              f"{p['itl_p90_ms']:>7.0f}/{m['itl_p90_ms']:<5.0f}{e['itl_p90_ms']:>+6.0%}"
+              f"{_unjudged(row, b)}")
     for row in s["rows"]:
         if "local_prefills" in row:
             lp = row["local_prefills"]

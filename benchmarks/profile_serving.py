@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -51,6 +52,7 @@ from loadtest.runner import RunOptions, drive
 from loadtest.workloads import random_workload
 from planner.config import PoolConfig
 from planner.predict import run as simulate_run
+from workers.step_trace import TracedStep
 
 INPUT_LEN, OUTPUT_LEN = 128, 64
 WAVES = (2, 8)
@@ -115,8 +117,7 @@ def serving_waves(profile: Profile, model: str, threads: int, per_worker: tuple[
                                 dtype=dtype, port=free_port(), http_port=0, metrics_port=None,
                                 launcher="process", log_dir=log_dir,
                                 block_size=profile.block_size)  # as the profile simulates
-    engine_only = replace(profile, serving={}, serving_compute={}, serving_per_seq={},
-                          serving_jitter={})
+    engine_only = engine_only_of(profile)
     step = engine_only.step(threads)
     pool = PoolConfig("mixed", mixed_workers=workers, mixed_threads=threads)
     out = []
@@ -138,6 +139,44 @@ def serving_waves(profile: Profile, model: str, threads: int, per_worker: tuple[
                     **_split(step, [(PREFILL_LEN, 0)], percentile([r.ttft for r in sim], 50)),
                     "ratios": []})
     return out
+
+
+def engine_only_of(profile: Profile) -> Profile:
+    """``profile`` without its serving calibration: the engine alone, as the grid
+    measured it."""
+    return replace(profile, serving={}, serving_compute={}, serving_per_seq={},
+                   serving_jitter={})
+
+
+def speed_of_run(profile: Profile, threads: int, steps: Sequence[TracedStep]
+                 ) -> tuple[Profile, dict] | None:
+    """The serving calibration of ``threads`` fitted to a run's own steps (its workers'
+    step traces, :mod:`workers.step_trace`), instead of to the calibration's waves: the
+    machine's speed while the run ran. ``served = fm x memory + fc x compute + per_seq x
+    sequences`` by least squares over the steps (:func:`fit_serving`), then all three
+    scaled so that the median step's measured time over the fit is 1, as the waves'
+    medians and the spread (``serving_jitter``, kept from ``profile``) assume. Returns
+    ``profile`` with that calibration and the facts: the factors, the steps, and
+    ``drift``: the steps' measured time over what ``profile``'s own calibration
+    predicts for them, minus 1 (how far the machine moved from it). None: no step."""
+    if not steps:
+        return None
+    model = engine_only_of(profile).step(threads)
+    points = [(s.seconds, *model.parts(s.sums), s.sums.seqs) for s in steps]
+    fm, fc, ps = fit_serving(points)
+    ratios = [m / f for m, mem, comp, b in points
+              if (f := fm * mem + fc * comp + ps * b) > 0]
+    k = float(np.median(ratios)) if ratios else 1.0
+    fm, fc, ps = fm * k, fc * k, ps * k
+    calibrated = profile.step(threads)
+    before = sum(calibrated.seconds(s.sums) for s in steps)
+    measured = sum(s.seconds for s in steps)
+    at_run = replace(profile, serving={**profile.serving, threads: fm},
+                     serving_compute={**profile.serving_compute, threads: fc},
+                     serving_per_seq={**profile.serving_per_seq, threads: ps})
+    return at_run, {"factor": fm, "compute_factor": fc, "per_seq_ms": ps * 1e3,
+                    "steps": len(steps), "measured_s": measured,
+                    "drift": measured / before - 1 if before > 0 else None}
 
 
 def _split(step: StepModel, chunks: list[tuple[int, int]], predicted_s: float) -> dict:

@@ -39,6 +39,12 @@ STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LAUNCHERS = ("ray", "process")
 
 
+def step_trace_path(directory: str, role: str, port: int) -> str:
+    """Where a worker of ``role`` on ``port`` writes its step trace under
+    ``step_trace_dir`` (a role changed in place keeps the file it started with)."""
+    return os.path.join(directory, f"{role}-{port}.steps.csv")
+
+
 class DeploymentError(ValueError):
     """A deployment that cannot run; the message names the key and the fix."""
 
@@ -199,6 +205,10 @@ class DeploymentConfig:
         "processes on this machine", choices=LAUNCHERS))
     log_dir: str | None = field(default=None, metadata=setting(
         "process launcher: a log file per process here", shown="they share this terminal"))
+    step_trace_dir: str | None = field(default=None, metadata=setting(
+        "each worker appends its engine steps (start, seconds, tokens, sequences, "
+        "attention pairs) to DIR/ROLE-PORT.steps.csv on its own host (see `pdserve worker "
+        "--step-trace`)", shown="off"))
     ray_address: str | None = field(default=None, metadata=setting(
         "an existing Ray cluster", shown="start a local one on 127.0.0.1"))
     dashboard: bool = field(default=True, metadata=setting(
@@ -333,6 +343,8 @@ class DeploymentConfig:
             args += ["--redis-url", redis_url]
         if metrics_port is not None:
             args += ["--metrics-port", str(metrics_port)]
+        if self.step_trace_dir:
+            args += ["--step-trace", step_trace_path(self.step_trace_dir, role, port)]
         if self.gpus_per_worker > 0:
             args += ["--device", "cuda"]
         return args + self._trust_args("cluster_tls_dir", "cluster_secret_file")

@@ -85,11 +85,31 @@ MEMORY_TERMS = frozenset({0, 3 + len(KNOTS)})
 (reading the weights once a step) and decode attention pairs (reading the KV)."""
 
 
-def features(chunks: Iterable[Chunk]) -> list[float]:
-    """The regression row of one step:
-    ``[1, T, (T - k)+ for k in KNOTS, [T > GEMV_ROWS], A_decode, A_fresh, A_prefix, S]``."""
-    t = decode = fresh = prefix = 0.0
-    s = 0
+@dataclass(frozen=True)
+class StepSums:
+    """What :func:`features` needs of a step, summed over its chunks: tokens ``T``,
+    sequences ``S`` and the three kinds of attention pairs. A serving worker can record
+    these per step (``pdserve worker --step-trace``) without knowing the model's form."""
+
+    tokens: int = 0
+    seqs: int = 0
+    decode_pairs: float = 0.0
+    fresh_pairs: float = 0.0
+    prefix_pairs: float = 0.0
+
+    def features(self) -> list[float]:
+        """This step's regression row (see :func:`features`)."""
+        t = float(self.tokens)
+        return [1.0, t, *(max(0.0, t - k) for k in KNOTS), float(t > GEMV_ROWS),
+                self.decode_pairs, self.fresh_pairs, self.prefix_pairs, float(self.seqs)]
+
+
+def step_sums(chunks: Iterable[Chunk]) -> StepSums:
+    """:class:`StepSums` of one step's chunks: a chunk of ``n`` new tokens after
+    ``start`` computes ``n * (start + (n + 1) / 2)`` query x key pairs, counted as decode
+    (``n == 1``), fresh (``start == 0``) or prefix pairs."""
+    t = s = 0
+    decode = fresh = prefix = 0.0
     for n, start in chunks:
         t += n
         pairs = n * (start + (n + 1) / 2)
@@ -100,8 +120,13 @@ def features(chunks: Iterable[Chunk]) -> list[float]:
         else:
             prefix += pairs
         s += 1
-    return [1.0, t, *(max(0.0, t - k) for k in KNOTS), float(t > GEMV_ROWS), decode, fresh,
-            prefix, float(s)]
+    return StepSums(t, s, decode, fresh, prefix)
+
+
+def features(chunks: Iterable[Chunk]) -> list[float]:
+    """The regression row of one step:
+    ``[1, T, (T - k)+ for k in KNOTS, [T > GEMV_ROWS], A_decode, A_fresh, A_prefix, S]``."""
+    return step_sums(chunks).features()
 
 
 @dataclass(frozen=True)
@@ -142,10 +167,11 @@ class StepModel:
         return StepModel(tuple(c * k for c, k in zip(self.coef, scale, strict=True)),
                          self.floor_s * memory, self.error)
 
-    def parts(self, chunks: Iterable[Chunk]) -> tuple[float, float]:
-        """``(memory_s, compute_s)`` of a step: the two groups of terms of
-        :meth:`scaled_parts` (they add up to :meth:`seconds`, floor aside)."""
-        row = features(chunks)
+    def parts(self, chunks: Iterable[Chunk] | StepSums) -> tuple[float, float]:
+        """``(memory_s, compute_s)`` of a step (its chunks, or their sums): the two
+        groups of terms of :meth:`scaled_parts` (they add up to :meth:`seconds`, floor
+        aside)."""
+        row = chunks.features() if isinstance(chunks, StepSums) else features(chunks)
         memory = sum(self.coef[i] * row[i] for i in MEMORY_TERMS)
         return memory, sum(c * x for c, x in zip(self.coef, row, strict=True)) - memory
 
@@ -155,8 +181,8 @@ class StepModel:
         return StepModel((*self.coef[:-1], self.coef[-1] + seconds), self.floor_s + seconds,
                          self.error)
 
-    def seconds(self, chunks: Iterable[Chunk]) -> float:
-        row = features(chunks)
+    def seconds(self, chunks: Iterable[Chunk] | StepSums) -> float:
+        row = chunks.features() if isinstance(chunks, StepSums) else features(chunks)
         return max(self.floor_s, sum(c * x for c, x in zip(self.coef, row, strict=True)))
 
     def decode_seconds(self, batch: int, context: int) -> float:

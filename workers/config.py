@@ -43,6 +43,9 @@ class WorkerConfig:
     """Decode role: how long reserved blocks wait for their KV offer. Long on purpose:
     prefill queues can be deep, and the router's stream bounds a reservation anyway
     (a cancelled or broken Decode call frees it at once)."""
+    step_trace: str | None = None
+    """Append each engine step's time and shape to this CSV (:mod:`workers.step_trace`);
+    None: no trace."""
     cluster_tls: ClusterTLS | None = None
     """Serve gRPC with mutual TLS: only clients presenting a certificate of the cluster
     CA get an answer. None: plaintext (a private network, or loopback)."""

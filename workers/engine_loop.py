@@ -76,6 +76,7 @@ from .engine_commands import (
 )
 from .engine_reservations import ReservationDriver
 from .reservation import Reservation, ReservationMachine
+from .step_trace import StepTrace
 
 __all__ = ["EngineCounters", "EngineLoop", "EngineUnavailableError", "KVExpect"]
 
@@ -86,14 +87,18 @@ class EngineLoop(ReservationDriver):
     """``engine``: an engine, or (what servers pass) a function that builds one, which
     then runs on the engine thread: the model loads there, and that thread is the only
     one with an intra-op team (see the module docstring). The constructor returns once
-    the engine is built, raising what building it raised."""
+    the engine is built, raising what building it raised. ``step_trace``: a file each
+    step that ran work is appended to (:mod:`workers.step_trace`)."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  kv_expect: KVExpect | None = None, kv_address: str = "",
-                 commit_wait_s: float = 10.0) -> None:
+                 commit_wait_s: float = 10.0, step_trace: str | None = None) -> None:
         build = None if isinstance(engine, LLMEngine) else engine
         self._kv_expect, self._kv_address = kv_expect, kv_address
         self._commit_wait_s = commit_wait_s
+        self._trace = StepTrace(step_trace) if step_trace else None
+        """Each step's time and sums (:mod:`workers.step_trace`); a path that cannot be
+        written fails the worker's start here, not its first step."""
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, Add] = {}
         self._remote: dict[str, Reserve] = {}  # placed, not settled
@@ -213,6 +218,7 @@ class EngineLoop(ReservationDriver):
                 return
             built.put(self.engine)
         try:
+            self.engine.trace_sums = self._trace is not None
             self._serve()
             return
         except Exception as e:  # noqa: BLE001 - the thread must not die silently
@@ -221,6 +227,9 @@ class EngineLoop(ReservationDriver):
                 self._stop_serving(f"the engine thread failed: {e!r}")
             except Exception:  # noqa: BLE001
                 log.exception("failing the requests left after the engine thread failed")
+        finally:
+            if self._trace is not None:
+                self._trace.close()
         # Nothing here can be trusted now; answer every new request until close().
         while (cmd := self._commands.get()) is not STOP:
             if isinstance(cmd, Add):
@@ -250,6 +259,7 @@ class EngineLoop(ReservationDriver):
                 except queue.Empty:
                     cmd = None
             if self._runnable():
+                started, wall = time.perf_counter(), time.time()
                 try:
                     outputs = engine.step()
                 except Exception as e:  # noqa: BLE001 - the batch's work, not one request's
@@ -261,6 +271,9 @@ class EngineLoop(ReservationDriver):
                 self._load = self._snapshot()
                 for output in outputs:
                     self._emit(output)
+                if self._trace is not None and engine.last_sums is not None:
+                    self._trace.write(wall, time.perf_counter() - started, engine.last_sums)
+                    engine.last_sums = None
                 c = self.counters
                 c.forward_s, c.forward_cpu_s = engine.runner.forward_s, engine.runner.forward_cpu_s
                 c.thread_cpu_s = time.thread_time()

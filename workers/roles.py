@@ -134,7 +134,8 @@ def channel_ends(config: WorkerConfig, build: Callable[[], LLMEngine]
     starting role's end of the KV channel wired in."""
     end = open_end(config, config.role, lambda: loop.engine)
     try:
-        loop = EngineLoop(build, end.expect, end.kv_address, config.transfer.offer_timeout_s)
+        loop = EngineLoop(build, end.expect, end.kv_address, config.transfer.offer_timeout_s,
+                          config.step_trace)
     except BaseException:
         end.close()
         raise

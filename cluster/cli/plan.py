@@ -92,14 +92,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-latency-error", type=float, default=0.10)
     v.add_argument("--max-goodput-error", type=float, default=0.05)
     v.add_argument("--saturation", type=float, default=0.85,
-                   help="--validate: judge TTFT and ITL errors only for candidates whose "
-                        "load (offered rate / simulated capacity) is below this")
-    v.add_argument("--max-drift", type=float, default=0.10,
-                   help="--validate: judge TTFT and ITL errors only for candidates during "
-                        "which the machine's speed (the serving calibration before and "
-                        "after) moved by at most this; a candidate that moved more runs "
-                        "again, up to --attempts")
-    v.add_argument("--attempts", type=int, default=3)
+                   help="--validate: judge TTFT and ITL errors (the simulator's at the run's "
+                        "own speed, from its workers' step traces) only for candidates "
+                        "whose load (offered rate / simulated capacity) is below this")
     v.add_argument("--no-recalibrate", action="store_true",
                    help="--validate: predict every candidate from the profile as saved, "
                         "instead of measuring its serving calibration again (~30 s) right "
@@ -219,6 +214,5 @@ def _run_validation(args: argparse.Namespace, work, resources, thresholds,  # no
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
         configs=tuple(c.strip() for c in args.configs.split(";") if c.strip()),
         thresholds=thresholds, bounds=Bounds(args.max_regret, args.max_latency_error,
-                                             args.max_goodput_error, args.saturation,
-                                             args.max_drift),
-        out=args.out, recalibrate=not args.no_recalibrate, attempts=args.attempts))
+                                             args.max_goodput_error, args.saturation),
+        out=args.out, recalibrate=not args.no_recalibrate))

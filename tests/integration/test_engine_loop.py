@@ -19,6 +19,7 @@ from workers.engine.llm_engine import LLMEngine
 from workers.engine.params import EngineConfig, SamplingParams
 from workers.engine_loop import EngineLoop
 from workers.reservation import PREFILL_FAILED, Reservation
+from workers.step_trace import read_step_trace
 from workers.transfer import TransferHandle
 from workers.transfer import TransferState as T
 from workers.transfer.state import StateCounters
@@ -50,6 +51,39 @@ def test_closing_a_finished_stream_never_aborts_a_newer_request_with_its_id(
         assert_no_leaks(engine)
     finally:
         loop.close()
+
+
+def test_a_step_trace_records_every_step_that_ran_work(tiny_checkpoints, tmp_path) -> None:
+    """``step_trace``: one line per step with its time and sums; over two requests the
+    traced tokens are every prompt token and every sampled token fed back, the
+    sequences every sampled row."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32",
+                                    num_blocks=64))
+    path = str(tmp_path / "w" / "mixed-1.steps.csv")
+    loop = EngineLoop(engine, step_trace=path)
+    prompts = [engine.tokenize("a trace of steps"), engine.tokenize("and another one here")]
+
+    async def run() -> None:
+        async def one(i: int) -> None:
+            params = SamplingParams(max_tokens=5, ignore_eos=True)
+            async for _ in loop.generate(Request(f"t{i}", prompts[i], params)):
+                pass
+
+        await asyncio.gather(one(0), one(1))
+
+    started = time.time()
+    try:
+        asyncio.run(asyncio.wait_for(run(), timeout=30))
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
+    steps = read_step_trace(path)
+    assert steps and all(started <= s.start_unix_s <= time.time() and s.seconds > 0
+                         for s in steps)
+    assert sum(s.sums.tokens for s in steps) == sum(len(p) + 5 - 1 for p in prompts)
+    assert sum(s.sums.seqs for s in steps) == 2 * 5
+    assert sum(s.sums.fresh_pairs for s in steps) == sum(len(p) * (len(p) + 1) / 2
+                                                        for p in prompts)
 
 
 def test_cancelled_consumer_frees_blocks(tiny_checkpoints) -> None:

@@ -56,7 +56,7 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
         cores=2, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms,
         configs=(COLOCATED.label, SPLIT_LABEL), thresholds=(256,),
         bounds=Bounds(regret=math.inf, latency_error=math.inf, goodput_error=math.inf),
-        out=str(tmp_path / "validate"), attempts=1), profile)  # a rerun is no test
+        out=str(tmp_path / "validate")), profile)
     assert {r["config"] for r in summary["rows"]} == {COLOCATED.label, SPLIT_LABEL}
     assert all(r["failed"] == 0 for r in summary["rows"])
     for r in summary["rows"]:  # each candidate predicted with the calibration of its minute
@@ -64,7 +64,11 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
         assert cal["factor"] > 0 and cal["compute_factor"] > 0 and cal["per_seq_ms"] >= 0, r
         assert [(w["kind"], w["batch"]) for w in cal["waves"]] == [
             ("decode", 2), ("decode", 8), ("prefill", 1)], r
-        assert r["attempts"] >= 1 and r["drift"] is not None, r
+        # ... and simulated again at the speed its own traced steps ran at
+        speed = r["run_speed"]
+        assert speed["steps"] > 0 and speed["factor"] > 0 and speed["compute_factor"] > 0, r
+        assert r["drift"] == speed["drift"] and math.isfinite(r["drift"]), r
+        assert set(r["error_at_run_speed"]) == {"ttft_p90_ms", "itl_p90_ms", "goodput"}, r
         assert 0 < r["load"] < 2, r  # offered over simulated capacity (~1/3 nominal)
     split = next(r for r in summary["rows"] if r["config"] == SPLIT_LABEL)
     # The static rule goes by prompt length alone: the simulator's copy of the placement

@@ -57,6 +57,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig
 
+from common.cost_model import StepSums, step_sums
 from common.request import MAX_CHOICES, check_cache_salt, choice_sampling
 from common.sampling import check_prompt, check_sampling_vocab
 
@@ -197,6 +198,10 @@ class LLMEngine:
         self.step_shapes: list[tuple[int, int]] | None = None
         """When a list (set it to ``[]``), each step appends (tokens run, rows sampled):
         benchmarks replay these shapes to time the GEMM floor."""
+        self.trace_sums = False
+        """When True, each step that ran work leaves its :class:`StepSums` in
+        :attr:`last_sums` (a worker's step trace, :mod:`workers.step_trace`)."""
+        self.last_sums: StepSums | None = None
 
     # -- what servers see ------------------------------------------------------------------
 
@@ -493,6 +498,8 @@ class LLMEngine:
         self._collect_prompt_logprobs(result.prompt_logprobs)
         if self.step_shapes is not None:
             self.step_shapes.append((out.num_batched_tokens, len(result.seq_ids)))
+        if self.trace_sums:
+            self.last_sums = step_sums((c.num_tokens, c.start) for c in out.chunks)
         sampled = dict(zip(result.seq_ids, result.sample.token_ids, strict=True))
         failed: dict[str, tuple[str, Exception]] = {}
         self._export_prefilled(sampled, failed)

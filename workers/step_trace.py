@@ -1,0 +1,85 @@
+"""A worker's step trace: one CSV line per engine step, for fitting the step model to
+what a serving worker really did (``pdserve worker --step-trace PATH``; ``pdserve up
+--step-trace-dir DIR`` gives each worker a file there).
+
+Lifecycle: the engine loop opens it when it starts (append, line-buffered: a reader
+sees every finished step while the worker runs, and a restarted worker adds to its
+file) -> after each step that ran work, :meth:`StepTrace.write` adds the step's wall
+start (``time.time()``, comparable across processes on one machine), its seconds (the
+engine's step plus handing its outputs to their streams: the time one sampled token
+costs this worker) and its :class:`~common.cost_model.StepSums` -> :meth:`close` at the
+loop's end. :func:`read_step_trace` reads it back (``pdserve plan --validate`` fits the
+run's own speed from it: :mod:`benchmarks.plan_validate`).
+
+The engine computes a step's sums only while a trace is on (one pass over the step's
+chunks); nothing else is recorded.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+
+from common.cost_model import StepSums
+
+HEADER = ("start_unix_s", "seconds", "tokens", "seqs", "decode_pairs", "fresh_pairs",
+          "prefix_pairs")
+
+
+@dataclass(frozen=True)
+class TracedStep:
+    start_unix_s: float
+    seconds: float
+    sums: StepSums
+
+
+class StepTrace:
+    """The writing end; engine thread only."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        torn = False
+        if size:  # a worker killed mid-line left no newline: end that line first
+            with open(path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                torn = f.read(1) != b"\n"
+        self.path = path
+        self._f = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 - a loop's life
+        if torn:
+            self._f.write("\n")
+        if not size:
+            self._f.write(",".join(HEADER) + "\n")
+
+    def write(self, start_unix_s: float, seconds: float, s: StepSums) -> None:
+        self._f.write(f"{start_unix_s:.6f},{seconds:.6f},{s.tokens},{s.seqs},"
+                      f"{s.decode_pairs:g},{s.fresh_pairs:g},{s.prefix_pairs:g}\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_step_trace(path: str, since: float = float("-inf"), until: float = float("inf")
+                    ) -> list[TracedStep]:
+    """The steps of ``path`` that started in ``[since, until]`` (unix seconds); a last
+    line cut short (a worker killed mid-write) is skipped."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        rows = csv.reader(f)
+        header = next(rows, None)
+        if header is not None and tuple(header) != HEADER:
+            raise ValueError(f"{path} is not a step trace (header {header!r}, want "
+                             f"{','.join(HEADER)})")
+        for row in rows:
+            if len(row) != len(HEADER):
+                continue
+            try:
+                start, seconds = float(row[0]), float(row[1])
+                sums = StepSums(int(row[2]), int(row[3]), float(row[4]), float(row[5]),
+                                float(row[6]))
+            except ValueError:
+                continue
+            if since <= start <= until:
+                out.append(TracedStep(start, seconds, sums))
+    return out
