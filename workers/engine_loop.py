@@ -243,10 +243,14 @@ class EngineLoop(ReservationDriver):
     def _serve(self) -> None:
         engine = self.engine
         cmd = None
+        busy_since: float | None = None  # the last step's end, while the loop never waited
         while True:
             if cmd is None:
+                runnable = self._runnable()
+                if not runnable:
+                    busy_since = None  # idle: the next step's time starts with it
                 try:
-                    cmd = self._commands.get(block=not self._runnable())
+                    cmd = self._commands.get(block=not runnable)
                 except queue.Empty:
                     cmd = None
             while cmd is not None:
@@ -259,7 +263,7 @@ class EngineLoop(ReservationDriver):
                 except queue.Empty:
                     cmd = None
             if self._runnable():
-                started, wall = time.perf_counter(), time.time()
+                started = time.perf_counter()
                 try:
                     outputs = engine.step()
                 except Exception as e:  # noqa: BLE001 - the batch's work, not one request's
@@ -271,9 +275,16 @@ class EngineLoop(ReservationDriver):
                 self._load = self._snapshot()
                 for output in outputs:
                     self._emit(output)
+                ended = time.perf_counter()
                 if self._trace is not None and engine.last_sums is not None:
-                    self._trace.write(wall, time.perf_counter() - started, engine.last_sums)
+                    # The loop's time since the previous step ended (its commands and
+                    # hand-offs included) when it never waited since: the gap between
+                    # two tokens of a sequence in a busy batch.
+                    began = started if busy_since is None else busy_since
+                    self._trace.write(time.time() - (ended - began), ended - began,
+                                      engine.last_sums)
                     engine.last_sums = None
+                busy_since = ended
                 c = self.counters
                 c.forward_s, c.forward_cpu_s = engine.runner.forward_s, engine.runner.forward_cpu_s
                 c.thread_cpu_s = time.thread_time()
@@ -282,6 +293,7 @@ class EngineLoop(ReservationDriver):
             if self._runnable() and engine.last_step_empty:
                 # Waiting for blocks that only a command can free (a release, an abort,
                 # a landed transfer): sleep until one comes, never spin.
+                busy_since = None
                 try:
                     cmd = self._commands.get(timeout=0.5)
                 except queue.Empty:

@@ -5,11 +5,17 @@ what a serving worker really did (``pdserve worker --step-trace PATH``; ``pdserv
 Lifecycle: the engine loop opens it when it starts (append, line-buffered: a reader
 sees every finished step while the worker runs, and a restarted worker adds to its
 file) -> after each step that ran work, :meth:`StepTrace.write` adds the step's wall
-start (``time.time()``, comparable across processes on one machine), its seconds (the
-engine's step plus handing its outputs to their streams: the time one sampled token
-costs this worker) and its :class:`~common.cost_model.StepSums` -> :meth:`close` at the
-loop's end. :func:`read_step_trace` reads it back (``pdserve plan --validate`` fits the
-run's own speed from it: :mod:`benchmarks.plan_validate`).
+start (``time.time()``, comparable across processes on one machine), its seconds and its
+:class:`~common.cost_model.StepSums` -> :meth:`close` at the loop's end.
+
+A step's seconds are the engine loop's busy time it closes: from the previous step's end
+when the loop did not wait for work since (the commands it applied and the reservations
+it placed in between, then the step, then handing its outputs to their streams), else
+from the step's own start. In a busy batch that is the gap between two tokens of a
+sequence, what the simulator's served step stands for.
+
+:func:`read_step_trace` reads it back (``pdserve plan --validate`` fits the run's own
+speed from it: :mod:`benchmarks.plan_validate`).
 
 The engine computes a step's sums only while a trace is on (one pass over the step's
 chunks); nothing else is recorded.
