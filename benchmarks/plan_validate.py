@@ -13,21 +13,12 @@ measured again and the candidate predicted anew with it (``recalibrate``; see
 latency target allows within one validation), its workers tracing their steps
 (:mod:`workers.step_trace`) -> per candidate, prediction error of TTFT p90, ITL p90 and
 goodput, ``(predicted - measured) / measured`` (and, beside it, the error of the plan's
-own prediction, made from the profile as saved) -> the same candidate simulated again
-**at the run's own speed**: the serving calibration fitted to the steps its workers ran
-while the requests ran (:func:`~benchmarks.profile_serving.speed_of_run`), and that
-simulation's error (``error_at_run_speed``) beside ``drift``, how far those steps ran
-from the calibration the prediction used -> the **decision regret**:
+own prediction, made from the profile as saved), and per worker role how its steps ran
+against the step model that predicted them (``step_speed``,
+:func:`~benchmarks.profile_serving.step_speed`: the machine moving since its
+calibration, or work the model leaves out) -> the **decision regret**:
 ``1 - goodput(recommended) / max goodput`` over the measured candidates -> a table and
 ``validation.json`` under ``out``, and :func:`verdict`, what the bounds say.
-
-**What each bound judges.** The regret and the goodput errors judge the predictions made
-before each run, as a plan is made. The TTFT and ITL bounds judge the simulator at the
-run's own speed: a queue's TTFT p90 moves ~10% for 4% of step speed at moderate load
-(measured: 2026-12-04), and a VM's speed moves by more within a run, which no model of
-the queue can foresee. What that leaves to the 10% is the simulator's own part: the
-scheduler, the routing, batching, transfers and the spread of steps. Both errors are
-printed and saved.
 
 **Load.** Each candidate's row carries its *load*: the workload's offered session rate
 over the candidate's capacity, the sessions per second the simulator says it serves when
@@ -71,7 +62,7 @@ from planner.workload import ExplicitWorkload
 from workers.step_trace import read_step_trace
 
 from .machine import machine_line
-from .profile_serving import calibrate, speed_of_run
+from .profile_serving import calibrate, step_speed
 
 COMPARED = (("ttft_p90_ms", "p90_ttft_ms"), ("itl_p90_ms", "p90_itl_ms"),
             ("goodput", "request_goodput"))
@@ -163,8 +154,10 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
         after = local_placements(cluster.target, ca)
         m["local_placements"] = (None if before is None or after is None else
                                  {k: n - before.get(k, 0) for k, n in after.items()})
-    m["steps"] = [step for f in sorted(traces.glob("*.steps.csv"))
-                  for step in read_step_trace(str(f), started, ended)]
+    m["steps"] = {}
+    for f in sorted(traces.glob("*.steps.csv")):  # ROLE-PORT.steps.csv
+        role = f.name.split("-", 1)[0]
+        m["steps"].setdefault(role, []).extend(read_step_trace(str(f), started, ended))
     return m
 
 
@@ -208,7 +201,7 @@ class _Calibrations:
     """The serving calibration of each thread count as last measured: a candidate is
     predicted with one at most :data:`FRESH_S` old, else a new one. (Whether the machine
     kept that speed while the candidate ran is its step traces' to say:
-    :func:`~benchmarks.profile_serving.speed_of_run`.)"""
+    :func:`~benchmarks.profile_serving.step_speed`.)"""
 
     def __init__(self, profile: Profile, o: ValidateOptions) -> None:
         self.profile, self.o = profile, o
@@ -285,21 +278,13 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
                     "error_at_plan": {k: _error(r.predicted[k], measured[k])
                                       for k, _ in COMPARED},
                     "load": load, "serving": cal, "failed": m["failed"]})
-        # The simulator again, at the speed the machine had while this ran (its steps).
-        speed = speed_of_run(now, t, m["steps"])
-        row["run_speed"] = None if speed is None else speed[1]
-        row["drift"] = None if speed is None else speed[1]["drift"]
-        if speed is not None:
-            at_run = simulate(speed[0], r.config, workload.requests, workload.arrivals, slo)
-            row["predicted_at_run_speed"] = {k: at_run[k] for k, _ in COMPARED}
-            row["error_at_run_speed"] = {k: _error(at_run[k], measured[k])
-                                         for k, _ in COMPARED}
-            s = speed[1]
-            print(f"its {s['steps']} steps ran {s['drift']:+.0%} against the calibration "
-                  f"it was predicted with; at their own speed (memory x{s['factor']:.2f}, "
-                  f"compute x{s['compute_factor']:.2f}, + {s['per_seq_ms']:.2f} ms per "
-                  f"sequence) the simulator says TTFT p90 {at_run['ttft_p90_ms']:.0f} ms, "
-                  f"ITL p90 {at_run['itl_p90_ms']:.0f} ms", flush=True)
+        # How the steps ran against the model that predicted them, per role.
+        row["step_speed"] = {role: step_speed(now, t, steps)
+                             for role, steps in sorted(m["steps"].items())}
+        print("steps against the calibration it was predicted with: " + "; ".join(
+            f"{role} {v['steps']} steps {v['drift']:+.0%} (median step {v['median_ratio']:.2f}x)"
+            for role, v in row["step_speed"].items() if v and v["drift"] is not None),
+            flush=True)
         if r.config.kind != "mixed":
             placed = m["local_placements"]
             whole = fig["completed"] + fig["failed"] == len(workload.requests)  # not a slice
@@ -333,23 +318,14 @@ def verdict(summary: dict, b: Bounds) -> list[str]:
     elif regret > b.regret:
         out.append(f"decision regret {regret:.1%} > {b.regret:.0%}")
     for row in summary["rows"]:
-        judged = [("goodput", row["error"], b.goodput_error, "")]
+        judged = [("goodput", b.goodput_error)]
         if judged_latency(row, b):
-            latency, how = latency_errors(row)
-            judged += [(k, latency, b.latency_error, how) for k in ("ttft_p90_ms", "itl_p90_ms")]
-        for key, errors, bound, how in judged:
-            e = errors[key]
+            judged += [("ttft_p90_ms", b.latency_error), ("itl_p90_ms", b.latency_error)]
+        for key, bound in judged:
+            e = row["error"][key]
             if abs(e) > bound:
-                out.append(f"{row['config']}: {key}{how} off by {e:+.0%} (bound {bound:.0%})")
+                out.append(f"{row['config']}: {key} off by {e:+.0%} (bound {bound:.0%})")
     return out
-
-
-def latency_errors(row: dict) -> tuple[dict, str]:
-    """The errors a row's TTFT and ITL are judged on: the simulator's at the run's own
-    speed where its steps were traced, else the prediction's; and how to name them."""
-    if "error_at_run_speed" in row:
-        return row["error_at_run_speed"], " (at the run's speed)"
-    return row["error"], ""
 
 
 def judged_latency(row: dict, b: Bounds) -> bool:
@@ -368,26 +344,23 @@ def _or_na(n: int | None) -> str:
 
 def _print(s: dict) -> None:
     b = Bounds(**{k: v for k, v in s["bounds"].items() if k in Bounds.__dataclass_fields__})
-    at_run = [row for row in s["rows"] if "predicted_at_run_speed" in row]
     print(f"\n{'candidate':<34}{'load':>6}{'TTFT p90 pred/meas ms':>24}{'ITL p90 pred/meas':>20}"
           f"{'goodput pred/meas':>20}")
     for row in s["rows"]:
         p, m, e = row["predicted"], row["measured"], row["error"]
         mark = " *" if row["recommended"] else ""
-        note = _unjudged(row, b) if not at_run else ""
+        note = _unjudged(row, b)
         print(f"{row['config'] + mark:<34}{row.get('load', math.nan):>6.0%}"
               f"{p['ttft_p90_ms']:>9.0f}/{m['ttft_p90_ms']:<6.0f}{e['ttft_p90_ms']:>+7.0%} "
               f"{p['itl_p90_ms']:>7.0f}/{m['itl_p90_ms']:<5.0f}{e['itl_p90_ms']:>+6.0%} "
               f"{p['goodput']:>7.3f}/{m['goodput']:<6.3f}{e['goodput']:>+6.0%}{note}")
-    if at_run:
-        print(f"\n{'at the run speed (its steps)':<34}{'drift':>6}"
-              f"{'TTFT p90 sim/meas ms':>24}{'ITL p90 sim/meas':>20}")
-    for row in at_run:
-        p, m, e = row["predicted_at_run_speed"], row["measured"], row["error_at_run_speed"]
-        print(f"{row['config']:<34}{row['drift']:>+6.0%}"
-              f"{p['ttft_p90_ms']:>9.0f}/{m['ttft_p90_ms']:<6.0f}{e['ttft_p90_ms']:>+7.0%} "
-              f"{p['itl_p90_ms']:>7.0f}/{m['itl_p90_ms']:<5.0f}{e['itl_p90_ms']:>+6.0%}"
-              f"{_unjudged(row, b)}")
+    for row in s["rows"]:
+        speed = {k: v for k, v in (row.get("step_speed") or {}).items()
+                 if v and v["drift"] is not None}
+        if speed:
+            print(f"{row['config']}: its steps ran " + ", ".join(
+                f"{role} {v['drift']:+.0%}" for role, v in speed.items())
+                + " against the calibration it was predicted with")
     for row in s["rows"]:
         if "local_prefills" in row:
             lp = row["local_prefills"]

@@ -145,38 +145,26 @@ def engine_only_of(profile: Profile) -> Profile:
     """``profile`` without its serving calibration: the engine alone, as the grid
     measured it."""
     return replace(profile, serving={}, serving_compute={}, serving_per_seq={},
-                   serving_jitter={})
+                   serving_jitter={}, serving_jitter_step_s={})
 
 
-def speed_of_run(profile: Profile, threads: int, steps: Sequence[TracedStep]
-                 ) -> tuple[Profile, dict] | None:
-    """The serving calibration of ``threads`` fitted to a run's own steps (its workers'
-    step traces, :mod:`workers.step_trace`), instead of to the calibration's waves: the
-    machine's speed while the run ran. ``served = fm x memory + fc x compute + per_seq x
-    sequences`` by least squares over the steps (:func:`fit_serving`), then all three
-    scaled so that the median step's measured time over the fit is 1, as the waves'
-    medians and the spread (``serving_jitter``, kept from ``profile``) assume. Returns
-    ``profile`` with that calibration and the facts: the factors, the steps, and
-    ``drift``: the steps' measured time over what ``profile``'s own calibration
-    predicts for them, minus 1 (how far the machine moved from it). None: no step."""
+def step_speed(profile: Profile, threads: int, steps: Sequence[TracedStep]) -> dict | None:
+    """How a run's steps (its workers' step traces, :mod:`workers.step_trace`) ran
+    against the served step model of ``threads`` that predicted them: ``steps``,
+    ``measured_s`` (their time summed), ``drift`` (that over the model's time for the
+    same steps, minus 1) and ``median_ratio`` (the median step's measured time over the
+    model's). A drift is the machine's speed moving since the calibration, or work the
+    model leaves out (a decode worker's KV receives). None: no step."""
     if not steps:
         return None
-    model = engine_only_of(profile).step(threads)
-    points = [(s.seconds, *model.parts(s.sums), s.sums.seqs) for s in steps]
-    fm, fc, ps = fit_serving(points)
-    ratios = [m / f for m, mem, comp, b in points
-              if (f := fm * mem + fc * comp + ps * b) > 0]
-    k = float(np.median(ratios)) if ratios else 1.0
-    fm, fc, ps = fm * k, fc * k, ps * k
-    calibrated = profile.step(threads)
-    before = sum(calibrated.seconds(s.sums) for s in steps)
-    measured = sum(s.seconds for s in steps)
-    at_run = replace(profile, serving={**profile.serving, threads: fm},
-                     serving_compute={**profile.serving_compute, threads: fc},
-                     serving_per_seq={**profile.serving_per_seq, threads: ps})
-    return at_run, {"factor": fm, "compute_factor": fc, "per_seq_ms": ps * 1e3,
-                    "steps": len(steps), "measured_s": measured,
-                    "drift": measured / before - 1 if before > 0 else None}
+    model = profile.step(threads)
+    predicted = [model.seconds(s.sums) for s in steps]
+    measured = [s.seconds for s in steps]
+    total = sum(predicted)
+    return {"steps": len(steps), "measured_s": sum(measured),
+            "drift": sum(measured) / total - 1 if total > 0 else None,
+            "median_ratio": float(np.median([m / p for m, p in zip(measured, predicted,
+                                                                   strict=True) if p > 0]))}
 
 
 def _split(step: StepModel, chunks: list[tuple[int, int]], predicted_s: float) -> dict:
@@ -223,6 +211,7 @@ def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - pr
     dtype."""
     memory, compute = dict(profile.serving), dict(profile.serving_compute)
     per_seq, jitter = dict(profile.serving_per_seq), dict(profile.serving_jitter)
+    jitter_step = dict(profile.serving_jitter_step_s)
     facts: dict = {}
     for t in sorted(profile.steps if threads is None else threads):
         progress(f"serving calibration: {t} thread(s) per worker ...")
@@ -231,8 +220,10 @@ def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - pr
                                    w["batch"]) for w in waves])
         memory[t], compute[t], per_seq[t] = fm, fc, ps / 1e3  # the waves are in ms
         jitter[t] = jitter_quantiles([r for w in waves for r in w.pop("ratios")])
+        decode = [w["measured_ms"] for w in waves if w["kind"] == "decode"]
+        jitter_step[t] = float(np.median(decode)) / 1e3 if decode else 0.0
         facts[t] = {"waves": waves, "factor": fm, "compute_factor": fc, "per_seq_ms": ps,
-                    "jitter": jitter[t]}
+                    "jitter": jitter[t], "jitter_step_ms": jitter_step[t] * 1e3}
         for w in waves:
             fitted = fm * w["memory_ms"] + fc * w["compute_ms"] + ps * w["batch"]
             what = ("ITL p50" if w["kind"] == "decode" else "TTFT p50")
@@ -246,4 +237,5 @@ def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - pr
     points = {**profile.points, "serving": {**profile.points.get("serving", {}),
                                             **{str(t): v for t, v in facts.items()}}}
     return replace(profile, serving=memory, serving_compute=compute, serving_per_seq=per_seq,
-                   serving_jitter=jitter, points=points), facts
+                   serving_jitter=jitter, serving_jitter_step_s=jitter_step,
+                   points=points), facts

@@ -16,8 +16,9 @@ busy/idle state. Its lifecycle mirrors :mod:`workers.engine_loop`:
    loop drains its queue before it steps).
 2. A step: ``schedule()``; its duration is ``step_model.seconds([(n, start), ...])`` of
    the scheduled chunks (times a factor drawn from the profile's spread of served steps,
-   ``Profile.serving_jitter``, when it has one: a seeded generator per worker, so a run
-   is repeatable); at its end ``update()`` with one sampled token per sampling
+   ``Profile.serving_jitter``, when it has one, narrowed for a step longer than those
+   the spread was measured on: ``common.cost_model.spread_steps``; a seeded generator
+   per worker, so a run is repeatable); at its end ``update()`` with one sampled token per sampling
    chunk (any ordinary id: requests run to ``max_tokens`` = their output length with
    ``ignore_eos``), then the host (the simulated router) hears of every token.
 3. At the boundary, as the engine loop does: reservations that waited for blocks are
@@ -67,7 +68,7 @@ from typing import Protocol
 
 import numpy as np
 
-from common.cost_model import Profile, draw_jitter, features
+from common.cost_model import Profile, draw_jitter, features, spread_steps
 from workers.engine.block_manager import KVEventListener
 from workers.engine.params import SamplingParams, SchedulerConfig, local_limit
 from workers.engine.scheduler import Scheduler, SchedulerOutput
@@ -139,6 +140,7 @@ class SimWorker:
         self.max_model_len = self.sched.config.max_model_len
         self.model = profile.step(threads)
         self._jitter = profile.serving_jitter.get(threads, ())
+        self._jitter_step_s = profile.serving_jitter_step_s.get(threads)
         self._rng = np.random.default_rng(zlib.crc32(name.encode()))  # same run, same draws
         self.loop, self.host = loop, host
         self.local_prefill_threshold = local_prefill_threshold
@@ -244,7 +246,7 @@ class SimWorker:
             return
         dt = self.model.seconds(chunks)
         if self._jitter:
-            dt *= float(self._spread(1)[0])
+            dt = float(self._spread(np.array([dt]))[0])
         self.steps += 1
         self.busy_s += dt
         self.loop.at(self.loop.now + dt, lambda: self._step_end(out))
@@ -283,10 +285,12 @@ class SimWorker:
 
     # -- fast-forward: runs of identical decode steps ------------------------------------
 
-    def _spread(self, k: int) -> np.ndarray:
-        """``k`` step factors drawn from the profile's spread of served steps (callers
-        skip it, and its allocation on every step, when the profile has none)."""
-        return draw_jitter(self._jitter, self._rng.random(k))
+    def _spread(self, seconds: np.ndarray) -> np.ndarray:
+        """Steps of ``seconds`` with a factor each drawn from the profile's spread of
+        served steps, a long step's narrowed (:func:`~common.cost_model.spread_steps`;
+        callers skip it, and its allocation on every step, when the profile has none)."""
+        return spread_steps(seconds, draw_jitter(self._jitter, self._rng.random(len(seconds))),
+                            self._jitter_step_s)
 
     def _run_length(self, out: SchedulerOutput) -> int:
         """How many steps, this one first, are decode-only steps of the same batch for
@@ -331,7 +335,7 @@ class SimWorker:
                                          strict=True))
         durations = np.maximum(self.model.floor_s, raw0 + (raw1 - raw0) * np.arange(k))
         if self._jitter:
-            durations = durations * self._spread(k)
+            durations = self._spread(durations)
         ends = self.loop.now + np.cumsum(durations)
         self._generation += 1
         self._run = (out, ends, self._generation, self.loop.now)

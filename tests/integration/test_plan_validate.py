@@ -64,11 +64,12 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
         assert cal["factor"] > 0 and cal["compute_factor"] > 0 and cal["per_seq_ms"] >= 0, r
         assert [(w["kind"], w["batch"]) for w in cal["waves"]] == [
             ("decode", 2), ("decode", 8), ("prefill", 1)], r
-        # ... and simulated again at the speed its own traced steps ran at
-        speed = r["run_speed"]
-        assert speed["steps"] > 0 and speed["factor"] > 0 and speed["compute_factor"] > 0, r
-        assert r["drift"] == speed["drift"] and math.isfinite(r["drift"]), r
-        assert set(r["error_at_run_speed"]) == {"ttft_p90_ms", "itl_p90_ms", "goodput"}, r
+        # ... and its workers' traced steps against that calibration, per role
+        roles = {"mixed"} if r["config"] == COLOCATED.label else {"prefill", "decode"}
+        assert set(r["step_speed"]) == roles, r
+        for speed in r["step_speed"].values():
+            assert speed["steps"] > 0 and math.isfinite(speed["drift"]), r
+            assert 0.2 < speed["median_ratio"] < 5, r  # the served model, not off by orders
         assert 0 < r["load"] < 2, r  # offered over simulated capacity (~1/3 nominal)
     split = next(r for r in summary["rows"] if r["config"] == SPLIT_LABEL)
     # The static rule goes by prompt length alone: the simulator's copy of the placement

@@ -1,16 +1,29 @@
-"""A worker's step trace (workers.step_trace) and the serving calibration fitted to a
-run's own steps (benchmarks.profile_serving.speed_of_run): the file's round trip, the
-step sums against the cost model's features, and a fit that recovers a made-up speed."""
+"""A worker's step trace (workers.step_trace), a run's steps against the model that
+predicted them (benchmarks.profile_serving.step_speed), and the simulator's spread of a
+step by its length (common.cost_model.spread_steps): the file's round trip, the step sums
+against the cost model's features, made-up machines."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
-from benchmarks.profile_serving import engine_only_of, speed_of_run
-from common.cost_model import StepSums, features, step_sums
+from benchmarks.profile_serving import engine_only_of, step_speed
+from common.cost_model import (
+    SPREAD_DECAY,
+    StepSums,
+    features,
+    load_profile,
+    save_profile,
+    spread_steps,
+    step_sums,
+)
+from loadtest.workloads import arrival_times, mixed_workload
+from planner.config import PoolConfig
+from planner.predict import simulate
 from planner.synthetic import synthetic_profile
 from workers.step_trace import StepTrace, TracedStep, read_step_trace
 
@@ -80,27 +93,50 @@ def _run(memory: float, compute: float, per_seq_s: float, spread: float,
     return out
 
 
-def test_the_runs_own_speed_is_fitted_from_its_steps() -> None:
-    steps = _run(memory=1.4, compute=0.9, per_seq_s=0.0005, spread=0.05)
-    at_run, facts = speed_of_run(PROFILE, THREADS, steps)
-    assert facts["factor"] == pytest.approx(1.4, rel=0.05)
-    assert facts["compute_factor"] == pytest.approx(0.9, rel=0.05)
-    assert facts["per_seq_ms"] == pytest.approx(0.5, rel=0.25)
-    assert facts["steps"] == 300
-    assert facts["measured_s"] == pytest.approx(sum(s.seconds for s in steps))
-    # The profile had no serving calibration: the drift is against the engine alone.
-    predicted = sum(PROFILE.step(THREADS).seconds(s.sums) for s in steps)
-    assert facts["drift"] == pytest.approx(facts["measured_s"] / predicted - 1)
-    assert at_run.serving[THREADS] == facts["factor"]
-    assert at_run.serving_per_seq[THREADS] == pytest.approx(facts["per_seq_ms"] / 1e3)
-    assert at_run.serving_jitter == PROFILE.serving_jitter  # the spread is the waves'
-
-
-def test_the_drift_is_against_the_calibration_the_prediction_used() -> None:
+def test_a_runs_steps_are_compared_with_the_calibration_that_predicted_them() -> None:
     calibrated = replace(PROFILE, serving={THREADS: 1.4}, serving_compute={THREADS: 0.9},
                          serving_per_seq={THREADS: 0.0005})
-    same = speed_of_run(calibrated, THREADS, _run(1.4, 0.9, 0.0005, 0.0))[1]
+    same = step_speed(calibrated, THREADS, _run(1.4, 0.9, 0.0005, 0.0))
+    assert same["steps"] == 300
     assert same["drift"] == pytest.approx(0.0, abs=1e-9)
-    slower = speed_of_run(calibrated, THREADS, _run(1.4 * 1.2, 0.9 * 1.2, 0.0006, 0.0))[1]
+    assert same["median_ratio"] == pytest.approx(1.0)
+    slower = step_speed(calibrated, THREADS, _run(1.4 * 1.2, 0.9 * 1.2, 0.0006, 0.0))
     assert slower["drift"] == pytest.approx(0.2, abs=1e-6)
-    assert speed_of_run(calibrated, THREADS, []) is None
+    assert slower["measured_s"] == pytest.approx(1.2 * same["measured_s"])
+    # against the engine alone (no calibration), the same steps ran 0.9-1.4x as long
+    alone = step_speed(PROFILE, THREADS, _run(1.4, 0.9, 0.0, 0.0))
+    assert 0.9 - 1 < alone["drift"] < 1.4 - 1
+    assert step_speed(calibrated, THREADS, []) is None
+
+
+def test_a_long_step_spreads_less_than_the_steps_the_spread_was_measured_on() -> None:
+    ratios = np.array([0.8, 1.0, 1.35, 1.35, 1.35])
+    seconds = np.array([0.02, 0.02, 0.02, 0.01, 2.0])
+    out = spread_steps(seconds, ratios, measured_on_s=0.02)
+    assert out[:4] == pytest.approx([0.016, 0.02, 0.027, 0.0135])  # as long or shorter: whole
+    # 100x as long: the deviation shrinks by 100 ** -SPREAD_DECAY
+    assert out[4] == pytest.approx(2.0 * (1 + 0.35 * 100 ** -SPREAD_DECAY))
+    assert 2.0 * 1.05 < out[4] < 2.0 * 1.10  # what 1-2 s prefill steps spread, measured
+    assert spread_steps(seconds, ratios, None) == pytest.approx(seconds * ratios)
+
+
+def test_the_simulator_narrows_a_long_steps_spread_with_the_profiles_step_length() -> None:
+    """All-remote, long prompts queueing at one prefill worker: with the decode waves'
+    spread at full width on every 1-2 s prefill step, the simulated TTFT tail grows."""
+    requests = mixed_workload(60, 128, 32, 0.2, 1024, 8, 0.3, seed=3)
+    arrivals = arrival_times(len(requests), 0.5, 1.0, seed=3)
+    quantiles = ((0.005, 0.6), (0.1, 0.85), (0.5, 1.0), (0.9, 1.35), (0.995, 1.9))
+    wide = replace(PROFILE, serving_jitter={THREADS: quantiles})
+    narrow = replace(wide, serving_jitter_step_s={THREADS: 0.02})
+    split = PoolConfig("disaggregated", prefill_workers=1, decode_workers=1,
+                       prefill_threads=THREADS, decode_threads=THREADS)
+    tails = [simulate(p, split, requests, arrivals)["ttft_p90_ms"]
+             for p in (PROFILE, narrow, wide)]
+    assert tails[0] <= tails[1] * 1.15 and tails[1] < tails[2], tails
+
+
+def test_the_profile_keeps_the_step_length_its_spread_was_measured_on(tmp_path) -> None:
+    p = replace(PROFILE, serving_jitter={THREADS: ((0.1, 0.9), (0.5, 1.0), (0.9, 1.2))},
+                serving_jitter_step_s={THREADS: 0.025})
+    save_profile(p, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").serving_jitter_step_s == {THREADS: 0.025}
