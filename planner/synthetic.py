@@ -52,8 +52,9 @@ def synthetic_profile(preset: str = "cpu", **overrides: object) -> Profile:
     steps = {}
     for t, slow in p["threads"].items():  # type: ignore[union-attr]
         pair = p["per_pair_s"] * slow  # the same for decode, fresh and prefix attention
-        coef = [p["floor_s"] * slow, 0.0, p["per_token_s"] * slow, *[0.0] * (len(KNOTS) - 1),
-                0.0, pair, pair, pair, p["per_seq_s"] * slow]  # no GEMV handover step
+        # The per-token slope starts at 16 tokens; no GEMV handover step.
+        knots = [p["per_token_s"] * slow if k == 16 else 0.0 for k in KNOTS]
+        coef = [p["floor_s"] * slow, 0.0, *knots, 0.0, pair, pair, pair, p["per_seq_s"] * slow]
         steps[int(t)] = StepModel(tuple(coef), p["floor_s"] * slow)  # type: ignore[operator]
     return Profile(f"synthetic-{preset}", "float32", {"synthetic": preset}, p["block_size"],
                    p["kv_bytes_per_token"], p["num_blocks"], p["max_num_batched_tokens"],

@@ -44,7 +44,8 @@ def _points(n, seed=0, noise=0.0):
 def test_features_count_tokens_attention_pairs_by_kernel_and_sequences():
     row = features([(1, 99), (4, 0), (3, 10)])
     assert row[0] == 1.0 and row[1] == 8.0
-    assert row[2:2 + len(KNOTS)] == [0.0] * len(KNOTS)
+    assert row[2:2 + len(KNOTS)] == [max(0.0, 8.0 - k) for k in KNOTS]
+    assert KNOTS[0] == GEMV_ROWS and row[2] == 8.0 - GEMV_ROWS  # the slope may turn there
     assert row[2 + len(KNOTS)] == 1.0  # 8 tokens: past the decode GEMV
     decode, fresh, prefix, seqs = row[-4:]
     assert decode == 1 * (99 + 1)
@@ -174,7 +175,9 @@ def test_memory_and_compute_terms_scale_apart(tmp_path):
     for chunks in ([(1, 900)] * 24, [(512, 0)], [(1, 300)] * 8 + [(256, 128)]):
         memory, compute = p.steps[1].parts(chunks)
         assert memory + compute == pytest.approx(p.steps[1].seconds(chunks))
-        assert p.step(1).seconds(chunks) == pytest.approx(1.8 * memory + 1.1 * compute)
+        # the floor (a small decode's) scales as memory
+        assert p.step(1).seconds(chunks) == pytest.approx(
+            max(1.8 * p.steps[1].floor_s, 1.8 * memory + 1.1 * compute))
     save_profile(p, tmp_path / "p.json")
     q = load_profile(tmp_path / "p.json")
     assert q.serving_compute == {1: 1.1}
