@@ -283,7 +283,8 @@ def step_profile(llm: LLM, batches: tuple[int, ...], steps: int) -> dict:
     one after the other, and every other part of the step only adds to it."""
     engine = llm.engine
     model = engine.runner.model
-    backend = backend_report(model, engine.runner.linear_tuning, engine.runner.gemv_tiling)
+    backend = backend_report(model, engine.runner.linear_tuning, engine.runner.gemv_tiling,
+                             engine.runner.gemv_rows)
     bw = copy_bandwidth_gbs()
     s, kv = model.shape, engine.kv_view().cache
     kv_token_bytes = s.num_layers * 2 * s.num_kv_heads * s.head_dim * kv.element_size()

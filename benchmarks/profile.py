@@ -56,6 +56,7 @@ from benchmarks.profile_steps import StepGrid
 from benchmarks.step_profile import SHOWN_FLAGS
 from cluster.child import guarded
 from common.cost_model import (
+    GEMV_ROWS,
     Profile,
     StepModel,
     StepPoint,
@@ -268,8 +269,9 @@ def run_profile(opts: ProfileOptions, progress: Callable[[str], None] | None = N
         start = time.perf_counter()
         child = measure_steps(opts, t)
         shapes, points = median_points(child["steps"])
-        results.append(ThreadResult(t, fit_steps(points, seed=opts.seed), shapes, points,
-                                    time.perf_counter() - start))
+        model = fit_steps(points, seed=opts.seed,  # where that engine's GEMV hands over
+                          gemv_rows=child.get("gemv_rows", GEMV_ROWS))
+        results.append(ThreadResult(t, model, shapes, points, time.perf_counter() - start))
     dtype, block_bytes = child["dtype"], child["block_bytes"]
     say(f"KV transfer ({dtype}, up to {opts.transfer_max_bytes / 2**20:.0f} MiB)...")
     transfers = measure_transfer(dtype, opts.transfer_max_bytes, opts.transfer_reps,

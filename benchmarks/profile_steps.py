@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = measure(engine, grid, args.seed, progress)
     Path(args.out).write_text(json.dumps({
         "dtype": engine.dtype, "block_bytes": engine.runner.block_bytes,
+        "gemv_rows": engine.runner.gemv_handover_rows,
         "context_len": model_context_len(Path(args.model)),
         "steps": [asdict(s) for s in steps]}))
 

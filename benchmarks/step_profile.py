@@ -52,7 +52,7 @@ from workers.engine.dtype_choice import cpu_flags
 from workers.engine.llm_engine import LLMEngine
 from workers.engine.params import SamplingParams
 from workers.models.decoder import TORCH_OPS, DecoderModel
-from workers.models.linear import GEMV_ROWS
+from workers.models.linear import GEMV_ROWS, GemvRowsTiming
 
 PARTS = ("gemm", "attention", "elementwise", "lm_head", "sampling")
 BATCHES = (1, 32, 256)
@@ -281,18 +281,21 @@ def _gemv_layout(model: DecoderModel) -> str:
 
 def backend_report(model: DecoderModel,
                    tuning: Sequence[tuple[int, float, float]] = (),
-                   gemv: kernels.TilesTiming | None = None) -> dict[str, Any]:
+                   gemv: kernels.TilesTiming | None = None,
+                   gemv_rows: GemvRowsTiming | None = None) -> dict[str, Any]:
     """Which kernels this engine's model runs, what this torch was built with, and the
     CPU's name and matrix-math flags; ``tuning``: the model runner's ``linear_tuning``
     (how it chose the GEMMs), ``gemv``: its ``gemv_tiling`` (how it chose the GEMV's
-    layout). Call it before :func:`probes` wraps the model."""
+    layout), ``gemv_rows``: its ``gemv_rows`` (up to how many rows the GEMV runs). Call it
+    before :func:`probes` wraps the model."""
     name = getattr(model, "linear_name", "")
     onednn = "oneDNN _linear_pointwise (weights reordered once)"
     names = {"torch": "torch F.linear (plain weights)", "onednn": onednn}
     linear = names.get(name, name or repr(model.linear))
     if name.startswith("gemv+"):
         rest = name.removeprefix("gemv+")
-        linear = (f"native GEMV up to {GEMV_ROWS} rows ({_gemv_layout(model)}), "
+        rows = gemv_rows.rows if gemv_rows is not None else GEMV_ROWS
+        linear = (f"native GEMV up to {rows} rows ({_gemv_layout(model)}), "
                   f"above: {names.get(rest, rest)}")
     settings = {}
     build = [line.strip() for line in torch.__config__.show().splitlines()]
@@ -315,6 +318,10 @@ def backend_report(model: DecoderModel,
         "gemv_tiling": None if gemv is None else {
             "tiles": gemv.tiles, "row_major_ms": gemv.row_major_s * 1e3,
             "tiles_ms": gemv.tiles_s * 1e3, "weight_mb": gemv.weight_bytes / 2**20},
+        "gemv_rows": None if gemv_rows is None else {
+            "rows": gemv_rows.rows, "probed": [
+                {"rows": m, "gemv_ms": a * 1e3, "batched_ms": b * 1e3} for m, a, b in zip(
+                    gemv_rows.probed, gemv_rows.gemv_s, gemv_rows.batched_s, strict=True)]},
         "elementwise": "torch reference ops" if model.ops is TORCH_OPS else "native fused kernels",
         "decode_attention": (f"native paged kernel ({kernels.paged_attention_isa()})"
                              if model.decode_op else "torch (gathered SDPA)"),
@@ -347,6 +354,11 @@ def print_backend(report: dict[str, Any]) -> None:
         print(f"  GEMV layout chosen at load: {'tiles' if g['tiles'] else 'row-major'} "
               f"(one row through {g['weight_mb']:.0f} MB of layer weights: row-major "
               f"{g['row_major_ms']:.2f} ms, tiles {g['tiles_ms']:.2f} ms)")
+    if report.get("gemv_rows"):
+        g = report["gemv_rows"]
+        print(f"  GEMV up to {g['rows']} rows, chosen at load (layer GEMMs, GEMV / batched: "
+              + ", ".join(f"{t['rows']} rows {t['gemv_ms']:.2f} / {t['batched_ms']:.2f} ms"
+                          for t in g["probed"]) + ")")
 
 
 def print_profile(dtype: str, rows: list[dict[str, Any]]) -> None:

@@ -14,14 +14,15 @@ prompt with a cached prefix is ``n_i = new, start_i = cached``. The model is lin
 these features of the batch, with a piecewise-linear term in the batched tokens:
 
 - ``T = sum n_i``: weight GEMMs and elementwise work. Piecewise linear (a linear spline
-  with knots :data:`KNOTS`): a step of 1-16 tokens is bound by reading the weights, one
-  of hundreds by compute, and the slope between differs (the first knot is the GEMV
-  handover below);
-- ``[T > GEMV_ROWS]``: a step up where the engine's linear layers hand over from the
-  decode GEMV (up to :data:`GEMV_ROWS` rows, reading the weights once) to the batched
-  GEMM, which costs a step more than the spline's slope says (measured on a 2-core AVX2
-  VM, SmolLM2 fp32, 2 threads: decode 4@64 26 ms, 8@64 42 ms; without this term the fit
-  missed those two by +8.8% and -6.3%);
+  with knots at the GEMV handover and :data:`KNOTS`, :func:`knots`): a step of 1-16
+  tokens is bound by reading the weights, one of hundreds by compute, and the slope
+  between differs;
+- ``[T > gemv_rows]``: a step up where the engine's linear layers hand over from the
+  decode GEMV (up to ``StepModel.gemv_rows`` rows, as the engine measured at load,
+  reading the weights once) to the batched GEMM, which costs a step more than the
+  spline's slope says (measured on a 2-core AVX2 VM, SmolLM2 fp32, 2 threads: decode
+  4@64 26 ms, 8@64 42 ms; without this term the fit missed those two by +8.8% and
+  -6.3%);
 - query x key pairs of attention, ``n_i * (start_i + (n_i + 1) / 2)`` per chunk, in
   three sums because the engine runs three kernels at very different costs per pair
   (measured on SmolLM2: a decode pair ~17x a fresh prefill pair): ``A_decode``
@@ -68,25 +69,34 @@ from pathlib import Path
 import numpy as np
 
 PROFILE_VERSION = 4
-"""3: the GEMV handover term joined the features; 4: a knot at the handover (a file of
-an older version refits its saved points with ``pdserve profile --refit FILE``)."""
+"""3: the GEMV handover term joined the features; 4: a knot at the handover, which each
+step model places where its engine measured it (``StepModel.gemv_rows``; a file of an
+older version refits its saved points with ``pdserve profile --refit FILE``)."""
 GEMV_ROWS = 4
-"""The most tokens a step's linear layers run through the decode GEMV; the same number
-as ``workers.models.linear.GEMV_ROWS`` (this layer cannot import it; a unit test holds
-the two equal)."""
-KNOTS: tuple[int, ...] = (GEMV_ROWS, 16, 64, 256, 1024)
-"""Where the batched-token slope may change (a linear spline's knots). The first is the
-GEMV handover: the decode GEMV's cost per row and the GEMM's differ, by CPU and dtype
+"""The most tokens a step's linear layers run through the decode GEMV where the profile
+does not say (``Profile.gemv_rows``: the engine measures its own at load); the same
+number as ``workers.models.linear.GEMV_ROWS`` (this layer cannot import it; a unit test
+holds the two equal)."""
+KNOTS: tuple[int, ...] = (16, 64, 256, 1024)
+"""Where the batched-token slope may change (a linear spline's knots), besides the GEMV
+handover (:func:`knots`): the decode GEMV's cost per row and the GEMM's differ, by CPU
+and dtype
 (SmolLM2 bf16 on a 2-core Zen 4: +4.2 ms a row from 1 to 4 rows in the GEMV, +1.3 ms a row
 from 8 to 16 in the GEMM; without this knot the fit missed decode at 1 and 4 sequences by
 +16% and -19%, held-out error 6.4% mean / 15.1% p90 over 30 splits; with it 4.0% / 7.6%,
 and 2.0% -> 2.1% on the fp32 AVX2 profile of 2026-12-04)."""
 
+
+def knots(gemv_rows: int = GEMV_ROWS) -> tuple[int, ...]:
+    """Every knot of a step model whose engine hands over from the GEMV past
+    ``gemv_rows`` tokens: that, then :data:`KNOTS`."""
+    return (gemv_rows, *KNOTS)
+
 Chunk = tuple[int, int]
 """``(num_new_tokens, start)``: one sequence's part of a step."""
 
 
-MEMORY_TERMS = frozenset({0, 3 + len(KNOTS)})
+MEMORY_TERMS = frozenset({0, 4 + len(KNOTS)})
 """Indices in :func:`features` of the terms bound by memory bandwidth: the intercept
 (reading the weights once a step) and decode attention pairs (reading the KV)."""
 
@@ -103,10 +113,10 @@ class StepSums:
     fresh_pairs: float = 0.0
     prefix_pairs: float = 0.0
 
-    def features(self) -> list[float]:
+    def features(self, gemv_rows: int = GEMV_ROWS) -> list[float]:
         """This step's regression row (see :func:`features`)."""
         t = float(self.tokens)
-        return [1.0, t, *(max(0.0, t - k) for k in KNOTS), float(t > GEMV_ROWS),
+        return [1.0, t, *(max(0.0, t - k) for k in knots(gemv_rows)), float(t > gemv_rows),
                 self.decode_pairs, self.fresh_pairs, self.prefix_pairs, float(self.seqs)]
 
 
@@ -129,10 +139,11 @@ def step_sums(chunks: Iterable[Chunk]) -> StepSums:
     return StepSums(t, s, decode, fresh, prefix)
 
 
-def features(chunks: Iterable[Chunk]) -> list[float]:
-    """The regression row of one step:
-    ``[1, T, (T - k)+ for k in KNOTS, [T > GEMV_ROWS], A_decode, A_fresh, A_prefix, S]``."""
-    return step_sums(chunks).features()
+def features(chunks: Iterable[Chunk], gemv_rows: int = GEMV_ROWS) -> list[float]:
+    """The regression row of one step, on an engine whose GEMV runs up to ``gemv_rows``:
+    ``[1, T, (T - k)+ for k in knots(gemv_rows), [T > gemv_rows], A_decode, A_fresh,
+    A_prefix, S]``."""
+    return step_sums(chunks).features(gemv_rows)
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,14 @@ class StepModel:
     floor_s: float
     """The fastest step measured: predictions never go below it (an empty-ish batch)."""
     error: FitError | None = None
+    gemv_rows: int = GEMV_ROWS
+    """Up to how many tokens its engine's linear layers ran the decode GEMV (the
+    handover term and the first knot of :func:`features` sit there)."""
+
+    def row(self, chunks: Iterable[Chunk] | StepSums) -> list[float]:
+        """A step's regression row for this model (:func:`features`)."""
+        sums = chunks if isinstance(chunks, StepSums) else step_sums(chunks)
+        return sums.features(self.gemv_rows)
 
     def scaled_parts(self, memory: float, compute: float) -> StepModel:
         """The memory-bound terms (:data:`MEMORY_TERMS`: the intercept, a step's weight
@@ -171,13 +190,13 @@ class StepModel:
         times as long."""
         scale = [memory if i in MEMORY_TERMS else compute for i in range(len(self.coef))]
         return StepModel(tuple(c * k for c, k in zip(self.coef, scale, strict=True)),
-                         self.floor_s * memory, self.error)
+                         self.floor_s * memory, self.error, self.gemv_rows)
 
     def parts(self, chunks: Iterable[Chunk] | StepSums) -> tuple[float, float]:
         """``(memory_s, compute_s)`` of a step (its chunks, or their sums): the two
         groups of terms of :meth:`scaled_parts` (they add up to :meth:`seconds`, floor
         aside)."""
-        row = chunks.features() if isinstance(chunks, StepSums) else features(chunks)
+        row = self.row(chunks)
         memory = sum(self.coef[i] * row[i] for i in MEMORY_TERMS)
         return memory, sum(c * x for c, x in zip(self.coef, row, strict=True)) - memory
 
@@ -185,10 +204,10 @@ class StepModel:
         """Every step ``seconds`` longer per sequence in it (the serving cost of the
         message each sampled token becomes)."""
         return StepModel((*self.coef[:-1], self.coef[-1] + seconds), self.floor_s + seconds,
-                         self.error)
+                         self.error, self.gemv_rows)
 
     def seconds(self, chunks: Iterable[Chunk] | StepSums) -> float:
-        row = chunks.features() if isinstance(chunks, StepSums) else features(chunks)
+        row = self.row(chunks)
         return max(self.floor_s, sum(c * x for c, x in zip(self.coef, row, strict=True)))
 
     def decode_seconds(self, batch: int, context: int) -> float:
@@ -289,22 +308,25 @@ def _split(n: int, held_out: float, seed: int) -> tuple[list[int], list[int]]:
     return sorted(idx[k:]), sorted(idx[:k])
 
 
-def fit_steps(points: Sequence[StepPoint], held_out: float = 0.2, seed: int = 0
-              ) -> StepModel:
+def fit_steps(points: Sequence[StepPoint], held_out: float = 0.2, seed: int = 0,
+              gemv_rows: int = GEMV_ROWS) -> StepModel:
     """Fit on ``1 - held_out`` of the points, report the error on the rest, then refit
-    on all of them (the error stands for the final model's: it is no better fitted)."""
-    if len(points) < len(features([])):
-        raise ValueError(f"need at least {len(features([]))} measured steps, got {len(points)}")
-    rows = [features(p.chunks) for p in points]
+    on all of them (the error stands for the final model's: it is no better fitted).
+    ``gemv_rows``: up to how many tokens the measured engine ran its decode GEMV."""
+    n = len(features([]))
+    if len(points) < n:
+        raise ValueError(f"need at least {n} measured steps, got {len(points)}")
+    rows = [features(p.chunks, gemv_rows) for p in points]
     ys = [p.seconds for p in points]
     train, test = _split(len(points), held_out, seed)
     floor = min(ys)
     error = None
     if test:
-        part = StepModel(_lstsq([rows[i] for i in train], [ys[i] for i in train]), floor)
+        part = StepModel(_lstsq([rows[i] for i in train], [ys[i] for i in train]), floor,
+                         gemv_rows=gemv_rows)
         error = FitError.of([part.seconds(points[i].chunks) for i in test],
                             [ys[i] for i in test])
-    return StepModel(_lstsq(rows, ys), floor, error)
+    return StepModel(_lstsq(rows, ys), floor, error, gemv_rows)
 
 
 def fit_transfer(points: Sequence[tuple[int, float]], held_out: float = 0.2, seed: int = 0
@@ -341,7 +363,7 @@ def profile_to_json(p: Profile) -> dict:
         "block_size": p.block_size, "kv_bytes_per_token": p.kv_bytes_per_token,
         "num_blocks": p.num_blocks, "max_num_batched_tokens": p.max_num_batched_tokens,
         "max_num_seqs": p.max_num_seqs, "max_model_len": p.max_model_len, "knots": KNOTS,
-        "steps": {str(t): {"coef": m.coef, "floor_s": m.floor_s,
+        "steps": {str(t): {"coef": m.coef, "floor_s": m.floor_s, "gemv_rows": m.gemv_rows,
                            "error": _error_json(m.error)} for t, m in p.steps.items()},
         "transfer": {"latency_s": p.transfer.latency_s, "bytes_per_s": p.transfer.bytes_per_s,
                      "error": _error_json(p.transfer.error)},
@@ -408,7 +430,8 @@ def profile_from_json(d: dict) -> Profile:
     if tuple(d.get("knots", ())) != KNOTS:
         raise ValueError(f"profile fitted with knots {d.get('knots')}, this pdserve uses "
                          f"{KNOTS}: rerun pdserve profile")
-    steps = {int(t): StepModel(tuple(m["coef"]), m["floor_s"], _error_of(m.get("error")))
+    steps = {int(t): StepModel(tuple(m["coef"]), m["floor_s"], _error_of(m.get("error")),
+                               int(m.get("gemv_rows", GEMV_ROWS)))
              for t, m in d["steps"].items()}
     tr = d["transfer"]
     return Profile(d["model"], d["dtype"], d.get("machine", {}), d["block_size"],
@@ -425,9 +448,12 @@ def refit_profile(path: str | Path, held_out: float = 0.2, seed: int = 0) -> Pro
     try:
         d = json.loads(Path(path).read_text())
         raw = d["points"]
+        # The GEMV handover of the engine that measured each thread count's points
+        # (files before it was measured: the fixed GEMV_ROWS that engine had).
+        handover = {t: int(m.get("gemv_rows", GEMV_ROWS)) for t, m in d["steps"].items()}
         steps = {int(t): fit_steps([StepPoint(tuple((int(n), int(s)) for n, s in chunks),
                                               float(sec)) for chunks, sec in pts],
-                                   held_out, seed)
+                                   held_out, seed, handover.get(t, GEMV_ROWS))
                  for t, pts in raw["steps"].items()}
         transfer = fit_transfer([(int(b), float(sec)) for b, sec in raw["transfer"]],
                                 held_out, seed)

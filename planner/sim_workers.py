@@ -68,7 +68,7 @@ from typing import Protocol
 
 import numpy as np
 
-from common.cost_model import Profile, draw_jitter, features, spread_steps
+from common.cost_model import Profile, draw_jitter, spread_steps
 from workers.engine.block_manager import KVEventListener
 from workers.engine.params import SamplingParams, SchedulerConfig, local_limit
 from workers.engine.scheduler import Scheduler, SchedulerOutput
@@ -330,8 +330,8 @@ class SimWorker:
         """Step ``k`` times at once: every step adds one token of context to each of
         the batch's requests, so its time is linear in the step's index (floored)."""
         coef = self.model.coef
-        raw0 = sum(c * x for c, x in zip(coef, features(chunks), strict=True))
-        raw1 = sum(c * x for c, x in zip(coef, features([(n, s + 1) for n, s in chunks]),
+        raw0 = sum(c * x for c, x in zip(coef, self.model.row(chunks), strict=True))
+        raw1 = sum(c * x for c, x in zip(coef, self.model.row([(n, s + 1) for n, s in chunks]),
                                          strict=True))
         durations = np.maximum(self.model.floor_s, raw0 + (raw1 - raw0) * np.arange(k))
         if self._jitter:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.cost_model import KNOTS, Profile, StepModel, TransferModel
+from common.cost_model import Profile, StepModel, TransferModel, knots
 from loadtest.workloads import Request
 
 PRESETS: dict[str, dict] = {
@@ -53,8 +53,8 @@ def synthetic_profile(preset: str = "cpu", **overrides: object) -> Profile:
     for t, slow in p["threads"].items():  # type: ignore[union-attr]
         pair = p["per_pair_s"] * slow  # the same for decode, fresh and prefix attention
         # The per-token slope starts at 16 tokens; no GEMV handover step.
-        knots = [p["per_token_s"] * slow if k == 16 else 0.0 for k in KNOTS]
-        coef = [p["floor_s"] * slow, 0.0, *knots, 0.0, pair, pair, pair, p["per_seq_s"] * slow]
+        slopes = [p["per_token_s"] * slow if k == 16 else 0.0 for k in knots()]
+        coef = [p["floor_s"] * slow, 0.0, *slopes, 0.0, pair, pair, pair, p["per_seq_s"] * slow]
         steps[int(t)] = StepModel(tuple(coef), p["floor_s"] * slow)  # type: ignore[operator]
     return Profile(f"synthetic-{preset}", "float32", {"synthetic": preset}, p["block_size"],
                    p["kv_bytes_per_token"], p["num_blocks"], p["max_num_batched_tokens"],

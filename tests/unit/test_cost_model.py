@@ -15,7 +15,9 @@ from common.cost_model import (
     features,
     fit_steps,
     fit_transfer,
+    knots,
     load_profile,
+    refit_profile,
     save_profile,
 )
 
@@ -44,9 +46,10 @@ def _points(n, seed=0, noise=0.0):
 def test_features_count_tokens_attention_pairs_by_kernel_and_sequences():
     row = features([(1, 99), (4, 0), (3, 10)])
     assert row[0] == 1.0 and row[1] == 8.0
-    assert row[2:2 + len(KNOTS)] == [max(0.0, 8.0 - k) for k in KNOTS]
-    assert KNOTS[0] == GEMV_ROWS and row[2] == 8.0 - GEMV_ROWS  # the slope may turn there
-    assert row[2 + len(KNOTS)] == 1.0  # 8 tokens: past the decode GEMV
+    all_knots = knots()
+    assert all_knots == (GEMV_ROWS, *KNOTS)  # the slope may turn at the handover too
+    assert row[2:2 + len(all_knots)] == [max(0.0, 8.0 - k) for k in all_knots]
+    assert row[2 + len(all_knots)] == 1.0  # 8 tokens: past the decode GEMV
     decode, fresh, prefix, seqs = row[-4:]
     assert decode == 1 * (99 + 1)
     assert fresh == 4 * (0 + 2.5)
@@ -66,7 +69,7 @@ def test_the_gemv_handover_is_a_step_at_the_engines_gemv_rows():
     from workers.models.linear import GEMV_ROWS as ENGINE_GEMV_ROWS
 
     assert GEMV_ROWS == ENGINE_GEMV_ROWS  # the cost model's copy of the engine's number
-    handover = 2 + len(KNOTS)
+    handover = 2 + len(knots())
     assert [features([(1, 50)] * b)[handover] for b in (1, GEMV_ROWS, GEMV_ROWS + 1, 64)] \
         == [0.0, 0.0, 1.0, 1.0]
     assert features([(GEMV_ROWS + 1, 0)])[handover] == 1.0  # counted in tokens, not sequences
@@ -80,6 +83,36 @@ def test_the_gemv_handover_is_a_step_at_the_engines_gemv_rows():
     m = fit_steps([StepPoint(tuple(c), machine(c)) for c in shapes])
     for b in (2, GEMV_ROWS, GEMV_ROWS + 1, 8):
         assert m.decode_seconds(b, 300) == pytest.approx(machine([(1, 300)] * b), rel=0.01)
+
+
+def test_a_model_puts_the_handover_where_its_engine_measured_it(tmp_path):
+    """An engine whose GEMV stops at 2 rows (bf16 on a Zen 4): fitted with that, the
+    handover step and the GEMV's own slope sit at 2, and the profile keeps it."""
+    def machine(chunks):  # the GEMV: 4 ms a row; the GEMM past 2 rows: flat, then 0.5 ms
+        t = sum(n for n, _ in chunks)
+        gemv = 0.004 * t if t <= 2 else 0.0
+        return _true_step(chunks) + gemv + (0.010 if t > 2 else 0.0)
+
+    rng = random.Random(5)
+    shapes = [[(1, rng.randint(16, 1024))] * rng.randint(1, 12) for _ in range(80)]
+    points = [StepPoint(tuple(c), machine(c)) for c in shapes]
+    m = fit_steps(points, gemv_rows=2)
+    assert m.gemv_rows == 2 and features([(1, 9)] * 3, 2)[2 + len(knots(2))] == 1.0
+    for b in (1, 2, 3, 4, 8):
+        assert m.decode_seconds(b, 300) == pytest.approx(machine([(1, 300)] * b), rel=0.01)
+    at_four = fit_steps(points)  # the default handover misplaces it
+    assert max(abs(at_four.decode_seconds(b, 300) / machine([(1, 300)] * b) - 1)
+               for b in (1, 2, 3, 4, 8)) > 0.02
+    # scaled and per-sequence models keep it; a saved profile and a refit too
+    assert m.scaled_parts(1.2, 1.1).gemv_rows == m.plus_per_sequence(0.001).gemv_rows == 2
+    p = Profile("m", "bfloat16", {}, 16, 1024, 1000, 2048, 256, 2048, {1: m},
+                fit_transfer([(1 << 20, 0.001), (1 << 24, 0.008), (1 << 22, 0.003)]),
+                points={"steps": {"1": [[[list(c) for c in q.chunks], q.seconds]
+                                        for q in points]},
+                        "transfer": [[1 << 20, 0.001], [1 << 24, 0.008], [1 << 22, 0.003]]})
+    save_profile(p, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").steps[1].gemv_rows == 2
+    assert refit_profile(tmp_path / "p.json").steps[1].gemv_rows == 2
 
 
 def test_noise_shows_in_the_held_out_error():

@@ -15,8 +15,11 @@ from workers.models.decoder import ModelShape
 from workers.models.linear import (
     TORCH_LINEAR,
     LinearOps,
+    gemv_linear,
+    gemv_rows_from,
     onednn_linear,
     plain_rows,
+    time_gemv_rows,
     tuned_linear,
 )
 
@@ -40,12 +43,16 @@ def test_plain_rows_needs_one_timing_per_row_count():
         plain_rows([1, 1, 1], [1, 1, 1, 1])
 
 
+SLOW_S = 0.03
+
+
 def slow_when(slow, name: str, base: LinearOps = TORCH_LINEAR) -> LinearOps:
-    """``base``, 2 ms slower per call where ``slow(rows)`` (tiny shapes take microseconds)."""
+    """``base``, :data:`SLOW_S` slower per call where ``slow(rows)`` (tiny shapes take
+    microseconds; a busy machine's preemptions take a few milliseconds)."""
 
     def apply(x, w, bias):
         if slow(x.shape[0]):
-            time.sleep(0.002)
+            time.sleep(SLOW_S)
         return base.apply(x, w, bias)
 
     return LinearOps(name, base.prepare, apply)
@@ -86,7 +93,7 @@ def test_tuned_linear_runs_each_op_where_it_was_faster():
         x = torch.randn(m, 16)
         t = time.perf_counter()
         out = chosen.apply(x, prepared, None)
-        assert time.perf_counter() - t < 0.002, m
+        assert time.perf_counter() - t < SLOW_S / 2, m
         torch.testing.assert_close(out, F.linear(x, w))
 
 
@@ -127,3 +134,57 @@ def test_room_for_a_copy_weighs_the_weights_against_available_memory():
     small = torch.nn.Linear(10, 10)  # 440 bytes
     assert _room_for_a_copy(small)
     assert not _room_for_a_copy(small, share=0.0)
+
+
+def _timings(table: dict[int, list[tuple[float, float]]]):
+    """A ``timed(rows)`` that answers each row count's timings in turn (the last again)."""
+    calls: dict[int, int] = {}
+
+    def timed(m: int) -> tuple[float, float]:
+        i = calls[m] = calls.get(m, -1) + 1
+        return table[m][min(i, len(table[m]) - 1)]
+    return timed, calls
+
+
+def test_the_gemv_keeps_the_rows_where_it_beats_the_batched_op():
+    """Zen 4 bf16 (measured, one thread): GEMV / oneDNN 0.55, 0.57, 1.02, 1.31x at 1-4 rows."""
+    timed, calls = _timings({1: [(8.2, 14.8)], 2: [(10.3, 17.9)], 3: [(13.8, 13.6)],
+                             4: [(17.8, 13.6)]})
+    got = gemv_rows_from(timed, (1, 2, 3, 4))
+    assert got.rows == 2 and got.probed == (1, 2, 3)  # the first loss, confirmed, ends it
+    assert calls == {1: 0, 2: 0, 3: 1}  # a loss is timed twice, a win once
+    assert got.gemv_s == (8.2, 10.3, 13.8) and got.batched_s == (14.8, 17.9, 13.6)
+
+
+def test_one_slow_pass_does_not_cut_the_gemv_short():
+    timed, _ = _timings({1: [(1.0, 2.0)], 2: [(3.0, 2.0), (1.5, 2.0)], 3: [(2.5, 2.0)]})
+    got = gemv_rows_from(timed, (1, 2, 3))
+    assert got.rows == 2 and got.gemv_s[1] == 1.5  # the least of the two passes kept
+
+
+def test_a_gemv_that_loses_at_one_row_is_never_used():
+    timed, _ = _timings({1: [(3.0, 2.0)], 2: [(1.0, 2.0)]})
+    assert gemv_rows_from(timed, (1, 2)).rows == 0
+    assert gemv_rows_from(_timings({1: [(1.0, 2.0)], 2: [(1.0, 2.0)]})[0], (1, 2)).rows == 2
+
+
+def test_no_gemv_rows_leaves_the_batched_op_alone():
+    assert gemv_linear(lambda x, w, b: x, TORCH_LINEAR, max_rows=0) is TORCH_LINEAR
+
+
+def test_the_gemv_rows_are_timed_on_real_ops_made_slow():
+    """The timed probe on real ops, slowed where each must lose by far more than noise:
+    the batched op by 20 ms a call, the GEMV by 80 ms a call past 2 rows (a busy machine
+    would have to stall the GEMV by 20 ms in each of 3 passes, twice, to move it)."""
+    def slow(ms: float, past: int):
+        def apply(x, w, bias):
+            if x.numel() // x.shape[-1] > past:
+                time.sleep(ms / 1e3)
+            return F.linear(x, w, bias)
+        return apply
+
+    gemv = LinearOps("gemv", lambda w: w.contiguous(), slow(80, 2))
+    batched = LinearOps("batched", lambda w: w.contiguous(), slow(20, 0))
+    got = time_gemv_rows(gemv, batched, [(64, 32)], torch.float32, layers=1,
+                         probe=(1, 2, 3, 4), reps=3)
+    assert got.rows == 2 and got.probed == (1, 2, 3)

@@ -35,9 +35,12 @@ from workers.models.int8_checkpoint import quantization_of
 from workers.models.kv_format import CALIBRATION_TEXT, CALIBRATION_TOKENS
 from workers.models.linear import (
     TORCH_LINEAR,
+    GemvRowsTiming,
     gemv_linear,
+    gemv_op,
     int8_linear,
     onednn_linear,
+    time_gemv_rows,
     tuned_linear,
 )
 
@@ -154,6 +157,9 @@ class ModelRunner:
         """Reduced-precision CPU GEMMs: (rows, F.linear s, oneDNN s) as timed at load."""
         self.gemv_tiling: kernels.TilesTiming | None = None
         """The decode GEMV's layout as timed at load (None: no native GEMV)."""
+        self.gemv_rows: GemvRowsTiming | None = None
+        """Up to how many rows a float model's GEMV runs, as timed at load (None: no
+        float GEMV)."""
         shape = (ModelShape.of(hf.config)
                  if supported_architecture(hf.config, type(hf).__name__) else None)
         if self.device.type == "cpu" and config.prepacked_weights:
@@ -205,9 +211,18 @@ class ModelRunner:
             if layer_op is not None:
                 layer_op = functools.partial(kernels.decode_layer, int8_gemv_rows=rows)
         elif self.gemv_tiling is not None:
-            linear = gemv_linear(kernels.f32_gemv, linear or TORCH_LINEAR,
-                                 layout=(kernels.gemv_tiles_where_whole
-                                         if self.gemv_tiling.tiles else None),
+            # Up to how many rows the GEMV beats the batched op depends on the CPU, the
+            # dtype and the threads (a Zen 4, one thread: bf16 3, fp32 4): measured here.
+            layout = kernels.gemv_tiles_where_whole if self.gemv_tiling.tiles else None
+            batched = linear or TORCH_LINEAR
+            self.gemv_rows = time_gemv_rows(
+                gemv_op(kernels.f32_gemv, layout), batched, shape.layer_gemms(),
+                gemv_dtype, shape.num_layers)
+            g = self.gemv_rows
+            log.info("decode GEMV up to %d rows (%s)", g.rows, ", ".join(
+                f"{m}: GEMV {a * 1e3:.2f} ms, {batched.name} {b * 1e3:.2f} ms"
+                for m, a, b in zip(g.probed, g.gemv_s, g.batched_s, strict=True)))
+            linear = gemv_linear(kernels.f32_gemv, batched, max_rows=g.rows, layout=layout,
                                  native=kernels.gemv_form)
         # RoPE tables reach the calibration's positions too, whatever max_model_len is:
         # workers with different limits must calibrate the same key transform.
@@ -262,6 +277,15 @@ class ModelRunner:
         self.forward_cpu_s = 0.0
         """CPU seconds the calling (engine) thread spent there; intra-op helpers not
         included (see :mod:`common.threads`)."""
+
+    @property
+    def gemv_handover_rows(self) -> int:
+        """Up to how many rows a step's linear layers run a GEMV rather than the batched
+        op (the float GEMV's or the int8 kernel's limit as timed at load; 0: no GEMV):
+        where a step's cost turns (``common.cost_model``, ``StepModel.gemv_rows``)."""
+        if self.gemv_rows is not None:
+            return self.gemv_rows.rows
+        return self.int8_rows.rows if self.int8_rows is not None else 0
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], masks: TokenMasks | None = None,

@@ -48,6 +48,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from common.timing import least_seconds
+
 
 @dataclass(frozen=True)
 class Int8Weight:
@@ -295,8 +297,99 @@ def tuned_linear(packed: LinearOps, shapes: list[tuple[int, int]], dtype: torch.
 
 
 GEMV_ROWS = 4
-"""Rows of x up to which :func:`gemv_linear` runs its GEMV (measured on a 2-core AMD EPYC,
-AVX2, SmolLM2 fp32: 1.4x faster than the reordered oneDNN GEMM at 1-4 rows, level at 8)."""
+"""Rows of x up to which :func:`gemv_linear` runs its GEMV by default (measured on a
+2-core AMD EPYC, AVX2, SmolLM2 fp32: 1.4x faster than the reordered oneDNN GEMM at 1-4
+rows, level at 8). The model runner measures its own (:func:`time_gemv_rows`)."""
+
+GEMV_ROWS_PROBE = (1, 2, 3, 4, 5, 6, 8)
+"""Rows of x :func:`time_gemv_rows` tries, in order."""
+
+GEMV_MARGIN = 1.15
+"""How much slower than the batched op the GEMV may run its layer GEMMs and keep a row
+count (:func:`time_gemv_rows`: it also keeps the step in one native call per layer)."""
+
+GEMV_ROWS_PROBE_BYTES = 48 * 2**20
+"""Weight bytes per pass of :func:`time_gemv_rows` (at most; at least one layer)."""
+
+
+@dataclass(frozen=True)
+class GemvRowsTiming:
+    """What :func:`time_gemv_rows` measured: per probed row count, the least seconds of
+    one pass of x's rows through the probe's weights by the GEMV and by the batched op,
+    and the rows chosen (the GEMV up to ``rows``; 0: never)."""
+
+    rows: int
+    probed: tuple[int, ...]
+    gemv_s: tuple[float, ...]
+    batched_s: tuple[float, ...]
+
+
+def time_gemv_rows(gemv: LinearOps, batched: LinearOps, shapes: list[tuple[int, int]],
+                   dtype: torch.dtype, layers: int, probe: tuple[int, ...] = GEMV_ROWS_PROBE,
+                   reps: int = 3, margin: float = GEMV_MARGIN,
+                   budget: int = GEMV_ROWS_PROBE_BYTES) -> GemvRowsTiming:
+    """Up to how many rows of x ``gemv`` (:func:`gemv_linear`'s small op, with its
+    layout) beats ``batched`` on this CPU, at this thread count: ``probe``'s row counts in
+    order, x of ``dtype`` through seeded weights of ``shapes`` (``(in, out)`` of one
+    layer's GEMMs) for up to ``layers`` layers within ``budget`` bytes, both ops ``reps``
+    times after a warm-up, alternated. The GEMV keeps a row count where it takes under
+    ``margin`` times the batched op's least time; a loss is timed once more (one slow
+    pass on a shared machine must not cut the limit), and a second loss ends the probe.
+
+    The margin is not 1 because the GEMV's rows are also the rows a decode-only step runs
+    each decoder layer as one native call (``kernels.decode_layer`` takes the GEMV's
+    weights), which saves the Python layer's dispatch, ~5-10% of a small step: on the
+    Zen 4 below at one thread, fp32 at 4 rows (probe: GEMV 1.05x oneDNN) ran its decode
+    step 1.07x slower without the GEMV, bf16 (probe: 1.25x) 0.87x as long.
+
+    Why measure: the GEMV reads each weight row once for every row of x, so it wins
+    while reading the weights is the cost, and where that stops depends on the CPU and
+    the dtype: SmolLM2's layer GEMMs on a 2-core AMD EPYC Zen 4 (one thread) took, GEMV
+    over oneDNN, 0.55 / 0.57 / 1.02 / 1.31x at 1 / 2 / 3 / 4 rows in bf16 (its rows
+    widen bf16 to fp32 in the inner loop) and 0.51 / 0.48 / 0.76 / 1.00x in fp32."""
+    gen = torch.Generator().manual_seed(0)
+    per_layer = sum(k * n for k, n in shapes) * torch.finfo(dtype).bits // 8
+    count = max(1, min(layers, budget // max(per_layer, 1)))
+    plain = [torch.randn(n, k, generator=gen).to(dtype) * 0.05
+             for _ in range(count) for k, n in shapes]
+    ks = [k for _ in range(count) for k, _ in shapes]
+    small = [gemv.prepare(w) for w in plain]
+    big = [batched.prepare(w) for w in plain]
+
+    def timed(m: int) -> tuple[float, float]:
+        xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in set(ks)}
+
+        def run(ops: LinearOps, weights: list[Any]) -> Callable[[], None]:
+            def once() -> None:
+                for k, w in zip(ks, weights, strict=True):
+                    ops.apply(xs[k], w, None)
+            return once
+
+        best = least_seconds({"gemv": run(gemv, small), "batched": run(batched, big)}, reps)
+        return best["gemv"], best["batched"]
+
+    return gemv_rows_from(timed, probe, margin)
+
+
+def gemv_rows_from(timed: Callable[[int], tuple[float, float]], probe: tuple[int, ...],
+                   margin: float = 1.0) -> GemvRowsTiming:
+    """:func:`time_gemv_rows`' rule on ``timed(rows) -> (GEMV s, batched s)``: the row
+    counts of ``probe`` in order, the GEMV kept while it takes under ``margin`` times the
+    batched op; a loss timed again (the least of the two kept), a second loss the end."""
+    rows, probed, gemv_s, batched_s = 0, [], [], []
+    for m in probe:
+        g, b = timed(m)
+        if g >= margin * b:
+            g2, b2 = timed(m)
+            g, b = min(g, g2), min(b, b2)
+        probed.append(m)
+        gemv_s.append(g)
+        batched_s.append(b)
+        if g >= margin * b:
+            break
+        rows = m
+    return GemvRowsTiming(rows, tuple(probed), tuple(gemv_s), tuple(batched_s))
+
 
 Gemv = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
 """``gemv(x, w, bias)``: ``workers.engine.kernels.f32_gemv``'s contract (float32 or
@@ -310,17 +403,27 @@ def gemv_linear(gemv: Gemv, batched: LinearOps, max_rows: int = GEMV_ROWS,
     gives it (default: plain ``[out, in]``, contiguous; the kernel's own tiles where it
     reads those faster), ``batched`` on its own layout above (prefill, large decode
     batches). Each weight is kept in both (:class:`DualWeight`). ``native``: the GEMV's
-    weight as a native decode layer takes it (``workers.engine.kernels.gemv_form``)."""
+    weight as a native decode layer takes it (``workers.engine.kernels.gemv_form``).
+    ``max_rows`` 0: ``batched`` alone."""
+    small = gemv_op(gemv, layout, native)
+    if max_rows < 1:
+        return batched
+    both = by_rows(small, batched, (max_rows, max_rows + 1), [True, False])
+    return LinearOps(f"gemv+{batched.name}", both.prepare, both.apply, native=both.native)
+
+
+def gemv_op(gemv: Gemv, layout: Callable[[torch.Tensor], Any] | None = None,
+            native: Callable[[Any], tuple[torch.Tensor, int]] | None = None) -> LinearOps:
+    """The GEMV alone as an op (:func:`gemv_linear`'s small side; timed on its own by
+    :func:`time_gemv_rows`)."""
 
     def gemv_layout(w: Weight) -> Any:  # noqa: ANN401 - the kernel's own layout
         if isinstance(w, Int8Weight):
             raise ValueError("gemv_linear takes float weights")
         return layout(w) if layout else w
 
-    small = LinearOps("gemv", gemv_layout, gemv,
-                      native=(lambda w, rows: native(w)) if native else None)
-    both = by_rows(small, batched, (max_rows, max_rows + 1), [True, False])
-    return LinearOps(f"gemv+{batched.name}", both.prepare, both.apply, native=both.native)
+    return LinearOps("gemv", gemv_layout, gemv,
+                     native=(lambda w, rows: native(w)) if native else None)
 
 
 Int8Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"],

@@ -55,6 +55,8 @@ from pathlib import Path
 
 import torch
 
+from common.timing import least_seconds
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(n)
@@ -418,19 +420,6 @@ def int8_tiles(q: torch.Tensor) -> torch.Tensor:
     return _fused_op("gemv_pack")(q) if q.shape[-1] % PACK_CHUNK == 0 else q
 
 
-def _least_seconds(passes: dict[str, Callable[[], None]], reps: int) -> dict[str, float]:
-    """Each pass's least seconds over ``reps`` timed rounds after one untimed round, the
-    passes alternated within each round (a drifting machine moves them all)."""
-    best = dict.fromkeys(passes, float("inf"))
-    for i in range(reps + 1):
-        for name, once in passes.items():
-            start = time.perf_counter()
-            once()
-            if i:
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
 @dataclass(frozen=True)
 class TilesTiming:
     """What :func:`time_gemv_tiles` measured: one decode step's GEMVs (one row of x)
@@ -490,7 +479,7 @@ def time_gemv_tiles(shapes: list[tuple[int, int]], dtype: torch.dtype, layers: i
                 run(xs[k], w, n)
         return once
 
-    best = _least_seconds({"row": layout(rows), "tiles": layout(tiled)}, reps)
+    best = least_seconds({"row": layout(rows), "tiles": layout(tiled)}, reps)
     return TilesTiming(best["tiles"] < margin * best["row"], best["row"], best["tiles"],
                        per_layer * count)
 
@@ -562,7 +551,7 @@ def time_int8_gemv_rows(shapes: list[tuple[int, int]], dtype: torch.dtype, tiles
                     int8_linear(xs[k], q, scale, max_gemv_rows=limit)
             return once
 
-        return _least_seconds({"gemv": path(m), "gemm": path(0)}, reps)
+        return least_seconds({"gemv": path(m), "gemm": path(0)}, reps)
 
     for m in probe:
         best = timed(m)
