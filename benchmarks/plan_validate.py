@@ -157,7 +157,12 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
     m["steps"] = {}
     for f in sorted(traces.glob("*.steps.csv")):  # ROLE-PORT.steps.csv
         role = f.name.split("-", 1)[0]
-        m["steps"].setdefault(role, []).extend(read_step_trace(str(f), started, ended))
+        try:
+            steps = read_step_trace(str(f), started, ended)
+        except (OSError, ValueError) as e:  # a worker killed while it wrote the header
+            print(f"step trace left out: {e}", flush=True)
+            continue
+        m["steps"].setdefault(role, []).extend(steps)
     return m
 
 

@@ -41,8 +41,11 @@ LAUNCHERS = ("ray", "process")
 
 def step_trace_path(directory: str, role: str, port: int) -> str:
     """Where a worker of ``role`` on ``port`` writes its step trace under
-    ``step_trace_dir`` (a role changed in place keeps the file it started with)."""
-    return os.path.join(directory, f"{role}-{port}.steps.csv")
+    ``step_trace_dir``, made absolute (a role changed in place keeps the file it started
+    with). Port 0 (the worker picks one: Ray) names the file by the worker's process id
+    instead (``{pid}``, which ``pdserve worker --step-trace`` fills in)."""
+    return os.path.join(os.path.abspath(directory),
+                        f"{role}-{port or 'pid{pid}'}.steps.csv")
 
 
 class DeploymentError(ValueError):
@@ -207,8 +210,8 @@ class DeploymentConfig:
         "process launcher: a log file per process here", shown="they share this terminal"))
     step_trace_dir: str | None = field(default=None, metadata=setting(
         "each worker appends its engine steps (start, seconds, tokens, sequences, "
-        "attention pairs) to DIR/ROLE-PORT.steps.csv on its own host (see `pdserve worker "
-        "--step-trace`)", shown="off"))
+        "attention pairs) to DIR/ROLE-PORT.steps.csv (Ray: ROLE-pidPID) on its own host "
+        "(see `pdserve worker --step-trace`)", shown="off"))
     ray_address: str | None = field(default=None, metadata=setting(
         "an existing Ray cluster", shown="start a local one on 127.0.0.1"))
     dashboard: bool = field(default=True, metadata=setting(

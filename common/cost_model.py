@@ -74,7 +74,7 @@ step model places where its engine measured it (``StepModel.gemv_rows``; a file 
 older version refits its saved points with ``pdserve profile --refit FILE``)."""
 GEMV_ROWS = 4
 """The most tokens a step's linear layers run through the decode GEMV where the profile
-does not say (``Profile.gemv_rows``: the engine measures its own at load); the same
+does not say (``StepModel.gemv_rows``: the engine measures its own at load); the same
 number as ``workers.models.linear.GEMV_ROWS`` (this layer cannot import it; a unit test
 holds the two equal)."""
 KNOTS: tuple[int, ...] = (16, 64, 256, 1024)
@@ -114,9 +114,14 @@ class StepSums:
     prefix_pairs: float = 0.0
 
     def features(self, gemv_rows: int = GEMV_ROWS) -> list[float]:
-        """This step's regression row (see :func:`features`)."""
+        """This step's regression row (see :func:`features`); an engine without a GEMV
+        (``gemv_rows`` 0) has no handover: its knot and step are 0 (else they would
+        repeat ``T`` and the intercept, and split the weight read between a memory and a
+        compute term)."""
         t = float(self.tokens)
-        return [1.0, t, *(max(0.0, t - k) for k in knots(gemv_rows)), float(t > gemv_rows),
+        g = gemv_rows >= 1
+        return [1.0, t, max(0.0, t - gemv_rows) if g else 0.0,
+                *(max(0.0, t - k) for k in KNOTS), float(g and t > gemv_rows),
                 self.decode_pairs, self.fresh_pairs, self.prefix_pairs, float(self.seqs)]
 
 
@@ -448,8 +453,8 @@ def refit_profile(path: str | Path, held_out: float = 0.2, seed: int = 0) -> Pro
     try:
         d = json.loads(Path(path).read_text())
         raw = d["points"]
-        # The GEMV handover of the engine that measured each thread count's points
-        # (files before it was measured: the fixed GEMV_ROWS that engine had).
+        # The GEMV handover of the engine that measured each thread count's points (a
+        # file before it was recorded: GEMV_ROWS, the float GEMV's fixed limit then).
         handover = {t: int(m.get("gemv_rows", GEMV_ROWS)) for t, m in d["steps"].items()}
         steps = {int(t): fit_steps([StepPoint(tuple((int(n), int(s)) for n, s in chunks),
                                               float(sec)) for chunks, sec in pts],

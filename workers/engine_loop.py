@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -53,6 +54,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from common.cost_model import StepSums
 from common.request import Request
 from common.sampling import InvalidRequestError
 from common.threads import ENGINE, name_native_thread
@@ -118,6 +120,8 @@ class EngineLoop(ReservationDriver):
         if build is not None:
             got = built.get()
             if isinstance(got, BaseException):
+                if self._trace is not None:
+                    self._trace.close()
                 raise got
 
     def load(self) -> EngineLoad:
@@ -281,7 +285,7 @@ class EngineLoop(ReservationDriver):
                     # hand-offs included) when it never waited since: the gap between
                     # two tokens of a sequence in a busy batch.
                     began = started if busy_since is None else busy_since
-                    self._trace.write(time.time() - (ended - began), ended - began,
+                    self._write_trace(time.time() - (ended - began), ended - began,
                                       engine.last_sums)
                     engine.last_sums = None
                 busy_since = ended
@@ -298,6 +302,18 @@ class EngineLoop(ReservationDriver):
                     cmd = self._commands.get(timeout=0.5)
                 except queue.Empty:
                     cmd = None
+
+    def _write_trace(self, start: float, seconds: float, sums: StepSums) -> None:
+        """One step into the trace; a trace that cannot be written (a full disk) is
+        turned off, logged once: a diagnostic must not stop the serving."""
+        assert self._trace is not None
+        try:
+            self._trace.write(start, seconds, sums)
+        except OSError as e:
+            log.warning("step trace %s turned off: %s", self._trace.path, e)
+            with contextlib.suppress(OSError):
+                self._trace.close()
+            self._trace, self.engine.trace_sums = None, False
 
     def _emit(self, output: RequestOutput) -> None:
         """Hand an output to its stream; a request that failed on its own (``error``)

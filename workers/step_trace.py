@@ -14,8 +14,9 @@ it placed in between, then the step, then handing its outputs to their streams),
 from the step's own start. In a busy batch that is the gap between two tokens of a
 sequence, what the simulator's served step stands for.
 
-:func:`read_step_trace` reads it back (``pdserve plan --validate`` fits the run's own
-speed from it: :mod:`benchmarks.plan_validate`).
+:func:`read_step_trace` reads it back (``pdserve plan --validate`` compares each role's
+steps with the step model that predicted them: :mod:`benchmarks.plan_validate`). A
+worker that changes role in place keeps the file named for the role it started in.
 
 The engine computes a step's sums only while a trace is on (one pass over the step's
 chunks); nothing else is recorded.
@@ -69,23 +70,27 @@ class StepTrace:
 def read_step_trace(path: str, since: float = float("-inf"), until: float = float("inf")
                     ) -> list[TracedStep]:
     """The steps of ``path`` that started in ``[since, until]`` (unix seconds); a last
-    line cut short (a worker killed mid-write) is skipped."""
+    line cut short (a worker killed mid-write: no newline after it) is skipped. Raises
+    ValueError for a file that is not a step trace."""
     out = []
     with open(path, encoding="utf-8") as f:
-        rows = csv.reader(f)
-        header = next(rows, None)
-        if header is not None and tuple(header) != HEADER:
-            raise ValueError(f"{path} is not a step trace (header {header!r}, want "
-                             f"{','.join(HEADER)})")
-        for row in rows:
-            if len(row) != len(HEADER):
-                continue
-            try:
-                start, seconds = float(row[0]), float(row[1])
-                sums = StepSums(int(row[2]), int(row[3]), float(row[4]), float(row[5]),
-                                float(row[6]))
-            except ValueError:
-                continue
-            if since <= start <= until:
-                out.append(TracedStep(start, seconds, sums))
+        lines = f.read().split("\n")
+    # The last piece follows the last newline: empty, or a line a worker was killed
+    # while writing (its last number may be cut short yet still parse).
+    rows = csv.reader(lines[:-1])
+    header = next(rows, None)
+    if header is not None and tuple(header) != HEADER:
+        raise ValueError(f"{path} is not a step trace (header {header!r}, want "
+                         f"{','.join(HEADER)})")
+    for row in rows:
+        if len(row) != len(HEADER):
+            continue
+        try:
+            start, seconds = float(row[0]), float(row[1])
+            sums = StepSums(int(row[2]), int(row[3]), float(row[4]), float(row[5]),
+                            float(row[6]))
+        except ValueError:
+            continue
+        if since <= start <= until:
+            out.append(TracedStep(start, seconds, sums))
     return out

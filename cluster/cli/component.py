@@ -47,8 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve Prometheus /metrics here (0: any free port; default: off)")
     w.add_argument("--step-trace", default=None, metavar="PATH",
                    help="append each engine step's start, seconds, tokens, sequences and "
-                        "attention pairs to this CSV (what `pdserve plan --validate` fits "
-                        "a run's own speed from; default: off)")
+                        "attention pairs to this CSV ({pid}: this process's id); "
+                        "`pdserve plan --validate` compares them with its predictions "
+                        "(default: off)")
     add_setting(w, "drain_timeout_s")
     add_setting(w, "cluster_tls_dir")
     add_setting(w, "cluster_secret_file")
@@ -174,7 +175,8 @@ def worker_config(args: argparse.Namespace,  # noqa: ANN201 - WorkerConfig
         model_name=path.name, role=args.role, host=args.host, port=args.port,
         transfer=transfer, local_prefill_threshold=args.local_prefill_threshold,
         redis_url=with_password(args.redis_url, redis_password(args, password)),
-        metrics_port=args.metrics_port, step_trace=args.step_trace,
+        metrics_port=args.metrics_port,
+        step_trace=args.step_trace.replace("{pid}", str(os.getpid())) if args.step_trace else None,
         drain_timeout_s=args.drain_timeout_s, cluster_tls=tls)
 
 

@@ -92,9 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--max-latency-error", type=float, default=0.10)
     v.add_argument("--max-goodput-error", type=float, default=0.05)
     v.add_argument("--saturation", type=float, default=0.85,
-                   help="--validate: judge TTFT and ITL errors (the simulator's at the run's "
-                        "own speed, from its workers' step traces) only for candidates "
-                        "whose load (offered rate / simulated capacity) is below this")
+                   help="--validate: judge TTFT and ITL errors only for candidates whose "
+                        "load (offered rate / simulated capacity) is below this")
     v.add_argument("--no-recalibrate", action="store_true",
                    help="--validate: predict every candidate from the profile as saved, "
                         "instead of measuring its serving calibration again (~30 s) right "

@@ -63,26 +63,38 @@ def test_a_step_trace_records_every_step_that_ran_work(tiny_checkpoints, tmp_pat
     loop = EngineLoop(engine, step_trace=path)
     prompts = [engine.tokenize("a trace of steps"), engine.tokenize("and another one here")]
 
-    async def run() -> None:
-        async def one(i: int) -> None:
-            params = SamplingParams(max_tokens=5, ignore_eos=True)
-            async for _ in loop.generate(Request(f"t{i}", prompts[i], params)):
-                pass
+    async def one(i: int, tag: str = "") -> None:
+        params = SamplingParams(max_tokens=5, ignore_eos=True)
+        async for _ in loop.generate(Request(f"t{i}{tag}", prompts[i], params)):
+            pass
 
+    async def run() -> float:
         await asyncio.gather(one(0), one(1))
+        await asyncio.sleep(0.3)  # the loop idles ...
+        resumed = time.time()
+        await one(0, "again")  # ... then works again
+        return resumed
 
     started = time.time()
     try:
-        asyncio.run(asyncio.wait_for(run(), timeout=30))
+        resumed = asyncio.run(asyncio.wait_for(run(), timeout=30))
         assert_no_leaks(engine)
     finally:
         loop.close()
     steps = read_step_trace(path)
     assert steps and all(started <= s.start_unix_s <= time.time() and s.seconds > 0
                          for s in steps)
-    assert sum(s.sums.tokens for s in steps) == sum(len(p) + 5 - 1 for p in prompts)
-    assert sum(s.sums.seqs for s in steps) == 2 * 5
-    assert sum(s.sums.fresh_pairs for s in steps) == sum(len(p) * (len(p) + 1) / 2
+    busy = [s for s in steps if s.start_unix_s < resumed]
+    assert sum(s.sums.tokens for s in busy) == sum(len(p) + 5 - 1 for p in prompts)
+    assert sum(s.sums.seqs for s in busy) == 2 * 5
+    # While the loop never waits, each step's time starts where the previous one ended.
+    for a, b in zip(busy, busy[1:], strict=False):
+        assert abs(a.start_unix_s + a.seconds - b.start_unix_s) < 0.01, (a, b)
+    # After the idle wait, the next step's time starts with it, not 0.3 s before.
+    after = next(s for s in steps if s.start_unix_s >= resumed)
+    assert after.start_unix_s - (busy[-1].start_unix_s + busy[-1].seconds) > 0.25
+    assert after.seconds < 0.25
+    assert sum(s.sums.fresh_pairs for s in busy) == sum(len(p) * (len(p) + 1) / 2
                                                         for p in prompts)
 
 

@@ -16,6 +16,7 @@ from common.cost_model import (
     SPREAD_DECAY,
     StepSums,
     features,
+    knots,
     load_profile,
     save_profile,
     spread_steps,
@@ -61,6 +62,19 @@ def test_a_trace_reads_back_within_its_window_and_skips_a_torn_line(tmp_path) ->
     again.write(200.0, 0.5, step_sums([(16, 0)]))
     again.close()
     assert read_step_trace(path, since=150.0)[0].sums.tokens == 16
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("201.0,0.5,16,1,0,136,2")  # whole fields, but the worker died before "5\n"
+    assert [s.start_unix_s for s in read_step_trace(path, since=150.0)] == [200.0]
+
+
+def test_an_engine_without_a_gemv_has_no_handover_terms() -> None:
+    """gemv_rows 0 (no GEMV: a GPU, int8 without kernels): the handover knot and step
+    are 0, not copies of T and of the intercept."""
+    row = step_sums([(1, 10)] * 3).features(0)
+    assert row[2] == 0.0 and row[2 + len(knots(0))] == 0.0
+    assert row[:2] == [1.0, 3.0]
+    with_gemv = step_sums([(1, 10)] * 3).features(2)
+    assert with_gemv[2] == 1.0 and with_gemv[2 + len(knots(2))] == 1.0
 
 
 def test_a_file_that_is_no_trace_is_refused_by_name(tmp_path) -> None:
