@@ -4,7 +4,9 @@ dtype that runs it, and either layout gives Hugging Face's greedy tokens.
 The measurement itself (``kernels.time_gemv_tiles``) is unit-tested on the real kernel in
 ``tests/unit/test_int8_linear.py``; here its verdict is pinned both ways (the function
 replaced by one returning a fixed timing) so that both of the runner's branches run on
-every machine, whichever layout this CPU would pick.
+every machine, whichever layout this CPU would pick. Up to how many rows the GEMV runs is
+pinned to the default too (:func:`fixed_gemv_rows`: on tiny models the timing is noise);
+``test_gemv_rows.py`` tests that measurement.
 """
 
 from __future__ import annotations
@@ -13,15 +15,27 @@ import pytest
 from conftest import assert_no_leaks, hf_greedy
 from test_engine_matches_hf import GREEDY, prompts_for
 
-from workers.engine import kernels
+from workers.engine import kernels, model_runner
 from workers.engine.llm import LLM
-from workers.models.linear import DualWeight, Int8Weight
+from workers.models.linear import GEMV_ROWS, DualWeight, GemvRowsTiming, Int8Weight
 
 
 @pytest.fixture(scope="module", autouse=True)
 def native() -> None:
     if kernels.load() is None:
         pytest.skip(f"native kernels unavailable: {kernels.unavailable_reason()}")
+
+
+def fixed_gemv_rows(monkeypatch: pytest.MonkeyPatch, rows: int = GEMV_ROWS) -> None:
+    """The model runner's GEMV row limit pinned to ``rows`` (a stand-in for
+    ``workers.models.linear.time_gemv_rows``)."""
+    monkeypatch.setattr(model_runner, "time_gemv_rows",
+                        lambda *_, **__: GemvRowsTiming(rows, (), (), ()))
+
+
+@pytest.fixture(autouse=True)
+def pinned_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    fixed_gemv_rows(monkeypatch)
 
 
 def fixed(tiles: bool):  # noqa: ANN201 - a stand-in for kernels.time_gemv_tiles

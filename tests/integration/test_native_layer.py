@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import assert_no_leaks
 from test_engine_matches_hf import prompts_for
-from test_gemv_layout import fixed
+from test_gemv_layout import fixed, fixed_gemv_rows
 from tiny_models import ARCHS
 
 from workers.engine import kernels
@@ -57,6 +57,13 @@ def run(llm: LLM, prompts: list[list[int]], layer_op) -> tuple[list, int, int]: 
         model.forward, model.layer_op = forward, own
     assert all(len(o.token_ids) == STEPS.max_tokens for o in outs)
     return logits, decode_only, calls
+
+
+@pytest.fixture(autouse=True)
+def pinned_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GEMV up to the default 4 rows, whatever this CPU times for the tiny models:
+    the tests below ask for the GEMV at 1 sequence and the batched op at 6."""
+    fixed_gemv_rows(monkeypatch)
 
 
 def assert_same_steps(llm: LLM, prompts: list[list[int]]) -> set[int]:
