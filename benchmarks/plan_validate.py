@@ -286,10 +286,8 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
         # How the steps ran against the model that predicted them, per role.
         row["step_speed"] = {role: step_speed(now, t, steps)
                              for role, steps in sorted(m["steps"].items())}
-        print("steps against the calibration it was predicted with: " + "; ".join(
-            f"{role} {v['steps']} steps {v['drift']:+.0%} (median step {v['median_ratio']:.2f}x)"
-            for role, v in row["step_speed"].items() if v and v["drift"] is not None),
-            flush=True)
+        print(f"steps against the calibration it was predicted with: {_speeds(row)}",
+              flush=True)
         if r.config.kind != "mixed":
             placed = m["local_placements"]
             whole = fig["completed"] + fig["failed"] == len(workload.requests)  # not a slice
@@ -343,12 +341,20 @@ def _unjudged(row: dict, b: Bounds) -> str:
     return "" if judged_latency(row, b) else "  (latency not judged: load)"
 
 
+def _speeds(row: dict) -> str:
+    """Each role's traced steps against the model that predicted them (empty: none)."""
+    return "; ".join(f"{role} {v['steps']} steps {v['drift']:+.0%} (median step "
+                     f"{v['median_ratio']:.2f}x)"
+                     for role, v in (row.get("step_speed") or {}).items()
+                     if v and v["drift"] is not None)
+
+
 def _or_na(n: int | None) -> str:
     return "n/a" if n is None else str(n)
 
 
 def _print(s: dict) -> None:
-    b = Bounds(**{k: v for k, v in s["bounds"].items() if k in Bounds.__dataclass_fields__})
+    b = Bounds(**s["bounds"])
     print(f"\n{'candidate':<34}{'load':>6}{'TTFT p90 pred/meas ms':>24}{'ITL p90 pred/meas':>20}"
           f"{'goodput pred/meas':>20}")
     for row in s["rows"]:
@@ -360,12 +366,9 @@ def _print(s: dict) -> None:
               f"{p['itl_p90_ms']:>7.0f}/{m['itl_p90_ms']:<5.0f}{e['itl_p90_ms']:>+6.0%} "
               f"{p['goodput']:>7.3f}/{m['goodput']:<6.3f}{e['goodput']:>+6.0%}{note}")
     for row in s["rows"]:
-        speed = {k: v for k, v in (row.get("step_speed") or {}).items()
-                 if v and v["drift"] is not None}
-        if speed:
-            print(f"{row['config']}: its steps ran " + ", ".join(
-                f"{role} {v['drift']:+.0%}" for role, v in speed.items())
-                + " against the calibration it was predicted with")
+        if speeds := _speeds(row):
+            print(f"{row['config']}: its steps against the calibration it was predicted "
+                  f"with: {speeds}")
     for row in s["rows"]:
         if "local_prefills" in row:
             lp = row["local_prefills"]

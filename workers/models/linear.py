@@ -48,7 +48,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from common.timing import least_seconds
+from common.timing import crossover, least_seconds
 
 
 @dataclass(frozen=True)
@@ -373,22 +373,11 @@ def time_gemv_rows(gemv: LinearOps, batched: LinearOps, shapes: list[tuple[int, 
 
 def gemv_rows_from(timed: Callable[[int], tuple[float, float]], probe: tuple[int, ...],
                    margin: float = 1.0) -> GemvRowsTiming:
-    """:func:`time_gemv_rows`' rule on ``timed(rows) -> (GEMV s, batched s)``: the row
-    counts of ``probe`` in order, the GEMV kept while it takes under ``margin`` times the
-    batched op; a loss timed again (the least of the two kept), a second loss the end."""
-    rows, probed, gemv_s, batched_s = 0, [], [], []
-    for m in probe:
-        g, b = timed(m)
-        if g >= margin * b:
-            g2, b2 = timed(m)
-            g, b = min(g, g2), min(b, b2)
-        probed.append(m)
-        gemv_s.append(g)
-        batched_s.append(b)
-        if g >= margin * b:
-            break
-        rows = m
-    return GemvRowsTiming(rows, tuple(probed), tuple(gemv_s), tuple(batched_s))
+    """:func:`time_gemv_rows`' rule on ``timed(rows) -> (GEMV s, batched s)``
+    (:func:`common.timing.crossover`): the GEMV up to the last row count it kept, none
+    where it lost at the first."""
+    c = crossover(timed, probe, margin)
+    return GemvRowsTiming(c.kept or 0, c.probed, c.first_s, c.second_s)
 
 
 Gemv = Callable[[torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
@@ -405,10 +394,10 @@ def gemv_linear(gemv: Gemv, batched: LinearOps, max_rows: int = GEMV_ROWS,
     batches). Each weight is kept in both (:class:`DualWeight`). ``native``: the GEMV's
     weight as a native decode layer takes it (``workers.engine.kernels.gemv_form``).
     ``max_rows`` 0: ``batched`` alone."""
-    small = gemv_op(gemv, layout, native)
     if max_rows < 1:
         return batched
-    both = by_rows(small, batched, (max_rows, max_rows + 1), [True, False])
+    both = by_rows(gemv_op(gemv, layout, native), batched, (max_rows, max_rows + 1),
+                   [True, False])
     return LinearOps(f"gemv+{batched.name}", both.prepare, both.apply, native=both.native)
 
 

@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from common.timing import least_seconds
+from common.timing import crossover, least_seconds
 
 log = logging.getLogger(__name__)
 
@@ -534,15 +534,11 @@ def time_int8_gemv_rows(shapes: list[tuple[int, int]], dtype: torch.dtype, tiles
             qs.append(int8_tiles(q) if tiles else q)
             scales.append(torch.ones(n))
             ks.append(k)
-    gemv_s: list[float] = []
-    gemm_s: list[float] = []
-    probed: list[int] = []
-    rows = max(1, probe[0] // 2) if probe else INT8_GEMV_ROWS
     for k, q, scale in zip(ks, qs, scales, strict=True):  # first calls: the pool wakes up
         for limit in (1, 0):
             int8_linear(torch.ones(1, k, dtype=dtype), q, scale, max_gemv_rows=limit)
 
-    def timed(m: int) -> dict[str, float]:
+    def timed(m: int) -> tuple[float, float]:
         xs = {k: torch.ones(m, k, dtype=dtype) for k in set(ks)}
 
         def path(limit: int) -> Callable[[], None]:
@@ -551,20 +547,13 @@ def time_int8_gemv_rows(shapes: list[tuple[int, int]], dtype: torch.dtype, tiles
                     int8_linear(xs[k], q, scale, max_gemv_rows=limit)
             return once
 
-        return least_seconds({"gemv": path(m), "gemm": path(0)}, reps)
+        best = least_seconds({"gemv": path(m), "gemm": path(0)}, reps)
+        return best["gemv"], best["gemm"]
 
-    for m in probe:
-        best = timed(m)
-        if best["gemv"] >= margin * best["gemm"]:
-            again = timed(m)
-            best = {name: min(best[name], again[name]) for name in best}
-        probed.append(m)
-        gemv_s.append(best["gemv"])
-        gemm_s.append(best["gemm"])
-        if best["gemv"] >= margin * best["gemm"]:
-            break
-        rows = m
-    return Int8RowsTiming(rows, tuple(probed), tuple(gemv_s), tuple(gemm_s))
+    c = crossover(timed, probe, margin)
+    rows = c.kept if c.kept is not None else (max(1, probe[0] // 2) if probe else
+                                              INT8_GEMV_ROWS)
+    return Int8RowsTiming(rows, c.probed, c.first_s, c.second_s)
 
 
 def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
