@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from common.request import Request
 from common.sampling import InvalidRequestError
 
-from .engine.llm_engine import OnPrefilled, RequestOutput
+from .engine.llm_engine import OnPrefilled, OnPrefilling, RequestOutput
 from .reservation import ReservationMachine
 from .transfer import TransferHandle, TransferResult
 
@@ -60,6 +60,7 @@ class Add:
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
     on_prefilled: OnPrefilled | None = None
+    on_prefilling: OnPrefilling | None = None
     local_threshold: int | None = None  # set: a reserve (decode side of disaggregation)
 
     @property

@@ -59,7 +59,7 @@ from common.request import Request
 from common.sampling import InvalidRequestError
 from common.threads import ENGINE, name_native_thread
 
-from .engine.llm_engine import LLMEngine, OnPrefilled, RequestOutput, coalesce
+from .engine.llm_engine import LLMEngine, OnPrefilled, OnPrefilling, RequestOutput, coalesce
 from .engine.model_runner import default_intra_op_threads
 from .engine.surface import EngineLoad
 from .engine_commands import (
@@ -159,10 +159,13 @@ class EngineLoop(ReservationDriver):
         self._thread.join(timeout=10)
 
     async def generate(
-        self, request: Request, on_prefilled: OnPrefilled | None = None
+        self, request: Request, on_prefilled: OnPrefilled | None = None,
+        on_prefilling: OnPrefilling | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Run a request here; ``on_prefilled`` makes it prefill-only (see LLMEngine)."""
-        add = Add(request, asyncio.get_running_loop(), asyncio.Queue(), on_prefilled)
+        """Run a request here; ``on_prefilled`` makes it prefill-only, ``on_prefilling``
+        hears of its last chunk's step before the forward (see LLMEngine)."""
+        add = Add(request, asyncio.get_running_loop(), asyncio.Queue(), on_prefilled,
+                  on_prefilling)
         async for item in self._stream(add):
             yield item  # type: ignore[misc]
 
@@ -404,7 +407,7 @@ class EngineLoop(ReservationDriver):
                 r = cmd.request
                 self.engine.add_request(r.request_id, list(r.prompt_token_ids), r.sampling,
                                         r.cache_salt, cmd.on_prefilled, r.n,
-                                        r.prompt_logprobs)
+                                        r.prompt_logprobs, cmd.on_prefilling)
             except Exception as e:  # noqa: BLE001 - the request's own: back to its caller
                 self._deliver(cmd, request_error(cmd.request_id, e))
                 return

@@ -56,6 +56,7 @@ from .reservation import Reservation
 from .roles import RoleChangeError, RoleSwitch, channel_ends, wait_idle
 from .transfer import (
     ChannelStats,
+    EarlyOffer,
     KVReceiver,
     KVSender,
     TransferResult,
@@ -155,6 +156,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 "registry lists; nothing was computed or sent")
         sender, loop, kv = self._sender, self._loop, self._loop.engine.kv_view()
         skip, dst = target.skip_blocks, list(target.block_ids)
+        early: list[tuple[EarlyOffer, list[int]]] = []  # the offer made before the KV
+
+        def offer_kv(block_table: list[int]) -> None:  # engine thread, before the forward
+            src = block_table[skip:]
+            if len(src) == len(dst):  # else send_kv logs it
+                early.append((sender.offer_paged(target.address, req.request_id, kv.cache,
+                                                 src, dst, kv.block_size,
+                                                 kv_format=kv.kv_format,
+                                                 kv_digest=kv.kv_digest), src))
 
         def send_kv(block_table: list[int], release) -> None:  # noqa: ANN001 - engine thread
             src = block_table[skip:]
@@ -163,23 +173,36 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                           req.request_id, len(src), len(dst))
                 release()
                 return
-            try:  # read in place from the held blocks; released once the send ended
-                handle = sender.send_paged(target.address, req.request_id, kv.cache, src,
-                                           dst, kv.block_size, kv_format=kv.kv_format,
-                                           kv_digest=kv.kv_digest)
-            except Exception:  # noqa: BLE001 - sender closed: the decode side recomputes
-                log.exception("request %s: cannot send its KV", req.request_id)
-                release()
-                return
+            if early:  # the KV is in the blocks offered: send it (a void one fails there)
+                offer, offered = early[0]
+                if offered != src:
+                    log.error("request %s: its KV is not in the blocks offered early; the "
+                              "decode side recomputes it", req.request_id)
+                    offer.void()
+                offer.go()
+                handle = offer.handle
+            else:
+                try:  # read in place from the held blocks; released once the send ended
+                    handle = sender.send_paged(target.address, req.request_id, kv.cache, src,
+                                               dst, kv.block_size, kv_format=kv.kv_format,
+                                               kv_digest=kv.kv_digest)
+                except Exception:  # noqa: BLE001 - sender closed: the decode side recomputes
+                    log.exception("request %s: cannot send its KV", req.request_id)
+                    release()
+                    return
             handle.add_done_callback(_log_failed_send)
             handle.add_quiesced_callback(lambda: loop.call_soon(release))
 
         last: dict[int, RequestOutput] = {}  # by choice
         try:
-            async for out in self._loop.generate(req, send_kv):
+            async for out in self._loop.generate(
+                    req, send_kv, offer_kv if sender.config.early_offer else None):
                 last[out.index] = out
         except (InvalidRequestError, EngineUnavailableError) as e:
             await context.abort(_status(e), str(e))
+        finally:  # no KV follows an early offer the request's end left undecided
+            for offer, _ in early:
+                offer.void()
         assert len(last) == req.n and all(out.finished for out in last.values())
         return worker_pb2.PrefillResponse(
             first=to_proto(last[0], 0), choices=[to_proto(last[i], 0) for i in range(1, req.n)])

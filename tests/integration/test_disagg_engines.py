@@ -8,6 +8,7 @@ recompute after a failed transfer, prefix hits on either side, and no leaked blo
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import pytest
@@ -43,8 +44,10 @@ def run_until_done(eng: LLMEngine, rid: str) -> RequestOutput:
 
 def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],  # noqa: ANN001
                   params: SamplingParams = GREEDY, drop: bool = False,
-                  prompt_logprobs: int | None = None,
+                  prompt_logprobs: int | None = None, early: list | None = None,
                   ) -> tuple[RequestOutput, RequestOutput, TransferState]:
+    """One request across the split; with ``early`` (a list the offers go to) the KV is
+    offered while the step that computes it runs, as a prefill worker does."""
     sender, receiver = channel
     kv = d.reserve_request(rid, ids, params, prompt_logprobs=prompt_logprobs)
     assert kv is not None
@@ -55,15 +58,27 @@ def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],
     sent = []
     releases = []
 
+    def announce(table: list[int]) -> None:
+        assert early is not None
+        early.append((p.num_steps, table, sender.offer_paged(
+            receiver.address, rid, p.kv_view().cache, table[skip:], dst, bs)))
+
     def export(table: list[int], release) -> None:  # noqa: ANN001
         releases.append(release)
         if drop:  # the KV never leaves: the reservation must not be decoded
             handle.cancel("test drops the transfer")
             return
+        if early:
+            step, offered, offer = early[-1]
+            assert (step, offered) == (p.num_steps, table)  # the same step, the same blocks
+            assert offer.go()
+            sent.append(offer.handle)
+            return
         sent.append(sender.send_paged(receiver.address, rid, p.kv_view().cache, table[skip:],
                                       dst, bs))
 
-    p.add_request(rid, ids, params, on_prefilled=export, prompt_logprobs=prompt_logprobs)
+    p.add_request(rid, ids, params, on_prefilled=export, prompt_logprobs=prompt_logprobs,
+                  on_prefilling=announce if early is not None else None)
     first = run_until_done(p, rid)
     assert first.finish_reason == "remote" and len(first.token_ids) == 1
     result = handle.wait(30)
@@ -145,6 +160,60 @@ def receiver_idle(channel) -> bool:  # noqa: ANN001
     return channel[1].live_transfers() == 0
 
 
+def test_early_offer_is_made_in_the_last_chunks_step_and_lands(tiny_checkpoints,
+                                                              channel) -> None:
+    """``on_prefilling`` runs once per request, before the forward of the step whose
+    chunk ends the prompt (chunked prompts: not before), with the blocks ``on_prefilled``
+    then gets; the KV offered then lands, and greedy output equals HF's. A request whose
+    first token ends it offered too: voided, it fails the reservation and leaks nothing."""
+    path = tiny_checkpoints["llama"]
+    p, d = engine(path), engine(path)
+    counted = p.step
+    p.num_steps = 0
+
+    def step() -> list[RequestOutput]:
+        p.num_steps += 1
+        return counted()
+
+    p.step = step
+    tok = p.tokenizer
+    prompts = [tok("A " * 30 + "story").input_ids, tok("Hi").input_ids]
+    assert len(prompts[0]) > 2 * 23  # three chunks at max_num_batched_tokens=23
+    outs, offers = [], []
+    for i, ids in enumerate(prompts):
+        early: list = []
+        outs.append(disaggregated(p, d, channel, f"early-{i}", ids, early=early))
+        assert len(early) == 1 and early[0][2].handle.result().ok
+        offers += early
+    assert [o.token_ids for _, o, _ in outs] == hf_greedy(path, prompts, 12)
+    sender, receiver = channel
+    ids = prompts[1]
+    kv = d.reserve_request("ends", ids, GREEDY)
+    cache = d.kv_view().cache
+    dst = list(kv.target_block_ids)
+    handle = receiver.expect("ends", KVLayout.of_cache(cache, kv.block_size), dst,
+                             PagedCacheDestination(cache, dst, kv.block_size))
+    made = []
+    p.add_request("ends", ids, SamplingParams(max_tokens=1, temperature=0.0),
+                  on_prefilled=lambda table, release: pytest.fail("nothing to export"),
+                  on_prefilling=lambda table: made.append(sender.offer_paged(
+                      receiver.address, "ends", p.kv_view().cache, table[kv.skip_blocks:],
+                      dst, kv.block_size)))
+    assert run_until_done(p, "ends").finish_reason == "length" and len(made) == 1
+    deadline = time.monotonic() + 30
+    while handle.state is not TransferState.RECEIVING:  # accepted (a void before the
+        assert time.monotonic() < deadline  # offer went out would offer nothing at all)
+        time.sleep(0.01)
+    assert made[0].void()  # what the server does once the request ended undecided
+    assert handle.wait(30).state is TransferState.CANCELLED
+    assert "withdrew" in handle.result().reason
+    assert made[0].handle.wait(30).state is TransferState.CANCELLED
+    d.abort_request("ends")
+    for e in (p, d):
+        assert_no_leaks(e)
+    assert receiver_idle(channel)
+
+
 def test_first_token_that_ends_the_request_sends_nothing(tiny_checkpoints, channel) -> None:
     path = tiny_checkpoints["llama"]
     p = engine(path)
@@ -215,7 +284,7 @@ def test_flipped_kv_byte_would_change_the_tokens_and_is_recomputed_instead(
             assert_no_leaks(e)
         # the control: without the check the same fault reaches the tokens
         monkeypatch.setattr(KVReceiver, "_checksum_failed",
-                            lambda self, pair, header, handle, landed:
+                            lambda self, pair, header, handle, landed, expected:
                             handle.advance(TransferState.DONE))
         p, d = engine(path), engine(path)
         _, out, state = disaggregated(p, d, (flipping, receiver), "flip-unchecked", ids)

@@ -45,6 +45,7 @@ from workers.transfer import (
     TransferState,
     request_id64,
 )
+from workers.transfer import sender as sender_module
 from workers.transfer.auth import ChannelAuth
 from workers.transfer.header import encode_offer
 from workers.transfer.rendezvous import JOIN_PREFIX, ROOT, STOP, connect_store, listen_store
@@ -189,6 +190,44 @@ def test_a_peer_that_cannot_sign_its_accept_gets_no_kv() -> None:
     assert r.state is TransferState.FAILED and "signed" in (r.reason or ""), r
     assert seen and seen[0].startswith(b"Jv2 ")
     assert not fake.check(["pair/1/pg/0"]) and not fake.check(["pair/1/pg/1"])
+
+
+def test_an_early_offer_lands_keyed_and_a_trailer_that_does_not_verify_fails_it(
+        decode: KVReceiver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An early offer's trailer (its checksum) carries a MAC under the cluster key: with
+    it the KV lands; a trailer altered on the way (one MAC byte flipped, as an on-path
+    attacker would) is refused, counted, and the transfer fails on a closed pair."""
+    real = sender_module._SendPair.trailer
+
+    def forged(self, seq: int, checksum: int, status: int) -> torch.Tensor:  # noqa: ANN001
+        t = real(self, seq, checksum, status).clone()
+        t[-1] ^= 0xFF
+        return t
+
+    sender = KVSender("prefill-early", TransferConfig(**CFG, auth_key=KEY))
+    src_cache = torch.zeros(2, 2, 4 * 16, 2, 32)
+    try:
+        for rid, ids, tamper in (("early-ok", [2, 4], False), ("early-forged", [6, 7], True)):
+            if tamper:
+                monkeypatch.setattr(sender_module._SendPair, "trailer", forged)
+            cache = _cache()
+            h = decode.expect(rid, LAYOUT, ids, PagedCacheDestination(cache, ids, 16))
+            offer = sender.offer_paged(decode.address, rid, src_cache, [0, 1], ids, 16)
+            _until(lambda h=h: h.state is TransferState.RECEIVING, "the early accept")
+            kv = _kv(7, 2)
+            src_cache.view(2, 2, -1, 16, 2, 32)[:, :, 0:2] = kv
+            assert offer.go()
+            assert offer.handle.wait(30).ok  # the sender cannot tell
+            result = h.wait(30)
+            if not tamper:
+                assert result.ok and torch.equal(_blocks(cache, ids), kv), result
+            else:
+                assert result.state is TransferState.FAILED, result
+                assert "does not verify" in (result.reason or ""), result
+                assert decode.stats().refused.get("bad_mac") == 1, decode.stats()
+                assert decode.stats().pairs_open == 0
+    finally:
+        sender.close()
 
 
 def test_pairs_parked_offers_and_reservations_are_bounded() -> None:

@@ -129,6 +129,29 @@ def agent_main() -> None:
                                            it["block_ids"][:n], kv, it.get("timeout_s")))
             results = [h.wait(60.0) for h in handles]
             reply["results"] = [dict(state=r.state.value, reason=r.reason) for r in results]
+        elif op == "early":
+            # as a prefill worker does: offer from a paged cache whose blocks the step has
+            # not written yet, "compute" for compute_s, then decide each offer
+            key = json.dumps(cmd.get("config", TEST_CFG), sort_keys=True)
+            if key not in senders:
+                senders[key] = KVSender(cmd["name"], fault_hooks_from_env(cfg))
+            sender = senders[key]
+            offers = []
+            for it in cmd["items"]:
+                lay, n = layout_of(it), len(it["block_ids"])
+                src = list(range(n - 1, -1, -1))  # reversed: a gather on the sender side
+                cache = new_cache(lay, n)
+                offers.append((sender.offer_paged(cmd["address"], it["request_id"], cache, src,
+                                                  it["block_ids"], 16), cache, src, it))
+            time.sleep(cmd["compute_s"])
+            for offer, cache, src, it in offers:
+                if it.get("decide", "go") == "go":
+                    scatter_blocks(cache, src, 16, make_kv(it["seed"], layout_of(it), len(src)))
+                    offer.go()
+                elif it["decide"] == "void":
+                    offer.void()
+            results = [o.handle.wait(60.0) for o, *_ in offers]
+            reply["results"] = [dict(state=r.state.value, reason=r.reason) for r in results]
         elif op == "serve":
             receiver = KVReceiver(cmd["name"], cfg)
             reply["address"] = receiver.address
@@ -494,6 +517,14 @@ def test_flipped_kv_byte_fails_either_framing_and_keeps_the_pair(
         landed = cache.view(lay.num_layers, 2, -1, 16, 2, 32)[:, :, 20:36]
         sent = kv.contiguous().view(-1).view(torch.uint8)
         assert int((landed.contiguous().view(-1).view(torch.uint8) != sent).sum()) == 1
+        # an early offer's checksum comes in its trailer, taken from the blocks while the
+        # flipped copy is on the wire: caught the same way
+        early = item("flip-early", [44, 45, 46], seed=44)
+        h = decode.expect("flip-early", lay, [44, 45, 46],
+                          PagedCacheDestination(cache, [44, 45, 46], 16))
+        assert agent.call("early", address=decode.address, items=[early],
+                          compute_s=0.1)["results"][0]["state"] == "done"
+        assert "checksum mismatch" in (h.wait(10).reason or "")
         assert agent.call("send", address=decode.address,
                           items=[clean])["results"][0]["state"] == "done"
         assert handles["clean"].wait(10).ok
@@ -501,7 +532,7 @@ def test_flipped_kv_byte_fails_either_framing_and_keeps_the_pair(
         view = cache.view(lay.num_layers, 2, -1, 16, 2, 32)
         assert torch.equal(view[:, :, 40:42], kv)
         stats = decode.stats()
-        assert stats.checksum_failures == 2 and stats.entered["failed"] == 2
+        assert stats.checksum_failures == 3 and stats.entered["failed"] == 3
         assert stats.entered["done"] == 1 and stats.pairs_open == 1
     finally:
         agent.stop()
@@ -635,3 +666,73 @@ def test_decode_killed_mid_transfer_fails_send_and_prefill_serves_another_pair(
         sender.close()
         victim.proc.kill()
         victim.stop()
+
+
+# --- early offers: offered while the prefill computes, decided after ---------------------
+
+
+def test_early_offer_is_accepted_before_the_kv_exists_and_lands_bit_exact(
+        agents: dict[str, Agent], decode: KVReceiver) -> None:
+    """The offer and the accept happen while the sender's blocks are still empty; the
+    payload and its trailer (the checksum) follow ``go``, in either framing."""
+    its = [item("early-staged", [1, 3, 5], seed=51),  # runs of 1 block: staged
+           item("early-direct", list(range(20, 36)), seed=52)]  # one long run: direct
+    lay = layout_of(its[0])
+    cache = new_cache(lay)
+    dests = {it["request_id"]: CountingDestination(cache, it["block_ids"], 16) for it in its}
+    handles = {rid: decode.expect(rid, lay, d.block_ids, d) for rid, d in dests.items()}
+    agents["prefill-a"].submit("early", address=decode.address, items=its, compute_s=1.5)
+    deadline = time.monotonic() + 10
+    while any(h.state is not TransferState.RECEIVING for h in handles.values()):
+        assert time.monotonic() < deadline, {r: h.state for r, h in handles.items()}
+        time.sleep(0.01)
+    assert bool((cache == SENTINEL).all())  # accepted; nothing has landed yet
+    assert agents["prefill-a"].reply()["results"] == [dict(state="done", reason=None)] * 2
+    expected = {}
+    for it in its:
+        assert handles[it["request_id"]].wait(10).ok
+        kv = make_kv(it["seed"], lay, len(it["block_ids"]))
+        expected.update({b: kv[:, :, i] for i, b in enumerate(it["block_ids"])})
+    assert dests["early-staged"].writes > 0 and dests["early-direct"].writes == 0
+    assert_only_blocks_written(cache, expected, 16)
+    stats = decode.stats()
+    assert stats.entered["done"] == 2 and stats.checksum_failures == 0
+
+
+def test_void_or_undecided_early_offer_fails_both_ends_and_keeps_the_pair(
+        agents: dict[str, Agent], decode: KVReceiver) -> None:
+    """``void`` (the request ended without its KV) ends the transfer CANCELLED on both
+    ends, no decision within early_go_timeout_s TIMED_OUT; the decode side is told by the
+    trailer, not by a receive timing out: the pair stays in step for the next transfer."""
+    quick = {**TEST_CFG, "early_go_timeout_s": 1.0}
+    its = [item("void-direct", list(range(8, 16)), seed=61, decide="void"),
+           item("void-staged", [1, 3], seed=62, decide="void"),
+           item("undecided", [40, 41, 42, 43], seed=63, decide="none")]
+    lay = layout_of(its[0])
+    cache = new_cache(lay)
+    handles = {it["request_id"]: decode.expect(
+        it["request_id"], lay, it["block_ids"],
+        PagedCacheDestination(cache, it["block_ids"], 16)) for it in its}
+    started = time.monotonic()
+    reply = agents["prefill-b"].call("early", address=decode.address, items=its,
+                                     compute_s=0.2, config=quick)
+    void, expired = reply["results"][:2], reply["results"][2]
+    for r in void:
+        assert r["state"] == "cancelled" and "withdrawn after the accept" in r["reason"], r
+    assert expired["state"] == "timed_out" and "early_go_timeout_s" in expired["reason"]
+    for it in its:
+        result = handles[it["request_id"]].wait(10)
+        want = ((TransferState.TIMED_OUT, "in time") if it["decide"] == "none"
+                else (TransferState.CANCELLED, "withdrew"))
+        assert (result.state, want[1] in (result.reason or "")) == (want[0], True), result
+    assert time.monotonic() - started < TEST_CFG["data_timeout_s"] + 2.5  # no receive timed out
+    stats = decode.stats()
+    assert stats.checksum_failures == 0 and stats.pairs_open == 1
+    assert stats.entered["failed"] == 0
+    again = item("after-void", [50, 51], seed=64)
+    h = decode.expect("after-void", lay, [50, 51], PagedCacheDestination(cache, [50, 51], 16))
+    assert agents["prefill-b"].call("early", address=decode.address, items=[again],
+                                    compute_s=0.0, config=quick)["results"][0]["state"] == "done"
+    assert h.wait(10).ok and decode.stats().pairs_open == 1
+    view = cache.view(lay.num_layers, 2, -1, 16, 2, 32)
+    assert torch.equal(view[:, :, 50:52], make_kv(64, lay, 2))

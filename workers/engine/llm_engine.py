@@ -10,7 +10,11 @@ Disaggregation uses two more doors. A prefill worker adds a request with
 ``on_prefilled``: right after the forward pass that computed the whole prompt, the
 callback gets the block table and a ``release`` function; the request ends with reason
 ``remote`` and its first token, but its blocks stay held (read-only) until ``release()``
-is called on the engine thread, so a transfer can read them in place. A decode worker
+is called on the engine thread, so a transfer can read them in place. With
+``on_prefilling`` too, that callback gets the block table right before the forward of
+the step that computes the prompt's last chunk (the blocks the KV will be in), so a
+transfer can be offered while the step runs; it is called at most once per request, and
+a raise there is logged and changes nothing. A decode worker
 calls ``reserve_request`` (blocks for the whole prompt, the cached prefix reused: a
 :class:`KVReservation`), lets the transfer fill them, then ``commit_request`` with the
 first token, or ``recompute_request`` when the KV will not come; ``quarantine_request``
@@ -66,7 +70,7 @@ from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner, model_context_len
 from .params import EngineConfig, InvalidRequestError, SamplingParams, SchedulerConfig
 from .sampler import TokenLogprobs
-from .scheduler import Scheduler
+from .scheduler import ScheduledChunk, Scheduler
 from .sequence import FinishReason, Sequence, SequenceStatus
 from .structured import Grammars
 from .surface import EngineLoad, KVCapacity, KVReservation, KVView
@@ -118,6 +122,9 @@ OnPrefilled = Callable[[list[int], Callable[[], None]], None]
 callback that raises is taken to hold nothing: the engine releases the blocks itself and
 fails that request."""
 
+OnPrefilling = Callable[[list[int]], None]
+"""(block table) -> None, before the forward of the prompt's last chunk."""
+
 
 @dataclass
 class _Tracked:
@@ -127,6 +134,7 @@ class _Tracked:
     first_token_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     on_prefilled: OnPrefilled | None = None
+    on_prefilling: OnPrefilling | None = None
     prompt_ids: list[int] | None = None  # copied once, shared by every output
     request_id: str = ""  # the request this choice belongs to ("": its own seq id)
     index: int = 0
@@ -192,6 +200,7 @@ class LLMEngine:
         self._requests: dict[str, _Tracked] = {}  # by sequence id (one per choice)
         self._choices: dict[str, list[str]] = {}  # n > 1: request id -> its sequence ids
         self._forks: dict[str, list[Sequence]] = {}  # choice 0's id -> choices to fork
+        self._prefilling: set[str] = set()  # ids whose on_prefilling may still be due
         self._prompt_lps: dict[str, int] = {}  # seq id -> alternatives: prompt logprobs due
         self.last_step_empty = False
         """Whether the last ``step`` found nothing it could run (no free blocks yet)."""
@@ -241,16 +250,21 @@ class LLMEngine:
         on_prefilled: OnPrefilled | None = None,
         n: int = 1,
         prompt_logprobs: int | None = None,
+        on_prefilling: OnPrefilling | None = None,
     ) -> None:
         """Validate and queue; raises :class:`InvalidRequestError` and changes nothing.
 
         With ``on_prefilled`` the request is prefill-only (see the module docstring);
-        the callback is skipped when the first token ends every choice by itself."""
+        the callback is skipped when the first token ends every choice by itself;
+        ``on_prefilling`` (only with it) is called before the last chunk's forward."""
         ids = self.tokenize(prompt)
         self._validate(request_id, ids, params, cache_salt, n)
         matchers = [self.grammars.start(choice_sampling(params, i), ids) for i in range(n)]
         seq = self.scheduler.add(request_id, ids, params, cache_salt, prompt_logprobs)
         self._track_request(seq, matchers, on_prefilled)
+        if on_prefilled is not None and on_prefilling is not None:
+            self._requests[seq.seq_id].on_prefilling = on_prefilling
+            self._prefilling.add(seq.seq_id)
 
     def _track_request(self, seq: Sequence, matchers: list,
                        on_prefilled: OnPrefilled | None = None) -> None:
@@ -493,6 +507,8 @@ class LLMEngine:
         self.last_step_empty = out.is_empty
         if out.is_empty:
             return []
+        if self._prefilling:
+            self._announce_prefilling(out.chunks)
         result = self.runner.execute(out.chunks, self.grammars or None, self._forks or None,
                                      self._prompt_lps or None)
         self._collect_prompt_logprobs(result.prompt_logprobs)
@@ -525,6 +541,22 @@ class LLMEngine:
         for seq_id, (phase, e) in failed.items():  # failed in a chunk that did not sample
             outputs.append(self._fail(self._requests[seq_id], phase, e, now))
         return outputs
+
+    def _announce_prefilling(self, chunks: list[ScheduledChunk]) -> None:
+        """``on_prefilling`` of each request whose prompt's last chunk runs this step
+        (once; ids of requests gone meanwhile are dropped)."""
+        last = {c.seq.seq_id: c.seq for c in chunks if c.samples}
+        for seq_id in list(self._prefilling):
+            tracked, seq = self._requests.get(seq_id), last.get(seq_id)
+            if tracked is not None and seq is None:
+                continue
+            self._prefilling.discard(seq_id)
+            if tracked is None or tracked.on_prefilling is None:
+                continue
+            try:
+                tracked.on_prefilling(list(seq.block_table))
+            except Exception:  # noqa: BLE001 - an early notice only; the export still runs
+                log.exception("request %s: on_prefilling failed", seq_id)
 
     def _advance(self, tracked: _Tracked, token: int, lp: TokenLogprobs | None,
                  now: float) -> RequestOutput:

@@ -2,7 +2,8 @@
 
 A decode worker runs one :class:`KVReceiver` (it hosts the rendezvous store) and
 reserves each incoming request with ``expect``; a prefill worker runs one
-:class:`KVSender` and ``send``s the blocks the decode worker lacks. The first send to a
+:class:`KVSender` and ``send``s the blocks the decode worker lacks (or offers them
+early, while the step that computes them runs: ``offer_paged``). The first send to a
 decode worker opens their pair: a 2-rank process group of its own (gloo on CPU, NCCL on
 CUDA), so pairs come and go without touching anyone else. Both ends get a
 :class:`TransferHandle` that moves PENDING -> SENDING/RECEIVING -> DONE | FAILED |
@@ -20,7 +21,7 @@ from workers.transfer.blocks import (
 from workers.transfer.channel import ChannelError, TransferConfig
 from workers.transfer.header import HeaderError, KVLayout, TransferHeader, request_id64
 from workers.transfer.receiver import KVReceiver
-from workers.transfer.sender import KVSender
+from workers.transfer.sender import EarlyOffer, KVSender
 from workers.transfer.state import (
     ChannelStats,
     TransferHandle,
@@ -31,6 +32,7 @@ from workers.transfer.state import (
 __all__ = [
     "ChannelError",
     "ChannelStats",
+    "EarlyOffer",
     "HeaderError",
     "KVDestination",
     "KVLayout",

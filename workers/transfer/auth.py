@@ -16,6 +16,10 @@ on messages that verify:
   the prefill worker sends KV only to a peer that proved it holds the key, and no
   third process can slip its own address into the rendezvous. Refusals and cancels are
   not signed: a forged one can only stop a transfer, which any store client can do.
+- an early offer's **trailer** (the payload's checksum and status, sent on the pair's
+  process group after the payload) carries a MAC over (kind, address, session, pair,
+  transfer, trailer): it vouches for the checksum as the offer's stamp does for a
+  checksum in the offer.
 
 A replayed message within the window is caught by its nonce; after the window by its
 timestamp (a nonce is remembered for ``2 * max_skew_s``, the longest a replay of an

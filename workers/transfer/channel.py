@@ -62,7 +62,11 @@ class TransferConfig:
     ``connect_timeout_s`` opening a pair, ``offer_timeout_s`` a sender waiting for an
     accept (default, per send) and a receiver keeping an offer nobody reserved for,
     ``data_timeout_s`` each payload message, ``expect_timeout_s`` a reservation waiting
-    for its offer (default, per expect). ``chunk_bytes`` sizes staged messages (sender);
+    for its offer (default, per expect). ``early_offer``: a prefill worker offers each
+    request's KV while the step that computes it runs (:meth:`KVSender.offer_paged`),
+    and an accepted early offer waits at most ``early_go_timeout_s`` for the KV (the
+    receiver's first payload message waits that much longer than ``data_timeout_s``).
+    ``chunk_bytes`` sizes staged messages (sender);
     a receiver takes the direct framing when its messages average ``direct_min_bytes``.
 
     ``auth_key`` (the cluster key, 32 bytes from the cluster secret): joins, offers and
@@ -92,6 +96,8 @@ class TransferConfig:
     offer_timeout_s: float = 10.0
     data_timeout_s: float = 30.0
     expect_timeout_s: float = 60.0
+    early_offer: bool = True
+    early_go_timeout_s: float = 60.0
     chunk_bytes: int = 8 << 20
     direct_min_bytes: int = 256 << 10
     recv_window: int = 4
@@ -114,7 +120,8 @@ class TransferConfig:
         if not 0 <= self.port < 65536:
             raise ValueError(f"TransferConfig.port {self.port} outside [0, 65536)")
         for name in ("connect_timeout_s", "offer_timeout_s", "data_timeout_s",
-                     "expect_timeout_s", "housekeeping_interval_s", "idle_wait_s",
+                     "expect_timeout_s", "early_go_timeout_s", "housekeeping_interval_s",
+                     "idle_wait_s",
                      "auth_max_skew_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"TransferConfig.{name} must be > 0")

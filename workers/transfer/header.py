@@ -35,6 +35,16 @@ byte count, and the format tells FP8 E4M3 rows from E5M2 rows of the same size. 
 bits 16..31 carry the 16-bit digest of the key transform a quantized cache stores keys
 under (0: none): KV written under another is refused like another format.
 
+Slot 11's bits 32..39 (version 4 on) are flags. :data:`FLAG_TRAILER` marks an *early*
+offer, made while the prefill's last step still computes the KV: slot 14 is then 0, and
+the checksum travels after the payload in a trailer message (:func:`encode_trailer`,
+message index :data:`TRAILER_MESSAGE`) that also says whether the payload is the KV at
+all: :data:`TRAILER_VOID` (the request ended without its KV, e.g. at its first token:
+the payload is filler and the receiver ends the transfer CANCELLED) or
+:data:`TRAILER_EXPIRED` (no decision within the sender's ``early_go_timeout_s``:
+filler, TIMED_OUT). With a cluster key the trailer carries a MAC as the offer
+does (:mod:`workers.transfer.auth`).
+
 The module is pure: no sockets, no threads.
 """
 
@@ -50,11 +60,19 @@ import torch
 from common.kv_cache_dtype import CODE_FORMATS, FORMAT_CODES, check_kv_cache_dtype
 
 MAGIC = 0x50444B56  # "PDKV"
-VERSION = 3  # 3: slot 11 carries the KV cache format; 2: slot 14 the payload checksum
+VERSION = 4  # 4: flags in slot 11 (the trailer); 3: the KV cache format; 2: the checksum
 HEADER_SLOTS = 16
 HEADER_BYTES = HEADER_SLOTS * 8
 MAX_MESSAGES = 1024  # a message index fits the low 10 bits of a gloo tag (tag_for)
+TRAILER_MESSAGE = MAX_MESSAGES - 1
+"""The trailer's message index; payload plans use the indices below it."""
+MAX_PAYLOAD_MESSAGES = MAX_MESSAGES - 1
 MAX_BLOCKS = 1 << 20
+FLAG_TRAILER = 1
+"""An early offer: the checksum comes in the trailer, after the payload."""
+TRAILER_OK, TRAILER_VOID, TRAILER_EXPIRED = 0, 1, 2
+TRAILER_BYTES = 16
+"""The trailer without its MAC: the payload checksum and the status, int64 each."""
 
 # Fixed forever: codes are on the wire. Add new dtypes at the end, never renumber.
 DTYPE_CODES: dict[torch.dtype, int] = {
@@ -185,14 +203,22 @@ class TransferHeader:
     payload_bytes: int
     chunk_planes: int
     payload_checksum: int
-    """xxh3_64 of the payload in canonical order, as a signed int64."""
+    """xxh3_64 of the payload in canonical order, as a signed int64; 0 in an early offer."""
+    flags: int = 0
+    """:data:`FLAG_TRAILER` or 0."""
+
+    @property
+    def trailer(self) -> bool:
+        """Whether the checksum (and the payload's status) come after the payload."""
+        return bool(self.flags & FLAG_TRAILER)
 
     def to_tensor(self) -> torch.Tensor:
         lay = self.layout
         slots = [
             MAGIC << 8 | VERSION, HEADER_SLOTS, self.request_id64, self.seq, self.pair_id,
             self.num_blocks, lay.num_layers, 2, lay.block_size, lay.kv_heads, lay.head_dim,
-            DTYPE_CODES[lay.dtype] | FORMAT_CODES[lay.kv_format] << 8 | lay.kv_digest << 16,
+            (DTYPE_CODES[lay.dtype] | FORMAT_CODES[lay.kv_format] << 8 | lay.kv_digest << 16
+             | self.flags << 32),
             self.payload_bytes,
             self.chunk_planes,
             self.payload_checksum,
@@ -219,11 +245,17 @@ class TransferHeader:
         if s[0] & 0xFF != VERSION:  # refused by name, so an older sender learns why
             raise HeaderError(f"offer version {s[0] & 0xFF}; this receiver speaks version "
                               f"{VERSION} (version 2 added the payload checksum, 3 the KV "
-                              "cache format): run the same pdserve release on prefill and "
-                              "decode workers", seq, pair)
+                              "cache format, 4 the early offer's trailer): run the same "
+                              "pdserve release on prefill and decode workers", seq, pair)
         if s[7] != 2:
             raise HeaderError(f"kv={s[7]}; expected 2", seq, pair)
-        dtype_code, format_code, digest = s[11] & 0xFF, s[11] >> 8 & 0xFF, s[11] >> 16
+        dtype_code, format_code, digest = s[11] & 0xFF, s[11] >> 8 & 0xFF, s[11] >> 16 & 0xFFFF
+        flags = s[11] >> 32
+        if flags & ~FLAG_TRAILER:
+            raise HeaderError(f"unknown offer flags {flags:#x}", seq, pair)
+        if flags & FLAG_TRAILER and s[14] != 0:
+            raise HeaderError("an early offer (trailer flag) must not carry a checksum", seq,
+                              pair)
         if dtype_code not in CODE_DTYPES:
             raise HeaderError(f"unknown dtype code {dtype_code}", seq, pair)
         if format_code not in CODE_FORMATS:
@@ -235,10 +267,10 @@ class TransferHeader:
                               CODE_FORMATS[format_code], digest)
         except ValueError as e:
             raise HeaderError(str(e), seq, pair) from None
-        header = cls(s[2], seq, s[4], s[5], layout, s[12], s[13], s[14])
+        header = cls(s[2], seq, s[4], s[5], layout, s[12], s[13], s[14], flags)
         planes = layout.num_planes
         if not 1 <= header.chunk_planes <= planes or -(-planes // header.chunk_planes) > (
-                MAX_MESSAGES):
+                MAX_PAYLOAD_MESSAGES):
             raise HeaderError(f"chunk_planes {header.chunk_planes} invalid for {planes} "
                               "planes", seq, pair)
         if header.payload_bytes != layout.payload_bytes(header.num_blocks):
@@ -284,7 +316,22 @@ def message_plan(header: TransferHeader, block_ids: Sequence[int], direct: bool)
 def direct_plan_fits(header: TransferHeader, block_ids: Sequence[int], min_bytes: int) -> bool:
     """Whether the direct framing has few enough messages, each ``min_bytes`` on average."""
     count = header.layout.num_planes * len(block_runs(block_ids))
-    return count <= MAX_MESSAGES and header.payload_bytes >= count * min_bytes
+    return count <= MAX_PAYLOAD_MESSAGES and header.payload_bytes >= count * min_bytes
+
+
+def encode_trailer(checksum: int, status: int) -> torch.Tensor:
+    """An early offer's trailer without its MAC: ``TRAILER_BYTES`` bytes, uint8."""
+    raw = np.array([checksum, status], dtype=_WIRE_INT64).tobytes()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def decode_trailer(data: bytes) -> tuple[int, int]:
+    """(payload checksum, status) of a trailer's first ``TRAILER_BYTES``; HeaderError for
+    a status this receiver does not know."""
+    checksum, status = (int(v) for v in np.frombuffer(data[:TRAILER_BYTES], dtype=_WIRE_INT64))
+    if status not in (TRAILER_OK, TRAILER_VOID, TRAILER_EXPIRED):
+        raise HeaderError(f"unknown trailer status {status}")
+    return checksum, status
 
 
 def _checksum(slots: Sequence[int]) -> int:

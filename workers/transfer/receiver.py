@@ -10,7 +10,9 @@ Threads, all daemons:
   thread. A bye closes its pair;
 - ``kvx-recv-<request>``, one per matched offer: checks it (refusal leaves the
   destination untouched), picks the framing, accepts, lands the payload
-  (:mod:`workers.transfer.landing`) and compares its checksum with the offer's: a
+  (:mod:`workers.transfer.landing`) and compares its checksum with the offer's (an
+  early offer's: the trailer's, which may instead say the payload is void: CANCELLED,
+  or expired: TIMED_OUT): a
   mismatch ends the transfer FAILED, counted in ``stats().checksum_failures``;
 - ``kvx-house``: expires reservations nobody offered for and parked offers nobody
   reserved for.
@@ -33,19 +35,26 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
-from workers.transfer.auth import STAMP_BYTES, AuthError, ChannelAuth, Stamp
+from workers.transfer.auth import MAC_BYTES, STAMP_BYTES, AuthError, ChannelAuth, Stamp
 from workers.transfer.blocks import KVDestination
-from workers.transfer.channel import TransferConfig
+from workers.transfer.channel import ChannelError, TransferConfig
 from workers.transfer.header import (
+    TRAILER_BYTES,
+    TRAILER_EXPIRED,
+    TRAILER_MESSAGE,
+    TRAILER_VOID,
     HeaderError,
     KVLayout,
     TransferHeader,
     check_offer,
     decode_offer,
+    decode_trailer,
     message_plan,
     request_id64,
+    tag_for,
 )
 from workers.transfer.landing import BufferPool, receive_direct, receive_staged, use_direct
 from workers.transfer.rendezvous import (
@@ -536,14 +545,31 @@ class KVReceiver:
                                "waiting for the accept)")
                 return
             plan = message_plan(header, offer.block_ids, direct)
+            # an early offer's first message waits for the prefill's step as well
+            first_s = cfg.data_timeout_s + (cfg.early_go_timeout_s if header.trailer else 0)
+            trailer = self._post_trailer(pair, header)
             if direct:
                 landed = receive_direct(pair.pg, header, plan, res.destination, handle,
-                                        cfg.data_timeout_s, cfg.wire_device)
+                                        cfg.data_timeout_s, cfg.wire_device, first_s)
             else:
                 landed = receive_staged(pair.pg, header, plan, res.destination, handle,
-                                        cfg.data_timeout_s, cfg.recv_window, self._buffers)
-            if landed != header.payload_checksum:  # the pair is in step: it stays open
-                self._checksum_failed(pair, header, handle, landed)
+                                        cfg.data_timeout_s, cfg.recv_window, self._buffers,
+                                        first_s)
+            expected = header.payload_checksum
+            if trailer is not None:
+                expected, status = self._read_trailer(pair, header, *trailer)
+                if status == TRAILER_VOID:
+                    handle.advance(TransferState.CANCELLED,
+                                   f"the prefill worker {pair.name!r} withdrew the KV of its "
+                                   "early offer (the request ended without it)")
+                    return
+                if status == TRAILER_EXPIRED:
+                    handle.advance(TransferState.TIMED_OUT,
+                                   f"the prefill worker {pair.name!r} did not have the KV of "
+                                   "its early offer ready in time")
+                    return
+            if landed != expected:  # the pair is in step: it stays open
+                self._checksum_failed(pair, header, handle, landed, expected)
                 return
             self._counters.add_bytes(header.payload_bytes)
             handle.advance(TransferState.DONE, nbytes=header.payload_bytes)
@@ -554,13 +580,39 @@ class KVReceiver:
         finally:
             pair.slots.release()
 
+    def _post_trailer(self, pair: _RecvPair, header: TransferHeader
+                      ) -> tuple[torch.Tensor, dist.Work] | None:
+        """An early offer's trailer receive, posted with the payload's; None otherwise."""
+        if not header.trailer:
+            return None
+        size = TRAILER_BYTES + (MAC_BYTES if self._auth is not None else 0)
+        buf = torch.empty(size, dtype=torch.uint8, device=self.config.wire_device)
+        return buf, pair.pg.recv([buf], 0, tag_for(header.seq, TRAILER_MESSAGE))
+
+    def _read_trailer(self, pair: _RecvPair, header: TransferHeader, buf: torch.Tensor,
+                      work: dist.Work) -> tuple[int, int]:
+        """(checksum, status) from a landed trailer, its MAC checked when keyed; raises
+        ChannelError (the caller closes the pair) for one that does not verify."""
+        work.wait(td(self.config.data_timeout_s))
+        data = buf.cpu().numpy().tobytes()
+        body, mac = data[:TRAILER_BYTES], data[TRAILER_BYTES:]
+        if self._auth is not None and not self._auth.check_tag(
+                mac, "trailer", self.address, pair.session, pair.pair_id, header.seq, body):
+            self._counters.refuse("bad_mac")
+            raise ChannelError(f"the trailer of transfer {header.seq} does not verify under "
+                               "the cluster key")
+        try:
+            return decode_trailer(body)
+        except HeaderError as e:
+            raise ChannelError(f"transfer {header.seq}: {e}") from None
+
     def _checksum_failed(self, pair: _RecvPair, header: TransferHeader,
-                         handle: TransferHandle, landed: int) -> None:
+                         handle: TransferHandle, landed: int, expected: int) -> None:
         """A payload that landed whole but not as sent: FAILED like any broken transfer
         (the decode side frees the blocks and recomputes), never DONE."""
         self._counters.checksum_failure()
         reason = (f"KV payload checksum mismatch from {pair.name!r} (pair {pair.pair_id}, "
-                  f"transfer {header.seq}): offer {header.payload_checksum:#x}, landed "
+                  f"transfer {header.seq}): offer {expected:#x}, landed "
                   f"{landed:#x}; the blocks are dropped and the prompt recomputed")
         log.warning("decode receiver %s: %s (request %r)", self.name, reason,
                     handle.request_id)

@@ -13,6 +13,16 @@ A send runs on its own daemon thread:
 4. on accept, send the payload messages in the framing the receiver chose, each wait
    bounded by ``data_timeout_s``.
 
+An *early* offer (:meth:`KVSender.offer_paged`) runs steps 1-3 while the prefill's last
+step still computes the KV, so the control path (thread start, pair, offer, accept:
+~10 ms of hops on busy cores) is off the first->second token path. Its offer carries no
+checksum (:data:`~workers.transfer.header.FLAG_TRAILER`); after the accept it waits
+for its :class:`EarlyOffer` to be decided, at most ``early_go_timeout_s``: ``go`` sends
+the payload, hashes it while it is on the wire and sends the checksum in a trailer;
+``void`` (or no decision in time) sends zeros of the payload's size and a void (expired)
+trailer, so the receiver's posted receives complete and the pair stays in step, and the
+transfer ends CANCELLED (TIMED_OUT) on both ends.
+
 With a cluster key the join, every offer and the bye are stamped and MACed, and the
 decode side's accepts must carry its MAC (:mod:`workers.transfer.auth`): KV goes only to
 a peer that holds the key, whatever address a caller named.
@@ -41,10 +51,16 @@ from workers.transfer.blocks import PagedSource, TensorSource, gather_blocks
 from workers.transfer.channel import ChannelError, TransferConfig
 from workers.transfer.checksum import flip_one_byte, payload_checksum
 from workers.transfer.header import (
+    FLAG_TRAILER,
+    TRAILER_EXPIRED,
+    TRAILER_MESSAGE,
+    TRAILER_OK,
+    TRAILER_VOID,
     KVLayout,
     Message,
     TransferHeader,
     encode_offer,
+    encode_trailer,
     message_plan,
     request_id64,
     tag_for,
@@ -73,6 +89,7 @@ from workers.transfer.state import (
     ChannelStats,
     StateCounters,
     TransferHandle,
+    TransferResult,
     TransferState,
 )
 
@@ -109,6 +126,44 @@ class _StoreCalls:
                 future.set_result(fn(*args))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 future.set_exception(e)
+
+
+class EarlyOffer:
+    """A transfer offered before its KV exists (:meth:`KVSender.offer_paged`). Exactly
+    one decision follows the accept, the first call holding: :meth:`go` (the KV is in
+    the source blocks now: send it) or :meth:`void` (it will not be: the transfer ends
+    CANCELLED, and the source blocks are never read). Both are safe from any thread and
+    return whether this call decided. No decision within ``early_go_timeout_s`` after
+    the accept voids it as expired (TIMED_OUT)."""
+
+    def __init__(self, handle: TransferHandle) -> None:
+        self.handle = handle
+        self._lock = threading.Lock()
+        self._decided = threading.Event()
+        self.ready: bool | None = None
+        self.go_time: float | None = None
+        self.expired = False
+
+    def go(self) -> bool:
+        return self._decide(True)
+
+    def void(self) -> bool:
+        return self._decide(False)
+
+    def _decide(self, ready: bool) -> bool:
+        with self._lock:
+            if self.ready is not None:
+                return False
+            self.ready, self.go_time = ready, time.monotonic()
+        self._decided.set()
+        return True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether the KV is ready, after waiting at most ``timeout_s`` for a decision
+        (none in time: void)."""
+        if not self._decided.wait(timeout_s) and self._decide(False):
+            self.expired = True
+        return bool(self.ready)
 
 
 class _SendPair:
@@ -198,6 +253,15 @@ class _SendPair:
             return body
         stamp = self.auth.stamp("offer", self.address, self.session, body)
         return SIGNED_OFFER_PREFIX + stamp.to_bytes() + body
+
+    def trailer(self, seq: int, checksum: int, status: int) -> torch.Tensor:
+        """An early transfer's trailer message, with its MAC when keyed."""
+        body = encode_trailer(checksum, status)
+        if self.auth is None:
+            return body
+        mac = self.auth.tag("trailer", self.address, self.session, self.pair_id, seq,
+                            body.numpy().tobytes())
+        return torch.cat([body, torch.frombuffer(bytearray(mac), dtype=torch.uint8)])
 
     def accepted(self, seq: int, answer: bytes) -> bytes | None:
         """ACCEPT or ACCEPT_DIRECT when ``answer`` is the receiver's accept of transfer
@@ -312,15 +376,40 @@ class KVSender:
             lambda r: self._counters.add_busy(r.seconds) if r.ok else None)
         return handle
 
+    def offer_paged(self, address: str, request_id: str, cache: torch.Tensor,
+                    src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                    block_size: int, timeout_s: float | None = None,
+                    kv_format: str = "auto", kv_digest: int = 0) -> EarlyOffer:
+        """As :meth:`send_paged`, but before the KV is in ``src_block_ids``: the pair,
+        the offer and the accept go ahead now; the payload waits for the returned
+        offer's ``go`` (after which the caller keeps the blocks unchanged until the
+        handle is terminal, as for ``send_paged``). ``void`` or no decision within
+        ``early_go_timeout_s`` after the accept ends the transfer FAILED without reading
+        the blocks. The endpoint's ``busy_s`` counts from ``go`` to the end."""
+        if len(src_block_ids) != len(dst_block_ids) or not src_block_ids:
+            raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} "
+                             "target blocks")
+        layout = KVLayout.of_cache(cache, block_size, kv_format, kv_digest)
+        source = PagedSource(cache, src_block_ids, block_size)
+        early = EarlyOffer(TransferHandle(request_id, self._counters))
+        self._start(address, request_id, layout, dst_block_ids, source, timeout_s, early)
+
+        def busy(r: TransferResult) -> None:
+            if r.ok and early.go_time is not None:
+                self._counters.add_busy(time.monotonic() - early.go_time)
+
+        early.handle.add_done_callback(busy)
+        return early
+
     def _start(self, address: str, request_id: str, layout: KVLayout,
                block_ids: Sequence[int], source: TensorSource | PagedSource,
-               timeout_s: float | None) -> TransferHandle:
+               timeout_s: float | None, early: EarlyOffer | None = None) -> TransferHandle:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"KVSender {self.name!r} is closed")
-        handle = TransferHandle(request_id, self._counters)
+        handle = TransferHandle(request_id, self._counters) if early is None else early.handle
         timeout = self.config.offer_timeout_s if timeout_s is None else timeout_s
-        args = (handle, address, layout, list(block_ids), source, timeout)
+        args = (handle, address, layout, list(block_ids), source, timeout, early)
         threading.Thread(target=self._run, args=args, daemon=True,
                          name=f"kvx-send-{request_id}").start()
         return handle
@@ -362,8 +451,8 @@ class KVSender:
     # --- the transfer thread ---------------------------------------------------------
 
     def _run(self, handle: TransferHandle, address: str, layout: KVLayout,
-             block_ids: list[int], source: TensorSource | PagedSource, timeout: float
-             ) -> None:
+             block_ids: list[int], source: TensorSource | PagedSource, timeout: float,
+             early: EarlyOffer | None) -> None:
         # Two attempts: a pair the decode worker closed before we offered anything is
         # replaced by a fresh one at once (nothing was sent, so nothing can be doubled).
         for _attempt in range(2):
@@ -381,7 +470,8 @@ class KVSender:
                                f"{self.config.pair_concurrency} transfers for {timeout}s")
                 return
             try:
-                if self._offer_and_send(pair, handle, layout, block_ids, source, deadline):
+                if self._offer_and_send(pair, handle, layout, block_ids, source, deadline,
+                                        early):
                     return
             except Exception as e:  # noqa: BLE001
                 state = TransferState.TIMED_OUT if is_timeout(e) else TransferState.FAILED
@@ -395,24 +485,31 @@ class KVSender:
 
     def _offer_and_send(self, pair: _SendPair, handle: TransferHandle, layout: KVLayout,
                         block_ids: list[int], source: TensorSource | PagedSource,
-                        deadline: float) -> bool:
-        """Offer, wait for the decision, send. False when the pair turned out closed
+                        deadline: float, early: EarlyOffer | None) -> bool:
+        """Offer, wait for the decision, send (an early offer: wait for ``early`` to be
+        decided first, and end with the trailer). False when the pair turned out closed
         before anything was offered (the caller retries on a new pair)."""
         if pair.broken is None and pair.call(pair.store.check, ["closed"]):
             pair.close("closed by the decode worker: "
                        + pair.call(pair.store.get, "closed").decode(errors="replace"))
         if pair.broken is not None:
             return False
+        if early is not None and early.ready is False:
+            handle.advance(TransferState.CANCELLED, "withdrawn before the offer went out: "
+                                                    "the request ended without its KV")
+            return True
         if not handle.seal():
             return True  # cancelled before the offer went out
         n = len(block_ids)
         chunk_planes = max(1, min(layout.num_planes,
                                   self.config.chunk_bytes // (n * layout.plane_block_bytes)))
-        checksum = payload_checksum(source.pieces())  # before the framing is known
+        # before the framing is known; an early offer's comes in its trailer
+        checksum = 0 if early is not None else payload_checksum(source.pieces())
         seq, decided = pair.next_seq()
         try:
             header = TransferHeader(request_id64(handle.request_id), seq, pair.pair_id, n,
-                                    layout, layout.payload_bytes(n), chunk_planes, checksum)
+                                    layout, layout.payload_bytes(n), chunk_planes, checksum,
+                                    0 if early is None else FLAG_TRAILER)
             key = f"decision/{seq}"
             pair.call(pair.root.queue_push, "inbox", pair.offer(encode_offer(header, block_ids)))
             if decided.wait(max(deadline - time.monotonic(), 0.0)) and pair.broken is None:
@@ -438,6 +535,7 @@ class KVSender:
                                "refusal nor an accept from the decode worker"
                                + (" (its MAC does not verify)" if pair.auth else ""))
         handle.advance(TransferState.SENDING)
+        ready = early is None or early.wait(self.config.early_go_timeout_s)
         on_wire = (lambda t: t) if self.config.backend == "nccl" else (lambda t: t.cpu())
         plan = message_plan(header, block_ids, direct=decision == ACCEPT_DIRECT)
         drop = bool(self.config.fault_drop_midway) and (
@@ -448,12 +546,22 @@ class KVSender:
             self.config.fault_flip_kv_byte in handle.request_id)
 
         def wire(i: int, m: Message) -> torch.Tensor:
+            if not ready:  # void: filler of the message's size, the blocks left unread
+                return torch.zeros((m.p1 - m.p0) * (m.i1 - m.i0) * layout.plane_block_bytes,
+                                   dtype=torch.uint8, device=self.config.wire_device)
             t = on_wire(source.message(m.p0, m.p1, m.i0, m.i1))
             # fault injection: one byte of the first message corrupted, after the hash
             return flip_one_byte(t) if flip and i == 0 else t
 
         works = [pair.pg.send([wire(i, m)], 1, tag_for(seq, i)) for i, m in enumerate(plan)]
         try:
+            if early is not None and not drop:  # hashed while the payload is on the wire
+                status = (TRAILER_OK if ready else
+                          TRAILER_EXPIRED if early.expired else TRAILER_VOID)
+                trailer = pair.trailer(seq, payload_checksum(source.pieces()) if ready else 0,
+                                       status)
+                works.append(pair.pg.send([trailer.to(self.config.wire_device)], 1,
+                                          tag_for(seq, TRAILER_MESSAGE)))
             for w in works:
                 w.wait(td(self.config.data_timeout_s))
         except BaseException:  # the source may still be read until the posted sends resolve
@@ -462,6 +570,15 @@ class KVSender:
         if drop:
             raise ChannelError(f"fault injection: transfer of {handle.request_id!r} dropped "
                                f"after {len(plan)} payload messages")
+        if not ready and early is not None and early.expired:
+            handle.advance(TransferState.TIMED_OUT, "the KV was not ready within "
+                           f"early_go_timeout_s={self.config.early_go_timeout_s}s of the "
+                           "accept (an expired trailer was sent)")
+            return True
+        if not ready:
+            handle.advance(TransferState.CANCELLED, "withdrawn after the accept: the request "
+                                                    "ended without its KV (void trailer sent)")
+            return True
         self._counters.add_bytes(header.payload_bytes)
         handle.advance(TransferState.DONE, nbytes=header.payload_bytes)
         return True
