@@ -116,6 +116,9 @@ class DeploymentConfig:
         "torch threads per worker", flag="--threads", shown="cores / workers, at least 1"))
     transfer_timeout_s: float = field(default=30.0, metadata=setting(
         "seconds each KV transfer message may take, between prefill and decode workers"))
+    kv_early_offer: bool = field(default=True, metadata=setting(
+        "prefill workers offer each prompt's KV to its decode worker after the step that "
+        "computes it, not while it runs (the offer and accept then wait for the KV)"))
     drain_timeout_s: float = field(default=30.0, metadata=setting(
         "seconds a stopping worker (SIGTERM, or removed by `pdserve scale`) has to finish "
         "its requests"))
@@ -348,6 +351,8 @@ class DeploymentConfig:
             args += ["--metrics-port", str(metrics_port)]
         if self.step_trace_dir:
             args += ["--step-trace", step_trace_path(self.step_trace_dir, role, port)]
+        if not self.kv_early_offer:
+            args.append("--no-kv-early-offer")
         if self.gpus_per_worker > 0:
             args += ["--device", "cuda"]
         return args + self._trust_args("cluster_tls_dir", "cluster_secret_file")
