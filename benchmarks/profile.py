@@ -194,9 +194,11 @@ def transfer_sizes(max_blocks: int, at_least: int = 12) -> list[int]:
 
 def measure_transfer(dtype: str, max_bytes: int, reps: int, seed: int = 0,
                      progress: Callable[[str], None] | None = None) -> list[tuple[int, float]]:
-    """(bytes, fastest seconds) per size: ``send_blocks`` from a paged cache here into
-    reserved blocks of a paged cache in a child (:mod:`benchmarks.transfer`'s decode
-    stand-in), timed from the send to the child's "done" line."""
+    """(bytes, fastest seconds) per size: an early offer (``offer_paged``) from a paged
+    cache here into reserved blocks of a paged cache in a child
+    (:mod:`benchmarks.transfer`'s decode stand-in), timed from its ``go`` (the KV ready,
+    offer and accept done meanwhile, as in a prefill worker's step) to the child's
+    "done" line."""
     # As in a worker (its model runner does this): without it each send's gather buffer
     # is a fresh mmap, and page faults halve the rate of the largest sends.
     keep_freed_memory()
@@ -224,9 +226,16 @@ def measure_transfer(dtype: str, max_bytes: int, reps: int, seed: int = 0,
                 child.say(f"expect {rid} {dtype} {n} direct")
                 if child.read() != "ready":
                     raise RuntimeError("the transfer child did not reserve the blocks")
+                # As the serving path moves KV (early offers): offered and accepted
+                # while the prefill computes, read in place; timed from go.
+                offer = sender.offer_paged(child.address, rid, src, list(range(n)),
+                                           tx.target_ids(n, "direct"), tx.BLOCK, timeout_s=60)
+                h = offer.handle
+                accepted_by = time.monotonic() + 60
+                while h.state is TransferState.PENDING and time.monotonic() < accepted_by:
+                    time.sleep(0.0002)
                 start = time.perf_counter()
-                h = sender.send_blocks(child.address, rid, src, list(range(n)),
-                                       tx.target_ids(n, "direct"), tx.BLOCK, timeout_s=60)
+                offer.go()
                 reply = child.read()
                 elapsed = time.perf_counter() - start
                 result = h.wait(60)
