@@ -199,8 +199,8 @@ def measure_transfer(dtype: str, max_bytes: int, reps: int, seed: int = 0,
     (:mod:`benchmarks.transfer`'s decode stand-in), timed from its ``go`` (the KV ready,
     offer and accept done meanwhile, as in a prefill worker's step) to the child's
     "done" line."""
-    # As in a worker (its model runner does this): without it each send's gather buffer
-    # is a fresh mmap, and page faults halve the rate of the largest sends.
+    # As in a worker (its model runner does this): freed buffers stay mapped, so no
+    # page faults of a fresh mmap land in the timings.
     keep_freed_memory()
     lay = tx.layout(dtype)
     elem = torch.empty(0, dtype=lay.dtype).element_size()

@@ -1,19 +1,27 @@
 """The first -> second token gap of a disaggregated request, with and without early KV
 offers, against colocated serving on the same cores (issue 16, item 5).
 
-``python -m benchmarks.token_gap [--rounds N] [--probes N] [--background N] [--model PATH]
-[--dtype D] [--out FILE]`` starts, round after round, three clusters from
+``python -m benchmarks.token_gap [--rounds N] [--probes N] [--background N]
+[--prompt-len N] [--link-rate RATE] [--variants ...] [--model PATH] [--dtype D]
+[--out FILE]`` starts, round after round, three clusters from
 :mod:`cluster.local` (the code ``pdserve up`` runs), one thread per worker, and measures
 each the same way:
 
-- **early**: 1 prefill + 1 decode worker, every prompt sent remote, the KV offered while
-  the prefill's last step computes it (the default, ``kv_early_offer``);
-- **after**: the same split offering the KV once the step ended (``--no-kv-early-offer``);
+- **layers**: 1 prefill + 1 decode worker, every prompt sent remote, the KV offered while
+  the prefill's last step computes it and each layer's KV sent as soon as it is done
+  (the default, ``--kv-offer layers``);
+- **step**: the same, the KV sent when the step ends (``--kv-offer step``);
+- **after**: the KV offered once the step ended (``--kv-offer after``, as before);
 - **colocated**: 2 mixed workers.
 
 In each, ``background`` clients keep decoding (64-token prompts, 200 tokens out, back to
-back) so a decode worker is mid-step when a probe's KV lands, and ``probes`` probes (128
-random tokens, 3 out, greedy) go one at a time, 0.3-0.6 s apart, after one warm-up. The gap
+back) so a decode worker is mid-step when a probe's KV lands, and ``probes`` probes
+(``prompt_len`` random tokens, 128 by default, 3 out, greedy) go one at a time, 0.3-0.6 s
+apart, after one warm-up. ``--link-rate`` (e.g. ``1gbit``) puts a token bucket
+(``tc tbf``) on ``lo`` for the whole run, as a slower link between the workers would be
+(all the cluster's traffic crosses it; the KV is nearly all of its bytes): only inside a
+private network namespace (``unshare -n sh -c 'ip link set lo up && python -m
+benchmarks.token_gap ...'``), never on a machine's own loopback. The gap
 is the client's time between its first and second token. Variants alternate within each
 round, so a drifting VM moves all three. Prints the machine, each variant's gap p50 / p90
 / p99 / max and TTFT p50 over all rounds, and the ratios early / after and each split
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -37,14 +46,15 @@ from pathlib import Path
 from typing import Any
 
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
+from cluster.testhosts import interfaces
 from router.client import Client
 from workers.model_store import resolve_model
 
 from .machine import machine_line
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    "early": dict(prefill=1, decode=1, local_prefill_threshold=0, kv_early_offer=True),
-    "after": dict(prefill=1, decode=1, local_prefill_threshold=0, kv_early_offer=False),
+    **{offer: dict(prefill=1, decode=1, local_prefill_threshold=0, kv_offer=offer)
+       for offer in ("layers", "step", "after")},
     "colocated": dict(mixed=2),
 }
 
@@ -76,13 +86,30 @@ def summary_rows(results: dict[str, Samples]) -> list[str]:
         rows.append(f"{name:<10} {len(g):>4} {quantile(g, 0.5):>9.1f} {quantile(g, 0.9):>8.1f} "
                     f"{quantile(g, 0.99):>8.1f} {max(g):>8.1f} "
                     f"{quantile(s.ttfts_ms, 0.5):>9.1f}")
-    pairs = [("early", "after"), ("early", "colocated"), ("after", "colocated")]
+    pairs = [("layers", "after"), ("step", "after"), ("layers", "step"),
+             ("layers", "colocated"), ("after", "colocated")]
     for a, b in pairs:
         if a in results and b in results:
             ga, gb = results[a].gaps_ms, results[b].gaps_ms
             rows.append(f"{a} / {b}: gap p50 {quantile(ga, 0.5) / quantile(gb, 0.5):.2f}x, "
                         f"p90 {quantile(ga, 0.9) / quantile(gb, 0.9):.2f}x")
     return rows
+
+
+def shape_loopback(rate: str | None) -> None:
+    """Put (``rate``) or take off (None) a token bucket on ``lo``; only in a private
+    network namespace (``lo`` its only interface)."""
+    if rate is None:
+        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+        return
+    if interfaces() != ["lo"]:
+        raise SystemExit("--link-rate shapes lo, so it runs only in a private network "
+                         "namespace: unshare -n sh -c 'ip link set lo up && python -m "
+                         "benchmarks.token_gap ...'")
+    r = subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", rate,
+                        "burst", "256kb", "latency", "200ms"], capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"tc could not shape lo to {rate}: {r.stderr.strip()}")
 
 
 def _probe(client: Client, prompt: list[int]) -> tuple[float, float]:
@@ -97,7 +124,7 @@ def _probe(client: Client, prompt: list[int]) -> tuple[float, float]:
 
 
 def run_variant(name: str, model: Path, dtype: str, background: int, probes: int,
-                rng: random.Random, into: Samples) -> None:
+                prompt_len: int, rng: random.Random, into: Samples) -> None:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(1000, 40000) for _ in range(n)]
 
@@ -123,10 +150,10 @@ def run_variant(name: str, model: Path, dtype: str, background: int, probes: int
             t.start()
         try:
             with Client(cluster.target) as client:
-                _probe(client, prompt(128))
+                _probe(client, prompt(prompt_len))
                 time.sleep(2.0)
                 for _ in range(probes):
-                    ttft, gap = _probe(client, prompt(128))
+                    ttft, gap = _probe(client, prompt(prompt_len))
                     into.ttfts_ms.append(ttft * 1e3)
                     into.gaps_ms.append(gap * 1e3)
                     time.sleep(0.3 + rng.random() * 0.3)
@@ -141,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--probes", type=int, default=20, help="per variant and round")
     ap.add_argument("--background", type=int, default=4, help="clients decoding meanwhile")
+    ap.add_argument("--prompt-len", type=int, default=128, help="each probe's prompt tokens")
+    ap.add_argument("--link-rate", default=None,
+                    help="shape lo to this rate (tc's units: 1gbit, 100mbit); private "
+                         "network namespaces only")
     ap.add_argument("--variants", default=",".join(VARIANTS),
                     help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--model", default=None, help="checkpoint directory (default: SmolLM2)")
@@ -156,19 +187,26 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     print(f"machine: {machine_line()}", flush=True)
     print(f"workload: {args.background} background decodes (64 -> 200 tokens), "
-          f"{args.probes} probes of 128 -> 3 tokens per variant and round, "
-          f"{args.rounds} rounds; model {model.name}, --dtype {args.dtype}, 1 thread a worker",
-          flush=True)
+          f"{args.probes} probes of {args.prompt_len} -> 3 tokens per variant and round, "
+          f"{args.rounds} rounds; model {model.name}, --dtype {args.dtype}, 1 thread a "
+          f"worker; link: {args.link_rate or 'loopback, unshaped'}", flush=True)
     results = {n: Samples() for n in names}
-    for r in range(args.rounds):
-        for name in names:
-            before = len(results[name].gaps_ms)
-            started = time.monotonic()
-            run_variant(name, model, args.dtype, args.background, args.probes, rng,
-                        results[name])
-            new = results[name].gaps_ms[before:]
-            print(f"round {r + 1}/{args.rounds} {name:<10} gap p50 {quantile(new, 0.5):7.1f} ms"
-                  f"  max {max(new):7.1f}  ({time.monotonic() - started:.0f} s)", flush=True)
+    if args.link_rate:
+        shape_loopback(args.link_rate)
+    try:
+        for r in range(args.rounds):
+            for name in names:
+                before = len(results[name].gaps_ms)
+                started = time.monotonic()
+                run_variant(name, model, args.dtype, args.background, args.probes,
+                            args.prompt_len, rng, results[name])
+                new = results[name].gaps_ms[before:]
+                print(f"round {r + 1}/{args.rounds} {name:<10} gap p50 "
+                      f"{quantile(new, 0.5):7.1f} ms  max {max(new):7.1f}  "
+                      f"({time.monotonic() - started:.0f} s)", flush=True)
+    finally:
+        if args.link_rate:
+            shape_loopback(None)
     print("\n".join(summary_rows(results)))
     if args.out:
         Path(args.out).write_text(json.dumps(

@@ -34,6 +34,10 @@ TOOL_CALL_PARSERS = ("hermes",)
 """``router.openai.tool_parsers.PARSERS``' names, spelled out: importing the HTTP front
 here would load aiohttp into every command (a unit test keeps the two equal)."""
 
+KV_OFFERS = ("layers", "step", "after")
+"""``workers.transfer.channel.KV_OFFERS``, spelled out: that module loads torch (a unit
+test keeps the two equal)."""
+
 ROLES = ("prefill", "decode", "mixed")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 LAUNCHERS = ("ray", "process")
@@ -116,9 +120,11 @@ class DeploymentConfig:
         "torch threads per worker", flag="--threads", shown="cores / workers, at least 1"))
     transfer_timeout_s: float = field(default=30.0, metadata=setting(
         "seconds each KV transfer message may take, between prefill and decode workers"))
-    kv_early_offer: bool = field(default=True, metadata=setting(
-        "prefill workers offer each prompt's KV to its decode worker after the step that "
-        "computes it, not while it runs (the offer and accept then wait for the KV)"))
+    kv_offer: str = field(default="layers", metadata=setting(
+        "when a prefill worker offers a prompt's KV to its decode worker: layers: while the "
+        "step that computes it runs, each layer's KV sent as soon as it is computed; step: "
+        "while it runs, the KV sent when it ends; after: once it ended (the offer and "
+        "accept then wait for the KV)", choices=KV_OFFERS))
     drain_timeout_s: float = field(default=30.0, metadata=setting(
         "seconds a stopping worker (SIGTERM, or removed by `pdserve scale`) has to finish "
         "its requests"))
@@ -351,8 +357,8 @@ class DeploymentConfig:
             args += ["--metrics-port", str(metrics_port)]
         if self.step_trace_dir:
             args += ["--step-trace", step_trace_path(self.step_trace_dir, role, port)]
-        if not self.kv_early_offer:
-            args.append("--no-kv-early-offer")
+        if self.kv_offer != "layers":
+            args += ["--kv-offer", self.kv_offer]
         if self.gpus_per_worker > 0:
             args += ["--device", "cuda"]
         return args + self._trust_args("cluster_tls_dir", "cluster_secret_file")

@@ -157,14 +157,19 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         sender, loop, kv = self._sender, self._loop, self._loop.engine.kv_view()
         skip, dst = target.skip_blocks, list(target.block_ids)
         early: list[tuple[EarlyOffer, list[int]]] = []  # the offer made before the KV
+        offer_when = sender.config.offer
 
-        def offer_kv(block_table: list[int]) -> None:  # engine thread, before the forward
+        def offer_kv(block_table: list[int]):  # noqa: ANN202 - engine thread, before the forward
+            """Offer now; the forward then tells the offer of each layer done, whose KV
+            goes while the next layers compute."""
             src = block_table[skip:]
-            if len(src) == len(dst):  # else send_kv logs it
-                early.append((sender.offer_paged(target.address, req.request_id, kv.cache,
-                                                 src, dst, kv.block_size,
-                                                 kv_format=kv.kv_format,
-                                                 kv_digest=kv.kv_digest), src))
+            if len(src) != len(dst):  # send_kv logs it
+                return None
+            offer = sender.offer_paged(target.address, req.request_id, kv.cache, src, dst,
+                                       kv.block_size, kv_format=kv.kv_format,
+                                       kv_digest=kv.kv_digest)
+            early.append((offer, src))
+            return offer.layers_done if offer_when == "layers" else None
 
         def send_kv(block_table: list[int], release) -> None:  # noqa: ANN001 - engine thread
             src = block_table[skip:]
@@ -196,7 +201,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         last: dict[int, RequestOutput] = {}  # by choice
         try:
             async for out in self._loop.generate(
-                    req, send_kv, offer_kv if sender.config.early_offer else None):
+                    req, send_kv, offer_kv if offer_when != "after" else None):
                 last[out.index] = out
         except (InvalidRequestError, EngineUnavailableError) as e:
             await context.abort(_status(e), str(e))

@@ -58,10 +58,18 @@ def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],
     sent = []
     releases = []
 
-    def announce(table: list[int]) -> None:
+    def announce(table: list[int]):  # noqa: ANN202
         assert early is not None
-        early.append((p.num_steps, table, sender.offer_paged(
-            receiver.address, rid, p.kv_view().cache, table[skip:], dst, bs)))
+        offer = sender.offer_paged(receiver.address, rid, p.kv_view().cache, table[skip:],
+                                   dst, bs)
+        told: list[int] = []
+        early.append((p.num_steps, table, offer, told))
+
+        def layers_done(k: int) -> None:
+            told.append(k)
+            offer.layers_done(k)
+
+        return layers_done
 
     def export(table: list[int], release) -> None:  # noqa: ANN001
         releases.append(release)
@@ -69,7 +77,7 @@ def disaggregated(p: LLMEngine, d: LLMEngine, channel, rid: str, ids: list[int],
             handle.cancel("test drops the transfer")
             return
         if early:
-            step, offered, offer = early[-1]
+            step, offered, offer, _ = early[-1]
             assert (step, offered) == (p.num_steps, table)  # the same step, the same blocks
             assert offer.go()
             sent.append(offer.handle)
@@ -164,7 +172,8 @@ def test_early_offer_is_made_in_the_last_chunks_step_and_lands(tiny_checkpoints,
                                                               channel) -> None:
     """``on_prefilling`` runs once per request, before the forward of the step whose
     chunk ends the prompt (chunked prompts: not before), with the blocks ``on_prefilled``
-    then gets; the KV offered then lands, and greedy output equals HF's. A request whose
+    then gets; the forward tells what it returned of each layer done; the KV offered
+    then lands (layer by layer), and greedy output equals HF's. A request whose
     first token ends it offered too: voided, it fails the reservation and leaks nothing."""
     path = tiny_checkpoints["llama"]
     p, d = engine(path), engine(path)
@@ -184,6 +193,8 @@ def test_early_offer_is_made_in_the_last_chunks_step_and_lands(tiny_checkpoints,
         early: list = []
         outs.append(disaggregated(p, d, channel, f"early-{i}", ids, early=early))
         assert len(early) == 1 and early[0][2].handle.result().ok
+        layers = p.kv_view().cache.shape[0]  # told after each layer, in its one step
+        assert early[0][3] == list(range(1, layers + 1))
         offers += early
     assert [o.token_ids for _, o, _ in outs] == hf_greedy(path, prompts, 12)
     sender, receiver = channel

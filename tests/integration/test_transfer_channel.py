@@ -114,12 +114,13 @@ def agent_main() -> None:
         op = cmd["op"]
         reply: dict[str, Any] = {}
         cfg = TransferConfig(**cmd.get("config", TEST_CFG))
-        if op == "send":
+        if op in ("send", "early"):
             # the fault hook as the worker's command line reads it (cluster/cli/component.py)
             key = json.dumps(cmd.get("config", TEST_CFG), sort_keys=True)
             if key not in senders:
                 senders[key] = KVSender(cmd["name"], fault_hooks_from_env(cfg))
             sender = senders[key]
+        if op == "send":
             handles = []
             for it in cmd["items"]:
                 lay = layout_of(it)
@@ -132,10 +133,6 @@ def agent_main() -> None:
         elif op == "early":
             # as a prefill worker does: offer from a paged cache whose blocks the step has
             # not written yet, "compute" for compute_s, then decide each offer
-            key = json.dumps(cmd.get("config", TEST_CFG), sort_keys=True)
-            if key not in senders:
-                senders[key] = KVSender(cmd["name"], fault_hooks_from_env(cfg))
-            sender = senders[key]
             offers = []
             for it in cmd["items"]:
                 lay, n = layout_of(it), len(it["block_ids"])
@@ -145,10 +142,18 @@ def agent_main() -> None:
                                                   it["block_ids"], 16), cache, src, it))
             time.sleep(cmd["compute_s"])
             for offer, cache, src, it in offers:
-                if it.get("decide", "go") == "go":
-                    scatter_blocks(cache, src, 16, make_kv(it["seed"], layout_of(it), len(src)))
+                decide, kv = it.get("decide", "go"), make_kv(it["seed"], layout_of(it), len(src))
+                layers = it["layers"] // 2 if decide == "void-midway" else it["layers"]
+                if "layer_s" in cmd or decide == "void-midway":  # layer by layer, told
+                    for layer in range(layers):
+                        scatter_blocks(cache, src, 16, kv[layer:layer + 1], layer)
+                        offer.layers_done(layer + 1)
+                        time.sleep(cmd.get("layer_s", 0.05))
+                elif decide == "go":
+                    scatter_blocks(cache, src, 16, kv)
+                if decide == "go":
                     offer.go()
-                elif it["decide"] == "void":
+                elif decide in ("void", "void-midway"):
                     offer.void()
             results = [o.handle.wait(60.0) for o, *_ in offers]
             reply["results"] = [dict(state=r.state.value, reason=r.reason) for r in results]
@@ -736,3 +741,37 @@ def test_void_or_undecided_early_offer_fails_both_ends_and_keeps_the_pair(
     assert h.wait(10).ok and decode.stats().pairs_open == 1
     view = cache.view(lay.num_layers, 2, -1, 16, 2, 32)
     assert torch.equal(view[:, :, 50:52], make_kv(64, lay, 2))
+
+
+def test_early_offer_streams_each_layer_as_it_is_done(agents: dict[str, Agent],
+                                                      decode: KVReceiver) -> None:
+    """Told layer by layer (as a prefill worker's forward tells it), an early offer sends
+    each layer's KV while the next ones compute: the first layer lands while the last is
+    not even written on the sender. A void after half the layers went still ends the
+    transfer CANCELLED on both ends, the pair in step."""
+    it = item("streamed", list(range(8, 24)), seed=71)  # one long run: direct, per plane
+    lay = layout_of(it)
+    cache = new_cache(lay)
+    h = decode.expect("streamed", lay, it["block_ids"],
+                      PagedCacheDestination(cache, it["block_ids"], 16))
+    agents["prefill-a"].submit("early", address=decode.address, items=[it], compute_s=0.0,
+                               layer_s=0.5)  # 6 layers: 3 s
+    kv = make_kv(71, lay, 16)
+    view = cache.view(lay.num_layers, 2, -1, 16, 2, 32)
+    deadline = time.monotonic() + 20
+    while not torch.equal(view[0, :, 8:24], kv[0]):
+        assert time.monotonic() < deadline, "the first layer never landed"
+        time.sleep(0.01)
+    assert bool((view[-1, :, 8:24] == SENTINEL).all())  # the last layer is still to come
+    assert h.state is TransferState.RECEIVING
+    assert agents["prefill-a"].reply()["results"] == [dict(state="done", reason=None)]
+    assert h.wait(10).ok and torch.equal(view[:, :, 8:24], kv)
+    midway = item("void-midway", list(range(30, 40)), seed=72, decide="void-midway")
+    h = decode.expect("void-midway", lay, midway["block_ids"],
+                      PagedCacheDestination(cache, midway["block_ids"], 16))
+    r = agents["prefill-a"].call("early", address=decode.address, items=[midway],
+                                 compute_s=0.0)["results"][0]
+    assert r["state"] == "cancelled", r
+    assert h.wait(10).state is TransferState.CANCELLED
+    stats = decode.stats()
+    assert stats.pairs_open == 1 and stats.entered["failed"] == 0

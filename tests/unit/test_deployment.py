@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from cluster.cli import build_parser, deployment_config, expand_config
-from cluster.deployment import DeploymentConfig, DeploymentError, flag_of, load_yaml
+from cluster.deployment import (
+    KV_OFFERS,
+    DeploymentConfig,
+    DeploymentError,
+    flag_of,
+    load_yaml,
+)
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "pdserve.yaml"
 
@@ -79,6 +85,18 @@ def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
     assert r.stall_probe_s == 2.0
     with pytest.raises(DeploymentError, match="stall_probe_s"):
         DeploymentConfig(stall_probe_s=-1)
+    assert w.kv_offer == "layers"  # the default, not on the line
+    for offer in KV_OFFERS:
+        args = DeploymentConfig(kv_offer=offer).worker_args("prefill", "h", 0, None, 1)
+        assert parser.parse_args(args).kv_offer == offer
+    with pytest.raises(DeploymentError, match="kv_offer"):
+        DeploymentConfig(kv_offer="sometime")
+
+
+def test_the_kv_offer_choices_are_the_channels() -> None:
+    from workers.transfer.channel import KV_OFFERS as CHANNEL_OFFERS
+
+    assert KV_OFFERS == CHANNEL_OFFERS
 
 
 def test_roles_and_threads() -> None:

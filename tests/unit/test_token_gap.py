@@ -19,14 +19,14 @@ def test_quantile_is_the_inclusive_linear_one() -> None:
 
 
 def test_summary_has_a_row_per_variant_and_the_ratios_of_those_present() -> None:
-    rows = summary_rows({"early": Samples([30.0, 40.0, 50.0], [200.0] * 3),
+    rows = summary_rows({"layers": Samples([30.0, 40.0, 50.0], [200.0] * 3),
                          "colocated": Samples([20.0, 20.0, 25.0], [190.0] * 3)})
-    assert rows[1].split()[:3] == ["early", "3", "40.0"]
+    assert rows[1].split()[:3] == ["layers", "3", "40.0"]
     assert rows[2].split()[:3] == ["colocated", "3", "20.0"]
-    assert rows[3] == "early / colocated: gap p50 2.00x, p90 2.00x"
+    assert rows[3] == "layers / colocated: gap p50 2.00x, p90 2.00x"
     assert len(rows) == 4  # no "after": no ratio against it
 
 
 def test_unknown_variant_is_refused_by_name() -> None:
     with pytest.raises(SystemExit):
-        main(["--variants", "early,nope"])
+        main(["--variants", "layers,nope"])

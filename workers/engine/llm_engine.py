@@ -13,8 +13,10 @@ callback gets the block table and a ``release`` function; the request ends with 
 is called on the engine thread, so a transfer can read them in place. With
 ``on_prefilling`` too, that callback gets the block table right before the forward of
 the step that computes the prompt's last chunk (the blocks the KV will be in), so a
-transfer can be offered while the step runs; it is called at most once per request, and
-a raise there is logged and changes nothing. A decode worker
+transfer can be offered while the step runs, and may return a function the forward then
+calls after each layer with how many layers of KV are in the blocks (a transfer may
+send them while the rest computes); it is called at most once per request, and a raise
+there is logged and changes nothing. A decode worker
 calls ``reserve_request`` (blocks for the whole prompt, the cached prefix reused: a
 :class:`KVReservation`), lets the transfer fill them, then ``commit_request`` with the
 first token, or ``recompute_request`` when the KV will not come; ``quarantine_request``
@@ -122,8 +124,9 @@ OnPrefilled = Callable[[list[int], Callable[[], None]], None]
 callback that raises is taken to hold nothing: the engine releases the blocks itself and
 fails that request."""
 
-OnPrefilling = Callable[[list[int]], None]
-"""(block table) -> None, before the forward of the prompt's last chunk."""
+OnPrefilling = Callable[[list[int]], Callable[[int], None] | None]
+"""(block table) -> None, or a function the forward then tells, after each layer ``k``
+of that step, that layers ``[0, k)`` of the KV are in the blocks (CPU only)."""
 
 
 @dataclass
@@ -507,10 +510,9 @@ class LLMEngine:
         self.last_step_empty = out.is_empty
         if out.is_empty:
             return []
-        if self._prefilling:
-            self._announce_prefilling(out.chunks)
+        layers = self._announce_prefilling(out.chunks) if self._prefilling else []
         result = self.runner.execute(out.chunks, self.grammars or None, self._forks or None,
-                                     self._prompt_lps or None)
+                                     self._prompt_lps or None, _told(layers))
         self._collect_prompt_logprobs(result.prompt_logprobs)
         if self.step_shapes is not None:
             self.step_shapes.append((out.num_batched_tokens, len(result.seq_ids)))
@@ -542,9 +544,12 @@ class LLMEngine:
             outputs.append(self._fail(self._requests[seq_id], phase, e, now))
         return outputs
 
-    def _announce_prefilling(self, chunks: list[ScheduledChunk]) -> None:
+    def _announce_prefilling(self, chunks: list[ScheduledChunk]
+                             ) -> list[Callable[[int], None]]:
         """``on_prefilling`` of each request whose prompt's last chunk runs this step
-        (once; ids of requests gone meanwhile are dropped)."""
+        (once; ids of requests gone meanwhile are dropped); what they return to be told
+        of the layers."""
+        told: list[Callable[[int], None]] = []
         last = {c.seq.seq_id: c.seq for c in chunks if c.samples}
         for seq_id in list(self._prefilling):
             tracked, seq = self._requests.get(seq_id), last.get(seq_id)
@@ -554,9 +559,13 @@ class LLMEngine:
             if tracked is None or tracked.on_prefilling is None:
                 continue
             try:
-                tracked.on_prefilling(list(seq.block_table))
+                layers = tracked.on_prefilling(list(seq.block_table))
             except Exception:  # noqa: BLE001 - an early notice only; the export still runs
                 log.exception("request %s: on_prefilling failed", seq_id)
+                continue
+            if layers is not None:
+                told.append(layers)
+        return told
 
     def _advance(self, tracked: _Tracked, token: int, lp: TokenLogprobs | None,
                  now: float) -> RequestOutput:
@@ -707,6 +716,23 @@ class LLMEngine:
             done=done,
             prompt_logprobs=prompt_lps,
         )
+
+
+def _told(listeners: list[Callable[[int], None]]) -> Callable[[int], None] | None:
+    """One ``after_layer`` for the forward that tells every listener (None: none); a
+    listener that raises is logged and told no more, and the step goes on."""
+    if not listeners:
+        return None
+
+    def after_layer(k: int) -> None:
+        for f in list(listeners):
+            try:
+                f(k)
+            except Exception:  # noqa: BLE001 - a progress note only
+                log.exception("a KV layer listener failed; it is told no more this step")
+                listeners.remove(f)
+
+    return after_layer
 
 
 def _eos_token_ids(path: Path, tokenizer: object) -> frozenset[int]:

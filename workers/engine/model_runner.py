@@ -15,7 +15,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -290,8 +290,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], masks: TokenMasks | None = None,
                 forks: Mapping[str, list[Sequence]] | None = None,
-                prompt_logprobs: Mapping[str, int] | None = None) -> StepResult:
+                prompt_logprobs: Mapping[str, int] | None = None,
+                after_layer: Callable[[int], None] | None = None) -> StepResult:
         """One forward over ``chunks``, then sampling (``masks``: structured output).
+        ``after_layer``: told as each layer's KV is in the cache (the model's forward).
         ``forks``: the other choices of a sequence whose chunk samples here; each gets a
         row of its own, drawn from that sequence's logits (the prompt computed once).
         ``prompt_logprobs``: seq id -> alternatives, for sequences whose prompt positions
@@ -330,9 +332,12 @@ class ModelRunner:
         if dev.type != "cpu":
             batch, positions = batch.to(dev), positions.to(dev)
         wall, cpu = time.perf_counter(), time.thread_time()
+        # On CUDA a layer's KV is written when its stream gets there, not when the layer's
+        # calls return: no per-layer word there (the caller's word after the step holds).
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev), positions, batch, self.kv_cache,
             torch.tensor(sample_rows, dtype=torch.long, device=dev), self.block_size,
+            after_layer if dev.type == "cpu" else None,
         )
         self.forward_cpu_s += time.thread_time() - cpu
         self.forward_s += time.perf_counter() - wall

@@ -367,11 +367,14 @@ class DecoderModel:
         kv_cache: torch.Tensor,
         sample_rows: torch.Tensor,
         block_size: int,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run all tokens of a step; return fp32 logits for ``sample_rows`` only.
 
         ``kv_cache``: [layers, 2, slots, kv_heads, row], written in place (``row``:
-        ``self.kv_format.row_elems``).
+        ``self.kv_format.row_elems``). ``after_layer(k)``: layers ``[0, k)`` of this
+        step's KV are in the cache (called after each layer's attention wrote it; a
+        step whose layers run natively calls it not at all).
         """
         s, ops, eps, linear = self.shape, self.ops, self.shape.rms_eps, self.linear
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
@@ -415,6 +418,8 @@ class DecoderModel:
                                        self.kv_format,
                                        self._step_keys(i, positions, upto) if keyed else None,
                                        self.write_decode_op)
+                if after_layer is not None:
+                    after_layer(i + 1)
                 h = ops.add_rms_norm(x, linear(attn, lw.o, lw.o_bias), lw.post_norm, eps)
                 mlp_out = linear(ops.silu_mul(linear(h, lw.gate_up, None)), lw.down, None)
         x.add_(mlp_out)

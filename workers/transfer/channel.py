@@ -23,6 +23,13 @@ Lifecycle of one transfer (prefill P sends blocks of request R to decode D)::
     Any timeout or broken connection: FAILED / TIMED_OUT with the reason, the pair is
     closed, and the next send to D opens a new one.
 
+An early offer (``KVSender.offer_paged``, how a prefill worker offers by default) runs
+the same steps in another order: the offer and accept while the prefill's step still
+computes the KV (the header's checksum slot empty, its trailer flag set); then each
+payload message as soon as its layers are computed (the forward says so, layer by
+layer) or at ``go``; then a trailer message with the checksum, or saying the payload is
+void (the request ended without its KV: CANCELLED on both ends, the pair in step).
+
 Why the header does not ride on gloo: a gloo receive that times out closes the whole
 pair, and a message larger than the posted buffer aborts the process. So the control
 path (offers, decisions) uses the store, whose waits time out harmlessly and whose
@@ -49,6 +56,10 @@ FAULT_FLIP_ENV = "PDSERVE_FAULT_FLIP_KV_BYTE"
 of a prefill worker's sender (:func:`fault_hooks_from_env`)."""
 
 
+KV_OFFERS = ("layers", "step", "after")
+"""When a prefill worker offers a prompt's KV (``TransferConfig.offer``)."""
+
+
 class ChannelError(RuntimeError):
     """A pair could not be opened or broke; the message says which pair and why."""
 
@@ -62,10 +73,13 @@ class TransferConfig:
     ``connect_timeout_s`` opening a pair, ``offer_timeout_s`` a sender waiting for an
     accept (default, per send) and a receiver keeping an offer nobody reserved for,
     ``data_timeout_s`` each payload message, ``expect_timeout_s`` a reservation waiting
-    for its offer (default, per expect). ``early_offer``: a prefill worker offers each
-    request's KV while the step that computes it runs (:meth:`KVSender.offer_paged`),
-    and an accepted early offer waits at most ``early_go_timeout_s`` for the KV (the
-    receiver's first payload message waits that much longer than ``data_timeout_s``).
+    for its offer (default, per expect). ``offer`` (a prefill worker's, one of
+    :data:`KV_OFFERS`): ``layers`` offers each request's KV while the step that computes
+    it runs (:meth:`KVSender.offer_paged`) and sends each layer's KV as the forward
+    finishes it; ``step`` offers early too but sends when the step ends; ``after`` offers
+    once it ended. An accepted early offer waits at most ``early_go_timeout_s`` for its
+    KV (the receiver's first payload message waits that much longer than
+    ``data_timeout_s``).
     ``chunk_bytes`` sizes staged messages (sender);
     a receiver takes the direct framing when its messages average ``direct_min_bytes``.
 
@@ -96,7 +110,7 @@ class TransferConfig:
     offer_timeout_s: float = 10.0
     data_timeout_s: float = 30.0
     expect_timeout_s: float = 60.0
-    early_offer: bool = True
+    offer: str = "layers"
     early_go_timeout_s: float = 60.0
     chunk_bytes: int = 8 << 20
     direct_min_bytes: int = 256 << 10
@@ -117,6 +131,9 @@ class TransferConfig:
 
     def __post_init__(self) -> None:
         check_host(self.host)
+        if self.offer not in KV_OFFERS:
+            raise ValueError(f"TransferConfig.offer {self.offer!r}: choose from "
+                             f"{', '.join(KV_OFFERS)}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"TransferConfig.port {self.port} outside [0, 65536)")
         for name in ("connect_timeout_s", "offer_timeout_s", "data_timeout_s",

@@ -35,6 +35,7 @@ offered is replaced at once.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -131,18 +132,22 @@ class _StoreCalls:
 class EarlyOffer:
     """A transfer offered before its KV exists (:meth:`KVSender.offer_paged`). Exactly
     one decision follows the accept, the first call holding: :meth:`go` (the KV is in
-    the source blocks now: send it) or :meth:`void` (it will not be: the transfer ends
-    CANCELLED, and the source blocks are never read). Both are safe from any thread and
-    return whether this call decided. No decision within ``early_go_timeout_s`` after
-    the accept voids it as expired (TIMED_OUT)."""
+    the source blocks now: send the rest of it) or :meth:`void` (it will not be: the
+    transfer ends CANCELLED, and no more of the blocks is read). Before either,
+    :meth:`layers_done` may say that the first layers' KV is in the blocks already: their
+    payload messages go at once, while the prefill computes the next layers (what is
+    sent stays sent: a void after it still ends the transfer CANCELLED, the decode side
+    discarding it all). All are safe from any thread; ``go`` and ``void`` return whether
+    this call decided. No decision within ``early_go_timeout_s`` after the accept voids
+    it as expired (TIMED_OUT)."""
 
     def __init__(self, handle: TransferHandle) -> None:
         self.handle = handle
-        self._lock = threading.Lock()
-        self._decided = threading.Event()
+        self._cond = threading.Condition()
         self.ready: bool | None = None
         self.go_time: float | None = None
         self.expired = False
+        self._planes = 0  # planes (2 per layer) known to hold the KV before the decision
 
     def go(self) -> bool:
         return self._decide(True)
@@ -150,20 +155,39 @@ class EarlyOffer:
     def void(self) -> bool:
         return self._decide(False)
 
-    def _decide(self, ready: bool) -> bool:
-        with self._lock:
+    def layers_done(self, layers: int) -> None:
+        """Layers ``[0, layers)`` of the KV are in the source blocks (a prefill worker's
+        forward says so after each layer)."""
+        with self._cond:
+            if self.ready is None and 2 * layers > self._planes:
+                self._planes = 2 * layers
+                self._cond.notify_all()
+
+    def _decide(self, ready: bool, expired: bool = False) -> bool:
+        with self._cond:
             if self.ready is not None:
                 return False
-            self.ready, self.go_time = ready, time.monotonic()
-        self._decided.set()
+            self.ready, self.go_time, self.expired = ready, time.monotonic(), expired
+            self._cond.notify_all()
         return True
 
-    def wait(self, timeout_s: float) -> bool:
-        """Whether the KV is ready, after waiting at most ``timeout_s`` for a decision
-        (none in time: void)."""
-        if not self._decided.wait(timeout_s) and self._decide(False):
-            self.expired = True
-        return bool(self.ready)
+    def wait_planes(self, planes: float, deadline: float) -> bool:
+        """Whether planes ``[0, planes)`` hold the KV, waiting until they do, a decision,
+        or ``deadline`` (``time.monotonic()``; then it expires): True after ``go`` or
+        once :meth:`layers_done` covers them, False after ``void`` or expiry."""
+        with self._cond:
+            while self.ready is None and self._planes < planes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.ready, self.go_time, self.expired = False, time.monotonic(), True
+                    break
+                self._cond.wait(left)
+            return self.ready is not False
+
+    def wait(self, deadline: float) -> bool:
+        """The decision, waited for until ``deadline`` (none by then: expired): whether
+        the KV is ready."""
+        return self.wait_planes(math.inf, deadline) and bool(self.ready)
 
 
 class _SendPair:
@@ -535,7 +559,7 @@ class KVSender:
                                "refusal nor an accept from the decode worker"
                                + (" (its MAC does not verify)" if pair.auth else ""))
         handle.advance(TransferState.SENDING)
-        ready = early is None or early.wait(self.config.early_go_timeout_s)
+        go_by = time.monotonic() + self.config.early_go_timeout_s
         on_wire = (lambda t: t) if self.config.backend == "nccl" else (lambda t: t.cpu())
         plan = message_plan(header, block_ids, direct=decision == ACCEPT_DIRECT)
         drop = bool(self.config.fault_drop_midway) and (
@@ -546,16 +570,22 @@ class KVSender:
             self.config.fault_flip_kv_byte in handle.request_id)
 
         def wire(i: int, m: Message) -> torch.Tensor:
-            if not ready:  # void: filler of the message's size, the blocks left unread
+            # an early offer's message waits for its layers' KV (or the decision)
+            if early is not None and not early.wait_planes(m.p1, go_by):
+                # void: filler of the message's size, the blocks left unread
                 return torch.zeros((m.p1 - m.p0) * (m.i1 - m.i0) * layout.plane_block_bytes,
                                    dtype=torch.uint8, device=self.config.wire_device)
             t = on_wire(source.message(m.p0, m.p1, m.i0, m.i1))
             # fault injection: one byte of the first message corrupted, after the hash
             return flip_one_byte(t) if flip and i == 0 else t
 
-        works = [pair.pg.send([wire(i, m)], 1, tag_for(seq, i)) for i, m in enumerate(plan)]
+        works: list[dist.Work] = []
+        ready = True
         try:
+            for i, m in enumerate(plan):
+                works.append(pair.pg.send([wire(i, m)], 1, tag_for(seq, i)))
             if early is not None and not drop:  # hashed while the payload is on the wire
+                ready = early.wait(go_by)
                 status = (TRAILER_OK if ready else
                           TRAILER_EXPIRED if early.expired else TRAILER_VOID)
                 trailer = pair.trailer(seq, payload_checksum(source.pieces()) if ready else 0,
