@@ -31,7 +31,11 @@ The router, mirrored from :mod:`router.choice` and :mod:`router.dispatch`:
   the first token (relayed at once: TTFT never waits for the transfer), holds the blocks
   and sends ``(prompt - tokens the decode worker caches) x kv_bytes_per_token`` over the
   decode worker's receive link (the profile's transfer model; one transfer at a time
-  into one decode worker, later ones queue); when it has landed, the prefill worker
+  into one decode worker, later ones queue). As a prefill worker sends by default
+  (``--kv-offer layers``: each layer's KV while the next computes), the bytes start
+  moving when the step began, cannot all be there before it ends, and the model's fixed
+  latency follows: ``max(step end, start + bytes / rate) + latency``, ``start`` the
+  later of the step's start and the link's being free. When it has landed, the prefill worker
   releases its blocks and the decode worker commits the request at its next step
   boundary, then decodes it. A request of one output token ends at the prefill worker
   and its reservation is aborted.
@@ -269,8 +273,9 @@ class Simulation:
             self._finish(f, seq.num_output_tokens)
             return
         nbytes = (len(f.request.prompt) - f.decode_cached) * self.profile.kv_bytes_per_token
-        start = max(now, d.link_free_at)
-        d.link_free_at = end = start + self.profile.transfer.seconds(nbytes)
+        link = self.profile.transfer  # streamed during the step (see the module docstring)
+        start = max(worker.step_started, d.link_free_at)
+        d.link_free_at = end = max(now, start + nbytes / link.bytes_per_s) + link.latency_s
 
         def landed() -> None:
             worker.release(seq)

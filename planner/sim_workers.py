@@ -37,7 +37,9 @@ Disaggregation, as the real workers do it:
   threshold is computed here (``Scheduler.recompute``), otherwise the host sends it to a
   prefill worker. :meth:`SimWorker.commit` runs it with its first token once the KV
   landed. :attr:`SimWorker.link_free_at` is the receive link: one transfer at a time
-  into one decode worker (the host serializes them on it).
+  into one decode worker (the host serializes them on it). A prefill worker's
+  :attr:`SimWorker.step_started` is when the step now ending began: the real worker's
+  transfer starts then (an early offer, each layer sent as it is done).
 
 **Fast-forward.** A large cluster's hour is millions of decode steps, and most of them
 repeat the one before: the same batch, one more token each. When a step the scheduler
@@ -152,6 +154,7 @@ class SimWorker:
         self._commands: list[Callable[[], None]] = []
         self._pending: deque[tuple[str, list[int], SamplingParams]] = deque()
         self.link_free_at = 0.0
+        self.step_started = 0.0  # when the running (or last) step or run began
         """Decode: when its receive link is free (one transfer at a time)."""
         # Router-side accounting (router/pool.py's Worker fields), moved by the host.
         self.in_flight = 0
@@ -238,6 +241,7 @@ class SimWorker:
         if out.is_empty:
             return  # idle until a command
         self.busy = True
+        self.step_started = self.loop.now
         self.preemptions += len(out.preempted)
         chunks = [(c.num_tokens, c.start) for c in out.chunks]
         k = self._run_length(out) if self.fast_forward else 1
