@@ -154,8 +154,9 @@ class SimWorker:
         self._commands: list[Callable[[], None]] = []
         self._pending: deque[tuple[str, list[int], SamplingParams]] = deque()
         self.link_free_at = 0.0
-        self.step_started = 0.0  # when the running (or last) step or run began
         """Decode: when its receive link is free (one transfer at a time)."""
+        self.step_started = 0.0
+        """When the running (or last) step or run began."""
         # Router-side accounting (router/pool.py's Worker fields), moved by the host.
         self.in_flight = 0
         self.queued_tokens = 0

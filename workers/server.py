@@ -32,6 +32,7 @@ import dataclasses
 import logging
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -158,6 +159,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         skip, dst = target.skip_blocks, list(target.block_ids)
         early: list[tuple[EarlyOffer, list[int]]] = []  # the offer made before the KV
         offer_when = sender.config.offer
+        ended = threading.Lock()  # held by the call's end: no offer after it
+        over = False
 
         def offer_kv(block_table: list[int]):  # noqa: ANN202 - engine thread, before the forward
             """Offer now; the forward then tells the offer of each layer done, whose KV
@@ -165,10 +168,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             src = block_table[skip:]
             if len(src) != len(dst):  # send_kv logs it
                 return None
-            offer = sender.offer_paged(target.address, req.request_id, kv.cache, src, dst,
-                                       kv.block_size, kv_format=kv.kv_format,
-                                       kv_digest=kv.kv_digest)
-            early.append((offer, src))
+            with ended:  # a call that ended (cancelled meanwhile) offers nothing
+                if over:
+                    return None
+                offer = sender.offer_paged(target.address, req.request_id, kv.cache, src, dst,
+                                           kv.block_size, kv_format=kv.kv_format,
+                                           kv_digest=kv.kv_digest)
+                early.append((offer, src))
             return offer.layers_done if offer_when == "layers" else None
 
         def send_kv(block_table: list[int], release) -> None:  # noqa: ANN001 - engine thread
@@ -206,6 +212,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except (InvalidRequestError, EngineUnavailableError) as e:
             await context.abort(_status(e), str(e))
         finally:  # no KV follows an early offer the request's end left undecided
+            with ended:
+                over = True
             for offer, _ in early:
                 offer.void()
         assert len(last) == req.n and all(out.finished for out in last.values())

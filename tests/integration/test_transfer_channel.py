@@ -144,8 +144,8 @@ def agent_main() -> None:
             for offer, cache, src, it in offers:
                 decide, kv = it.get("decide", "go"), make_kv(it["seed"], layout_of(it), len(src))
                 layers = it["layers"] // 2 if decide == "void-midway" else it["layers"]
-                if "layer_s" in cmd or decide == "void-midway":  # layer by layer, told
-                    for layer in range(layers):
+                if "layer_s" in cmd or decide in ("void-midway", "told-undecided"):
+                    for layer in range(layers):  # layer by layer, told
                         scatter_blocks(cache, src, 16, kv[layer:layer + 1], layer)
                         offer.layers_done(layer + 1)
                         time.sleep(cmd.get("layer_s", 0.05))
@@ -775,3 +775,26 @@ def test_early_offer_streams_each_layer_as_it_is_done(agents: dict[str, Agent],
     assert h.wait(10).state is TransferState.CANCELLED
     stats = decode.stats()
     assert stats.pairs_open == 1 and stats.entered["failed"] == 0
+
+
+def test_an_early_offer_whose_layers_all_went_may_wait_longer_than_a_message(
+        agents: dict[str, Agent], decode: KVReceiver) -> None:
+    """Every layer sent as it was done, then no decision for longer than one message's
+    data_timeout_s: the decode side waits for the trailer as long as the sender may wait
+    for its decision, so the transfer ends TIMED_OUT by the expired trailer, and the pair
+    stays open and in step."""
+    slow_go = {**TEST_CFG, "early_go_timeout_s": TEST_CFG["data_timeout_s"] + 1.5}
+    it = item("told-undecided", [60, 61], seed=81, decide="told-undecided")
+    lay = layout_of(it)
+    cache = new_cache(lay)
+    h = decode.expect("told-undecided", lay, [60, 61], PagedCacheDestination(cache, [60, 61], 16))
+    r = agents["prefill-b"].call("early", address=decode.address, items=[it], compute_s=0.0,
+                                 config=slow_go)["results"][0]
+    assert r["state"] == "timed_out" and "early_go_timeout_s" in r["reason"], r
+    assert h.wait(10).state is TransferState.TIMED_OUT
+    assert decode.stats().pairs_open == 1
+    again = item("after-undecided", [62], seed=82)
+    h = decode.expect("after-undecided", lay, [62], PagedCacheDestination(cache, [62], 16))
+    assert agents["prefill-b"].call("early", address=decode.address, items=[again],
+                                    compute_s=0.0, config=slow_go)["results"][0]["state"] == "done"
+    assert h.wait(10).ok and decode.stats().pairs_open == 1

@@ -545,19 +545,17 @@ class KVReceiver:
                                "waiting for the accept)")
                 return
             plan = message_plan(header, offer.block_ids, direct)
-            # an early offer's first message waits for the prefill's step as well
-            first_s = cfg.data_timeout_s + (cfg.early_go_timeout_s if header.trailer else 0)
-            trailer = self._post_trailer(pair, header)
+            # an early offer's messages wait for the prefill's layers and its decision too
+            wait_s = cfg.data_timeout_s + (cfg.early_go_timeout_s if header.trailer else 0)
             if direct:
                 landed = receive_direct(pair.pg, header, plan, res.destination, handle,
-                                        cfg.data_timeout_s, cfg.wire_device, first_s)
+                                        wait_s, cfg.wire_device)
             else:
                 landed = receive_staged(pair.pg, header, plan, res.destination, handle,
-                                        cfg.data_timeout_s, cfg.recv_window, self._buffers,
-                                        first_s)
+                                        wait_s, cfg.recv_window, self._buffers)
             expected = header.payload_checksum
-            if trailer is not None:
-                expected, status = self._read_trailer(pair, header, *trailer)
+            if header.trailer:  # posted after the payload's: NCCL matches in posting order
+                expected, status = self._read_trailer(pair, header, wait_s)
                 if status == TRAILER_VOID:
                     handle.advance(TransferState.CANCELLED,
                                    f"the prefill worker {pair.name!r} withdrew the KV of its "
@@ -580,20 +578,13 @@ class KVReceiver:
         finally:
             pair.slots.release()
 
-    def _post_trailer(self, pair: _RecvPair, header: TransferHeader
-                      ) -> tuple[torch.Tensor, dist.Work] | None:
-        """An early offer's trailer receive, posted with the payload's; None otherwise."""
-        if not header.trailer:
-            return None
+    def _read_trailer(self, pair: _RecvPair, header: TransferHeader, wait_s: float
+                      ) -> tuple[int, int]:
+        """(checksum, status) from an early offer's trailer, its MAC checked when keyed;
+        raises ChannelError (the caller closes the pair) for one that does not verify."""
         size = TRAILER_BYTES + (MAC_BYTES if self._auth is not None else 0)
         buf = torch.empty(size, dtype=torch.uint8, device=self.config.wire_device)
-        return buf, pair.pg.recv([buf], 0, tag_for(header.seq, TRAILER_MESSAGE))
-
-    def _read_trailer(self, pair: _RecvPair, header: TransferHeader, buf: torch.Tensor,
-                      work: dist.Work) -> tuple[int, int]:
-        """(checksum, status) from a landed trailer, its MAC checked when keyed; raises
-        ChannelError (the caller closes the pair) for one that does not verify."""
-        work.wait(td(self.config.data_timeout_s))
+        pair.pg.recv([buf], 0, tag_for(header.seq, TRAILER_MESSAGE)).wait(td(wait_s))
         data = buf.cpu().numpy().tobytes()
         body, mac = data[:TRAILER_BYTES], data[TRAILER_BYTES:]
         if self._auth is not None and not self._auth.check_tag(

@@ -407,14 +407,17 @@ class KVSender:
         """As :meth:`send_paged`, but before the KV is in ``src_block_ids``: the pair,
         the offer and the accept go ahead now; the payload waits for the returned
         offer's ``go`` (after which the caller keeps the blocks unchanged until the
-        handle is terminal, as for ``send_paged``). ``void`` or no decision within
-        ``early_go_timeout_s`` after the accept ends the transfer FAILED without reading
-        the blocks. The endpoint's ``busy_s`` counts from ``go`` to the end."""
+        handle is terminal, as for ``send_paged``). ``void`` ends the transfer CANCELLED,
+        no decision within ``early_go_timeout_s`` after the accept TIMED_OUT, neither
+        reading more of the blocks. The endpoint's ``busy_s`` counts from ``go`` to the end."""
         if len(src_block_ids) != len(dst_block_ids) or not src_block_ids:
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} "
                              "target blocks")
         layout = KVLayout.of_cache(cache, block_size, kv_format, kv_digest)
         source = PagedSource(cache, src_block_ids, block_size)
+        with self._lock:  # before a handle counts a transfer PENDING
+            if self._closed:
+                raise RuntimeError(f"KVSender {self.name!r} is closed")
         early = EarlyOffer(TransferHandle(request_id, self._counters))
         self._start(address, request_id, layout, dst_block_ids, source, timeout_s, early)
 
