@@ -410,7 +410,7 @@ def _without_forward(engine: LLMEngine) -> Iterator[None]:
     token = min(1000, engine.runner.vocab_size - 1)
 
     def execute(chunks: list, masks: object = None, forks: object = None,
-                prompt_logprobs: object = None) -> StepResult:
+                prompt_logprobs: object = None, after_layer: object = None) -> StepResult:
         # the benchmark's requests are n=1, no prompt logprobs: nothing to fork or score
         ids = [c.seq.seq_id for c in chunks if c.samples]
         return StepResult(ids, SampleResult([token] * len(ids), [None] * len(ids)))
