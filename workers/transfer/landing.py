@@ -67,17 +67,18 @@ def use_direct(header: TransferHeader, block_ids: list[int], destination: KVDest
 
 def receive_direct(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Message],
                    destination: KVDestination, handle: TransferHandle, timeout_s: float,
-                   wire_device: str) -> int:
+                   wire_device: str, first_timeout_s: float | None = None) -> int:
     """All messages posted at once into their regions (no buffers of ours needed), each
     region hashed as it lands (while the later ones are still on the wire). On a failure
     the receives still posted may yet write the destination: the handle does not
-    quiesce until they resolve."""
+    quiesce until they resolve. The first message may wait ``first_timeout_s`` (an early
+    offer's follows the prefill's first layer)."""
     regions = [destination.region(m.p0, m.i0, m.i1) for m in plan]
     works = [pg.recv([r], 0, tag_for(header.seq, i)) for i, r in enumerate(regions)]
     digest = PayloadHash()
     try:
-        for w, r in zip(works, regions, strict=True):
-            w.wait(td(timeout_s))
+        for i, (w, r) in enumerate(zip(works, regions, strict=True)):
+            w.wait(td(first_timeout_s if i == 0 and first_timeout_s else timeout_s))
             digest.update(r)  # a device region: the host copy orders after the receive
         _sync(wire_device)
     except BaseException:
@@ -88,9 +89,9 @@ def receive_direct(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Mes
 
 def receive_staged(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Message],
                    destination: KVDestination, handle: TransferHandle, timeout_s: float,
-                   window: int, pool: BufferPool) -> int:
+                   window: int, pool: BufferPool, first_timeout_s: float | None = None) -> int:
     """Messages through a ring of ``window`` pooled buffers, each hashed and written on
-    arrival."""
+    arrival; the first may wait ``first_timeout_s``."""
     lay = header.layout
     window = min(window, len(plan))
     shape = (header.chunk_planes, header.num_blocks, lay.block_size, lay.kv_heads,
@@ -107,7 +108,7 @@ def receive_staged(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Mes
     for i in range(window):
         post(i)
     for i, m in enumerate(plan):
-        works.pop(i).wait(td(timeout_s))
+        works.pop(i).wait(td(first_timeout_s if i == 0 and first_timeout_s else timeout_s))
         digest.update(ring[i % window][: m.p1 - m.p0])
         with handle.writing() as may_write:
             if may_write:

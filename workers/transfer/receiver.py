@@ -545,14 +545,18 @@ class KVReceiver:
                                "waiting for the accept)")
                 return
             plan = message_plan(header, offer.block_ids, direct)
-            # an early offer's messages wait for the prefill's layers and its decision too
+            # An early offer's first message follows the prefill's first layer, and its
+            # trailer the prefill's decision: those two may also wait for the sender's
+            # early_go_timeout_s. Between them a message waits a layer's compute at most
+            # (a link that died midway is found within data_timeout_s, as before).
             wait_s = cfg.data_timeout_s + (cfg.early_go_timeout_s if header.trailer else 0)
             if direct:
                 landed = receive_direct(pair.pg, header, plan, res.destination, handle,
-                                        wait_s, cfg.wire_device)
+                                        cfg.data_timeout_s, cfg.wire_device, wait_s)
             else:
                 landed = receive_staged(pair.pg, header, plan, res.destination, handle,
-                                        wait_s, cfg.recv_window, self._buffers)
+                                        cfg.data_timeout_s, cfg.recv_window, self._buffers,
+                                        wait_s)
             expected = header.payload_checksum
             if header.trailer:  # posted after the payload's: NCCL matches in posting order
                 expected, status = self._read_trailer(pair, header, wait_s)
