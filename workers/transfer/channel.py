@@ -78,8 +78,8 @@ class TransferConfig:
     it runs (:meth:`KVSender.offer_paged`) and sends each layer's KV as the forward
     finishes it; ``step`` offers early too but sends when the step ends; ``after`` offers
     once it ended. An accepted early offer waits at most ``early_go_timeout_s`` for its
-    KV (the receiver's first payload message waits that much longer than
-    ``data_timeout_s``).
+    KV (the receiver's first payload message and its trailer wait that much longer than
+    ``data_timeout_s``; the messages between, a layer's compute apart, do not).
     ``chunk_bytes`` sizes staged messages (sender);
     a receiver takes the direct framing when its messages average ``direct_min_bytes``.
 
