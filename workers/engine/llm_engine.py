@@ -137,7 +137,6 @@ class _Tracked:
     first_token_time: float | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     on_prefilled: OnPrefilled | None = None
-    on_prefilling: OnPrefilling | None = None
     prompt_ids: list[int] | None = None  # copied once, shared by every output
     request_id: str = ""  # the request this choice belongs to ("": its own seq id)
     index: int = 0
@@ -203,7 +202,7 @@ class LLMEngine:
         self._requests: dict[str, _Tracked] = {}  # by sequence id (one per choice)
         self._choices: dict[str, list[str]] = {}  # n > 1: request id -> its sequence ids
         self._forks: dict[str, list[Sequence]] = {}  # choice 0's id -> choices to fork
-        self._prefilling: set[str] = set()  # ids whose on_prefilling may still be due
+        self._prefilling: dict[str, OnPrefilling] = {}  # seq id -> its hook, still due
         self._prompt_lps: dict[str, int] = {}  # seq id -> alternatives: prompt logprobs due
         self.last_step_empty = False
         """Whether the last ``step`` found nothing it could run (no free blocks yet)."""
@@ -266,8 +265,7 @@ class LLMEngine:
         seq = self.scheduler.add(request_id, ids, params, cache_salt, prompt_logprobs)
         self._track_request(seq, matchers, on_prefilled)
         if on_prefilled is not None and on_prefilling is not None:
-            self._requests[seq.seq_id].on_prefilling = on_prefilling
-            self._prefilling.add(seq.seq_id)
+            self._prefilling[seq.seq_id] = on_prefilling
 
     def _track_request(self, seq: Sequence, matchers: list,
                        on_prefilled: OnPrefilled | None = None) -> None:
@@ -551,15 +549,15 @@ class LLMEngine:
         of the layers."""
         told: list[Callable[[int], None]] = []
         last = {c.seq.seq_id: c.seq for c in chunks if c.samples}
-        for seq_id in list(self._prefilling):
-            tracked, seq = self._requests.get(seq_id), last.get(seq_id)
-            if tracked is not None and seq is None:
-                continue
-            self._prefilling.discard(seq_id)
-            if tracked is None or tracked.on_prefilling is None:
-                continue
+        for seq_id, hook in list(self._prefilling.items()):
+            seq = last.get(seq_id)
+            if seq is None and seq_id in self._requests:
+                continue  # its last chunk is still to come
+            del self._prefilling[seq_id]
+            if seq is None:
+                continue  # gone meanwhile
             try:
-                layers = tracked.on_prefilling(list(seq.block_table))
+                layers = hook(list(seq.block_table))
             except Exception:  # noqa: BLE001 - an early notice only; the export still runs
                 log.exception("request %s: on_prefilling failed", seq_id)
                 continue

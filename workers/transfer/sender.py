@@ -141,9 +141,11 @@ class EarlyOffer:
     this call decided. No decision within ``early_go_timeout_s`` after the accept voids
     it as expired (TIMED_OUT)."""
 
-    def __init__(self, handle: TransferHandle) -> None:
-        self.handle = handle
-        self._cond = threading.Condition()
+    handle: TransferHandle
+    """Set by :meth:`KVSender.offer_paged` before it returns the offer."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()  # reentrant: an expiry decides under it
         self.ready: bool | None = None
         self.go_time: float | None = None
         self.expired = False
@@ -179,7 +181,7 @@ class EarlyOffer:
             while self.ready is None and self._planes < planes:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.ready, self.go_time, self.expired = False, time.monotonic(), True
+                    self._decide(False, expired=True)
                     break
                 self._cond.wait(left)
             return self.ready is not False
@@ -415,11 +417,9 @@ class KVSender:
                              "target blocks")
         layout = KVLayout.of_cache(cache, block_size, kv_format, kv_digest)
         source = PagedSource(cache, src_block_ids, block_size)
-        with self._lock:  # before a handle counts a transfer PENDING
-            if self._closed:
-                raise RuntimeError(f"KVSender {self.name!r} is closed")
-        early = EarlyOffer(TransferHandle(request_id, self._counters))
-        self._start(address, request_id, layout, dst_block_ids, source, timeout_s, early)
+        early = EarlyOffer()
+        early.handle = self._start(address, request_id, layout, dst_block_ids, source,
+                                   timeout_s, early)
 
         def busy(r: TransferResult) -> None:
             if r.ok and early.go_time is not None:
@@ -434,7 +434,7 @@ class KVSender:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"KVSender {self.name!r} is closed")
-        handle = TransferHandle(request_id, self._counters) if early is None else early.handle
+        handle = TransferHandle(request_id, self._counters)
         timeout = self.config.offer_timeout_s if timeout_s is None else timeout_s
         args = (handle, address, layout, list(block_ids), source, timeout, early)
         threading.Thread(target=self._run, args=args, daemon=True,
@@ -603,14 +603,14 @@ class KVSender:
         if drop:
             raise ChannelError(f"fault injection: transfer of {handle.request_id!r} dropped "
                                f"after {len(plan)} payload messages")
-        if not ready and early is not None and early.expired:
-            handle.advance(TransferState.TIMED_OUT, "the KV was not ready within "
-                           f"early_go_timeout_s={self.config.early_go_timeout_s}s of the "
-                           "accept (an expired trailer was sent)")
-            return True
-        if not ready:
-            handle.advance(TransferState.CANCELLED, "withdrawn after the accept: the request "
-                                                    "ended without its KV (void trailer sent)")
+        if not ready:  # an early offer voided or expired: its trailer said so
+            if early is not None and early.expired:
+                handle.advance(TransferState.TIMED_OUT, "the KV was not ready within "
+                               f"early_go_timeout_s={self.config.early_go_timeout_s}s of the "
+                               "accept (an expired trailer was sent)")
+            else:
+                handle.advance(TransferState.CANCELLED, "withdrawn after the accept: the "
+                               "request ended without its KV (void trailer sent)")
             return True
         self._counters.add_bytes(header.payload_bytes)
         handle.advance(TransferState.DONE, nbytes=header.payload_bytes)
