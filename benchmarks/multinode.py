@@ -21,7 +21,12 @@ not, the condition is reported as not available, never faked). One run:
    streamed by :class:`router.client.Client` from outside the hosts: TTFT (the first
    token comes from the prefill worker, before the KV moves) and the first -> second
    token gap (the KV transfer to host 2 plus the decode worker's first step), p50; and
-   the KV rate the prefill worker's transfer counters saw.
+   the KV rate the prefill worker's transfer counters saw. The cluster runs once per
+   KV offer protocol of ``--kv-offers`` (``pdserve up --kv-offer``: ``layers`` streams
+   each layer's KV while the prefill computes it, ``after`` offers the KV once the
+   step has ended), each on a fresh Ray, the protocols alternated ``--rounds`` times (a
+   row pools its rounds' requests); each condition's gap is also given as a ratio to the
+   last protocol's in the same condition.
 
 Prints the workload, the machine and markdown tables with the ratios on stdout (progress
 on stderr); writes ``results.json``, ``results.md`` and ``results.png`` to ``--out``.
@@ -48,6 +53,7 @@ from pathlib import Path
 
 from benchmarks.machine import machine_line
 from benchmarks.transfer import BLOCK, HEAD_DIM, KV_HEADS, LAYERS
+from cluster.deployment import KV_OFFERS
 from cluster.testcluster import RayOnHosts
 from cluster.testhosts import HostsError, TestHosts, interfaces, unavailable
 from router.client import Client
@@ -175,7 +181,7 @@ class LinkRow:
 
 @dataclass
 class SweepRow:
-    """One link condition on the serving cluster."""
+    """One link condition on the serving cluster (under one KV offer protocol)."""
 
     condition: str
     ttft_s: list[float] = field(default_factory=list)
@@ -183,6 +189,7 @@ class SweepRow:
     kv_bytes: int = 0  # the prefill worker's transfer counters, over the timed requests
     kv_busy_s: float = 0.0
     unavailable: str | None = None
+    kv_offer: str = ""  # the cluster's ``pdserve up --kv-offer``
 
     @property
     def ttft_p50(self) -> float:
@@ -213,22 +220,35 @@ def link_table(rows: Sequence[LinkRow]) -> str:
     return "\n".join(lines)
 
 
+def _row(rows: Sequence[SweepRow], condition: str, kv_offer: str) -> SweepRow | None:
+    return next((r for r in rows if r.condition == condition and r.kv_offer == kv_offer
+                 and not r.unavailable), None)
+
+
 def sweep_table(rows: Sequence[SweepRow]) -> str:
-    """The serving sweep; ratios are against the unshaped row (when there is one)."""
-    base = next((r for r in rows if r.condition == "unshaped" and not r.unavailable), None)
-    lines = ["| links into hosts 1, 2 | n | TTFT p50 ms | TTFT / unshaped | "
-             "1st→2nd token gap p50 ms | gap / unshaped | KV GB/s (prefill counters) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    """The serving sweep, a row per KV offer protocol and condition. Ratios: against the
+    unshaped row of the same protocol, and the gap against the last protocol's in the
+    same condition (the baseline: with the default ``--kv-offers``, ``after``)."""
+    offers = list(dict.fromkeys(r.kv_offer for r in rows))
+    baseline = offers[-1] if len(offers) > 1 else None
+    lines = ["| KV offer | links into hosts 1, 2 | n | TTFT p50 ms | TTFT / unshaped | "
+             "1st→2nd token gap p50 ms | gap / unshaped | "
+             f"gap / {baseline or 'baseline'} | KV GB/s (prefill counters) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.unavailable:
-            lines.append(f"| {r.condition} | not available: {r.unavailable} |" + " |" * 5)
+            lines.append(f"| {r.kv_offer} | {r.condition} | not available: {r.unavailable} |"
+                         + " |" * 6)
             continue
+        base = _row(rows, "unshaped", r.kv_offer)
+        other = _row(rows, r.condition, baseline) if baseline else None
         t, g = r.ttft_p50, r.gap_p50
         lines.append(
-            f"| {r.condition} | {len(r.ttft_s)} | {_num(t * 1e3, '.1f')} "
+            f"| {r.kv_offer} | {r.condition} | {len(r.ttft_s)} | {_num(t * 1e3, '.1f')} "
             f"| {_num(ratio(t, base.ttft_p50) if base else math.nan, '.2f')} "
             f"| {_num(g * 1e3, '.1f')} "
             f"| {_num(ratio(g, base.gap_p50) if base else math.nan, '.2f')} "
+            f"| {_num(ratio(g, other.gap_p50) if other else math.nan, '.2f')} "
             f"| {_num(r.kv_gbps, '.3f')} |")
     return "\n".join(lines)
 
@@ -245,6 +265,8 @@ class MultinodeOptions:
     conditions: tuple[Condition, ...] = (Condition(), Condition("1gbit"),
                                          Condition("100mbit"), Condition(delay_ms=1.0),
                                          Condition(delay_ms=10.0))
+    kv_offers: tuple[str, ...] = ("layers", "after")
+    rounds: int = 2
     requests: int = 8
     prompt_tokens: int = 512
     max_tokens: int = 8
@@ -316,25 +338,56 @@ def _prefill_counters(client: Client, prefill_ip: str) -> tuple[int, float]:
 RAY_PORT = 6480  # not RayOnHosts' default: a test run beside this one keeps its own
 
 
-def measure_serving(hosts: TestHosts, opts: MultinodeOptions, log_dir: Path
-                    ) -> tuple[list[SweepRow], dict]:
-    """The cluster on the hosts, and every condition of ``opts.conditions`` on it."""
-    rng = random.Random(opts.seed)
+def pool_rounds(rows: Sequence[SweepRow]) -> list[SweepRow]:
+    """One row per (protocol, condition), in first-seen order: the requests of every
+    round's row together, the prefill counters summed."""
+    pooled: dict[tuple[str, str], SweepRow] = {}
+    for r in rows:
+        key = (r.kv_offer, r.condition)
+        if key not in pooled:
+            pooled[key] = SweepRow(r.condition, unavailable=r.unavailable, kv_offer=r.kv_offer)
+        p = pooled[key]
+        p.ttft_s += r.ttft_s
+        p.gap_s += r.gap_s
+        p.kv_bytes += r.kv_bytes
+        p.kv_busy_s += r.kv_busy_s
+        p.unavailable = p.unavailable or r.unavailable
+    return list(pooled.values())
+
+
+def parse_kv_offers(text: str) -> tuple[str, ...]:
+    """A comma-separated list of ``pdserve up --kv-offer`` protocols, none twice."""
+    offers = tuple(t.strip().lower() for t in text.split(",") if t.strip())
+    if not offers:
+        raise ValueError("no KV offer protocol given")
+    bad = [o for o in offers if o not in KV_OFFERS]
+    if bad:
+        raise ValueError(f"unknown KV offer protocol {bad[0]!r}: one of {', '.join(KV_OFFERS)}")
+    if len(set(offers)) != len(offers):
+        raise ValueError(f"a KV offer protocol is listed twice in {text!r}")
+    return offers
+
+
+def measure_serving(hosts: TestHosts, opts: MultinodeOptions, log_dir: Path, kv_offer: str,
+                    rng: random.Random) -> tuple[list[SweepRow], dict]:
+    """The cluster on the hosts (a fresh Ray, ``pdserve up --kv-offer kv_offer``), and
+    every condition of ``opts.conditions`` on it."""
+    log_dir.mkdir(parents=True, exist_ok=True)
     ray = RayOnHosts(hosts, LABELS, log_dir, port=RAY_PORT)
     rows: list[SweepRow] = []
     info: dict = {}
     try:
         _say("serving: starting Ray (head on host 0, nodes on hosts 1 and 2)")
         ray.start()
-        _say("serving: pdserve up on host 0 (its own Redis), prefill on host 1, decode on "
-             "host 2")
+        _say(f"serving, --kv-offer {kv_offer}: pdserve up on host 0 (its own Redis), "
+             "prefill on host 1, decode on host 2")
         target = ray.up("--model", opts.model, "--prefill", "1", "--decode", "1",
                         "--prefill-node-labels", PREFILL_LABEL,
                         "--decode-node-labels", DECODE_LABEL,
                         "--local-prefill-threshold", "0", "--dtype", opts.dtype,
                         "--threads", "1", "--kv-cache-gb", "0.25",
                         "--max-model-len", str(max(1024, opts.prompt_tokens + 64)),
-                        "--no-dashboard")
+                        "--kv-offer", kv_offer, "--no-dashboard")
         info = _placement(ray, hosts)
         _say(f"serving: up in {ray.started_s():.1f}s; {info}")
         with Client(target) as client:
@@ -342,7 +395,7 @@ def measure_serving(hosts: TestHosts, opts: MultinodeOptions, log_dir: Path
                 time_request(client, _prompt(rng, opts.prompt_tokens), opts.max_tokens,
                              f"warm-{i}")
             for cond in opts.conditions:
-                rows.append(_condition(client, hosts, opts, cond, rng))
+                rows.append(_condition(client, hosts, opts, cond, rng, kv_offer))
     finally:
         clear([hosts[1], hosts[2]])
         code = ray.stop()  # SIGTERM to pdserve up, then every process on every host
@@ -351,12 +404,12 @@ def measure_serving(hosts: TestHosts, opts: MultinodeOptions, log_dir: Path
 
 
 def _condition(client: Client, hosts: TestHosts, opts: MultinodeOptions, cond: Condition,
-               rng: random.Random) -> SweepRow:
+               rng: random.Random, kv_offer: str) -> SweepRow:
     why = apply([hosts[1], hosts[2]], cond)
     if why:
-        _say(f"serving, {cond.name}: not available: {why}")
-        return SweepRow(cond.name, unavailable=why)
-    row = SweepRow(cond.name)
+        _say(f"serving, {kv_offer}, {cond.name}: not available: {why}")
+        return SweepRow(cond.name, unavailable=why, kv_offer=kv_offer)
+    row = SweepRow(cond.name, kv_offer=kv_offer)
     try:
         time_request(client, _prompt(rng, opts.prompt_tokens), opts.max_tokens,
                      f"{cond.name}-warm")
@@ -371,8 +424,8 @@ def _condition(client: Client, hosts: TestHosts, opts: MultinodeOptions, cond: C
         row.kv_bytes, row.kv_busy_s = b1 - b0, s1 - s0
     finally:
         clear([hosts[1], hosts[2]])
-    _say(f"serving, {cond.name}: TTFT p50 {row.ttft_p50 * 1e3:.1f} ms, 1st->2nd gap p50 "
-         f"{row.gap_p50 * 1e3:.1f} ms, KV {row.kv_bytes / 1e6:.0f} MB at "
+    _say(f"serving, {kv_offer}, {cond.name}: TTFT p50 {row.ttft_p50 * 1e3:.1f} ms, "
+         f"1st->2nd gap p50 {row.gap_p50 * 1e3:.1f} ms, KV {row.kv_bytes / 1e6:.0f} MB at "
          f"{row.kv_gbps:.3f} GB/s")
     return row
 
@@ -421,16 +474,24 @@ def plot(link: Sequence[LinkRow], sweep: Sequence[SweepRow], path: Path, title: 
     w = 0.38
     a.set_title("KV transfer across the veth link", fontsize=10)
     a.legend(fontsize=8)
-    xs = range(len(sweep))
-    ttft = [0.0 if r.unavailable else r.ttft_p50 * 1e3 for r in sweep]
-    gap = [0.0 if r.unavailable else r.gap_p50 * 1e3 for r in sweep]
-    b.bar([x - w / 2 for x in xs], ttft, w, label="TTFT p50", color="#dd8452")
-    b.bar([x + w / 2 for x in xs], gap, w, label="1st→2nd token gap p50", color="#55a868")
-    for x, r in zip(xs, sweep, strict=True):
-        if r.unavailable:
+    conds = list(dict.fromkeys(r.condition for r in sweep))
+    offers = list(dict.fromkeys(r.kv_offer for r in sweep))
+    xs = range(len(conds))
+    w = 0.8 / (2 * len(offers))
+    colors = (("#dd8452", "#55a868"), ("#f0b27a", "#a9d18e"), ("#c44e52", "#2f6b3a"))
+    for k, offer in enumerate(offers):
+        rows = [next((r for r in sweep if r.condition == c and r.kv_offer == offer), None)
+                for c in conds]
+        for j, (what, label) in enumerate((("ttft_p50", "TTFT p50"),
+                                           ("gap_p50", "1st→2nd token gap p50"))):
+            off = (2 * k + j - len(offers) + 0.5) * w
+            b.bar([x + off for x in xs],
+                  [0.0 if r is None or r.unavailable else getattr(r, what) * 1e3 for r in rows],
+                  w, label=f"{label}, --kv-offer {offer}", color=colors[k % 3][j])
+    for x, c in zip(xs, conds, strict=True):
+        if all(r.unavailable for r in sweep if r.condition == c):
             b.text(x, 0, "not\navailable", ha="center", va="bottom", fontsize=8)
-    b.set_xticks(list(xs), [r.condition.replace("netem ", "netem\n") for r in sweep],
-                 fontsize=8)
+    b.set_xticks(list(xs), [c.replace("netem ", "netem\n") for c in conds], fontsize=8)
     b.set_ylabel("ms")
     b.set_title("Serving across the links (links into hosts 1 and 2 shaped)", fontsize=10)
     b.legend(fontsize=8)
@@ -461,8 +522,10 @@ def report(opts: MultinodeOptions, link: Sequence[LinkRow], sweep: Sequence[Swee
         f"bytes over the same link, {opts.transfer_iters} timed iterations after 1 warm-up, "
         f"p50. **Serving**: Ray head + `pdserve up` (its own Redis) on host 0, prefill on "
         f"host 1 and decode on host 2 by node labels, --local-prefill-threshold 0, "
-        f"{model} {opts.dtype}, 1 thread per worker; per condition {opts.requests} "
-        f"sequential greedy requests (after 1 warm-up) of {opts.prompt_tokens} random token "
+        f"{model} {opts.dtype}, 1 thread per worker, once per `--kv-offer` of "
+        f"{', '.join(opts.kv_offers)} (each on a fresh Ray, alternated {opts.rounds} "
+        f"time(s)); per condition and round {opts.requests} sequential greedy requests "
+        f"(after 1 warm-up) of {opts.prompt_tokens} random token "
         f"ids with distinct cache salts (nothing cached; {_kv_mb(opts.prompt_tokens, itemsize):.1f}"
         f" MB of KV each), max_tokens {opts.max_tokens}, streamed from outside the hosts.",
         "",
@@ -487,23 +550,33 @@ def report(opts: MultinodeOptions, link: Sequence[LinkRow], sweep: Sequence[Swee
                      "(every dtype and mode, warm-up included)")
     lines += ["", "## Serving across the links (TTFT, first → second token gap)", "",
               sweep_table(sweep), ""]
-    base = next((r for r in sweep if r.condition == "unshaped" and not r.unavailable), None)
+    baseline = opts.kv_offers[-1] if len(opts.kv_offers) > 1 else None
     for r in sweep:
+        base = _row(sweep, "unshaped", r.kv_offer)
         if base is not None and r is not base and not r.unavailable:
             t, g = ratio(r.ttft_p50, base.ttft_p50), ratio(r.gap_p50, base.gap_p50)
-            lines.append(f"- {r.condition} vs unshaped: TTFT x{_num(t, '.2f')}, first → "
-                         f"second token gap x{_num(g, '.2f')}")
+            lines.append(f"- {r.kv_offer}, {r.condition} vs unshaped: TTFT x{_num(t, '.2f')}, "
+                         f"first → second token gap x{_num(g, '.2f')}")
+    for r in sweep:
+        other = _row(sweep, r.condition, baseline) if baseline else None
+        if other is not None and r.kv_offer != baseline and not r.unavailable:
+            lines.append(f"- {r.condition}: `--kv-offer {r.kv_offer}` vs `{baseline}`: first → "
+                         f"second token gap x{_num(ratio(r.gap_p50, other.gap_p50), '.2f')}, "
+                         f"TTFT x{_num(ratio(r.ttft_p50, other.ttft_p50), '.2f')}")
     if info:
         redis = "; ".join(f"{a} ({why})" for a, why in
                           zip(info.get("redis", []), info.get("redis_auth", []), strict=True))
         actors = ", ".join(f"{k} on {v}" for k, v in sorted(info.get("actors", {}).items()))
         lines += ["", f"Placement: {actors}. Redis started by `pdserve up`: "
                   f"{redis or 'none found listening on host 0'}. `pdserve up` exited "
-                  f"{info.get('pdserve_up_exit')} on SIGTERM."]
+                  f"{info.get('pdserve_up_exit')} on SIGTERM (each cluster's, in order)."]
     lines += ["", "The first token comes from the prefill worker before any KV moves (TTFT "
-              "pays the prompt's trip and the prefill); the gap to the second pays the KV "
-              "transfer into host 2 and the decode worker's first step. tbf shapes the "
-              "bridge's egress into a host; netem needs the kernel's sch_netem."]
+              "pays the prompt's trip and the prefill); the gap to the second pays what is "
+              "left of the KV transfer into host 2 and the decode worker's first step. "
+              "Under `layers` most of the KV crosses while the prefill computes; the "
+              "prefill's counters time a transfer from the whole KV's being ready, so "
+              "their rate reads the link only under `after`. tbf shapes the bridge's "
+              "egress into a host; netem needs the kernel's sch_netem."]
     return "\n".join(lines) + "\n"
 
 
@@ -517,10 +590,19 @@ def run(opts: MultinodeOptions) -> dict:
         link: list[LinkRow] = []
         for i, cond in enumerate(opts.link_conditions):
             link += measure_link(hosts, opts, cond, work / f"transfer-{i}.json")
-        sweep, info = measure_serving(hosts, opts, work)
+        rng = random.Random(opts.seed)
+        sweep: list[SweepRow] = []
+        info: dict = {}
         logs = out / "logs"
         logs.mkdir(exist_ok=True)
-        shutil.copy(work / "up.log", logs / "up.log")
+        for k in range(opts.rounds):
+            for offer in opts.kv_offers:
+                rows, placed = measure_serving(hosts, opts, work / f"{offer}-{k}", offer, rng)
+                sweep += rows
+                exits = info.get("pdserve_up_exit", [])
+                info = {**placed, "pdserve_up_exit": [*exits, placed.get("pdserve_up_exit")]}
+                shutil.copy(work / f"{offer}-{k}" / "up.log", logs / f"up-{offer}-{k}.log")
+        rounds, sweep = sweep, pool_rounds(sweep)
     load1 = os.getloadavg()
     elapsed = time.monotonic() - start
     md = report(opts, link, sweep, info, (load0, load1), elapsed)
@@ -535,6 +617,7 @@ def run(opts: MultinodeOptions) -> dict:
                   "gather_vs_raw": r.vs_raw("gather")} for r in link],
         "serving": [{**asdict(r), "ttft_p50_s": r.ttft_p50, "gap_p50_s": r.gap_p50,
                      "kv_gbps": r.kv_gbps} for r in sweep],
+        "serving_rounds": [{**asdict(r), "gap_p50_s": r.gap_p50} for r in rounds],
     }
     (out / "results.json").write_text(json.dumps(_no_nan(result), indent=2))
     (out / "results.md").write_text(md)

@@ -125,6 +125,11 @@ class DeploymentConfig:
         "step that computes it runs, each layer's KV sent as soon as it is computed; step: "
         "while it runs, the KV sent when it ends; after: once it ended (the offer and "
         "accept then wait for the KV)", choices=KV_OFFERS))
+    kv_offer_timeout_s: float = field(default=60.0, metadata=setting(
+        "seconds an early KV offer (--kv-offer layers or step) waits for the prefill step "
+        "that computes its KV to end; past it the offer is voided and the decode worker "
+        "computes the prompt itself, as after a failed transfer (a long prompt is "
+        "prefilled in chunks, so a step lasts seconds; raise it for very slow steps)"))
     drain_timeout_s: float = field(default=30.0, metadata=setting(
         "seconds a stopping worker (SIGTERM, or removed by `pdserve scale`) has to finish "
         "its requests"))
@@ -271,6 +276,9 @@ class DeploymentConfig:
         if self.prefill_queue_limit < 0:
             raise DeploymentError(f"prefill_queue_limit must be >= 0 (0: off), got "
                                   f"{self.prefill_queue_limit}")
+        if not self.kv_offer_timeout_s > 0:
+            raise DeploymentError(f"kv_offer_timeout_s must be > 0, got "
+                                  f"{self.kv_offer_timeout_s}")
         if self.stall_probe_s < 0:
             raise DeploymentError(f"stall_probe_s must be >= 0 (0: off), got "
                                   f"{self.stall_probe_s}")
@@ -359,6 +367,8 @@ class DeploymentConfig:
             args += ["--step-trace", step_trace_path(self.step_trace_dir, role, port)]
         if self.kv_offer != "layers":
             args += ["--kv-offer", self.kv_offer]
+        if self.kv_offer_timeout_s != 60.0:
+            args += ["--kv-offer-timeout-s", str(self.kv_offer_timeout_s)]
         if self.gpus_per_worker > 0:
             args += ["--device", "cuda"]
         return args + self._trust_args("cluster_tls_dir", "cluster_secret_file")

@@ -142,6 +142,13 @@ def _add_bench_multinode(sub: argparse._SubParsersAction) -> None:
                                             "delay=10ms",
                     help="serving: conditions of the links into hosts 1 and 2 (as "
                          "--link-conditions)")
+    bm.add_argument("--kv-offers", default="layers,after",
+                    help="serving: run the cluster once per `pdserve up --kv-offer` "
+                         "protocol listed (layers, step, after); the gaps are also given "
+                         "as a ratio to the last one's")
+    bm.add_argument("--rounds", type=int, default=2,
+                    help="serving: alternate the --kv-offers protocols this many times "
+                         "(a fresh cluster each; a row pools its rounds)")
     bm.add_argument("--requests", type=int, default=8, help="serving: requests per condition")
     bm.add_argument("--prompt-tokens", type=int, default=512)
     bm.add_argument("--max-tokens", type=int, default=8)
@@ -457,6 +464,7 @@ def cmd_bench_multinode(args: argparse.Namespace) -> int:
         MultinodeOptions,
         ensure_private_netns,
         parse_conditions,
+        parse_kv_offers,
         run,
     )
     from workers.model_store import resolve_model
@@ -467,7 +475,9 @@ def cmd_bench_multinode(args: argparse.Namespace) -> int:
     try:
         link, conditions = parse_conditions(args.link_conditions), parse_conditions(
             args.conditions)
-        if min(args.requests, args.transfer_iters, args.prompt_tokens, args.tokens) < 1 \
+        offers = parse_kv_offers(args.kv_offers)
+        if min(args.requests, args.transfer_iters, args.prompt_tokens, args.tokens,
+               args.rounds) < 1 \
                 or args.max_tokens < 2:
             raise ValueError("counts must be positive and --max-tokens at least 2 (the "
                              "gap is to the second token)")
@@ -484,8 +494,9 @@ def cmd_bench_multinode(args: argparse.Namespace) -> int:
         run(MultinodeOptions(
             model=str(path), tokens=args.tokens, dtypes=args.dtypes,
             link_conditions=link, transfer_iters=args.transfer_iters, conditions=conditions,
-            requests=args.requests, prompt_tokens=args.prompt_tokens,
-            max_tokens=args.max_tokens, dtype=args.dtype, seed=args.seed, out=args.out))
+            kv_offers=offers, rounds=args.rounds, requests=args.requests,
+            prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens, dtype=args.dtype,
+            seed=args.seed, out=args.out))
     except (RuntimeError, OSError) as e:
         say(f"failed: {e}")
         return 1

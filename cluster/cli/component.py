@@ -52,6 +52,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(default: off)")
     add_setting(w, "drain_timeout_s")
     add_setting(w, "kv_offer")
+    add_setting(w, "kv_offer_timeout_s")
     add_setting(w, "cluster_tls_dir")
     add_setting(w, "cluster_secret_file")
     add_engine_flags(w)
@@ -169,7 +170,8 @@ def worker_config(args: argparse.Namespace,  # noqa: ANN201 - WorkerConfig
     tls = cluster_tls(args)
     transfer = fault_hooks_from_env(TransferConfig(
         host=args.host, device=args.device, data_timeout_s=args.transfer_timeout_s,
-        offer=args.kv_offer, auth_key=kv_channel_key(args, tls),
+        offer=args.kv_offer, early_go_timeout_s=args.kv_offer_timeout_s,
+        auth_key=kv_channel_key(args, tls),
         fault_drop_midway=os.environ.get("PDSERVE_FAULT_DROP_TRANSFER", "")))
     return WorkerConfig(
         engine=EngineConfig(model=str(path), **engine_options(args)),  # type: ignore[arg-type]

@@ -190,3 +190,21 @@ def test_bench_against_a_dead_port_fails_fast_in_one_line() -> None:
         last = r.stderr.strip().splitlines()[-1]
         assert last.startswith("pdserve bench: ") and last.endswith("; exit 1"), r.stderr
         assert f"127.0.0.1:{port}" in last and "Traceback" not in r.stderr
+
+
+def test_worker_flags_reach_its_transfer_channel(tiny_checkpoints) -> None:
+    """`pdserve worker`'s KV channel settings land in the TransferConfig it serves with
+    (both ends of an early offer wait by them)."""
+    from cluster.cli import build_parser
+    from cluster.cli.component import worker_config
+
+    model = str(tiny_checkpoints["llama"])
+    args = build_parser().parse_args(["worker", "--role", "prefill", "--model", model,
+                                      "--kv-offer", "step", "--kv-offer-timeout-s", "7.5",
+                                      "--transfer-timeout-s", "12"])
+    transfer = worker_config(args).transfer
+    assert (transfer.offer, transfer.early_go_timeout_s, transfer.data_timeout_s) == (
+        "step", 7.5, 12.0)
+    defaults = worker_config(build_parser().parse_args(
+        ["worker", "--role", "decode", "--model", model])).transfer
+    assert (defaults.offer, defaults.early_go_timeout_s) == ("layers", 60.0)

@@ -91,6 +91,12 @@ def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
         assert parser.parse_args(args).kv_offer == offer
     with pytest.raises(DeploymentError, match="kv_offer"):
         DeploymentConfig(kv_offer="sometime")
+    assert w.kv_offer_timeout_s == 60.0  # the default, not on the line
+    args = DeploymentConfig(kv_offer_timeout_s=300).worker_args("decode", "h", 0, None, 1)
+    assert parser.parse_args(args).kv_offer_timeout_s == 300.0
+    for bad in (0, -1):
+        with pytest.raises(DeploymentError, match="kv_offer_timeout_s must be > 0"):
+            DeploymentConfig(kv_offer_timeout_s=bad)
 
 
 def test_the_kv_offer_choices_are_the_channels() -> None:

@@ -17,6 +17,8 @@ from benchmarks.multinode import (
     link_table,
     parse_condition,
     parse_conditions,
+    parse_kv_offers,
+    pool_rounds,
     private_netns_argv,
     sweep_table,
 )
@@ -102,13 +104,40 @@ def test_sweep_ratios_are_against_the_unshaped_row():
             SweepRow("netem delay 1 ms", unavailable="no sch_netem")]
     lines = sweep_table(rows).splitlines()
     cells = [c.strip() for c in lines[3].split("|")[1:-1]]
-    assert cells == ["tbf 100mbit", "1", "250.0", "1.25", "200.0", "6.67", "0.010"]
+    # one protocol: no baseline to hold the gap against
+    assert cells == ["", "tbf 100mbit", "1", "250.0", "1.25", "200.0", "6.67", "—", "0.010"]
     base = [c.strip() for c in lines[2].split("|")[1:-1]]
-    assert base == ["unshaped", "3", "200.0", "1.00", "30.0", "1.00", "0.200"]
+    assert base == ["", "unshaped", "3", "200.0", "1.00", "30.0", "1.00", "—", "0.200"]
     assert "not available: no sch_netem" in lines[4]
+    assert lines[4].count("|") == lines[0].count("|")
     # without an unshaped row there is nothing to compare with
     alone = [c.strip() for c in sweep_table(rows[1:2]).splitlines()[2].split("|")[1:-1]]
-    assert alone[3] == alone[5] == "—"
+    assert alone[4] == alone[6] == "—"
+
+
+def test_sweep_gaps_are_against_the_last_protocol_in_the_same_condition():
+    rows = [SweepRow("unshaped", [0.7], [0.03], kv_offer="layers"),
+            SweepRow("tbf 1gbit", [0.8], [0.06], kv_offer="layers"),
+            SweepRow("unshaped", [0.7], [0.06], kv_offer="after"),
+            SweepRow("tbf 1gbit", [0.7], [0.24], kv_offer="after")]
+    lines = sweep_table(rows).splitlines()
+    assert "gap / after" in lines[0]
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]]
+    # the gap against `after` in the same condition; the unshaped ratios within a protocol
+    assert [c[0] for c in cells] == ["layers", "layers", "after", "after"]
+    assert [c[7] for c in cells] == ["0.50", "0.25", "1.00", "1.00"]
+    assert [c[6] for c in cells] == ["1.00", "2.00", "1.00", "4.00"]
+    assert cells[1][4] == "1.14"
+
+
+def test_kv_offer_lists():
+    assert parse_kv_offers(" layers, After ") == ("layers", "after")
+    with pytest.raises(ValueError, match="unknown KV offer protocol 'fast'"):
+        parse_kv_offers("layers,fast")
+    with pytest.raises(ValueError, match="twice"):
+        parse_kv_offers("after,after")
+    with pytest.raises(ValueError, match="no KV offer"):
+        parse_kv_offers(" , ")
 
 
 def test_results_are_strict_json():
@@ -131,3 +160,21 @@ def test_transfer_modes():
         parse_modes("direct")
     with pytest.raises(ValueError, match="unknown"):
         parse_modes("raw,teleport")
+
+
+def test_rounds_pool_into_one_row_per_protocol_and_condition():
+    rows = [SweepRow("unshaped", [0.7], [0.03], 10, 0.5, kv_offer="layers"),
+            SweepRow("unshaped", [0.8], [0.06], 20, 1.0, kv_offer="after"),
+            SweepRow("netem delay 1 ms", unavailable="no sch_netem", kv_offer="after"),
+            SweepRow("unshaped", [0.9, 1.0], [0.05, 0.01], 30, 0.5, kv_offer="layers"),
+            SweepRow("unshaped", [0.6], [0.08], 20, 1.0, kv_offer="after"),
+            SweepRow("netem delay 1 ms", unavailable="no sch_netem", kv_offer="after")]
+    pooled = pool_rounds(rows)
+    assert [(r.kv_offer, r.condition) for r in pooled] == [
+        ("layers", "unshaped"), ("after", "unshaped"), ("after", "netem delay 1 ms")]
+    layers = pooled[0]
+    assert layers.ttft_s == [0.7, 0.9, 1.0] and layers.gap_s == [0.03, 0.05, 0.01]
+    assert (layers.kv_bytes, layers.kv_busy_s) == (40, 1.0)
+    assert layers.gap_p50 == pytest.approx(0.03)
+    assert pooled[2].unavailable == "no sch_netem" and not pooled[2].gap_s
+    assert rows[0].ttft_s == [0.7]  # the rounds' own rows are left as they were
