@@ -1,5 +1,5 @@
 """Decode steps through one path against another, toggled step by step in one engine on
-the default model, so a drifting VM moves both. Two comparisons (``--compare``):
+the default model, so a drifting VM moves both. The comparisons (``--compare``):
 
 - ``native-layer`` (the default): each decoder layer as one native call
   (``kernels.decode_layer``) against the Python layer;
@@ -7,9 +7,11 @@ the default model, so a drifting VM moves both. Two comparisons (``--compare``):
   whole, in memory order) against its per-head walk (``kernels.set_row_walk``);
 - ``int8-rows`` (with ``--quantization int8``): the int8 GEMV up to the rows the model
   runner timed at load (``kernels.time_int8_gemv_rows``) against the fixed default
-  (``kernels.INT8_GEMV_ROWS``), past which the kernel dequantizes and runs a GEMM.
+  (``kernels.INT8_GEMV_ROWS``), past which the kernel dequantizes and runs a GEMM;
+- ``argmax``: the greedy sampler's argmax by the native kernel (``kernels.argmax_rows``)
+  against torch's ``argmax``.
 
-``python -m benchmarks.native_layer [--compare native-layer|row-walk|int8-rows] [--dtype
+``python -m benchmarks.native_layer [--compare native-layer|row-walk|int8-rows|argmax] [--dtype
 float32|bfloat16] [--quantization int8] [--threads N] [--batches 1,32,256] [--steps N]
 [--model PATH]`` prints the machine, then per batch size the median decode step of each
 path and their ratio; first it checks that both paths give the same greedy tokens (one
@@ -56,6 +58,12 @@ def switch(compare: str, runner: ModelRunner) -> Switch | None:
     """The switch for ``compare`` on ``runner``'s model, or None where this build (or
     model) has only one path."""
     model = runner.model
+    if compare == "argmax":
+        sampler, native = runner.sampler, runner.sampler.argmax
+        if native is None:
+            return None
+        return Switch("native", "torch",
+                      lambda on: setattr(sampler, "argmax", native if on else None))
     if compare == "row-walk":
         return Switch("rows", "per head", kernels.set_row_walk) if kernels.available() else None
     if compare == "int8-rows":
@@ -80,7 +88,7 @@ def switch(compare: str, runner: ModelRunner) -> Switch | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.native_layer",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--compare", choices=("native-layer", "row-walk", "int8-rows"),
+    ap.add_argument("--compare", choices=("native-layer", "row-walk", "int8-rows", "argmax"),
                     default="native-layer")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--quantization", choices=("int8",), default=None,

@@ -193,6 +193,67 @@ def test_silu_mul_float32_range_and_specials() -> None:
     )
 
 
+# ---------------------------------------------------------------- argmax_rows
+
+
+@pytest.mark.parametrize("rows, width", [(1, 49152), (32, 49152), (256, 49152), (3, 1),
+                                         (5, 7), (4, 15), (4, 16), (4, 17), (2, 31), (2, 32),
+                                         (2, 33), (6, 1000), (3, 151936)])
+def test_argmax_rows_matches_torch(rows, width) -> None:
+    x = torch.randn(rows, width, generator=gen(rows * 7 + width))
+    assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_argmax_rows_ties_infinities_and_nans_as_torch() -> None:
+    width = 4099  # lanes and a tail
+    x = torch.randn(12, width, generator=gen(5))
+    x[0, [17, 2000, 4097]] = 9.0  # a tie: the first wins, wherever its lane
+    x[1, [4098, 3]] = 9.0  # the tail's and a lane's
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3] = 1.0  # all equal
+    x[4, 100] = float("inf")
+    x[5, [5, 4000]] = float("nan")  # the first NaN wins
+    x[6, 4098] = float("nan")  # a NaN only in the tail
+    x[7, 0] = float("nan")  # at index 0
+    x[8, [1, 2]] = float("inf")
+    x[8, 3] = float("nan")  # NaN beats inf
+    x[9] = -0.0
+    x[9, [50, 60]] = 0.0  # -0.0 and 0.0 are equal: the first of them, index 0
+    x[10, [width - 1]] = 1e30
+    x[11, [31, 32, 47, 48]] = 1e30  # a tie across lanes of one vector and the next
+    for cols in (width, 40, 16, 9, 1):  # the vector paths and the scalar one
+        y = x[:, :cols].contiguous()
+        assert torch.equal(kernels.argmax_rows(y), y.argmax(dim=-1)), cols
+
+
+def test_argmax_rows_strided_rows_and_threads() -> None:
+    big = torch.randn(64, 3000, generator=gen(8))
+    view = big[::2, 100:2900]  # rows apart, last dim contiguous
+    assert torch.equal(kernels.argmax_rows(view), view.argmax(dim=-1))
+    x = torch.randn(300, 49152, generator=gen(9))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.argmax_rows(x)
+        torch.set_num_threads(max(2, threads))
+        many = kernels.argmax_rows(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many) and torch.equal(one, x.argmax(dim=-1))
+    assert kernels.argmax_rows(torch.empty(0, 10)).shape == (0,)
+
+
+def test_argmax_rows_rejects_bad_inputs() -> None:
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.argmax_rows(torch.randn(2, 8).bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.argmax_rows(torch.randn(8, 4).t())
+    with pytest.raises(RuntimeError, match="rows, n"):
+        kernels.argmax_rows(torch.randn(8))
+    with pytest.raises(RuntimeError, match="empty"):
+        kernels.argmax_rows(torch.empty(3, 0))
+
+
 # ---------------------------------------------------------------- general
 
 

@@ -23,6 +23,27 @@ def test_greedy_takes_the_argmax() -> None:
     assert out.token_ids == [1, 0]
 
 
+def test_greedy_rows_use_the_given_argmax_where_it_applies() -> None:
+    seen: list[tuple[int, ...]] = []
+
+    def argmax(x: torch.Tensor) -> torch.Tensor:  # the native kernel's contract
+        seen.append(tuple(x.shape))
+        return x.argmax(dim=-1)
+
+    s = Sampler(argmax=argmax)
+    logits = torch.tensor([[0.1, 3.0, 2.0], [5.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3),
+              SamplingParams(temperature=0)]
+    out = s.sample(logits, ["a", "b", "c"], params)
+    # the greedy pass over every row, then the random row's exponential race
+    assert seen == [(3, 3), (1, 3)] and out.token_ids[0] == 1 and out.token_ids[2] == 2
+    assert out.token_ids[1] == Sampler().sample(logits, ["a", "b", "c"], params).token_ids[1]
+    # not float32, or rows not contiguous: torch's argmax
+    assert s.sample(logits.double(), ["a"] * 3, [params[0]] * 3).token_ids == [1, 0, 2]
+    assert s.sample(logits.t(), ["a"] * 3, [params[0]] * 3).token_ids == [1, 0, 2]
+    assert seen == [(3, 3), (1, 3)]
+
+
 def test_filters_restrict_the_support() -> None:
     assert draws(SamplingParams(temperature=1.0)) == {0, 1, 2, 3}
     assert draws(SamplingParams(top_k=2)) == {0, 1}

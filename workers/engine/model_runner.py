@@ -271,7 +271,8 @@ class ModelRunner:
             s.num_layers, 2, self.num_blocks * config.block_size, s.num_kv_heads,
             self.kv_format.row_elems, dtype=self.kv_format.storage_dtype, device=self.device,
         )
-        self.sampler = Sampler(eos_token_ids=eos_token_ids)
+        self.sampler = Sampler(eos_token_ids=eos_token_ids,
+                               argmax=kernels.argmax_rows if native else None)
         self.forward_s = 0.0
         """Wall seconds in :meth:`DecoderModel.forward`, summed (read anywhere)."""
         self.forward_cpu_s = 0.0

@@ -19,7 +19,7 @@ decode worker (the rest) penalize alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,7 +61,11 @@ class Sampler:
     """Keeps one generator per seeded request (and the prompt tokens of a request with
     a repetition penalty); call :meth:`release` when it ends."""
 
-    def __init__(self, seed: int = 0, eos_token_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, seed: int = 0, eos_token_ids: frozenset[int] = frozenset(),
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        self.argmax = argmax
+        """``x.argmax(dim=-1)`` of float32 ``[rows, vocab]``, the same indices, faster
+        (the native kernel's, :func:`workers.engine.kernels.argmax_rows`); None: torch's."""
         self._default = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self._prompts: dict[str, torch.Tensor] = {}
@@ -94,7 +98,7 @@ class Sampler:
         ``masks`` (structured output) bans what each constrained row's grammar forbids."""
         processed = self._process(logits, seq_ids, params, histories,
                                   masks.allowed(seq_ids) if masks else None)
-        tokens = processed.argmax(dim=-1)
+        tokens = self._argmax_of(processed)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             idx = torch.tensor(random_rows)
@@ -115,6 +119,12 @@ class Sampler:
                     tuple(zip(top_i.tolist(), top_v.tolist(), strict=True)),
                 )
         return SampleResult(token_list, logprobs)
+
+    def _argmax_of(self, logits: torch.Tensor) -> torch.Tensor:
+        if (self.argmax is not None and logits.dtype == torch.float32 and logits.dim() == 2
+                and logits.shape[-1] > 0 and logits.stride(-1) == 1):
+            return self.argmax(logits)
+        return logits.argmax(dim=-1)
 
     def _process(
         self, logits: torch.Tensor, seq_ids: list[str], params: list[SamplingParams],
@@ -236,7 +246,7 @@ class Sampler:
         noise = torch.empty_like(probs)
         for row, (seq_id, p) in enumerate(zip(seq_ids, params, strict=True)):
             noise[row].exponential_(generator=self._generator(seq_id, p))
-        return (probs / noise).argmax(dim=-1)
+        return self._argmax_of(probs / noise)
 
     def _generator(self, seq_id: str, p: SamplingParams) -> torch.Generator:
         if p.seed is None:

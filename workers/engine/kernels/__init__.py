@@ -115,7 +115,7 @@ def load(cache_dir: str | os.PathLike[str] | None = None) -> Callable | None:
                              "int8_best_isa", "paged_attention_best_isa",
                              "paged_attention_row_walk", "f32_gemv",
                              "gemv_pack", "f32_gemv_packed", "paged_write_decode_attention",
-                             "decode_layer")
+                             "decode_layer", "argmax_rows")
             )
             _op = ns.paged_decode_attention
             log.info(
@@ -325,6 +325,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     contiguous ``[..., I]`` tensor.
     """
     return _fused_op("silu_mul")(gate_up, SILU_LANES)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` of float32 ``[rows, n]`` (last dim contiguous), int64
+    ``[rows]``: the same indices (the first largest; a NaN counts as the largest), read
+    in AVX-512 or AVX2 lanes, rows spread over the threads. torch's own reduction reads
+    a row of a 49,152-token vocabulary at a few GB/s, ~3% of a batch-256 decode step
+    (the greedy sampler's)."""
+    return _fused_op("argmax_rows")(x)
 
 
 def quantize_kv_rows(x: torch.Tensor, kv_format: int) -> torch.Tensor:

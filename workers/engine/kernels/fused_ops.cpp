@@ -5,6 +5,9 @@
 //   add_rms_norm(x, r, w, eps)     x += r in place (in x's dtype), then rms_norm(x)
 //   rope_(qk, cos, sin)            qk = qk * cos + rotate_half(qk) * sin, in place
 //   silu_mul(gate_up)              silu(gate_up[..., :I]) * gate_up[..., I:]
+//   argmax_rows(x)                 torch.argmax(x, dim=-1) of float32 [rows, n] (the
+//                                  greedy sampler's; an index, so exact by construction:
+//                                  the first largest, a NaN counting as the largest)
 //
 // Each reproduces, bit for bit, the torch expression the decoder uses (see
 // workers/models/decoder.py), on float32 and bfloat16:
@@ -32,7 +35,8 @@
 // Rows run on ATen's intra-op pool (at::parallel_for) when an op touches more than
 // kGrain elements, on the calling thread below that.
 //
-// Registered as torch.ops.pdserve_kernels.{rms_norm, add_rms_norm, rope_, silu_mul}.
+// Registered as torch.ops.pdserve_kernels.{rms_norm, add_rms_norm, rope_, silu_mul,
+// argmax_rows}.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -653,6 +657,108 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t lanes) {
   return out;
 }
 
+// ---------------------------------------------------------------- argmax_rows
+
+// The index of the first largest element of x[0, n), n >= 1, as torch.argmax gives it:
+// ties go to the first; a NaN counts as the largest, so a row with NaNs gives its first.
+int64_t argmax_row(const float* x, int64_t n) {
+  int64_t i = 1, best_i = 0;
+  float best = x[0];
+  bool nan = x[0] != x[0];
+#if PDS_FUSED_AVX512
+  if (n >= 32) {  // per lane, the first of its largest; then across lanes
+    __m512 bv = _mm512_loadu_ps(x);
+    __m512i bi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i cur = bi;
+    const __m512i step = _mm512_set1_epi32(16);
+    __mmask16 unordered = _mm512_cmp_ps_mask(bv, bv, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= n; i += 16) {
+      cur = _mm512_add_epi32(cur, step);
+      const __m512 v = _mm512_loadu_ps(x + i);
+      const __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ);
+      unordered = static_cast<__mmask16>(unordered | _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q));
+      bv = _mm512_mask_mov_ps(bv, gt, v);
+      bi = _mm512_mask_mov_epi32(bi, gt, cur);
+    }
+    alignas(64) float vals[16];
+    alignas(64) int32_t idx[16];
+    _mm512_store_ps(vals, bv);
+    _mm512_store_si512(reinterpret_cast<__m512i*>(idx), bi);
+    nan = unordered != 0;
+    best = vals[0];
+    best_i = idx[0];
+    for (int l = 1; l < 16; ++l) {
+      if (vals[l] > best || (vals[l] == best && idx[l] < best_i)) {
+        best = vals[l];
+        best_i = idx[l];
+      }
+    }
+  }
+#elif PDS_FUSED_AVX2
+  if (n >= 16) {
+    __m256 bv = _mm256_loadu_ps(x);
+    __m256i bi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i cur = bi;
+    const __m256i step = _mm256_set1_epi32(8);
+    __m256 unordered = _mm256_cmp_ps(bv, bv, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= n; i += 8) {
+      cur = _mm256_add_epi32(cur, step);
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 gt = _mm256_cmp_ps(v, bv, _CMP_GT_OQ);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      bv = _mm256_blendv_ps(bv, v, gt);
+      bi = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(bi), _mm256_castsi256_ps(cur), gt));
+    }
+    alignas(32) float vals[8];
+    alignas(32) int32_t idx[8];
+    _mm256_store_ps(vals, bv);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(idx), bi);
+    nan = _mm256_movemask_ps(unordered) != 0;
+    best = vals[0];
+    best_i = idx[0];
+    for (int l = 1; l < 8; ++l) {
+      if (vals[l] > best || (vals[l] == best && idx[l] < best_i)) {
+        best = vals[l];
+        best_i = idx[l];
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {  // past the lanes (or all of a short row): later indices, so ">"
+    const float v = x[i];
+    nan = nan || v != v;
+    if (v > best) {
+      best = v;
+      best_i = i;
+    }
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (x[j] != x[j]) return j;
+    }
+  }
+  return best_i;
+}
+
+// torch.argmax(x, dim=-1) of a float32 [rows, n] (last dim contiguous), as int64 [rows].
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu(), "CPU tensor expected");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, n], got ", x.dim(), " dims");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) >= 1, "x's rows must not be empty");
+  TORCH_CHECK(x.size(1) <= INT32_MAX, "x's rows must be under 2^31 long");
+  TORCH_CHECK(x.stride(1) == 1, "x's last dim must be contiguous");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * stride, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
@@ -662,6 +768,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve_kernels, m) {
       "-> Tensor");
   m.def("rope_(Tensor(a!) qk, Tensor cos, Tensor sin) -> ()");
   m.def("silu_mul(Tensor gate_up, int lanes=16) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
@@ -669,4 +776,5 @@ TORCH_LIBRARY_IMPL(pdserve_kernels, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_", &rope_);
   m.impl("silu_mul", &silu_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }
