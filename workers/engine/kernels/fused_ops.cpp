@@ -659,6 +659,20 @@ at::Tensor silu_mul(const at::Tensor& gate_up, int64_t lanes) {
 
 // ---------------------------------------------------------------- argmax_rows
 
+// Across L lanes that each hold the first of their largest (value and index): the
+// largest value, and of its lanes the smallest index.
+template <int L>
+void best_of_lanes(const float* vals, const int32_t* idx, float& best, int64_t& best_i) {
+  best = vals[0];
+  best_i = idx[0];
+  for (int l = 1; l < L; ++l) {
+    if (vals[l] > best || (vals[l] == best && idx[l] < best_i)) {
+      best = vals[l];
+      best_i = idx[l];
+    }
+  }
+}
+
 // The index of the first largest element of x[0, n), n >= 1, as torch.argmax gives it:
 // ties go to the first; a NaN counts as the largest, so a row with NaNs gives its first.
 int64_t argmax_row(const float* x, int64_t n) {
@@ -685,14 +699,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     _mm512_store_ps(vals, bv);
     _mm512_store_si512(reinterpret_cast<__m512i*>(idx), bi);
     nan = unordered != 0;
-    best = vals[0];
-    best_i = idx[0];
-    for (int l = 1; l < 16; ++l) {
-      if (vals[l] > best || (vals[l] == best && idx[l] < best_i)) {
-        best = vals[l];
-        best_i = idx[l];
-      }
-    }
+    best_of_lanes<16>(vals, idx, best, best_i);
   }
 #elif PDS_FUSED_AVX2
   if (n >= 16) {
@@ -715,14 +722,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     _mm256_store_ps(vals, bv);
     _mm256_store_si256(reinterpret_cast<__m256i*>(idx), bi);
     nan = _mm256_movemask_ps(unordered) != 0;
-    best = vals[0];
-    best_i = idx[0];
-    for (int l = 1; l < 8; ++l) {
-      if (vals[l] > best || (vals[l] == best && idx[l] < best_i)) {
-        best = vals[l];
-        best_i = idx[l];
-      }
-    }
+    best_of_lanes<8>(vals, idx, best, best_i);
   }
 #endif
   for (; i < n; ++i) {  // past the lanes (or all of a short row): later indices, so ">"
