@@ -69,7 +69,7 @@ class AutoscaleLoop:
         self.config = config or AutoscaleConfig(
             interval_s=interval, window_s=3 * interval, min_dwell_s=3 * interval)
         candidates = reachable(len(cluster.workers), cluster.threads,
-                               c.local_prefill_threshold, c.itl_budget_ms)
+                               c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer)
         slo = (c.slo_ttft_ms, c.slo_tpot_ms)
         self.autoscaler = Autoscaler(
             candidates, simulated_goodput(profile, cluster.threads, *slo), self.config)

@@ -35,8 +35,8 @@ TOOL_CALL_PARSERS = ("hermes",)
 here would load aiohttp into every command (a unit test keeps the two equal)."""
 
 KV_OFFERS = ("layers", "step", "after")
-"""``workers.transfer.channel.KV_OFFERS``, spelled out: that module loads torch (a unit
-test keeps the two equal)."""
+"""``common.cost_model.KV_OFFERS``, spelled out: that module loads numpy (a unit test
+keeps the two equal)."""
 
 ROLES = ("prefill", "decode", "mixed")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -403,6 +403,8 @@ class DeploymentConfig:
             t = self.threads(os.cpu_count() or 1)
             args += ["--profile", self.profile, "--itl-budget-ms", str(self.itl_budget_ms),
                      "--prefill-threads", str(t), "--decode-threads", str(t)]
+            if self.kv_offer != "layers":  # when the prefill workers' KV lands
+                args += ["--kv-offer", self.kv_offer]
         if self.metrics_port is not None:
             args += ["--metrics-port", str(self.metrics_port)]
         if self.model:

@@ -54,7 +54,9 @@ model with them (:meth:`StepModel.scaled_parts`, the per-sequence cost added to 
 ``S`` coefficient), :attr:`Profile.steps` keeps the engine's own fit.
 
 **Transfer time** of ``b`` bytes between a prefill and a decode worker: ``latency_s +
-b / bytes_per_s``, fitted the same way on measured transfers.
+b / bytes_per_s``, fitted the same way on measured transfers. When it lands depends on
+the prefill worker's ``--kv-offer`` (:data:`KV_OFFERS`, :meth:`TransferModel.landed_s`):
+sent layer by layer, the bytes move while the step computes them.
 """
 
 from __future__ import annotations
@@ -224,6 +226,12 @@ class StepModel:
         return self.seconds([(new, cached)])
 
 
+KV_OFFERS = ("layers", "step", "after")
+"""When a prefill worker offers a prompt's KV (``pdserve worker --kv-offer``): ``layers``
+while the step that computes it runs, each layer sent as it is done; ``step`` while it
+runs, the KV sent when it ends; ``after`` once it ended."""
+
+
 @dataclass(frozen=True)
 class TransferModel:
     latency_s: float
@@ -232,6 +240,19 @@ class TransferModel:
 
     def seconds(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bytes_per_s
+
+    def landed_s(self, nbytes: int, compute_s: float, offer: str = "layers") -> float:
+        """Seconds from the start of the prefill step that computes ``nbytes`` of KV
+        (``compute_s`` long) until they have landed, the link free: under ``layers`` the
+        bytes move while the step computes them and cannot all be there before it ends,
+        ``max(compute_s, bytes / rate) + latency``; under ``step`` and ``after`` they move
+        once it ended, ``compute_s + bytes / rate + latency``. (The profile times a
+        transfer from its KV's being ready, the offer already accepted: ``after``, which
+        offers only then, pays a round trip more, a few ms on loopback, not modelled.)"""
+        if offer not in KV_OFFERS:
+            raise ValueError(f"unknown KV offer {offer!r}: one of {', '.join(KV_OFFERS)}")
+        move = nbytes / self.bytes_per_s
+        return (max(compute_s, move) if offer == "layers" else compute_s + move) + self.latency_s
 
 
 @dataclass(frozen=True)

@@ -115,17 +115,18 @@ class Autoscaler:
 
 
 def reachable(workers: int, threads: int, static_threshold: int,
-              adaptive_itl_budget_ms: float | None = None) -> list[PoolConfig]:
+              adaptive_itl_budget_ms: float | None = None,
+              kv_offer: str = "layers") -> list[PoolConfig]:
     """The configurations ``workers`` workers of ``threads`` threads each reach by
     changing roles: all mixed, or every P:D split (adaptive instead of static when the
-    router places prompts live)."""
+    router places prompts live; the prefill workers offering KV by ``kv_offer``)."""
     out = [PoolConfig("mixed", mixed_workers=workers, mixed_threads=threads)]
     kind = "adaptive" if adaptive_itl_budget_ms else "disaggregated"
     for p in range(1, workers):
         out.append(PoolConfig(kind, prefill_workers=p, decode_workers=workers - p,
                               prefill_threads=threads, decode_threads=threads,
                               local_prefill_threshold=static_threshold,
-                              itl_budget_ms=adaptive_itl_budget_ms))
+                              itl_budget_ms=adaptive_itl_budget_ms, kv_offer=kv_offer))
     return out
 
 

@@ -6,7 +6,9 @@ workers, or ``prefill_workers`` + ``decode_workers`` (disaggregated), each with 
 threads per worker (which of the profile's step models it runs), the decode workers'
 ``local_prefill_threshold`` (conditional disaggregation) and the router's policy.
 ``adaptive`` is disaggregated with the router's live prefill-placement rule
-(:mod:`router.adaptive`) on top of the static threshold.
+(:mod:`router.adaptive`) on top of the static threshold. ``kv_offer`` is the prefill
+workers' ``--kv-offer``: when a remote prompt's KV moves (during its prefill step, layer
+by layer, by default), for the simulator and the placement rule alike.
 
 Resources are ``units`` of one kind: CPU cores (a worker of ``t`` threads takes ``t``
 of them) or GPUs (a worker takes one GPU and runs the profile's one-thread step model:
@@ -16,6 +18,8 @@ a GPU profile is written with ``--threads 1``, a GPU being one unit of compute).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from common.cost_model import KV_OFFERS
 
 KINDS = ("mixed", "disaggregated", "adaptive")
 RESOURCE_KINDS = ("cores", "gpus")
@@ -35,6 +39,8 @@ class PoolConfig:
     policy: str = "cache_aware"
     itl_budget_ms: float | None = None
     """``adaptive`` only: the longest step a local prefill may make decodes wait."""
+    kv_offer: str = "layers"
+    """Disaggregated only: the prefill workers' ``--kv-offer``."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -52,6 +58,9 @@ class PoolConfig:
         if self.local_prefill_threshold < 0:
             raise ValueError(f"local_prefill_threshold must be >= 0, got "
                              f"{self.local_prefill_threshold}")
+        if self.kv_offer not in KV_OFFERS:
+            raise ValueError(f"PoolConfig.kv_offer must be one of {KV_OFFERS}, got "
+                             f"{self.kv_offer!r}")
         if self.kind == "adaptive" and not (self.itl_budget_ms or 0) > 0:
             raise ValueError(f"an adaptive configuration needs itl_budget_ms > 0, got "
                              f"{self.itl_budget_ms}")
@@ -77,16 +86,19 @@ class PoolConfig:
             return f"{self.mixed_workers} mixed x{self.mixed_threads}t"
         pd = (f"{self.prefill_workers}P x{self.prefill_threads}t + {self.decode_workers}D "
               f"x{self.decode_threads}t")
+        offer = "" if self.kv_offer == "layers" else f", KV offered {self.kv_offer}"
         if self.kind == "adaptive":
-            return f"{pd}, adaptive (static {self.local_prefill_threshold})"
+            return f"{pd}, adaptive (static {self.local_prefill_threshold}){offer}"
         if not self.local_prefill_threshold:
-            return f"{pd}, all remote"
-        return f"{pd}, local < {self.local_prefill_threshold}"
+            return f"{pd}, all remote{offer}"
+        return f"{pd}, local < {self.local_prefill_threshold}{offer}"
 
     def as_dict(self) -> dict:
         d = asdict(self)
         if self.kind != "adaptive":
             del d["itl_budget_ms"]
+        if self.kind == "mixed":
+            del d["kv_offer"]
         return d
 
 

@@ -54,7 +54,8 @@ def placement_for(profile: Profile, config: PoolConfig) -> Placement | None:
         raise AdaptiveUnavailable(f"the adaptive placement rule is not available: {e}") from e
     assert config.itl_budget_ms is not None
     rule = PrefillPlacement(profile, config.decode_threads, config.prefill_threads,
-                            config.itl_budget_ms / 1000, static_threshold=0)
+                            config.itl_budget_ms / 1000, static_threshold=0,
+                            kv_offer=config.kv_offer)
 
     def place(**inputs: int) -> bool:
         return rule.decide(PlacementInputs(**inputs))[0]

@@ -117,7 +117,8 @@ def candidates(profile: Profile, resources: Resources,
                thresholds: tuple[int, ...] = DEFAULT_THRESHOLDS, *,
                policy: str = "cache_aware", adaptive: bool = True,
                itl_budget_ms: float = DEFAULT_ITL_BUDGET_MS,
-               max_slice_workers: int = MAX_SLICE_WORKERS) -> list[PoolConfig]:
+               max_slice_workers: int = MAX_SLICE_WORKERS,
+               kv_offer: str = "layers") -> list[PoolConfig]:
     n = resources.units
     threads = sorted(profile.steps) if resources.kind == "cores" else [1]
     if resources.kind == "gpus" and 1 not in profile.steps:
@@ -129,7 +130,8 @@ def candidates(profile: Profile, resources: Resources,
         for td in threads:
             for p, d in _splits(n, tp, td, max_slice_workers):
                 base = PoolConfig("disaggregated", prefill_workers=p, decode_workers=d,
-                                  prefill_threads=tp, decode_threads=td, policy=policy)
+                                  prefill_threads=tp, decode_threads=td, policy=policy,
+                                  kv_offer=kv_offer)
                 out += [replace(base, local_prefill_threshold=t) for t in thresholds]
                 if adaptive:
                     out.append(replace(base, kind="adaptive",
@@ -207,7 +209,8 @@ def plan_workload(profile: Profile, workload: Workload, resources: Resources,
                   itl_budget_ms: float | None = None,
                   max_slice_workers: int = MAX_SLICE_WORKERS,
                   max_requests: int | None = 2000, think_time_s: float = 0.0,
-                  configs: list[PoolConfig] | None = None) -> PlanResult:
+                  configs: list[PoolConfig] | None = None,
+                  kv_offer: str = "layers") -> PlanResult:
     """Search (see the module docstring); ``configs`` replaces the candidate list."""
     started = time.perf_counter()
     notes: list[str] = []
@@ -218,7 +221,8 @@ def plan_workload(profile: Profile, workload: Workload, resources: Resources,
         notes.append("adaptive candidates left out: router.adaptive is not installed")
     if configs is None:
         configs = candidates(profile, resources, thresholds, policy=policy, adaptive=adaptive,
-                             itl_budget_ms=itl_budget_ms, max_slice_workers=max_slice_workers)
+                             itl_budget_ms=itl_budget_ms, max_slice_workers=max_slice_workers,
+                             kv_offer=kv_offer)
     if not configs:
         raise ValueError(f"no configuration fits {resources.units} {resources.kind} with the "
                          f"profile's thread counts {sorted(profile.steps)}")

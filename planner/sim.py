@@ -35,7 +35,10 @@ The router, mirrored from :mod:`router.choice` and :mod:`router.dispatch`:
   (``--kv-offer layers``: each layer's KV while the next computes), the bytes start
   moving when the step began, cannot all be there before it ends, and the model's fixed
   latency follows: ``max(step end, start + bytes / rate) + latency``, ``start`` the
-  later of the step's start and the link's being free. When it has landed, the prefill worker
+  later of the step's start and the link's being free; under ``kv_offer`` ``step`` or
+  ``after`` they start at the later of the step's end and the link's being free
+  (:meth:`~common.cost_model.TransferModel.landed_s` for one transfer alone, as the
+  placement rule estimates it). When it has landed, the prefill worker
   releases its blocks and the decode worker commits the request at its next step
   boundary, then decodes it. A request of one output token ends at the prefill worker
   and its reservation is aborted.
@@ -273,9 +276,13 @@ class Simulation:
             self._finish(f, seq.num_output_tokens)
             return
         nbytes = (len(f.request.prompt) - f.decode_cached) * self.profile.kv_bytes_per_token
-        link = self.profile.transfer  # streamed during the step (see the module docstring)
-        start = max(worker.step_started, d.link_free_at)
-        d.link_free_at = end = max(now, start + nbytes / link.bytes_per_s) + link.latency_s
+        link = self.profile.transfer  # see the module docstring
+        if self.config.kv_offer == "layers":  # streamed during the step
+            start = max(worker.step_started, d.link_free_at)
+            end = max(now, start + nbytes / link.bytes_per_s) + link.latency_s
+        else:  # sent once the step ended
+            end = max(now, d.link_free_at) + nbytes / link.bytes_per_s + link.latency_s
+        d.link_free_at = end
 
         def landed() -> None:
             worker.release(seq)

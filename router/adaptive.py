@@ -9,8 +9,10 @@ blocks and said how much of the prompt it already caches:
 
 - **remote**: wait for the least-loaded prefill worker's queue (its queued uncached
   tokens, as one prefill), compute the uncached part there, move its KV
-  (``uncached x kv_bytes_per_token`` over the profiled link), then the decode worker
-  admits it at its next step boundary (one decode step of its batch);
+  (``uncached x kv_bytes_per_token`` over the profiled link; under the prefill workers'
+  ``kv_offer``, ``layers`` by default, it moves while the prefill computes it:
+  :meth:`~common.cost_model.TransferModel.landed_s`), then the decode worker admits it
+  at its next step boundary (one decode step of its batch);
 - **local**: the decode worker computes the prompt inside its own steps, a chunk of up
   to its spare step budget (``max_num_batched_tokens`` minus its running decodes) per
   step, each step then taking the mixed batch's time.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from common.cost_model import Profile
+from common.cost_model import KV_OFFERS, Profile
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,10 @@ class PrefillPlacement:
 
     def __init__(self, profile: Profile | None, decode_threads: int = 1,
                  prefill_threads: int = 1, itl_budget_s: float = 0.2,
-                 static_threshold: int = 32, local_gain: float = 0.2) -> None:
+                 static_threshold: int = 32, local_gain: float = 0.2,
+                 kv_offer: str = "layers") -> None:
+        if kv_offer not in KV_OFFERS:
+            raise ValueError(f"unknown kv_offer {kv_offer!r}: one of {', '.join(KV_OFFERS)}")
         if not 0 <= local_gain < 1:
             raise ValueError(f"local_gain must be in [0, 1), got {local_gain}")
         if itl_budget_s <= 0:
@@ -77,6 +82,7 @@ class PrefillPlacement:
         self.itl_budget_s = itl_budget_s
         self.static_threshold = static_threshold
         self.local_gain = local_gain
+        self.kv_offer = kv_offer
         self._decode = profile.step(decode_threads) if profile else None
         self._prefill = profile.step(prefill_threads) if profile else None
 
@@ -91,8 +97,11 @@ class PrefillPlacement:
         batch = [(1, ctx)] * x.decode_running
         decode_step = dec.seconds(batch) if batch else 0.0
         queue = pre.prefill_seconds(x.prefill_queued_tokens) if x.prefill_queued_tokens else 0.0
-        remote = (queue + pre.prefill_seconds(x.uncached_tokens, x.cached_tokens)
-                  + p.transfer.seconds(x.uncached_tokens * p.kv_bytes_per_token) + decode_step)
+        remote = (queue + p.transfer.landed_s(x.uncached_tokens * p.kv_bytes_per_token,
+                                              pre.prefill_seconds(x.uncached_tokens,
+                                                                  x.cached_tokens),
+                                              self.kv_offer)
+                  + decode_step)
         budget = max(1, p.max_num_batched_tokens - x.decode_running)
         chunk = min(x.uncached_tokens, budget)
         stall = dec.seconds([*batch, (chunk, x.cached_tokens)])

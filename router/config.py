@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.cost_model import KV_OFFERS
+
 from .limits import TenantLimits
 from .policies import make_policy
 
@@ -67,6 +69,9 @@ class RouterConfig:
     """Threads per worker of each pool: which of the profile's step models applies."""
     itl_budget_ms: float = 200.0
     """The longest step a local prefill may make running decodes wait through."""
+    kv_offer: str = "layers"
+    """The prefill workers' ``--kv-offer``: whether a remote prompt's KV moves while its
+    prefill computes it (``layers``) or after (the placement rule's remote estimate)."""
 
     def __post_init__(self) -> None:
         if not self.workers and not self.redis_url:
@@ -84,6 +89,9 @@ class RouterConfig:
                              f"{self.prefill_queue_limit}")
         if self.itl_budget_ms <= 0:
             raise ValueError(f"itl_budget_ms must be > 0, got {self.itl_budget_ms}")
+        if self.kv_offer not in KV_OFFERS:
+            raise ValueError(f"kv_offer must be one of {', '.join(KV_OFFERS)}, got "
+                             f"{self.kv_offer!r}")
 
     def tenant_limits(self) -> TenantLimits:
         """Every tenant's limits unless its key line overrides them."""

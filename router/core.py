@@ -542,4 +542,5 @@ def _placement(config: RouterConfig) -> PrefillPlacement | None:
         return None
     profile = load_profile(config.placement_profile)
     return PrefillPlacement(profile, config.decode_threads, config.prefill_threads,
-                            config.itl_budget_ms / 1000, static_threshold=0)
+                            config.itl_budget_ms / 1000, static_threshold=0,
+                            kv_offer=config.kv_offer)

@@ -80,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_setting(r, "tool_call_parser")
     add_setting(r, "profile")
     add_setting(r, "itl_budget_ms")
+    add_setting(r, "kv_offer")
     add_setting(r, "stall_probe_s")
     add_setting(r, "prefill_queue_limit")
     for role in ("prefill", "decode"):
@@ -199,7 +200,7 @@ def router_config(args: argparse.Namespace,  # noqa: ANN201 - ServerConfig
                             tenant_max_concurrency=args.tenant_max_concurrency,
                             tenant_tokens_per_minute=args.tenant_tokens_per_minute,
                             placement_profile=args.profile, itl_budget_ms=args.itl_budget_ms,
-                            prefill_threads=args.prefill_threads,
+                            kv_offer=args.kv_offer, prefill_threads=args.prefill_threads,
                             stall_probe_after_s=args.stall_probe_s,
                             prefill_queue_limit=args.prefill_queue_limit,
                             decode_threads=args.decode_threads),

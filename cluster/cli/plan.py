@@ -18,6 +18,8 @@ import math
 import os
 import sys
 
+from cluster.deployment import KV_OFFERS
+
 from .options import EXIT_INVALID, cache_dir
 
 WORKLOAD_CHOICES = ("random", "shared-prefix", "mixed", "multi-turn", "trace", "synthetic")
@@ -47,6 +49,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--itl-budget-ms", type=float, default=None,
                    help="adaptive: the longest step a local prefill may cause (default: "
                         "the TPOT SLO, else 200)")
+    p.add_argument("--kv-offer", choices=KV_OFFERS, default="layers",
+                   help="the prefill workers' `pdserve up --kv-offer` the split candidates "
+                        "run: when a remote prompt's KV moves (layers: during its prefill "
+                        "step; step, after: once it ended)")
     p.add_argument("--max-slice-workers", type=int, default=4,
                    help="larger configurations are simulated as a symmetric slice of this "
                         "many workers")
@@ -159,6 +165,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     slo = (SLO(args.slo_ttft_ms, args.slo_tpot_ms)
            if args.slo_ttft_ms is not None or args.slo_tpot_ms is not None else None)
     if args.validate:
+        if args.kv_offer != "layers":
+            print("pdserve plan --validate: its clusters run the default --kv-offer layers; "
+                  "leave --kv-offer out", file=sys.stderr)
+            return EXIT_INVALID
         return _validate(args, work, resources, thresholds)
     print(f"pdserve plan: {resources.units} {resources.kind}, profile {profile.model} "
           f"({profile.dtype}, threads {sorted(profile.steps)}); {work.description}",
@@ -168,7 +178,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                policy=args.policy, adaptive=not args.no_adaptive,
                                itl_budget_ms=args.itl_budget_ms,
                                max_slice_workers=args.max_slice_workers,
-                               max_requests=args.max_requests, think_time_s=args.think_time_s)
+                               max_requests=args.max_requests, think_time_s=args.think_time_s,
+                               kv_offer=args.kv_offer)
     except ValueError as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return EXIT_INVALID

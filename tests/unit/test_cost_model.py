@@ -8,10 +8,12 @@ import pytest
 from common.cost_model import (
     GEMV_ROWS,
     KNOTS,
+    KV_OFFERS,
     PROFILE_VERSION,
     FitError,
     Profile,
     StepPoint,
+    TransferModel,
     features,
     fit_steps,
     fit_transfer,
@@ -132,6 +134,19 @@ def test_transfer_fit_is_latency_plus_bytes_over_bandwidth():
     assert t.latency_s == pytest.approx(0.002, rel=0.01)
     assert t.bytes_per_s == pytest.approx(2.5e9, rel=0.01)
     assert t.seconds(1 << 25) == pytest.approx(0.002 + (1 << 25) / 2.5e9, rel=0.01)
+
+
+def test_kv_lands_by_the_prefill_workers_offer():
+    t = TransferModel(0.002, 1e9)
+    # layers: the bytes move during the step, and cannot all be there before it ends
+    assert t.landed_s(10**8, 0.5, "layers") == pytest.approx(0.5 + 0.002)
+    assert t.landed_s(10**9, 0.5, "layers") == pytest.approx(1.0 + 0.002)
+    assert t.landed_s(10**8, 0.5) == t.landed_s(10**8, 0.5, "layers")  # the default
+    for offer in ("step", "after"):  # once the step ended: both
+        assert t.landed_s(10**8, 0.5, offer) == pytest.approx(0.5 + 0.1 + 0.002)
+    with pytest.raises(ValueError, match="unknown KV offer 'soon'"):
+        t.landed_s(1, 0.1, "soon")
+    assert KV_OFFERS == ("layers", "step", "after")
 
 
 def test_profile_file_round_trip_and_version_check(tmp_path):

@@ -79,10 +79,12 @@ def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
                                                               0, 4)
     assert (w.redis_url, w.metrics_port, w.device, w.max_model_len, w.drain_timeout_s) == (
         "redis://r:6379/0", 0, "cuda", 512, 12.0)
+    offered = DeploymentConfig(prefill=1, decode=1, profile="/p.json", kv_offer="after")
+    assert parser.parse_args(offered.router_args(["a:1"], None)).kv_offer == "after"
     r = parser.parse_args(config.router_args(["a:1", "b:2"], None))
     assert (r.command, r.worker, r.metrics_port, r.policy) == ("router", ["a:1", "b:2"], 9400,
                                                                "cache_aware")
-    assert r.stall_probe_s == 2.0
+    assert r.stall_probe_s == 2.0 and r.kv_offer == "layers"
     with pytest.raises(DeploymentError, match="stall_probe_s"):
         DeploymentConfig(stall_probe_s=-1)
     assert w.kv_offer == "layers"  # the default, not on the line
@@ -100,9 +102,10 @@ def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
 
 
 def test_the_kv_offer_choices_are_the_channels() -> None:
+    from common.cost_model import KV_OFFERS as MODEL_OFFERS
     from workers.transfer.channel import KV_OFFERS as CHANNEL_OFFERS
 
-    assert KV_OFFERS == CHANNEL_OFFERS
+    assert KV_OFFERS == CHANNEL_OFFERS == MODEL_OFFERS
 
 
 def test_roles_and_threads() -> None:

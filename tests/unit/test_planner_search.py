@@ -138,6 +138,27 @@ def test_pdserve_plan_json_is_one_object_with_candidates_and_the_recommendation(
     assert out["slice"] is None and png.stat().st_size > 0
 
 
+def test_pdserve_plan_kv_offer_reaches_the_split_candidates(tmp_path, capsys) -> None:
+    path = tmp_path / "profile.json"
+    save_profile(CPU, path)
+    args = ["plan", "--profile", str(path), "--cores", "2", "--num-requests", "12",
+            "--request-rate", "4", "--input-len", "256", "--output-len", "8",
+            "--thresholds", "0", "--json"]
+    assert main([*args, "--kv-offer", "after"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    splits = [c["config"] for c in out["candidates"] if c["config"]["kind"] != "mixed"]
+    assert splits and all(c["kv_offer"] == "after" for c in splits)
+    assert all("kv_offer" not in c["config"] for c in out["candidates"]
+               if c["config"]["kind"] == "mixed")
+    assert all(c["label"].endswith("KV offered after") for c in out["candidates"]
+               if c["config"]["kind"] != "mixed")
+    assert main([*args, "--kv-offer", "after", "--validate"]) == 2
+    assert "--kv-offer layers" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="kv_offer"):
+        PoolConfig("disaggregated", prefill_workers=1, decode_workers=1, prefill_threads=1,
+                   decode_threads=1, kv_offer="later")
+
+
 def test_pdserve_plan_prints_a_table_with_the_recommendation_marked(tmp_path, capsys) -> None:
     path = tmp_path / "profile.json"
     save_profile(CPU, path)

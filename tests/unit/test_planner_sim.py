@@ -99,6 +99,26 @@ def test_transfers_into_one_decode_worker_go_one_at_a_time() -> None:
     assert_no_leak(r)
 
 
+@pytest.mark.parametrize("offer", ["step", "after"])
+def test_kv_offered_after_the_step_moves_once_it_ended(offer) -> None:
+    """Under ``--kv-offer step`` or ``after`` the bytes start when the prefill's step
+    ends: the first -> second token gap pays the whole transfer (under ``layers`` only
+    the part the step did not cover, and the latency)."""
+    slow = synthetic_profile("cpu", bytes_per_s=5e6, latency_s=0.002)
+    transfer = slow.transfer.seconds(100 * slow.kv_bytes_per_token)
+    prefill, decode = slow.step(1).seconds([(100, 0)]), slow.step(1).seconds([(1, 100)])
+    late = run(slow, PoolConfig("disaggregated", prefill_workers=1, decode_workers=1,
+                                prefill_threads=1, decode_threads=1, kv_offer=offer),
+               lone(), [0.0])
+    early = run(slow, DISAGG, lone(), [0.0])
+    assert late.records[0].ttft == pytest.approx(early.records[0].ttft)
+    assert late.records[0].itls[0] == pytest.approx(transfer + decode)
+    moved = slow.transfer.landed_s(100 * slow.kv_bytes_per_token, prefill, "layers")
+    assert early.records[0].itls[0] == pytest.approx(moved - prefill + decode)
+    assert early.records[0].itls[0] < late.records[0].itls[0]
+    assert_no_leak(late)
+
+
 def test_a_reservation_waits_for_blocks_a_step_frees() -> None:
     tiny = synthetic_profile("cpu", num_blocks=20, max_model_len=300)  # 320 tokens of KV
     reqs = [Request(list(range(i * 1000, i * 1000 + 200)), 8) for i in range(3)]

@@ -1,6 +1,8 @@
 """router.adaptive: the per-request local-or-remote prefill rule, on a made-up machine
 profile (pure; no model, no processes)."""
 
+import dataclasses
+
 import pytest
 
 from common.cost_model import Profile, StepModel, TransferModel, features
@@ -50,7 +52,29 @@ def test_running_decodes_keep_a_long_prompt_off_the_decode_worker_beyond_the_bud
     assert rule.decide(PlacementInputs(uncached_tokens=40, **busy)) == (True, "spare")
 
 
+def test_the_remote_estimate_follows_when_the_prefill_workers_send_the_kv():
+    """Under ``layers`` (the default) the KV moves while the prefill computes it: remote
+    pays the longer of the two; offered after the step, it pays both."""
+    # 512 tokens of KV: 0.26 s on this link; their prefill 0.55 s
+    slow = dataclasses.replace(_profile(), transfer=TransferModel(0.005, 2e6))
+    x = PlacementInputs(uncached_tokens=512)
+    step = slow.step(1)
+    prefill, move = step.prefill_seconds(512), 512 * 1024 / 2e6
+    layers = PrefillPlacement(slow, static_threshold=0).estimate(x).remote_s
+    after = PrefillPlacement(slow, static_threshold=0, kv_offer="after").estimate(x).remote_s
+    assert layers == pytest.approx(max(prefill, move) + 0.005)
+    assert after == pytest.approx(prefill + move + 0.005)
+    assert PrefillPlacement(slow, static_threshold=0, kv_offer="step").estimate(x).remote_s \
+        == pytest.approx(after)
+    # the same prompt: kept remote when its KV streams, computed locally when it would
+    # follow the prefill (local 0.55 s is more than 20% sooner than 0.82 s, not than 0.56)
+    assert PrefillPlacement(slow, static_threshold=0).decide(x) == (False, "remote")
+    assert PrefillPlacement(slow, static_threshold=0, kv_offer="after").decide(x)[0] is True
+
+
 def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="kv_offer"):
+        PrefillPlacement(_profile(), kv_offer="never")
     with pytest.raises(ValueError, match="itl_budget_s"):
         PrefillPlacement(_profile(), itl_budget_s=0)
     with pytest.raises(ValueError, match="local_gain"):

@@ -232,6 +232,9 @@ def test_prompts_overflow_to_the_decode_worker_past_the_prefill_queue_limit() ->
     with pytest.raises(ValueError, match="prefill_queue_limit"):
         RouterConfig(workers=("127.0.0.1:1",), model_path=".", model_name="m",
                      prefill_queue_limit=-1)
+    with pytest.raises(ValueError, match="kv_offer must be one of layers, step, after"):
+        RouterConfig(workers=("127.0.0.1:1",), model_path=".", model_name="m",
+                     kv_offer="sometime")
 
 
 def test_prefill_workers_of_another_kv_format_are_never_paired() -> None:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from common.cost_model import KV_OFFERS as _KV_OFFERS
 from workers.transfer.rendezvous import check_host
 
 FAULT_FLIP_ENV = "PDSERVE_FAULT_FLIP_KV_BYTE"
@@ -56,8 +57,9 @@ FAULT_FLIP_ENV = "PDSERVE_FAULT_FLIP_KV_BYTE"
 of a prefill worker's sender (:func:`fault_hooks_from_env`)."""
 
 
-KV_OFFERS = ("layers", "step", "after")
-"""When a prefill worker offers a prompt's KV (``TransferConfig.offer``)."""
+KV_OFFERS = _KV_OFFERS
+"""When a prefill worker offers a prompt's KV (``TransferConfig.offer``; the cost
+model's list, :data:`common.cost_model.KV_OFFERS`)."""
 
 
 class ChannelError(RuntimeError):
