@@ -340,7 +340,8 @@ RAY_PORT = 6480  # not RayOnHosts' default: a test run beside this one keeps its
 
 def pool_rounds(rows: Sequence[SweepRow]) -> list[SweepRow]:
     """One row per (protocol, condition), in first-seen order: the requests of every
-    round's row together, the prefill counters summed."""
+    round's row together, the prefill counters summed; unavailable only where every
+    round's was."""
     pooled: dict[tuple[str, str], SweepRow] = {}
     for r in rows:
         key = (r.kv_offer, r.condition)
@@ -351,7 +352,7 @@ def pool_rounds(rows: Sequence[SweepRow]) -> list[SweepRow]:
         p.gap_s += r.gap_s
         p.kv_bytes += r.kv_bytes
         p.kv_busy_s += r.kv_busy_s
-        p.unavailable = p.unavailable or r.unavailable
+        p.unavailable = p.unavailable if p.unavailable and r.unavailable else None
     return list(pooled.values())
 
 
@@ -471,7 +472,6 @@ def plot(link: Sequence[LinkRow], sweep: Sequence[SweepRow], path: Path, title: 
     a.set_yscale("log")
     a.set_xticks(list(xs), [f"{r.condition}\n{r.dtype}" for r in ok], fontsize=8)
     a.set_ylabel("GB/s, host 1 → host 2 (p50, log scale)")
-    w = 0.38
     a.set_title("KV transfer across the veth link", fontsize=10)
     a.legend(fontsize=8)
     conds = list(dict.fromkeys(r.condition for r in sweep))

@@ -65,6 +65,12 @@ def setting(help: str, *, flag: str = "", choices: tuple[str, ...] = (),
     return {"help": help, "flag": flag, "choices": choices, "shown": shown}
 
 
+def _default(name: str) -> object:
+    """DeploymentConfig field ``name``'s default (a flag is passed on only when set
+    otherwise)."""
+    return next(f.default for f in dataclasses.fields(DeploymentConfig) if f.name == name)
+
+
 def flag_of(f: dataclasses.Field) -> str:
     """The ``pdserve up`` flag that sets field ``f``."""
     if f.metadata.get("flag"):
@@ -367,7 +373,7 @@ class DeploymentConfig:
             args += ["--step-trace", step_trace_path(self.step_trace_dir, role, port)]
         if self.kv_offer != "layers":
             args += ["--kv-offer", self.kv_offer]
-        if self.kv_offer_timeout_s != 60.0:
+        if self.kv_offer_timeout_s != _default("kv_offer_timeout_s"):
             args += ["--kv-offer-timeout-s", str(self.kv_offer_timeout_s)]
         if self.gpus_per_worker > 0:
             args += ["--device", "cuda"]
@@ -403,8 +409,8 @@ class DeploymentConfig:
             t = self.threads(os.cpu_count() or 1)
             args += ["--profile", self.profile, "--itl-budget-ms", str(self.itl_budget_ms),
                      "--prefill-threads", str(t), "--decode-threads", str(t)]
-            if self.kv_offer != "layers":  # when the prefill workers' KV lands
-                args += ["--kv-offer", self.kv_offer]
+        if self.kv_offer != "layers":  # when the prefill workers' KV lands (placement)
+            args += ["--kv-offer", self.kv_offer]
         if self.metrics_port is not None:
             args += ["--metrics-port", str(self.metrics_port)]
         if self.model:

@@ -242,9 +242,11 @@ class TransferModel:
         return self.latency_s + nbytes / self.bytes_per_s
 
     def landed_s(self, nbytes: int, compute_s: float, offer: str = "layers") -> float:
-        """Seconds from the start of the prefill step that computes ``nbytes`` of KV
-        (``compute_s`` long) until they have landed, the link free: under ``layers`` the
-        bytes move while the step computes them and cannot all be there before it ends,
+        """Seconds from the start of the prefill step that computes a prompt's last chunk
+        (``compute_s`` long) until the prompt's ``nbytes`` of KV have landed, the link
+        free (a prefill worker offers the KV before that step, so all of it, earlier
+        chunks' too, goes then): under ``layers`` the bytes move while the step computes
+        the layers and cannot all be there before it ends,
         ``max(compute_s, bytes / rate) + latency``; under ``step`` and ``after`` they move
         once it ended, ``compute_s + bytes / rate + latency``. (The profile times a
         transfer from its KV's being ready, the offer already accepted: ``after``, which

@@ -37,11 +37,11 @@ The router, mirrored from :mod:`router.choice` and :mod:`router.dispatch`:
   latency follows: ``max(step end, start + bytes / rate) + latency``, ``start`` the
   later of the step's start and the link's being free; under ``kv_offer`` ``step`` or
   ``after`` they start at the later of the step's end and the link's being free
-  (:meth:`~common.cost_model.TransferModel.landed_s` for one transfer alone, as the
-  placement rule estimates it). When it has landed, the prefill worker
-  releases its blocks and the decode worker commits the request at its next step
-  boundary, then decodes it. A request of one output token ends at the prefill worker
-  and its reservation is aborted.
+  (:meth:`~common.cost_model.TransferModel.landed_s` for one transfer alone from the
+  start of the prompt's last chunk, as the placement rule estimates it). When it has
+  landed, the prefill worker releases its blocks and the decode worker commits the
+  request at its next step boundary, then decodes it. A request of one output token
+  ends at the prefill worker and its reservation is aborted.
 """
 
 from __future__ import annotations

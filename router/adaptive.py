@@ -10,9 +10,9 @@ blocks and said how much of the prompt it already caches:
 - **remote**: wait for the least-loaded prefill worker's queue (its queued uncached
   tokens, as one prefill), compute the uncached part there, move its KV
   (``uncached x kv_bytes_per_token`` over the profiled link; under the prefill workers'
-  ``kv_offer``, ``layers`` by default, it moves while the prefill computes it:
-  :meth:`~common.cost_model.TransferModel.landed_s`), then the decode worker admits it
-  at its next step boundary (one decode step of its batch);
+  ``kv_offer``, ``layers`` by default, it moves while the step that computes the
+  prompt's last chunk runs: :meth:`~common.cost_model.TransferModel.landed_s`), then the
+  decode worker admits it at its next step boundary (one decode step of its batch);
 - **local**: the decode worker computes the prompt inside its own steps, a chunk of up
   to its spare step budget (``max_num_batched_tokens`` minus its running decodes) per
   step, each step then taking the mixed batch's time.
@@ -97,10 +97,15 @@ class PrefillPlacement:
         batch = [(1, ctx)] * x.decode_running
         decode_step = dec.seconds(batch) if batch else 0.0
         queue = pre.prefill_seconds(x.prefill_queued_tokens) if x.prefill_queued_tokens else 0.0
-        remote = (queue + p.transfer.landed_s(x.uncached_tokens * p.kv_bytes_per_token,
-                                              pre.prefill_seconds(x.uncached_tokens,
-                                                                  x.cached_tokens),
-                                              self.kv_offer)
+        # The prefill worker computes the prompt in chunks of its step budget; its KV goes
+        # out during (layers) or after the last chunk's step, all of it at once.
+        last = (x.uncached_tokens - 1) % p.max_num_batched_tokens + 1
+        earlier = x.uncached_tokens - last
+        before = pre.prefill_seconds(earlier, x.cached_tokens) if earlier else 0.0
+        remote = (queue + before
+                  + p.transfer.landed_s(x.uncached_tokens * p.kv_bytes_per_token,
+                                        pre.prefill_seconds(last, x.cached_tokens + earlier),
+                                        self.kv_offer)
                   + decode_step)
         budget = max(1, p.max_num_batched_tokens - x.decode_running)
         chunk = min(x.uncached_tokens, budget)

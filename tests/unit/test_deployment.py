@@ -79,8 +79,9 @@ def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
                                                               0, 4)
     assert (w.redis_url, w.metrics_port, w.device, w.max_model_len, w.drain_timeout_s) == (
         "redis://r:6379/0", 0, "cuda", 512, 12.0)
-    offered = DeploymentConfig(prefill=1, decode=1, profile="/p.json", kv_offer="after")
-    assert parser.parse_args(offered.router_args(["a:1"], None)).kv_offer == "after"
+    for profile in ("/p.json", None):  # the placement rule may come from a flag
+        offered = DeploymentConfig(prefill=1, decode=1, profile=profile, kv_offer="after")
+        assert parser.parse_args(offered.router_args(["a:1"], None)).kv_offer == "after"
     r = parser.parse_args(config.router_args(["a:1", "b:2"], None))
     assert (r.command, r.worker, r.metrics_port, r.policy) == ("router", ["a:1", "b:2"], 9400,
                                                                "cache_aware")

@@ -177,4 +177,8 @@ def test_rounds_pool_into_one_row_per_protocol_and_condition():
     assert (layers.kv_bytes, layers.kv_busy_s) == (40, 1.0)
     assert layers.gap_p50 == pytest.approx(0.03)
     assert pooled[2].unavailable == "no sch_netem" and not pooled[2].gap_s
+    # available in one round: its requests are the row's, not "not available"
+    mixed = pool_rounds([SweepRow("tbf 1gbit", unavailable="tc failed", kv_offer="after"),
+                         SweepRow("tbf 1gbit", [0.7], [0.2], kv_offer="after")])
+    assert mixed[0].unavailable is None and mixed[0].gap_s == [0.2]
     assert rows[0].ttft_s == [0.7]  # the rounds' own rows are left as they were

@@ -72,6 +72,22 @@ def test_the_remote_estimate_follows_when_the_prefill_workers_send_the_kv():
     assert PrefillPlacement(slow, static_threshold=0, kv_offer="after").decide(x)[0] is True
 
 
+def test_a_chunked_prompts_kv_moves_during_its_last_chunk_only():
+    """A prompt over the step budget (2,048 tokens here) is prefilled in chunks, and the
+    early offer goes before the last one: all the KV moves during that step."""
+    slow = dataclasses.replace(_profile(), transfer=TransferModel(0.005, 2e6))
+    step = slow.step(1)
+    x = PlacementInputs(uncached_tokens=5000, cached_tokens=100)
+    earlier, last = 4096, 5000 - 4096
+    move = 5000 * 1024 / 2e6  # 2.56 s, longer than the last chunk's step
+    before = step.prefill_seconds(earlier, 100)
+    last_s = step.prefill_seconds(last, 100 + earlier)
+    layers = PrefillPlacement(slow, static_threshold=0).estimate(x).remote_s
+    after = PrefillPlacement(slow, static_threshold=0, kv_offer="after").estimate(x).remote_s
+    assert layers == pytest.approx(before + max(last_s, move) + 0.005)
+    assert after == pytest.approx(before + last_s + move + 0.005)
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="kv_offer"):
         PrefillPlacement(_profile(), kv_offer="never")
