@@ -57,6 +57,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "pds_common.h"
 #include "pds_onednn.h"
 
 #include <algorithm>
@@ -103,7 +104,9 @@ struct Tile {
 // ---------------------------------------------------------------- scalar
 
 // WT: the weight's element type, int8_t (scaled per row afterwards), float or bf16
-// (f32_gemv).
+// (f32_gemv). Each product is rounded before its add (pds::keep): GCC may contract
+// ``s += a * b`` into an FMA in one of these loops and not in the other (it did on an
+// Emerald Rapids build, -march=native), and the two layouts must give the same bits.
 template <int MT, int NT, typename WT>
 void tile_scalar(const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
   for (int m = 0; m < MT; ++m)
@@ -111,7 +114,7 @@ void tile_scalar(const float* x, int64_t K, const WT* q, Tile<MT, NT>& t) {
       const float* xr = x + m * K;
       const WT* qr = q + n * K;
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += xr[k] * static_cast<float>(qr[k]);
+      for (int64_t k = 0; k < K; ++k) s += pds::keep(xr[k] * static_cast<float>(qr[k]));
       t.acc[m][n] = s;
     }
 }
@@ -122,8 +125,9 @@ void tile_scalar_packed(const float* x, int64_t K, const WT* p, Tile<MT, NT>& t)
     for (int n = 0; n < NT; ++n) {
       float s = 0.f;
       for (int64_t k = 0; k < K; ++k)
-        s += x[m * K + k] *
-             static_cast<float>(p[(k / kPackW) * kTileN * kPackW + n * kPackW + k % kPackW]);
+        s += pds::keep(x[m * K + k] * static_cast<float>(
+                                          p[(k / kPackW) * kTileN * kPackW + n * kPackW +
+                                            k % kPackW]));
       t.acc[m][n] = s;
     }
 }
