@@ -480,13 +480,12 @@ def plot(link: Sequence[LinkRow], sweep: Sequence[SweepRow], path: Path, title: 
     w = 0.8 / (2 * len(offers))
     colors = (("#dd8452", "#55a868"), ("#f0b27a", "#a9d18e"), ("#c44e52", "#2f6b3a"))
     for k, offer in enumerate(offers):
-        rows = [next((r for r in sweep if r.condition == c and r.kv_offer == offer), None)
-                for c in conds]
+        rows = [_row(sweep, c, offer) for c in conds]
         for j, (what, label) in enumerate((("ttft_p50", "TTFT p50"),
                                            ("gap_p50", "1st→2nd token gap p50"))):
             off = (2 * k + j - len(offers) + 0.5) * w
             b.bar([x + off for x in xs],
-                  [0.0 if r is None or r.unavailable else getattr(r, what) * 1e3 for r in rows],
+                  [0.0 if r is None else getattr(r, what) * 1e3 for r in rows],
                   w, label=f"{label}, --kv-offer {offer}", color=colors[k % 3][j])
     for x, c in zip(xs, conds, strict=True):
         if all(r.unavailable for r in sweep if r.condition == c):

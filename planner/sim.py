@@ -37,8 +37,8 @@ The router, mirrored from :mod:`router.choice` and :mod:`router.dispatch`:
   latency follows: ``max(step end, start + bytes / rate) + latency``, ``start`` the
   later of the step's start and the link's being free; under ``kv_offer`` ``step`` or
   ``after`` they start at the later of the step's end and the link's being free
-  (:meth:`~common.cost_model.TransferModel.landed_s` for one transfer alone from the
-  start of the prompt's last chunk, as the placement rule estimates it). When it has
+  (:meth:`~common.cost_model.TransferModel.landed_s` from ``start``, the rule the
+  placement rule estimates a transfer by). When it has
   landed, the prefill worker releases its blocks and the decode worker commits the
   request at its next step boundary, then decodes it. A request of one output token
   ends at the prefill worker and its reservation is aborted.
@@ -276,13 +276,11 @@ class Simulation:
             self._finish(f, seq.num_output_tokens)
             return
         nbytes = (len(f.request.prompt) - f.decode_cached) * self.profile.kv_bytes_per_token
-        link = self.profile.transfer  # see the module docstring
-        if self.config.kv_offer == "layers":  # streamed during the step
-            start = max(worker.step_started, d.link_free_at)
-            end = max(now, start + nbytes / link.bytes_per_s) + link.latency_s
-        else:  # sent once the step ended
-            end = max(now, d.link_free_at) + nbytes / link.bytes_per_s + link.latency_s
-        d.link_free_at = end
+        # From the later of the step's start and the link's being free, the part of the
+        # step still to run is what the KV waits for (see the module docstring).
+        start = max(worker.step_started, d.link_free_at)
+        d.link_free_at = end = start + self.profile.transfer.landed_s(
+            nbytes, max(now - start, 0.0), self.config.kv_offer)
 
         def landed() -> None:
             worker.release(seq)
