@@ -62,7 +62,9 @@ from planner.workload import ExplicitWorkload
 from workers.step_trace import read_step_trace
 
 from .machine import machine_line
-from .profile_serving import calibrate, step_speed
+from .profile_serving import calibrate, engine_only_of, step_speed
+from .validate_served import served_prediction
+from .validate_served import table as served_table
 
 COMPARED = (("ttft_p90_ms", "p90_ttft_ms"), ("itl_p90_ms", "p90_itl_ms"),
             ("goodput", "request_goodput"))
@@ -101,6 +103,10 @@ class ValidateOptions:
     """Measure the serving calibration again before each candidate (its thread count)
     and predict that candidate with it; the plan's own predictions
     (``predicted_at_plan``, ``error_at_plan``) are kept beside."""
+    served_after_s: float = 60.0
+    """Also predict each candidate's requests sent after this many seconds from the
+    steps its workers served before (:mod:`benchmarks.validate_served`, the live
+    planner's calibration), beside the waves' prediction of the same requests; 0: off."""
 
 
 def launchable(c: PoolConfig) -> bool:
@@ -151,6 +157,7 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
         m = run(RunOptions(cluster.target, tuple(requests), tuple(arrivals), slo=slo,
                            progress=True), str(out / f"{name}.json"), {"config": c.label})
         ended = time.time()
+        m["started"], m["run_json"] = started, str(out / f"{name}.json")
         after = local_placements(cluster.target, ca)
         m["local_placements"] = (None if before is None or after is None else
                                  {k: n - before.get(k, 0) for k, n in after.items()})
@@ -297,6 +304,11 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
                     n for k, n in placed.items() if k != "local_fallback"),
                 "fallback": None if placed is None else placed.get("local_fallback", 0),
                 "requests": len(workload.requests)}
+        if o.served_after_s > 0:
+            row["served_window"] = served_prediction(
+                now, engine_only_of(profile), r.config, t, workload.requests,
+                workload.arrivals, slo, [s for steps in m["steps"].values() for s in steps],
+                m["started"], m["run_json"], o.served_after_s)
         rows.append(row)
     best = max((row["measured"]["goodput"] for row in rows), default=0.0)
     rec = next((row for row in rows if row["recommended"]), None)
@@ -376,6 +388,12 @@ def _print(s: dict) -> None:
             print(f"{row['config']}: prompts placed on the decode worker, predicted "
                   f"{_or_na(lp['predicted'])} / measured {_or_na(lp['measured'])}{fallback} "
                   f"of {lp['requests']}")
+    if any(row.get("served_window") for row in s["rows"]):
+        after = next(row["served_window"]["after_s"] for row in s["rows"]
+                     if row.get("served_window"))
+        print(f"\nrequests sent after {after:.0f} s, predicted with the waves' calibration "
+              f"and with one fitted on the steps served before (errors):\n"
+              f"{served_table(s['rows'])}")
     regret = "n/a" if s["regret"] is None else f"{s['regret']:.1%}"
     print(f"\nrecommended (*): {s['recommended']}; decision regret {regret}; search "
           f"{s['search_s']:.2f} s")

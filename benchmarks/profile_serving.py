@@ -47,6 +47,7 @@ import numpy as np
 
 from cluster.local import LocalCluster, LocalClusterConfig, free_port
 from common.cost_model import Profile, StepModel
+from common.served_fit import jitter_quantiles
 from loadtest.metrics import percentile
 from loadtest.runner import RunOptions, drive
 from loadtest.workloads import random_workload
@@ -188,19 +189,6 @@ def step_ratios(measured: list[list[float]], predicted: list[list[float]]) -> li
     ratios = [m / at[j] for gaps in measured for j, m in enumerate(gaps[:width]) if at[j] > 0]
     median = float(np.median(ratios)) if ratios else 0.0
     return [r / median for r in ratios] if median > 0 else []
-
-
-JITTER_PROBS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
-                0.975, 0.995)
-"""Where the spread of served steps is kept (quantiles of the ratios)."""
-
-
-def jitter_quantiles(ratios: list[float]) -> tuple[tuple[float, float], ...]:
-    """``(probability, ratio)`` points of the ratios' distribution (empty: none)."""
-    if len(ratios) < 20:
-        return ()
-    qs = np.quantile(np.array(ratios), JITTER_PROBS)
-    return tuple((p, float(q)) for p, q in zip(JITTER_PROBS, qs, strict=True))
 
 
 def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - print-like

@@ -5,16 +5,22 @@ thread), it wakes every ``autoscale_interval_s``, reads the last three intervals
 traffic the routers wrote to Redis (:mod:`common.traffic`), and asks
 :class:`planner.autoscale.Autoscaler` whether another configuration the workers can
 reach by changing roles would serve it with more goodput, by simulating each on the
-machine profile (:func:`planner.autoscale.simulated_goodput`). A ``switch`` is carried
-out one worker at a time (:meth:`cluster.local.LocalCluster.set_role`: the worker
-drains, swaps its KV channel end and registers again, weights kept; the router follows
-through the registry and, while no pair of pools can split, serves whole requests on
-any worker). A worker that cannot drain in time keeps its role; the next decision
-starts from whatever roles the workers have.
+machine profile (:func:`planner.autoscale.simulated_goodput`). The profile's serving
+calibration is refitted first from the steps the workers served in the same window
+(they publish them, ``pdserve worker --publish-steps``: :mod:`common.served_steps`,
+:func:`common.served_fit.fit_served`), so the simulator runs at the machine's speed of
+those minutes; with too few steps (a quiet window) it keeps the profile's own. A
+``switch`` is carried out one worker at a time
+(:meth:`cluster.local.LocalCluster.set_role`: the worker drains, swaps its KV channel end
+and registers again, weights kept; the router follows through the registry and, while no
+pair of pools can split, serves whole requests on any worker). A worker that cannot drain
+in time keeps its role; the next decision starts from whatever roles the workers have.
 
 Every decision is logged (one line: action, reason, each candidate's predicted goodput)
 and counted on the planner's own ``/metrics`` (``planner_decisions_total{action,reason}``,
-``planner_predicted_goodput{config}``, ``planner_role_changes_total{role}``), served
+``planner_predicted_goodput{config}``, ``planner_role_changes_total{role}``,
+``planner_served_factor{term}`` and ``planner_served_steps``: the calibration it
+simulated with, ``term`` one of memory, compute, per_seq_ms; 0 steps: the profile's), served
 beside the router's when the cluster has a metrics port. :meth:`AutoscaleLoop.stop`
 ends the thread between decisions.
 """
@@ -32,6 +38,8 @@ import redis
 from common.cost_model import load_profile
 from common.metrics import Metrics
 from common.redis_url import connect as connect_redis
+from common.served_fit import ServedFit, ServedFitError, fit_served
+from common.served_steps import StepLog
 from common.traffic import TrafficLog
 from planner.autoscale import (
     AutoscaleConfig,
@@ -70,12 +78,17 @@ class AutoscaleLoop:
             interval_s=interval, window_s=3 * interval, min_dwell_s=3 * interval)
         candidates = reachable(len(cluster.workers), cluster.threads,
                                c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer)
-        slo = (c.slo_ttft_ms, c.slo_tpot_ms)
+        self.profile, self._slo = profile, (c.slo_ttft_ms, c.slo_tpot_ms)
         self.autoscaler = Autoscaler(
-            candidates, simulated_goodput(profile, cluster.threads, *slo), self.config)
+            candidates, simulated_goodput(profile, cluster.threads, *self._slo), self.config)
         self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
+        self.steps = StepLog(self._redis, Path(c.model).name)
+        self.calibration: ServedFit | None = None
+        """The served steps' calibration the last decision simulated with (None: the
+        profile's own)."""
+        self._refused = ""  # why the last fit was refused, logged once per reason
         self.metrics = metrics or Metrics({"component": "planner"})
         self.decisions: list[Decision] = []
         self._stop = threading.Event()
@@ -109,14 +122,16 @@ class AutoscaleLoop:
         if current is None:
             return None
         records = self.traffic.recent(now - self.config.window_s)
+        self.recalibrate(now)
         d = self.autoscaler.decide(now, current, records)
         self.decisions.append(d)
         self.metrics.inc("planner_decisions_total", action=d.action, reason=d.reason)
         for label, goodput in d.scores.items():
             self.metrics.set("planner_predicted_goodput", goodput, config=label)
         log.info("autoscale: %s (%s) at %s with %d requests in the window; predicted goodput "
-                 "%s", d.action, d.reason, current.label, len(records),
-                 ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-")
+                 "%s; step model: %s", d.action, d.reason, current.label, len(records),
+                 ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-",
+                 self.calibration.describe() if self.calibration else "the profile's")
         if d.target is not None:
             for address, role in role_changes(roles, d.target):
                 why = f"autoscale: {current.label} -> {d.target.label} ({d.reason})"
@@ -124,6 +139,33 @@ class AutoscaleLoop:
                 self.metrics.inc("planner_role_changes_total", role=role)
                 log.info("autoscale: %s is now %s", address, role)
         return d
+
+
+    def recalibrate(self, now: float) -> ServedFit | None:
+        """Refit the simulator's serving calibration from the workers' steps of the
+        window (:func:`common.served_fit.fit_served`) and score with it; a refused fit
+        (too few steps, or factors no machine's speed explains) scores with the profile's
+        own. Raises Redis's errors."""
+        threads = self.cluster.threads
+        steps = [(s.seconds, s.sums) for s in self.steps.recent(now - self.config.window_s)
+                 if s.threads == threads]
+        try:
+            fit = fit_served(self.profile.steps[threads], threads, steps)
+        except ServedFitError as e:
+            if str(e) != self._refused:
+                log.info("autoscale: simulating with the profile's serving calibration: %s", e)
+            self._refused, fit = str(e), None
+        if fit != self.calibration:
+            profile = self.profile if fit is None else fit.apply(self.profile)
+            self.autoscaler.score = simulated_goodput(profile, threads, *self._slo,
+                                                      slo_profile=self.profile)
+        self.calibration = fit
+        for term, value in (("memory", fit.memory if fit else 0.0),
+                            ("compute", fit.compute if fit else 0.0),
+                            ("per_seq_ms", fit.per_seq_s * 1e3 if fit else 0.0)):
+            self.metrics.set("planner_served_factor", value, term=term)
+        self.metrics.set("planner_served_steps", fit.steps if fit else 0)
+        return fit
 
 
 def start_autoscale(cluster: LocalCluster) -> AutoscaleLoop:

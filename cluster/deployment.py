@@ -371,6 +371,8 @@ class DeploymentConfig:
             args += ["--metrics-port", str(metrics_port)]
         if self.step_trace_dir:
             args += ["--step-trace", step_trace_path(self.step_trace_dir, role, port)]
+        if self.autoscale and redis_url:  # the planner refits its step model from them
+            args += ["--publish-steps"]
         if self.kv_offer != "layers":
             args += ["--kv-offer", self.kv_offer]
         if self.kv_offer_timeout_s != _default("kv_offer_timeout_s"):

@@ -72,6 +72,12 @@ CATALOG: tuple[Spec, ...] = (
          "predicts for each configuration on the last window of traffic", ("config",)),
     Spec("planner_role_changes_total", "counter", "Role changes the planner made, by new role",
          ("role",)),
+    Spec("planner_served_factor", "gauge", "The serving calibration the planner simulates "
+         "with, refitted from the workers' served steps: memory and compute factors on the "
+         "profile's step model, per_seq_ms the cost of a sequence (0: the profile's own)",
+         ("term",)),
+    Spec("planner_served_steps", "gauge", "Served steps that calibration was fitted on (0: "
+         "too few in the window; the profile's own)"),
     Spec("request_migrations_total", "counter",
          "Requests moved to another worker after theirs failed mid-stream"),
     Spec("workers", "gauge", "Workers the router routes to, by role", ("role",)),

@@ -161,7 +161,8 @@ def current_config(roles: dict[str, str],
 
 
 def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
-                      slo_tpot_ms: float | None = None, seed: int = 0) -> Score:
+                      slo_tpot_ms: float | None = None, seed: int = 0,
+                      slo_profile: Profile | None = None) -> Score:
     """The production score: the simulator's predicted goodput (requests/s meeting the
     SLOs) of a configuration on the window's requests, replayed at their arrival times
     with their prompt and output lengths. Prompts are fresh token ids: the window keeps
@@ -169,8 +170,10 @@ def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None 
     (a pessimistic reading of cache-heavy traffic, the same for every candidate).
 
     SLOs not given are relative to the machine: TTFT 5x the unloaded prefill of the
-    window's mean prompt, TPOT 2x an unloaded decode step at that context."""
-    step = profile.step(threads)
+    window's mean prompt, TPOT 2x an unloaded decode step at that context, both on
+    ``slo_profile`` (default: ``profile``; a profile refitted from served steps keeps
+    the saved one's SLOs, so that targets do not move with the machine's speed)."""
+    step = (slo_profile or profile).step(threads)
 
     def score(config: PoolConfig, records: Sequence[TrafficRecord]) -> float:
         rng = random.Random(seed)

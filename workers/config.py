@@ -46,6 +46,10 @@ class WorkerConfig:
     step_trace: str | None = None
     """Append each engine step's time and shape to this CSV (:mod:`workers.step_trace`);
     None: no trace."""
+    publish_steps: bool = False
+    """Note each engine step on the model's served-steps stream in Redis
+    (:mod:`common.served_steps`), which the live planner refits its step model from
+    (``pdserve up --autoscale`` turns it on); needs ``redis_url``."""
     cluster_tls: ClusterTLS | None = None
     """Serve gRPC with mutual TLS: only clients presenting a certificate of the cluster
     CA get an answer. None: plaintext (a private network, or loopback)."""
@@ -53,6 +57,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.publish_steps and not self.redis_url:
+            raise ValueError("publish_steps writes to Redis: give redis_url")
         if self.local_prefill_threshold < 0:
             raise ValueError("local_prefill_threshold must be >= 0, got "
                              f"{self.local_prefill_threshold}")

@@ -90,17 +90,23 @@ class EngineLoop(ReservationDriver):
     then runs on the engine thread: the model loads there, and that thread is the only
     one with an intra-op team (see the module docstring). The constructor returns once
     the engine is built, raising what building it raised. ``step_trace``: a file each
-    step that ran work is appended to (:mod:`workers.step_trace`)."""
+    step that ran work is appended to (:mod:`workers.step_trace`); ``step_listener``:
+    called on the engine thread with each such step's start (unix seconds), seconds and
+    sums (a worker's ``--publish-steps``, :class:`workers.step_trace.StepPublisher`);
+    it must not block."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine],
                  kv_expect: KVExpect | None = None, kv_address: str = "",
-                 commit_wait_s: float = 10.0, step_trace: str | None = None) -> None:
+                 commit_wait_s: float = 10.0, step_trace: str | None = None,
+                 step_listener: Callable[[float, float, StepSums], None] | None = None
+                 ) -> None:
         build = None if isinstance(engine, LLMEngine) else engine
         self._kv_expect, self._kv_address = kv_expect, kv_address
         self._commit_wait_s = commit_wait_s
         self._trace = StepTrace(step_trace) if step_trace else None
         """Each step's time and sums (:mod:`workers.step_trace`); a path that cannot be
         written fails the worker's start here, not its first step."""
+        self._step_listener = step_listener
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, Add] = {}
         self._remote: dict[str, Reserve] = {}  # placed, not settled
@@ -225,7 +231,7 @@ class EngineLoop(ReservationDriver):
                 return
             built.put(self.engine)
         try:
-            self.engine.trace_sums = self._trace is not None
+            self.engine.trace_sums = self._records_steps()
             self._serve()
             return
         except Exception as e:  # noqa: BLE001 - the thread must not die silently
@@ -283,12 +289,12 @@ class EngineLoop(ReservationDriver):
                 for output in outputs:
                     self._emit(output)
                 ended = time.perf_counter()
-                if self._trace is not None and engine.last_sums is not None:
+                if engine.last_sums is not None:
                     # The loop's time since the previous step ended (its commands and
                     # hand-offs included) when it never waited since: the gap between
                     # two tokens of a sequence in a busy batch.
                     began = started if busy_since is None else busy_since
-                    self._write_trace(time.time() - (ended - began), ended - began,
+                    self._record_step(time.time() - (ended - began), ended - began,
                                       engine.last_sums)
                     engine.last_sums = None
                 busy_since = ended
@@ -306,17 +312,29 @@ class EngineLoop(ReservationDriver):
                 except queue.Empty:
                     cmd = None
 
-    def _write_trace(self, start: float, seconds: float, sums: StepSums) -> None:
-        """One step into the trace; a trace that cannot be written (a full disk) is
-        turned off, logged once: a diagnostic must not stop the serving."""
-        assert self._trace is not None
-        try:
-            self._trace.write(start, seconds, sums)
-        except OSError as e:
-            log.warning("step trace %s turned off: %s", self._trace.path, e)
-            with contextlib.suppress(OSError):
-                self._trace.close()
-            self._trace, self.engine.trace_sums = None, False
+    def _records_steps(self) -> bool:
+        """Whether anything takes the steps' sums (the engine computes them only then)."""
+        return self._trace is not None or self._step_listener is not None
+
+    def _record_step(self, start: float, seconds: float, sums: StepSums) -> None:
+        """One step into the trace and to the listener. A trace that cannot be written
+        (a full disk) or a listener that raises is turned off, logged once: a
+        diagnostic must not stop the serving."""
+        if self._trace is not None:
+            try:
+                self._trace.write(start, seconds, sums)
+            except OSError as e:
+                log.warning("step trace %s turned off: %s", self._trace.path, e)
+                with contextlib.suppress(OSError):
+                    self._trace.close()
+                self._trace = None
+        if self._step_listener is not None:
+            try:
+                self._step_listener(start, seconds, sums)
+            except Exception:  # noqa: BLE001 - the listener's fault, not the step's
+                log.exception("step listener turned off")
+                self._step_listener = None
+        self.engine.trace_sums = self._records_steps()
 
     def _emit(self, output: RequestOutput) -> None:
         """Hand an output to its stream; a request that failed on its own (``error``)

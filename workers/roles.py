@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from common.cost_model import StepSums
 from common.metrics import Metrics
 from common.registry import ROLES, WorkerInfo
 
@@ -128,14 +129,16 @@ def open_end(config: WorkerConfig, role: str, engine: Callable[[], LLMEngine]) -
     return ChannelEnd(role, receiver=receiver, expect=expect)
 
 
-def channel_ends(config: WorkerConfig, build: Callable[[], LLMEngine]
+def channel_ends(config: WorkerConfig, build: Callable[[], LLMEngine],
+                 step_listener: Callable[[float, float, StepSums], None] | None = None
                  ) -> tuple[EngineLoop, ChannelEnd]:
-    """The engine loop (its engine built by ``build`` on the engine thread) with the
-    starting role's end of the KV channel wired in."""
+    """The engine loop (its engine built by ``build`` on the engine thread; each step's
+    sums to ``step_listener``, see :class:`EngineLoop`) with the starting role's end of
+    the KV channel wired in."""
     end = open_end(config, config.role, lambda: loop.engine)
     try:
         loop = EngineLoop(build, end.expect, end.kv_address, config.transfer.offer_timeout_s,
-                          config.step_trace)
+                          config.step_trace, step_listener)
     except BaseException:
         end.close()
         raise

@@ -43,11 +43,13 @@ from common.metrics import Metrics
 from common.registry import WorkerInfo
 from common.request import Request
 from common.sampling import InvalidRequestError
+from common.served_steps import StepLog
 from common.wire import FINISH_REASONS, KEEPALIVE_SERVER, MAX_MESSAGE_BYTES, request_from_proto
 from protos.pdserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 from .config import WorkerConfig
 from .engine.llm_engine import LLMEngine, RequestOutput
+from .engine.model_runner import default_intra_op_threads
 from .engine.sampler import TokenLogprobs
 from .engine_loop import EngineLoop, EngineUnavailableError
 from .kv_targets import KVTargets
@@ -55,6 +57,7 @@ from .metrics import WorkerMetrics
 from .presence import Presence
 from .reservation import Reservation
 from .roles import RoleChangeError, RoleSwitch, channel_ends, wait_idle
+from .step_trace import StepPublisher
 from .transfer import (
     ChannelStats,
     EarlyOffer,
@@ -332,9 +335,16 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
     presence = None
     if config.redis_url:
         presence = Presence(config.redis_url, config.model_name, address, config.registry_ttl_s)
+    publisher, switch = None, []  # switch: the RoleSwitch, once there is one
+    if config.publish_steps and presence is not None:
+        publisher = StepPublisher(
+            StepLog(presence.client, config.model_name),
+            config.engine.num_threads or default_intra_op_threads(),
+            lambda: switch[0].role if switch else config.role)
     # Built on the engine thread: the only thread with an intra-op team (EngineLoop).
     loop, end = channel_ends(
-        config, lambda: LLMEngine(config.engine, [presence.publisher] if presence else ()))
+        config, lambda: LLMEngine(config.engine, [presence.publisher] if presence else ()),
+        publisher)
     engine = loop.engine
     capacity = engine.capacity()
     targets = None
@@ -354,6 +364,7 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
                       kv_address=end.kv_address)  # the registry entry; roles.info once started
     servicer.roles = roles = RoleSwitch(config, loop, end, servicer, presence, info, metrics,
                                         targets)
+    switch.append(roles)
     metrics_port = (metrics.serve(config.metrics_port, config.host)
                     if config.metrics_port is not None else None)
     await server.start()
@@ -381,6 +392,8 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
         heartbeat = asyncio.create_task(presence.run(roles.info, load, beat_stop,
                                                      lambda: loop.serving))
     sampling = asyncio.create_task(sampler.run(beat_stop))
+    publishing = (asyncio.create_task(publisher.run(beat_stop)) if publisher is not None
+                  else None)
     await stop.wait()
     health_watch.cancel()
     beat_stop.set()
@@ -391,6 +404,8 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
         await _drain(config, loop, servicer, presence)
     await server.stop(grace=2)
     await sampling
+    if publishing is not None:
+        await publishing
     loop.close()
     roles.close()  # the current role's end of the KV channel
     if presence is not None:

@@ -18,17 +18,31 @@ sequence, what the simulator's served step stands for.
 steps with the step model that predicted them: :mod:`benchmarks.plan_validate`). A
 worker that changes role in place keeps the file named for the role it started in.
 
-The engine computes a step's sums only while a trace is on (one pass over the step's
-chunks); nothing else is recorded.
+A worker started with ``--publish-steps`` also hands each step to a
+:class:`StepPublisher`, which notes it on the model's served-steps stream in Redis
+(:mod:`common.served_steps`) for the live planner, with the worker's threads and current
+role, and flushes every second.
+
+The engine computes a step's sums only while a trace or a publisher is on (one pass over
+the step's chunks); nothing else is recorded.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import csv
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import redis
+
 from common.cost_model import StepSums
+from common.served_steps import ServedStep, StepLog
+
+log = logging.getLogger(__name__)
 
 HEADER = ("start_unix_s", "seconds", "tokens", "seqs", "decode_pairs", "fresh_pairs",
           "prefix_pairs")
@@ -94,3 +108,30 @@ def read_step_trace(path: str, since: float = float("-inf"), until: float = floa
         if since <= start <= until:
             out.append(TracedStep(start, seconds, sums))
     return out
+
+
+class StepPublisher:
+    """Notes each step (the engine loop's ``step_listener``; engine thread) on ``steps``
+    as one of ``threads``-thread worker whose role ``role()`` says, and writes what was
+    noted every ``every_s`` (:meth:`run`, on the worker's event loop; the write from a
+    thread). Redis being away loses those steps, logged once; serving goes on."""
+
+    def __init__(self, steps: StepLog, threads: int, role: Callable[[], str]) -> None:
+        self.steps, self.threads, self.role = steps, threads, role
+
+    def __call__(self, start: float, seconds: float, sums: StepSums) -> None:
+        self.steps.note(ServedStep(start, seconds, self.threads, self.role(), sums))
+
+    async def run(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
+        warned = False
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+            batch = self.steps.take()
+            try:
+                await asyncio.to_thread(self.steps.flush, batch)
+                warned = False
+            except redis.RedisError as e:
+                if not warned:
+                    log.warning("served steps not published (%d steps): %s", len(batch), e)
+                warned = True

@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "attention pairs to this CSV ({pid}: this process's id); "
                         "`pdserve plan --validate` compares them with its predictions "
                         "(default: off)")
+    w.add_argument("--publish-steps", action="store_true",
+                   help="note each engine step's time and shape on the model's stream in "
+                        "Redis, which the live planner refits its step model from (needs "
+                        "--redis-url; `pdserve up --autoscale` turns it on)")
     add_setting(w, "drain_timeout_s")
     add_setting(w, "kv_offer")
     add_setting(w, "kv_offer_timeout_s")
@@ -181,7 +185,7 @@ def worker_config(args: argparse.Namespace,  # noqa: ANN201 - WorkerConfig
         redis_url=with_password(args.redis_url, redis_password(args, password)),
         metrics_port=args.metrics_port,
         step_trace=args.step_trace.replace("{pid}", str(os.getpid())) if args.step_trace else None,
-        drain_timeout_s=args.drain_timeout_s, cluster_tls=tls)
+        publish_steps=args.publish_steps, drain_timeout_s=args.drain_timeout_s, cluster_tls=tls)
 
 
 def router_config(args: argparse.Namespace,  # noqa: ANN201 - ServerConfig

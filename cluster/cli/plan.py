@@ -104,6 +104,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="--validate: predict every candidate from the profile as saved, "
                         "instead of measuring its serving calibration again (~30 s) right "
                         "before it runs")
+    v.add_argument("--served-after-s", type=float, default=60.0,
+                   help="--validate: also predict each candidate's requests sent after this "
+                        "many seconds from the steps its workers served before, as the live "
+                        "planner does (0: off)")
     v.add_argument("--out", default="bench-results/plan-validate")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout")
     p.add_argument("--plot", default=None, metavar="FILE.png")
@@ -225,4 +229,5 @@ def _run_validation(args: argparse.Namespace, work, resources, thresholds,  # no
         configs=tuple(c.strip() for c in args.configs.split(";") if c.strip()),
         thresholds=thresholds, bounds=Bounds(args.max_regret, args.max_latency_error,
                                              args.max_goodput_error, args.saturation),
-        out=args.out, recalibrate=not args.no_recalibrate))
+        out=args.out, recalibrate=not args.no_recalibrate,
+        served_after_s=args.served_after_s))

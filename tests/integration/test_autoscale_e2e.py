@@ -8,6 +8,7 @@ test says when the planner should move and checks that the cluster follows."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import urllib.request
 
@@ -16,6 +17,7 @@ from cluster_helpers import Load, assert_cluster_idle, start
 from conftest import hf_greedy
 
 from cluster.autoscale import AutoscaleLoop
+from common import served_fit
 from common.cost_model import save_profile
 from planner.autoscale import AutoscaleConfig
 from planner.synthetic import synthetic_profile
@@ -30,7 +32,7 @@ def scaled(tiny_checkpoints, tmp_path_factory):
     profile = logs / "profile.json"
     save_profile(synthetic_profile("cpu"), profile)
     c = start(tiny_checkpoints["llama"], logs, mixed=2, threads_per_worker=1, block_size=4,
-              profile=str(profile))
+              profile=str(profile), autoscale=True)  # the workers publish their steps
     yield c
     c.stop()
 
@@ -39,11 +41,13 @@ def _roles(c) -> list[str]:  # noqa: ANN001
     return sorted(role for _, role in c.workers)
 
 
-def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_checkpoints):
+def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_checkpoints,
+                                                              monkeypatch):
     c = scaled
     loop = AutoscaleLoop(c, AutoscaleConfig(interval_s=3600, window_s=300, min_requests=3,
                                             min_dwell_s=0, confirmations=2))
     prefer = {"split": 2.0, "mixed": 1.0}
+    loop.recalibrate = lambda now: None  # type: ignore[method-assign] - scripted scores
     loop.autoscaler.score = lambda cfg, records: prefer["mixed" if cfg.kind == "mixed"
                                                         else "split"]
     load = Load(c.target, PROMPTS, MAX_TOKENS)
@@ -75,6 +79,31 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         while len(load.results) < mark + 6:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+        # The workers published their steps, each in the role it had then (prompts under
+        # the decode worker's local threshold: the prefill worker idles), and the planner
+        # refits its step model from them. The synthetic profile is not this tiny model's
+        # engine: the fit is refused, and the planner keeps the profile's calibration.
+        steps = loop.steps.recent(time.time() - 300)
+        assert {s.threads for s in steps} == {1}
+        assert {s.role for s in steps} == {"mixed", "decode"}
+        del loop.recalibrate  # the real one again
+        before = loop.autoscaler.score
+        assert loop.recalibrate(time.time()) is None and loop.autoscaler.score is before
+        # With the profile's engine scaled to what those steps say (a fit no range
+        # bounds), the planner takes the refit, close to no correction at all.
+        monkeypatch.setattr(served_fit, "FACTOR_RANGE", (1e-9, 1e9))
+        wide = served_fit.fit_served(loop.profile.steps[1], 1, [(s.seconds, s.sums)
+                                                               for s in steps])
+        monkeypatch.undo()
+        loop.profile = dataclasses.replace(loop.profile, steps={
+            1: loop.profile.steps[1].scaled_parts(wide.memory, wide.compute)})
+        fit = loop.recalibrate(time.time())
+        assert fit is not None and fit.steps >= len(steps) >= 100, fit
+        assert fit.memory == pytest.approx(1, rel=0.3) and fit.compute == pytest.approx(
+            1, rel=0.3), fit
+        assert loop.autoscaler.score is not before and loop.calibration == fit
+        assert f"planner_served_steps{{component=\"planner\"}} {float(fit.steps)}" in \
+            loop.metrics.text().replace("pdserve:", "")
     finally:
         load.finish()
         loop.stop()

@@ -60,7 +60,9 @@ def test_a_step_trace_records_every_step_that_ran_work(tiny_checkpoints, tmp_pat
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32",
                                     num_blocks=64))
     path = str(tmp_path / "w" / "mixed-1.steps.csv")
-    loop = EngineLoop(engine, step_trace=path)
+    heard: list = []  # the step listener (--publish-steps) hears what the trace holds
+    loop = EngineLoop(engine, step_trace=path,
+                      step_listener=lambda *step: heard.append(step))
     prompts = [engine.tokenize("a trace of steps"), engine.tokenize("and another one here")]
 
     async def one(i: int, tag: str = "") -> None:
@@ -96,6 +98,35 @@ def test_a_step_trace_records_every_step_that_ran_work(tiny_checkpoints, tmp_pat
     assert after.seconds < 0.25
     assert sum(s.sums.fresh_pairs for s in busy) == sum(len(p) * (len(p) + 1) / 2
                                                         for p in prompts)
+    assert [(round(a, 6), round(b, 6), c) for a, b, c in heard] == [
+        (round(s.start_unix_s, 6), round(s.seconds, 6), s.sums) for s in steps]
+
+
+def test_a_step_listener_that_raises_is_turned_off_and_the_requests_finish(
+        tiny_checkpoints) -> None:
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoints["llama"]), dtype="float32",
+                                    num_blocks=64))
+    calls: list = []
+
+    def broken(*step) -> None:  # noqa: ANN002
+        calls.append(step)
+        raise RuntimeError("the listener's bug")
+
+    loop = EngineLoop(engine, step_listener=broken)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def run() -> list:
+        return [out async for out in loop.generate(Request("r", engine.tokenize("hello"),
+                                                           params))]
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(run(), timeout=30))
+        assert sum(len(o.new_token_ids) for o in outs) == 4
+        assert len(calls) == 1  # heard once, then off
+        assert engine.trace_sums is False  # no sums computed for nobody
+        assert_no_leaks(engine)
+    finally:
+        loop.close()
 
 
 def test_cancelled_consumer_frees_blocks(tiny_checkpoints) -> None:

@@ -56,7 +56,7 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
         cores=2, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms,
         configs=(COLOCATED.label, SPLIT_LABEL), thresholds=(256,),
         bounds=Bounds(regret=math.inf, latency_error=math.inf, goodput_error=math.inf),
-        out=str(tmp_path / "validate")), profile)
+        out=str(tmp_path / "validate"), served_after_s=arrivals[len(arrivals) // 2]), profile)
     assert {r["config"] for r in summary["rows"]} == {COLOCATED.label, SPLIT_LABEL}
     assert all(r["failed"] == 0 for r in summary["rows"])
     for r in summary["rows"]:  # each candidate predicted with the calibration of its minute
@@ -80,6 +80,15 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
     assert local["measured"] == local["predicted"] == sum(
         len(r.prompt) < 256 for r in requests), local
     assert 0 <= local["fallback"] <= local["requests"] - local["measured"], local
+    for r in summary["rows"]:  # the later half, predicted from the steps served before
+        window = r["served_window"]
+        # (sent when due, so the half after the cut, give or take one at the boundary)
+        assert abs(window["requests"] - (len(requests) - len(requests) // 2)) <= 1, window
+        assert all(v >= 0 and math.isfinite(v) for v in window["measured"].values()), window
+        assert set(window["error_waves"]) == {"ttft_p90_ms", "itl_p90_ms", "goodput"}
+        assert window["fit"] or window["refused"].endswith("needs 100"), window
+        if window["fit"]:
+            assert all(math.isfinite(e) for e in window["error"].values()), window
     assert summary["regret"] is None or 0.0 <= summary["regret"] <= 1.0, summary  # None: 0 goodput
     assert summary["recommended"] in {COLOCATED.label, SPLIT_LABEL}, summary
     assert not summary["verdict"], summary["verdict"]

@@ -1,5 +1,6 @@
-"""common.traffic against a real redis-server: what routers write, the autoscaler reads
-back; capped, and never trusting an entry that does not parse."""
+"""common.traffic and common.served_steps against a real redis-server: what routers and
+workers write, the autoscaler reads back; capped, and never trusting an entry that does
+not parse."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import redis
 from redis_helpers import redis_server
 
+from common.cost_model import StepSums
+from common.served_steps import ServedStep, StepLog
 from common.traffic import TrafficLog, TrafficRecord
 
 
@@ -49,3 +52,36 @@ def test_malformed_entries_are_skipped_and_the_stream_is_capped(client):
         log.note(TrafficRecord(time.time(), i, 0, 1))
     log.flush(log.take())
     assert client.xlen(log.key) < 300  # ~maxlen: Redis trims whole nodes
+
+
+def test_workers_publish_served_steps_and_the_planner_reads_a_window(client):
+    """common.served_steps (the same stream machinery): each worker's steps with its
+    threads and role, one stream per model, a window read back oldest first."""
+    client.flushall()
+    a, b = StepLog(client, "m"), StepLog(client, "m")
+    now = time.time()
+    sums = StepSums(9, 8, 2400.0, 0.0, 0.0)
+    a.note(ServedStep(now - 100, 0.02, 1, "mixed", sums))  # before the window
+    a.note(ServedStep(now - 2.0, 0.031, 1, "decode", sums))
+    b.note(ServedStep(now - 1.0, 1.25, 2, "prefill", StepSums(512, 1, 0.0, 131328.0, 0.0)))
+    a.flush(a.take())
+    b.flush(b.take())
+    got = StepLog(client, "m").recent(now - 10)
+    assert [(s.threads, s.role, s.sums) for s in got] == [
+        (1, "decode", sums), (2, "prefill", StepSums(512, 1, 0.0, 131328.0, 0.0))]
+    assert [s.seconds for s in got] == pytest.approx([0.031, 1.25])
+    assert StepLog(client, "other-model").recent(now - 10) == []
+    assert TrafficLog(client, "m").recent(now - 10) == []  # two streams, never mixed
+
+
+def test_served_steps_that_do_not_parse_or_cannot_be_are_skipped(client):
+    client.flushall()
+    log = StepLog(client, "m")
+    t = f"{time.time():.6f}"
+    good = {"t": t, "s": "0.02", "h": 1, "r": "mixed", "k": 4, "q": 4, "d": "800", "f": "0",
+            "x": "0"}
+    for bad in ({"s": "nan"}, {"s": "-1"}, {"h": 0}, {"r": "admin"}, {"q": 5},
+                {"d": "inf"}, {"k": "x"}, {"t": "0"}):
+        client.xadd(log.key, {**good, **bad})
+    client.xadd(log.key, good)
+    assert [s.sums for s in log.recent(time.time() - 60)] == [StepSums(4, 4, 800.0, 0.0, 0.0)]

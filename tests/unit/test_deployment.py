@@ -18,6 +18,8 @@ from cluster.deployment import (
     flag_of,
     load_yaml,
 )
+from workers.config import WorkerConfig
+from workers.engine.params import EngineConfig
 
 EXAMPLE = Path(__file__).parents[2] / "deploy" / "pdserve.yaml"
 
@@ -249,6 +251,23 @@ def test_autoscale_needs_a_profile_and_the_process_launcher() -> None:
     with pytest.raises(DeploymentError, match="launcher process"):
         DeploymentConfig(autoscale=True, profile="p.json").check_autoscale()
     DeploymentConfig(autoscale=True, profile="p.json", launcher="process").check_autoscale()
+
+
+def test_autoscaled_workers_publish_their_steps_to_the_planner() -> None:
+    """The live planner refits its step model from the workers' served steps, which they
+    publish to Redis (``--publish-steps``) only when it runs; the worker refuses the
+    flag without a Redis."""
+    parser = build_parser()
+    auto = DeploymentConfig(autoscale=True, profile="p.json", launcher="process")
+    w = parser.parse_args(auto.worker_args("mixed", "h", 0, "redis://r:6379/0", 1))
+    assert w.publish_steps
+    assert "--publish-steps" not in auto.worker_args("mixed", "h", 0, None, 1)
+    assert "--publish-steps" not in DeploymentConfig().worker_args("mixed", "h", 0,
+                                                                   "redis://r:6379/0", 1)
+    with pytest.raises(ValueError, match="redis_url"):
+        WorkerConfig(EngineConfig(model="m"), "m", publish_steps=True)
+    assert WorkerConfig(EngineConfig(model="m"), "m", redis_url="redis://r:6379/0",
+                        publish_steps=True).publish_steps
 
 
 def test_node_labels_read_as_ray_label_selectors() -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.profile_serving import fit_serving, jitter_quantiles, step_ratios
+from benchmarks.profile_serving import fit_serving, step_ratios
+from common.served_fit import jitter_quantiles
 
 
 def _wave(fm: float, fc: float, per_seq: float, memory: float, compute: float, batch: int

@@ -1,0 +1,146 @@
+"""How well each serving calibration predicts the steps a worker serves next, replayed on
+recorded ``pdserve plan --validate`` runs.
+
+A validation run keeps, per candidate, the serving calibration it was predicted with
+(three short waves measured right before it: :mod:`benchmarks.profile_serving`) and its
+workers' step traces (:mod:`workers.step_trace`). For each candidate this splits the
+traced steps at ``--after`` seconds into the run and compares, on the steps after:
+
+- **waves**: the profile with the calibration the run measured before it started;
+- **served**: the profile with the calibration :func:`common.served_fit.fit_served`
+  fits on the steps before the split (what the live planner does with the steps its
+  workers publish, ``pdserve up --autoscale``).
+
+Each prints the median of ``served / predicted - 1`` over the later steps (the model
+stands for the median step; the spread around it is drawn apart) and the ratio of their
+sums. Usage::
+
+    python -m benchmarks.served_replay DIR [DIR ...] [--profile FILE] [--after 60]
+
+where each ``DIR`` holds a ``validation.json`` and its traces (``step-traces.tgz`` or the
+``*-steps/`` folders ``--validate`` writes beside it); ``--profile`` defaults to the
+``profile.json`` the validation ran with (``DIR/profile.json``, then ``DIR/..``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from common.cost_model import Profile, StepModel, load_profile
+from common.served_fit import ServedFitError, fit_served
+from workers.step_trace import TracedStep, read_step_trace
+
+from .profile_serving import engine_only_of
+
+
+def trace_dir_name(label: str) -> str:
+    """The folder ``--validate`` writes a candidate's traces to (``_measure``'s name)."""
+    return "".join(ch if ch.isalnum() else "-" for ch in label).strip("-") + "-steps"
+
+
+def candidate_steps(root: Path, label: str) -> list[TracedStep]:
+    steps: list[TracedStep] = []
+    for f in sorted((root / trace_dir_name(label)).glob("*.steps.csv")):
+        steps += read_step_trace(str(f))
+    return sorted(steps, key=lambda s: s.start_unix_s)
+
+
+def waves_profile(profile: Profile, threads: int, serving: dict) -> Profile:
+    """``profile`` with the calibration a validation row measured (``row["serving"]``)."""
+    from dataclasses import replace
+
+    return replace(profile, serving={**profile.serving, threads: serving["factor"]},
+                   serving_compute={**profile.serving_compute,
+                                    threads: serving["compute_factor"]},
+                   serving_per_seq={**profile.serving_per_seq,
+                                    threads: serving["per_seq_ms"] / 1e3})
+
+
+def errors(model: StepModel, steps: list[TracedStep]) -> tuple[float, float]:
+    """(median of served / predicted - 1, sum served / sum predicted - 1)."""
+    predicted = np.array([model.seconds(s.sums) for s in steps])
+    served = np.array([s.seconds for s in steps])
+    return float(np.median(served / predicted) - 1), float(served.sum() / predicted.sum() - 1)
+
+
+def threads_of(label: str) -> int:
+    """The thread count in a candidate's label (``... x2t ...``)."""
+    import re
+
+    found = re.search(r"x(\d+)t", label)
+    if found is None:
+        raise ValueError(f"no thread count in the candidate label {label!r}")
+    return int(found.group(1))
+
+
+def replay(root: Path, profile: Profile, after_s: float) -> list[dict]:
+    validation = json.loads((root / "validation.json").read_text())
+    engine_only = engine_only_of(profile)
+    rows = []
+    for row in validation["rows"]:
+        label, t = row["config"], threads_of(row["config"])
+        steps = candidate_steps(root, label)
+        if not steps or not row.get("serving"):
+            continue
+        cut = steps[0].start_unix_s + after_s
+        before = [(s.seconds, s.sums) for s in steps if s.start_unix_s < cut]
+        later = [s for s in steps if s.start_unix_s >= cut]
+        out = {"run": root.name, "config": label, "steps_before": len(before),
+               "steps_after": len(later),
+               "waves": errors(waves_profile(profile, t, row["serving"]).step(t), later)}
+        try:
+            fit = fit_served(engine_only.steps[t], t, before)
+            out["served"] = errors(fit.apply(profile).step(t), later)
+            out["fit"] = fit.describe()
+        except ServedFitError as e:
+            out["served"], out["fit"] = None, f"refused: {e}"
+        rows.append(out)
+    return rows
+
+
+def _pct(pair: tuple[float, float] | None) -> str:
+    return "refused" if pair is None else f"{pair[0]:+.1%} / {pair[1]:+.1%}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.served_replay",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("dirs", nargs="+", type=Path)
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--after", type=float, default=60.0,
+                        help="seconds into each run the fit's steps end (default 60)")
+    args = parser.parse_args(argv)
+    rows = []
+    for d in args.dirs:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = d
+            if (d / "step-traces.tgz").exists():
+                with tarfile.open(d / "step-traces.tgz") as tar:
+                    tar.extractall(tmp, filter="data")
+                root = Path(tmp)
+                (root / "validation.json").write_text((d / "validation.json").read_text())
+            path = args.profile or next(str(p) for p in (d / "profile.json",
+                                                         d.parent / "profile.json")
+                                        if p.exists())
+            rows += [{**r, "run": d.name} for r in replay(root, load_profile(path), args.after)]
+    print(f"{'run':<12}{'candidate':<42}{'steps':>12}  {'waves: median / sum':>22}  "
+          f"{'served fit: median / sum':>26}")
+    for r in rows:
+        print(f"{r['run']:<12}{r['config']:<42}{r['steps_before']:>5} {r['steps_after']:>6}  "
+              f"{_pct(r['waves']):>22}  {_pct(r['served']):>26}")
+    for name in ("waves", "served"):
+        got = [abs(r[name][0]) for r in rows if r[name] is not None]
+        if got:
+            print(f"{name}: mean |median error| {np.mean(got):.1%} over {len(got)} candidates")
+    for r in rows:
+        print(f"{r['run']} {r['config']}: {r['fit']}")
+
+
+if __name__ == "__main__":
+    main()

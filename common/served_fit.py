@@ -1,0 +1,160 @@
+"""A profile's serving calibration refitted from the steps workers really served. Pure;
+numpy only.
+
+``pdserve profile`` measures the serving calibration once (:mod:`benchmarks.profile_serving`:
+three short waves on the whole machine) and stores it in the profile: a factor for the
+step model's memory-bound terms, one for the rest, a cost per sequence, and the spread
+of served steps around the model (:class:`common.cost_model.Profile`). A shared VM's
+speed moves by more than that calibration can hold: on a 2-core AMD EPYC VM the memory
+factor read x0.70, x1.98, x1.53 and x1.36 in four calibrations minutes apart, and a
+calibration of a few seconds' waves is as noisy as the 10% a latency prediction may be
+off. Dynamo's SLA planner corrects its profile from live TTFT and ITL with one factor a
+phase; this refits the same terms the waves fit, on every step a worker served in the
+last minutes:
+
+Lifecycle: workers record each step's seconds and :class:`~common.cost_model.StepSums`
+(``pdserve worker --step-trace FILE`` writes them to a file, ``--publish-steps`` to
+Redis, :mod:`common.served_steps`) -> :func:`fit_served` fits, per thread count,
+``served = fm x memory + fc x compute + per_seq x seqs`` over those steps, each step's
+memory and compute parts as the engine-only model splits them
+(:meth:`~common.cost_model.StepModel.parts`), by least *absolute relative* deviations
+(the model predicts the median step, around which the simulator draws the spread; a 2 s
+prefill counts as much as a 20 ms decode step, and a step stretched by a neighbour's
+burst does not pull the fit) -> :meth:`ServedFit.apply` puts it in a profile for the
+simulator (the live planner, ``pdserve up --autoscale``; ``pdserve plan --validate``'s
+``served`` prediction).
+
+Where the steps cannot tell memory from compute (every step the same shape) one factor
+serves both; a fit outside :data:`FACTOR_RANGE` or on fewer than :data:`MIN_STEPS`
+steps is refused (:class:`ServedFitError`), and the caller keeps its profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost_model import Profile, StepModel, StepSums
+
+MIN_STEPS = 100
+"""The fewest served steps a fit is made from (a few seconds of a busy worker)."""
+FACTOR_RANGE = (0.2, 5.0)
+"""A factor outside it says the steps are not this profile's engine (another model,
+dtype or machine), not that the machine slowed: such a fit is refused."""
+JITTER_PROBS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95,
+                0.975, 0.995)
+"""Where the spread of served steps is kept (quantiles of the ratios)."""
+MIN_JITTER_STEPS = 20
+
+
+class ServedFitError(ValueError):
+    """The steps do not make a calibration; the message says why."""
+
+
+def jitter_quantiles(ratios: Sequence[float]) -> tuple[tuple[float, float], ...]:
+    """``(probability, ratio)`` points of the ratios' distribution (empty: fewer than
+    :data:`MIN_JITTER_STEPS`)."""
+    if len(ratios) < MIN_JITTER_STEPS:
+        return ()
+    qs = np.quantile(np.asarray(ratios, dtype=np.float64), JITTER_PROBS)
+    return tuple((p, float(q)) for p, q in zip(JITTER_PROBS, qs, strict=True))
+
+
+@dataclass(frozen=True)
+class ServedFit:
+    """One thread count's serving calibration, fitted on ``steps`` served steps."""
+
+    threads: int
+    steps: int
+    memory: float
+    compute: float
+    per_seq_s: float
+    jitter: tuple[tuple[float, float], ...]
+    """The decode steps' spread around the fitted model, median 1 (empty: too few)."""
+    jitter_step_s: float | None
+    """Those decode steps' median seconds (None: no spread fitted)."""
+    deviation: float
+    """Median ``|served / fitted - 1|`` over the steps: how closely the fit follows them."""
+
+    def apply(self, profile: Profile) -> Profile:
+        """``profile`` with this calibration for :attr:`threads` (the others as they
+        were; a spread not fitted keeps the profile's)."""
+        t = self.threads
+        out = dataclasses.replace(
+            profile, serving={**profile.serving, t: self.memory},
+            serving_compute={**profile.serving_compute, t: self.compute},
+            serving_per_seq={**profile.serving_per_seq, t: self.per_seq_s})
+        if self.jitter and self.jitter_step_s:
+            out = dataclasses.replace(
+                out, serving_jitter={**profile.serving_jitter, t: self.jitter},
+                serving_jitter_step_s={**profile.serving_jitter_step_s, t: self.jitter_step_s})
+        return out
+
+    def describe(self) -> str:
+        return (f"{self.threads} thread(s): memory x{self.memory:.2f}, compute "
+                f"x{self.compute:.2f}, +{self.per_seq_s * 1e3:.2f} ms a sequence, from "
+                f"{self.steps} served steps (median deviation {self.deviation:.1%})")
+
+
+def _lad(x: np.ndarray, y: np.ndarray, iterations: int = 50) -> np.ndarray:
+    """Least absolute deviations of ``y ~ x`` by iteratively reweighted least squares."""
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    for _ in range(iterations):
+        w = 1.0 / np.maximum(np.abs(y - x @ coef), 1e-4)
+        sw = np.sqrt(w)
+        new, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
+        if np.allclose(new, coef, rtol=1e-6, atol=1e-9):
+            return new
+        coef = new
+    return coef
+
+
+def fit_served(engine_only: StepModel, threads: int,
+               steps: Sequence[tuple[float, StepSums]]) -> ServedFit:
+    """The serving calibration of ``threads``-thread workers from their served steps
+    (``(seconds, sums)``), against ``engine_only`` (the profile's engine fit for that
+    thread count, :attr:`Profile.steps`). Raises :class:`ServedFitError`."""
+    if len(steps) < MIN_STEPS:
+        raise ServedFitError(f"{len(steps)} served steps of {threads}-thread workers; a fit "
+                             f"needs {MIN_STEPS}")
+    parts = np.array([[*engine_only.parts(s), float(s.seqs)] for _, s in steps])
+    seconds = np.array([sec for sec, _ in steps], dtype=np.float64)
+    model = parts[:, 0] + parts[:, 1]
+    keep = (model > 0) & (seconds > 0)
+    if keep.sum() < MIN_STEPS:
+        raise ServedFitError(f"{int(keep.sum())} served steps with a positive time; a fit "
+                             f"needs {MIN_STEPS}")
+    parts, seconds, model = parts[keep], seconds[keep], model[keep]
+    x, y = parts / model[:, None], seconds / model  # relative: each step counts alike
+    memory = compute = per_seq = None
+    for cols in ((0, 1, 2), (0, 1)):
+        xs = x[:, cols]
+        if np.linalg.matrix_rank(xs, tol=1e-6 * np.abs(xs).max()) < len(cols):
+            continue
+        sol = _lad(xs, y)
+        fm, fc, ps = (*sol, 0.0) if len(cols) == 2 else sol
+        if fm > 0 and fc > 0 and ps >= 0:
+            memory, compute, per_seq = float(fm), float(fc), float(ps)
+            break
+    if memory is None:  # one factor for the whole step: the median ratio
+        memory = compute = float(np.median(y))
+        per_seq = 0.0
+    lo, hi = FACTOR_RANGE
+    if not (lo <= memory <= hi and lo <= compute <= hi):
+        raise ServedFitError(f"served steps fit memory x{memory:.2f}, compute x{compute:.2f}: "
+                             f"outside [{lo}, {hi}], not this profile's engine (its model, "
+                             "dtype or machine differ?)")
+    fitted = parts @ np.array([memory, compute, per_seq])
+    ratios = seconds / np.maximum(fitted, engine_only.floor_s * memory)
+    decode = np.array([s.tokens == s.seqs for _, s in steps])[keep]
+    spread = ratios[decode]
+    jitter: tuple[tuple[float, float], ...] = ()
+    step_s = None
+    if len(spread) >= MIN_JITTER_STEPS:
+        jitter = jitter_quantiles(spread / float(np.median(spread)))
+        step_s = float(np.median(seconds[decode]))
+    return ServedFit(threads, int(keep.sum()), memory, compute, per_seq, jitter, step_s,
+                     float(np.median(np.abs(ratios - 1.0))))

@@ -1,0 +1,88 @@
+"""common.served_fit: the serving calibration refitted from served steps (the live
+planner's): recovers the factors steps were drawn with, shrugs off stretched steps,
+falls back to one factor where the steps cannot tell memory from compute, and refuses
+what no machine's speed explains."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from common.cost_model import StepModel, StepSums, step_sums
+from common.served_fit import MIN_STEPS, ServedFitError, fit_served
+from planner.synthetic import synthetic_profile
+
+# [1, T, (T-4)+, (T-16)+, (T-64)+, (T-256)+, (T-1024)+, [T>4], A_dec, A_fresh, A_pre, S]
+ENGINE = StepModel((0.012, 0.002, 0.0, -0.0005, 0.0, 0.0, 0.0, 0.003, 2e-6, 1e-7, 2e-7,
+                    2e-4), floor_s=0.01)
+
+
+def served_steps(n: int, memory: float, compute: float, per_seq: float, seed: int = 0,
+                 noise: float = 0.08, stretched: float = 0.0) -> list[tuple[float, StepSums]]:
+    """``n`` steps of a mixed batch's shapes, timed as a worker serving at these factors
+    would run them (log-normal spread of ``noise``; a share ``stretched`` of them 4x, a
+    neighbour's burst)."""
+    rng = random.Random(seed)
+    served = ENGINE.scaled_parts(memory, compute).plus_per_sequence(per_seq)
+    out = []
+    for _ in range(n):
+        kind = rng.random()
+        decodes = [(1, rng.randint(40, 700)) for _ in range(rng.randint(1, 24))]
+        chunks = ([(rng.randint(64, 1024), 0)] if kind < 0.15 else
+                  [(rng.randint(16, 256), 0), *decodes] if kind < 0.3 else decodes)
+        sums = step_sums(chunks)
+        seconds = served.seconds(sums) * float(np.exp(rng.gauss(0.0, noise)))
+        if rng.random() < stretched:
+            seconds *= 4
+        out.append((seconds, sums))
+    return out
+
+
+def test_recovers_the_factors_and_the_spread_of_served_steps() -> None:
+    fit = fit_served(ENGINE, 1, served_steps(2000, 1.5, 0.9, 0.0005, stretched=0.05))
+    assert fit.memory == pytest.approx(1.5, rel=0.04)
+    assert fit.compute == pytest.approx(0.9, rel=0.04)
+    assert fit.per_seq_s == pytest.approx(0.0005, abs=0.0002)
+    assert fit.steps == 2000
+    assert 0.03 < fit.deviation < 0.09  # the log-normal's median |ratio - 1|, not the bursts'
+    spread = dict(fit.jitter)
+    assert spread[0.5] == pytest.approx(1.0)
+    assert spread[0.1] == pytest.approx(np.exp(-1.2816 * 0.08), rel=0.03)
+    assert spread[0.995] > 3  # the bursts are in the spread, not in the factors
+    assert fit.jitter_step_s is not None and 0.01 < fit.jitter_step_s < 0.2
+
+
+def test_applied_to_a_profile_the_simulator_steps_at_the_fitted_speed() -> None:
+    profile = synthetic_profile("cpu")
+    profile = dataclasses.replace(profile, steps={**profile.steps, 1: ENGINE},
+                                  serving={1: 3.0, 2: 1.7}, serving_compute={1: 3.0})
+    fit = fit_served(ENGINE, 1, served_steps(600, 1.2, 1.1, 0.0, noise=0.0))
+    now = fit.apply(profile)
+    decode = step_sums([(1, 300)] * 8)
+    assert now.step(1).seconds(decode) == pytest.approx(
+        ENGINE.scaled_parts(1.2, 1.1).seconds(decode), rel=0.01)
+    assert now.serving[2] == 1.7 and now.steps == profile.steps  # the rest as it was
+    assert now.serving_jitter[1] and now.serving_jitter_step_s[1] == fit.jitter_step_s
+
+
+def test_steps_all_of_one_shape_give_one_factor() -> None:
+    sums = step_sums([(1, 200)] * 4)
+    steps = [(ENGINE.seconds(sums) * 1.3 * (1 + 0.01 * (i % 7 - 3)), sums) for i in range(300)]
+    fit = fit_served(ENGINE, 1, steps)
+    assert fit.memory == fit.compute == pytest.approx(1.3, rel=0.01)
+    assert fit.per_seq_s == 0.0
+
+
+def test_a_negative_cost_per_sequence_is_never_fitted() -> None:
+    fit = fit_served(ENGINE, 1, served_steps(800, 1.0, 1.0, -0.0004, noise=0.02))
+    assert fit.per_seq_s == 0.0 and fit.memory > 0 and fit.compute > 0
+
+
+def test_too_few_steps_or_factors_no_machine_explains_are_refused() -> None:
+    with pytest.raises(ServedFitError, match=f"needs {MIN_STEPS}"):
+        fit_served(ENGINE, 1, served_steps(MIN_STEPS - 1, 1.0, 1.0, 0.0))
+    with pytest.raises(ServedFitError, match="not this profile's engine"):
+        fit_served(ENGINE, 1, served_steps(400, 12.0, 12.0, 0.0))
