@@ -19,7 +19,10 @@ sums. Usage::
 
 where each ``DIR`` holds a ``validation.json`` and its traces (``step-traces.tgz`` or the
 ``*-steps/`` folders ``--validate`` writes beside it); ``--profile`` defaults to the
-``profile.json`` the validation ran with (``DIR/profile.json``, then ``DIR/..``).
+``profile.json`` the validation ran with (``DIR/profile.json``, then ``DIR/..``). The
+split counts from the run's start as the row saved it (validations that predicted from
+served steps); older ones from their first traced step, which is the cluster's warm-up,
+seconds earlier, and whose few steps then join the fit.
 """
 
 from __future__ import annotations
@@ -88,7 +91,11 @@ def replay(root: Path, profile: Profile, after_s: float) -> list[dict]:
         steps = candidate_steps(root, label)
         if not steps or not row.get("serving"):
             continue
-        cut = steps[0].start_unix_s + after_s
+        # From the run's start where the row says it (validations since served_window),
+        # else from the first traced step: the cluster's warm-up, seconds before the run.
+        started = (row.get("served_window") or {}).get("started", steps[0].start_unix_s)
+        steps = [s for s in steps if s.start_unix_s >= started]
+        cut = started + after_s
         before = [(s.seconds, s.sums) for s in steps if s.start_unix_s < cut]
         later = [s for s in steps if s.start_unix_s >= cut]
         out = {"run": root.name, "config": label, "steps_before": len(before),

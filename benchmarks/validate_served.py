@@ -66,10 +66,10 @@ def served_prediction(now: Profile, engine_only: Profile, config: PoolConfig, th
     start), each prediction's error."""
     measured = window_figures(measured_records(run_json), after_s, slo)
     if not measured["requests"]:
-        return {"after_s": after_s, "requests": 0, "fit": None,
+        return {"after_s": after_s, "started": started, "requests": 0, "fit": None,
                 "refused": f"no request was sent after {after_s:g} s"}
     waves = window_figures(simulate_run(now, config, requests, arrivals).records, after_s, slo)
-    out: dict = {"after_s": after_s, "requests": measured.pop("requests"),
+    out: dict = {"after_s": after_s, "started": started, "requests": measured.pop("requests"),
                  "measured": measured, "predicted_waves": waves,
                  "error_waves": {k: _error(waves[k], measured[k]) for k in FIGURES}}
     before = [(s.seconds, s.sums) for s in steps if s.start_unix_s < started + after_s]

@@ -88,7 +88,7 @@ class AutoscaleLoop:
         self.calibration: ServedFit | None = None
         """The served steps' calibration the last decision simulated with (None: the
         profile's own)."""
-        self._refused = ""  # why the last fit was refused, logged once per reason
+        self._refused = ""  # why the last fit was refused (its kind), logged once a kind
         self.metrics = metrics or Metrics({"component": "planner"})
         self.decisions: list[Decision] = []
         self._stop = threading.Event()
@@ -144,17 +144,21 @@ class AutoscaleLoop:
     def recalibrate(self, now: float) -> ServedFit | None:
         """Refit the simulator's serving calibration from the workers' steps of the
         window (:func:`common.served_fit.fit_served`) and score with it; a refused fit
-        (too few steps, or factors no machine's speed explains) scores with the profile's
-        own. Raises Redis's errors."""
+        (too few steps, factors no machine's speed explains, or the steps not readable:
+        Redis away) scores with the profile's own."""
         threads = self.cluster.threads
-        steps = [(s.seconds, s.sums) for s in self.steps.recent(now - self.config.window_s)
-                 if s.threads == threads]
+        fit: ServedFit | None = None
         try:
+            steps = [(s.seconds, s.sums) for s in self.steps.recent(now - self.config.window_s)
+                     if s.threads == threads]
             fit = fit_served(self.profile.steps[threads], threads, steps)
-        except ServedFitError as e:
-            if str(e) != self._refused:
+        except (ServedFitError, redis.RedisError) as e:
+            reason = getattr(e, "reason", "redis")
+            if reason != self._refused:
                 log.info("autoscale: simulating with the profile's serving calibration: %s", e)
-            self._refused, fit = str(e), None
+            self._refused = reason
+        else:
+            self._refused = ""
         if fit != self.calibration:
             profile = self.profile if fit is None else fit.apply(self.profile)
             self.autoscaler.score = simulated_goodput(profile, threads, *self._slo,

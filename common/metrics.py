@@ -77,7 +77,7 @@ CATALOG: tuple[Spec, ...] = (
          "profile's step model, per_seq_ms the cost of a sequence (0: the profile's own)",
          ("term",)),
     Spec("planner_served_steps", "gauge", "Served steps that calibration was fitted on (0: "
-         "too few in the window; the profile's own)"),
+         "the fit was refused, too few steps or factors out of range; the profile's own)"),
     Spec("request_migrations_total", "counter",
          "Requests moved to another worker after theirs failed mid-stream"),
     Spec("workers", "gauge", "Workers the router routes to, by role", ("role",)),

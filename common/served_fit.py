@@ -51,7 +51,12 @@ MIN_JITTER_STEPS = 20
 
 
 class ServedFitError(ValueError):
-    """The steps do not make a calibration; the message says why."""
+    """The steps do not make a calibration; the message says why, ``reason`` its kind:
+    ``few_steps`` or ``out_of_range``."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def jitter_quantiles(ratios: Sequence[float]) -> tuple[tuple[float, float], ...]:
@@ -119,14 +124,16 @@ def fit_served(engine_only: StepModel, threads: int,
     thread count, :attr:`Profile.steps`). Raises :class:`ServedFitError`."""
     if len(steps) < MIN_STEPS:
         raise ServedFitError(f"{len(steps)} served steps of {threads}-thread workers; a fit "
-                             f"needs {MIN_STEPS}")
+                             f"needs {MIN_STEPS}", "few_steps")
     parts = np.array([[*engine_only.parts(s), float(s.seqs)] for _, s in steps])
     seconds = np.array([sec for sec, _ in steps], dtype=np.float64)
-    model = parts[:, 0] + parts[:, 1]
-    keep = (model > 0) & (seconds > 0)
+    # Each step's weight: the engine-only model's time, its floor included (a tiny
+    # decode the linear terms put under the floor must not count more than it runs).
+    model = np.maximum(parts[:, 0] + parts[:, 1], engine_only.floor_s)
+    keep = (parts[:, 0] + parts[:, 1] > 0) & (seconds > 0)
     if keep.sum() < MIN_STEPS:
         raise ServedFitError(f"{int(keep.sum())} served steps with a positive time; a fit "
-                             f"needs {MIN_STEPS}")
+                             f"needs {MIN_STEPS}", "few_steps")
     parts, seconds, model = parts[keep], seconds[keep], model[keep]
     x, y = parts / model[:, None], seconds / model  # relative: each step counts alike
     memory = compute = per_seq = None
@@ -146,9 +153,10 @@ def fit_served(engine_only: StepModel, threads: int,
     if not (lo <= memory <= hi and lo <= compute <= hi):
         raise ServedFitError(f"served steps fit memory x{memory:.2f}, compute x{compute:.2f}: "
                              f"outside [{lo}, {hi}], not this profile's engine (its model, "
-                             "dtype or machine differ?)")
+                             "dtype or machine differ?)", "out_of_range")
     fitted = parts @ np.array([memory, compute, per_seq])
-    ratios = seconds / np.maximum(fitted, engine_only.floor_s * memory)
+    # As the served model floors (Profile.step: scaled_parts, then plus_per_sequence).
+    ratios = seconds / np.maximum(fitted, engine_only.floor_s * memory + per_seq)
     decode = np.array([s.tokens == s.seqs for _, s in steps])[keep]
     spread = ratios[decode]
     jitter: tuple[tuple[float, float], ...] = ()

@@ -392,7 +392,8 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
         heartbeat = asyncio.create_task(presence.run(roles.info, load, beat_stop,
                                                      lambda: loop.serving))
     sampling = asyncio.create_task(sampler.run(beat_stop))
-    publishing = (asyncio.create_task(publisher.run(beat_stop)) if publisher is not None
+    publish_stop = asyncio.Event()  # after the drain: its steps are served steps too
+    publishing = (asyncio.create_task(publisher.run(publish_stop)) if publisher is not None
                   else None)
     await stop.wait()
     health_watch.cancel()
@@ -404,6 +405,7 @@ async def serve(config: WorkerConfig, on_ready: Callable[[Serving], None] | None
         await _drain(config, loop, servicer, presence)
     await server.stop(grace=2)
     await sampling
+    publish_stop.set()
     if publishing is not None:
         await publishing
     loop.close()

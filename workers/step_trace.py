@@ -30,14 +30,11 @@ the step's chunks); nothing else is recorded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import csv
 import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import redis
 
 from common.cost_model import StepSums
 from common.served_steps import ServedStep, StepLog
@@ -123,15 +120,21 @@ class StepPublisher:
         self.steps.note(ServedStep(start, seconds, self.threads, self.role(), sums))
 
     async def run(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
+        """Flush every ``every_s`` until ``stop``, then once more; never raises (a
+        worker's shutdown awaits it)."""
         warned = False
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
+        while True:
+            try:
                 await asyncio.wait_for(stop.wait(), every_s)
+            except asyncio.TimeoutError:  # not the builtin TimeoutError on 3.10
+                pass
             batch = self.steps.take()
             try:
                 await asyncio.to_thread(self.steps.flush, batch)
                 warned = False
-            except redis.RedisError as e:
+            except Exception as e:  # noqa: BLE001 - Redis's, or a bug: serving goes on
                 if not warned:
                     log.warning("served steps not published (%d steps): %s", len(batch), e)
                 warned = True
+            if stop.is_set():
+                return

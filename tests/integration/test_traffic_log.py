@@ -13,6 +13,7 @@ from redis_helpers import redis_server
 from common.cost_model import StepSums
 from common.served_steps import ServedStep, StepLog
 from common.traffic import TrafficLog, TrafficRecord
+from workers.step_trace import StepPublisher
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +86,26 @@ def test_served_steps_that_do_not_parse_or_cannot_be_are_skipped(client):
         client.xadd(log.key, {**good, **bad})
     client.xadd(log.key, good)
     assert [s.sums for s in log.recent(time.time() - 60)] == [StepSums(4, 4, 800.0, 0.0, 0.0)]
+
+
+def test_a_worker_publishing_steps_to_a_redis_that_is_away_serves_on_and_stops_cleanly():
+    """StepPublisher.run (a worker's --publish-steps task): a Redis that does not
+    answer loses those steps, never the worker's shutdown, which awaits the task."""
+    import asyncio
+
+    from cluster.net import free_port
+
+    away = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.2)
+    publisher = StepPublisher(StepLog(away, "m"), 1, lambda: "decode")
+    publisher(time.time(), 0.02, StepSums(1, 1, 300.0, 0.0, 0.0))
+
+    async def serve_then_stop() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(publisher.run(stop, every_s=0.05))
+        await asyncio.sleep(0.3)
+        publisher(time.time(), 0.02, StepSums(1, 1, 301.0, 0.0, 0.0))
+        stop.set()
+        await asyncio.wait_for(task, 5)  # returns; raises nothing
+
+    asyncio.run(serve_then_stop())
+    assert publisher.steps.take() == []  # taken and lost, not piling up

@@ -82,7 +82,9 @@ def test_a_negative_cost_per_sequence_is_never_fitted() -> None:
 
 
 def test_too_few_steps_or_factors_no_machine_explains_are_refused() -> None:
-    with pytest.raises(ServedFitError, match=f"needs {MIN_STEPS}"):
+    with pytest.raises(ServedFitError, match=f"needs {MIN_STEPS}") as few:
         fit_served(ENGINE, 1, served_steps(MIN_STEPS - 1, 1.0, 1.0, 0.0))
-    with pytest.raises(ServedFitError, match="not this profile's engine"):
+    assert few.value.reason == "few_steps"  # the autoscaler logs once a kind
+    with pytest.raises(ServedFitError, match="not this profile's engine") as far:
         fit_served(ENGINE, 1, served_steps(400, 12.0, 12.0, 0.0))
+    assert far.value.reason == "out_of_range"
