@@ -307,7 +307,8 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
         if o.served_after_s > 0:
             row["served_window"] = served_prediction(
                 now, engine_only_of(profile), r.config, t, workload.requests,
-                workload.arrivals, slo, [s for steps in m["steps"].values() for s in steps],
+                workload.arrivals, slo,
+                [(role, s) for role, steps in m["steps"].items() for s in steps],
                 m["started"], m["run_json"], o.served_after_s)
         rows.append(row)
     best = max((row["measured"]["goodput"] for row in rows), default=0.0)

@@ -7,13 +7,14 @@ workers' step traces (:mod:`workers.step_trace`). For each candidate this splits
 traced steps at ``--after`` seconds into the run and compares, on the steps after:
 
 - **waves**: the profile with the calibration the run measured before it started;
-- **served**: the profile with the calibration :func:`common.served_fit.fit_served`
-  fits on the steps before the split (what the live planner does with the steps its
-  workers publish, ``pdserve up --autoscale``).
+- **served**: the profile with the calibration :func:`common.served_fit.fit_served_roles`
+  fits on the steps before the split, every role's together and each role's own (what
+  the live planner does with the steps its workers publish, ``pdserve up
+  --autoscale``).
 
-Each prints the median of ``served / predicted - 1`` over the later steps (the model
-stands for the median step; the spread around it is drawn apart) and the ratio of their
-sums. Usage::
+Each prints the median of ``served / predicted - 1`` over the later decode-only steps
+(what ITL is made of) and over the later steps that prefill (TTFT's): the model stands
+for the median step, the spread around it is drawn apart. Usage::
 
     python -m benchmarks.served_replay DIR [DIR ...] [--profile FILE] [--after 60]
 
@@ -35,8 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common.cost_model import Profile, StepModel, load_profile
-from common.served_fit import ServedFitError, fit_served
+from common.cost_model import Profile, load_profile
+from common.served_fit import ServedFitError, fit_served_roles
 from workers.step_trace import TracedStep, read_step_trace
 
 from .profile_serving import engine_only_of
@@ -47,11 +48,13 @@ def trace_dir_name(label: str) -> str:
     return "".join(ch if ch.isalnum() else "-" for ch in label).strip("-") + "-steps"
 
 
-def candidate_steps(root: Path, label: str) -> list[TracedStep]:
-    steps: list[TracedStep] = []
+def candidate_steps(root: Path, label: str) -> list[tuple[str, TracedStep]]:
+    """Every worker's traced steps with its role (files ``ROLE-PORT.steps.csv``), in time
+    order."""
+    steps: list[tuple[str, TracedStep]] = []
     for f in sorted((root / trace_dir_name(label)).glob("*.steps.csv")):
-        steps += read_step_trace(str(f))
-    return sorted(steps, key=lambda s: s.start_unix_s)
+        steps += [(f.name.split("-", 1)[0], s) for s in read_step_trace(str(f))]
+    return sorted(steps, key=lambda rs: rs[1].start_unix_s)
 
 
 def waves_profile(profile: Profile, threads: int, serving: dict) -> Profile:
@@ -65,11 +68,20 @@ def waves_profile(profile: Profile, threads: int, serving: dict) -> Profile:
                                     threads: serving["per_seq_ms"] / 1e3})
 
 
-def errors(model: StepModel, steps: list[TracedStep]) -> tuple[float, float]:
-    """(median of served / predicted - 1, sum served / sum predicted - 1)."""
-    predicted = np.array([model.seconds(s.sums) for s in steps])
-    served = np.array([s.seconds for s in steps])
-    return float(np.median(served / predicted) - 1), float(served.sum() / predicted.sum() - 1)
+def errors(profile: Profile, threads: int, steps: list[tuple[str, TracedStep]]
+           ) -> tuple[float, float]:
+    """The median of ``served / predicted - 1`` over the decode-only steps (what ITL is
+    made of) and over the steps that prefill (TTFT), each predicted by its role's model
+    (:meth:`Profile.for_role`)."""
+    models = {role: profile.for_role(role).step(threads) for role, _ in steps}
+
+    def median(group: list[tuple[str, TracedStep]]) -> float:
+        if not group:
+            return float("nan")
+        return float(np.median([s.seconds / models[r].seconds(s.sums) for r, s in group]) - 1)
+
+    return (median([(r, s) for r, s in steps if s.sums.tokens == s.sums.seqs]),
+            median([(r, s) for r, s in steps if s.sums.tokens > s.sums.seqs]))
 
 
 def threads_of(label: str) -> int:
@@ -93,17 +105,17 @@ def replay(root: Path, profile: Profile, after_s: float) -> list[dict]:
             continue
         # From the run's start where the row says it (validations since served_window),
         # else from the first traced step: the cluster's warm-up, seconds before the run.
-        started = (row.get("served_window") or {}).get("started", steps[0].start_unix_s)
-        steps = [s for s in steps if s.start_unix_s >= started]
+        started = (row.get("served_window") or {}).get("started", steps[0][1].start_unix_s)
+        steps = [(r, s) for r, s in steps if s.start_unix_s >= started]
         cut = started + after_s
-        before = [(s.seconds, s.sums) for s in steps if s.start_unix_s < cut]
-        later = [s for s in steps if s.start_unix_s >= cut]
+        before = [(r, s.seconds, s.sums) for r, s in steps if s.start_unix_s < cut]
+        later = [(r, s) for r, s in steps if s.start_unix_s >= cut]
+        waves = waves_profile(profile, t, row["serving"])
         out = {"run": root.name, "config": label, "steps_before": len(before),
-               "steps_after": len(later),
-               "waves": errors(waves_profile(profile, t, row["serving"]).step(t), later)}
+               "steps_after": len(later), "waves": errors(waves, t, later)}
         try:
-            fit = fit_served(engine_only.steps[t], t, before)
-            out["served"] = errors(fit.apply(profile).step(t), later)
+            fit = fit_served_roles(engine_only.steps[t], t, before)
+            out["served"] = errors(fit.apply(profile), t, later)
             out["fit"] = fit.describe()
         except ServedFitError as e:
             out["served"], out["fit"] = None, f"refused: {e}"
@@ -136,15 +148,18 @@ def main(argv: list[str] | None = None) -> None:
                                                          d.parent / "profile.json")
                                         if p.exists())
             rows += [{**r, "run": d.name} for r in replay(root, load_profile(path), args.after)]
-    print(f"{'run':<12}{'candidate':<42}{'steps':>12}  {'waves: median / sum':>22}  "
-          f"{'served fit: median / sum':>26}")
+    print(f"{'run':<12}{'candidate':<42}{'steps':>12}  {'waves: decode / prefill':>24}  "
+          f"{'served fit: decode / prefill':>29}")
     for r in rows:
         print(f"{r['run']:<12}{r['config']:<42}{r['steps_before']:>5} {r['steps_after']:>6}  "
-              f"{_pct(r['waves']):>22}  {_pct(r['served']):>26}")
+              f"{_pct(r['waves']):>24}  {_pct(r['served']):>29}")
     for name in ("waves", "served"):
-        got = [abs(r[name][0]) for r in rows if r[name] is not None]
-        if got:
-            print(f"{name}: mean |median error| {np.mean(got):.1%} over {len(got)} candidates")
+        for i, kind in enumerate(("decode", "prefill")):
+            got = [abs(r[name][i]) for r in rows if r[name] is not None and
+                   np.isfinite(r[name][i])]
+            if got:
+                print(f"{name}: mean |median error| of {kind} steps {np.mean(got):.1%} over "
+                      f"{len(got)} candidates")
     for r in rows:
         print(f"{r['run']} {r['config']}: {r['fit']}")
 

@@ -6,7 +6,8 @@ measured in three short waves right before the candidate runs. The live planner
 (``pdserve up --autoscale``) instead refits that calibration on the steps the workers
 served in the last minutes (:func:`common.served_fit.fit_served`) and predicts the next.
 This does the same with a validation run: the candidate's own step traces of its first
-``after_s`` seconds fit the calibration; the simulator then runs the whole workload with
+``after_s`` seconds fit the calibration (every role's steps together, and each role's
+own where they make one); the simulator then runs the whole workload with
 it, and the requests sent after ``after_s`` are compared, predicted against measured,
 beside the waves' prediction of those same requests. Both predictions see the same
 requests and the same machine minutes, so their errors compare directly.
@@ -21,7 +22,7 @@ import json
 from pathlib import Path
 
 from common.cost_model import Profile
-from common.served_fit import ServedFitError, fit_served
+from common.served_fit import ServedFitError, fit_served_roles
 from loadtest.metrics import SLO, RequestRecord, compute_metrics
 from planner.config import PoolConfig
 from planner.predict import run as simulate_run
@@ -58,12 +59,13 @@ def _error(predicted: float, measured: float) -> float:
 
 def served_prediction(now: Profile, engine_only: Profile, config: PoolConfig, threads: int,
                       requests: list, arrivals: list[float], slo: SLO | None,
-                      steps: list[TracedStep], started: float, run_json: str | Path,
+                      steps: list[tuple[str, TracedStep]], started: float,
+                      run_json: str | Path,
                       after_s: float) -> dict:
     """The window after ``after_s`` of one validated candidate: measured, predicted with
     ``now`` (the waves' calibration) and with the calibration fitted on ``steps`` (every
-    worker's, unix times) that started in the run's first ``after_s`` (``started``: its
-    start), each prediction's error."""
+    worker's, with its role; unix times) that started in the run's first ``after_s``
+    (``started``: its start), each prediction's error."""
     measured = window_figures(measured_records(run_json), after_s, slo)
     if not measured["requests"]:
         return {"after_s": after_s, "started": started, "requests": 0, "fit": None,
@@ -72,9 +74,10 @@ def served_prediction(now: Profile, engine_only: Profile, config: PoolConfig, th
     out: dict = {"after_s": after_s, "started": started, "requests": measured.pop("requests"),
                  "measured": measured, "predicted_waves": waves,
                  "error_waves": {k: _error(waves[k], measured[k]) for k in FIGURES}}
-    before = [(s.seconds, s.sums) for s in steps if s.start_unix_s < started + after_s]
+    before = [(role, s.seconds, s.sums) for role, s in steps
+              if s.start_unix_s < started + after_s]
     try:
-        fit = fit_served(engine_only.steps[threads], threads, before)
+        fit = fit_served_roles(engine_only.steps[threads], threads, before)
     except ServedFitError as e:
         return out | {"fit": None, "refused": str(e)}
     served = window_figures(simulate_run(fit.apply(now), config, requests, arrivals).records,

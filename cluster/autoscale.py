@@ -8,8 +8,9 @@ reach by changing roles would serve it with more goodput, by simulating each on 
 machine profile (:func:`planner.autoscale.simulated_goodput`). The profile's serving
 calibration is refitted first from the steps the workers served in the same window
 (they publish them, ``pdserve worker --publish-steps``: :mod:`common.served_steps`,
-:func:`common.served_fit.fit_served`), so the simulator runs at the machine's speed of
-those minutes; with too few steps (a quiet window) it keeps the profile's own. A
+:func:`common.served_fit.fit_served_roles`: all roles' steps together, and each role's
+own where they make a fit), so the simulator runs at the machine's speed of those
+minutes; with too few steps (a quiet window) it keeps the profile's own. A
 ``switch`` is carried out one worker at a time
 (:meth:`cluster.local.LocalCluster.set_role`: the worker drains, swaps its KV channel end
 and registers again, weights kept; the router follows through the registry and, while no
@@ -38,7 +39,7 @@ import redis
 from common.cost_model import load_profile
 from common.metrics import Metrics
 from common.redis_url import connect as connect_redis
-from common.served_fit import ServedFit, ServedFitError, fit_served
+from common.served_fit import ServedFitError, ServedFits, fit_served_roles
 from common.served_steps import StepLog
 from common.traffic import TrafficLog
 from planner.autoscale import (
@@ -85,7 +86,7 @@ class AutoscaleLoop:
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
         self.steps = StepLog(self._redis, Path(c.model).name)
-        self.calibration: ServedFit | None = None
+        self.calibration: ServedFits | None = None
         """The served steps' calibration the last decision simulated with (None: the
         profile's own)."""
         self._refused = ""  # why the last fit was refused (its kind), logged once a kind
@@ -141,17 +142,18 @@ class AutoscaleLoop:
         return d
 
 
-    def recalibrate(self, now: float) -> ServedFit | None:
+    def recalibrate(self, now: float) -> ServedFits | None:
         """Refit the simulator's serving calibration from the workers' steps of the
-        window (:func:`common.served_fit.fit_served`) and score with it; a refused fit
+        window (:func:`common.served_fit.fit_served_roles`) and score with it; a refused fit
         (too few steps, factors no machine's speed explains, or the steps not readable:
         Redis away) scores with the profile's own."""
         threads = self.cluster.threads
-        fit: ServedFit | None = None
+        fit: ServedFits | None = None
         try:
-            steps = [(s.seconds, s.sums) for s in self.steps.recent(now - self.config.window_s)
+            steps = [(s.role, s.seconds, s.sums)
+                     for s in self.steps.recent(now - self.config.window_s)
                      if s.threads == threads]
-            fit = fit_served(self.profile.steps[threads], threads, steps)
+            fit = fit_served_roles(self.profile.steps[threads], threads, steps)
         except (ServedFitError, redis.RedisError) as e:
             reason = getattr(e, "reason", "redis")
             if reason != self._refused:
@@ -164,11 +166,12 @@ class AutoscaleLoop:
             self.autoscaler.score = simulated_goodput(profile, threads, *self._slo,
                                                       slo_profile=self.profile)
         self.calibration = fit
-        for term, value in (("memory", fit.memory if fit else 0.0),
-                            ("compute", fit.compute if fit else 0.0),
-                            ("per_seq_ms", fit.per_seq_s * 1e3 if fit else 0.0)):
+        pooled = fit.pooled if fit else None
+        for term, value in (("memory", pooled.memory if pooled else 0.0),
+                            ("compute", pooled.compute if pooled else 0.0),
+                            ("per_seq_ms", pooled.per_seq_s * 1e3 if pooled else 0.0)):
             self.metrics.set("planner_served_factor", value, term=term)
-        self.metrics.set("planner_served_steps", fit.steps if fit else 0)
+        self.metrics.set("planner_served_steps", pooled.steps if pooled else 0)
         return fit
 
 

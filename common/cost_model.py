@@ -305,6 +305,14 @@ class Profile:
     """Threads per worker -> how long the served steps the spread was measured on took
     (the decode waves' median gap): a longer step spreads less (:func:`spread_steps`).
     Absent (profiles before it): every step spreads as those did."""
+    by_role: dict[str, Profile] = field(default_factory=dict, compare=False, repr=False)
+    """Runtime only, never saved: a worker role's own serving calibration, where the
+    steps that role's workers served say it (:class:`common.served_fit.ServedFits`: a
+    prefill worker's steps also send their KV); :meth:`for_role` hands it out."""
+
+    def for_role(self, role: str) -> Profile:
+        """The profile a worker of ``role`` steps with (:attr:`by_role`, else this)."""
+        return self.by_role.get(role, self)
 
     def step(self, threads: int) -> StepModel:
         """The step model of a serving worker of ``threads`` threads."""

@@ -20,7 +20,8 @@ memory and compute parts as the engine-only model splits them
 (:meth:`~common.cost_model.StepModel.parts`), by least *absolute relative* deviations
 (the model predicts the median step, around which the simulator draws the spread; a 2 s
 prefill counts as much as a 20 ms decode step, and a step stretched by a neighbour's
-burst does not pull the fit) -> :meth:`ServedFit.apply` puts it in a profile for the
+burst does not pull the fit), the decode-only steps and the steps that prefill weighing
+alike as two groups -> :meth:`ServedFit.apply` puts it in a profile for the
 simulator (the live planner, ``pdserve up --autoscale``; ``pdserve plan --validate``'s
 ``served`` prediction).
 
@@ -104,11 +105,14 @@ class ServedFit:
                 f"{self.steps} served steps (median deviation {self.deviation:.1%})")
 
 
-def _lad(x: np.ndarray, y: np.ndarray, iterations: int = 50) -> np.ndarray:
-    """Least absolute deviations of ``y ~ x`` by iteratively reweighted least squares."""
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+def _lad(x: np.ndarray, y: np.ndarray, weights: np.ndarray, iterations: int = 50
+         ) -> np.ndarray:
+    """Weighted least absolute deviations of ``y ~ x`` (minimise ``sum(weights * |y -
+    x @ coef|)``) by iteratively reweighted least squares."""
+    coef, *_ = np.linalg.lstsq(x * np.sqrt(weights)[:, None], y * np.sqrt(weights),
+                               rcond=None)
     for _ in range(iterations):
-        w = 1.0 / np.maximum(np.abs(y - x @ coef), 1e-4)
+        w = weights / np.maximum(np.abs(y - x @ coef), 1e-4)
         sw = np.sqrt(w)
         new, *_ = np.linalg.lstsq(x * sw[:, None], y * sw, rcond=None)
         if np.allclose(new, coef, rtol=1e-6, atol=1e-9):
@@ -135,13 +139,22 @@ def fit_served(engine_only: StepModel, threads: int,
         raise ServedFitError(f"{int(keep.sum())} served steps with a positive time; a fit "
                              f"needs {MIN_STEPS}", "few_steps")
     parts, seconds, model = parts[keep], seconds[keep], model[keep]
-    x, y = parts / model[:, None], seconds / model  # relative: each step counts alike
+    x, y = parts / model[:, None], seconds / model  # relative: a long step counts as a short
+    # The two kinds of step weigh alike, whatever their numbers: decode-only steps (their
+    # time mostly the memory-bound terms) and steps that prefill (mostly compute). A
+    # serving decode worker runs twenty of the first for one of the second, and an
+    # unweighted median would fit the compute factor to the decode steps' small compute
+    # share and leave the prefills, which TTFT is made of, out (a 2-core Xeon: compute
+    # x0.49 where prefilling steps ran x1.1-1.2 the engine alone).
+    decode_only = np.array([s.tokens == s.seqs for _, s in steps])[keep]
+    weights = np.where(decode_only, 1.0 / max(1, decode_only.sum()),
+                       1.0 / max(1, (~decode_only).sum())) * len(y)
     memory = compute = per_seq = None
     for cols in ((0, 1, 2), (0, 1)):
         xs = x[:, cols]
         if np.linalg.matrix_rank(xs, tol=1e-6 * np.abs(xs).max()) < len(cols):
             continue
-        sol = _lad(xs, y)
+        sol = _lad(xs, y, weights)
         fm, fc, ps = (*sol, 0.0) if len(cols) == 2 else sol
         if fm > 0 and fc > 0 and ps >= 0:
             memory, compute, per_seq = float(fm), float(fc), float(ps)
@@ -157,12 +170,52 @@ def fit_served(engine_only: StepModel, threads: int,
     fitted = parts @ np.array([memory, compute, per_seq])
     # As the served model floors (Profile.step: scaled_parts, then plus_per_sequence).
     ratios = seconds / np.maximum(fitted, engine_only.floor_s * memory + per_seq)
-    decode = np.array([s.tokens == s.seqs for _, s in steps])[keep]
-    spread = ratios[decode]
+    spread = ratios[decode_only]
     jitter: tuple[tuple[float, float], ...] = ()
     step_s = None
     if len(spread) >= MIN_JITTER_STEPS:
         jitter = jitter_quantiles(spread / float(np.median(spread)))
-        step_s = float(np.median(seconds[decode]))
+        step_s = float(np.median(seconds[decode_only]))
     return ServedFit(threads, int(keep.sum()), memory, compute, per_seq, jitter, step_s,
                      float(np.median(np.abs(ratios - 1.0))))
+
+
+@dataclass(frozen=True)
+class ServedFits:
+    """One thread count's calibration from every role's steps together (``pooled``), and
+    each role's own where its steps make one (``roles``): a prefill worker's steps also
+    send their KV and a decode worker's receive it, which the engine-only model leaves
+    out, so one calibration for every role misfits both (a 2-core Xeon: prefill steps
+    x1.6-1.9 the engine alone on a prefill worker, x1.1-1.2 on a mixed one)."""
+
+    pooled: ServedFit
+    roles: dict[str, ServedFit]
+
+    def apply(self, profile: Profile) -> Profile:
+        """``profile`` with the pooled calibration, and each fitted role's in
+        :attr:`Profile.by_role` (the simulator's workers of that role step with it)."""
+        base = self.pooled.apply(profile)
+        return dataclasses.replace(base, by_role={
+            **base.by_role, **{role: fit.apply(base) for role, fit in self.roles.items()}})
+
+    def describe(self) -> str:
+        roles = "".join(f"; {role}: memory x{f.memory:.2f}, compute x{f.compute:.2f}, "
+                        f"+{f.per_seq_s * 1e3:.2f} ms a sequence ({f.steps} steps)"
+                        for role, f in sorted(self.roles.items()))
+        return self.pooled.describe() + roles
+
+
+def fit_served_roles(engine_only: StepModel, threads: int,
+                     steps: Sequence[tuple[str, float, StepSums]]) -> ServedFits:
+    """:func:`fit_served` over every step (``(role, seconds, sums)``), and per role where
+    that role's steps make a fit (else the role takes the pooled one). Raises
+    :class:`ServedFitError` when the pooled fit does."""
+    pooled = fit_served(engine_only, threads, [(sec, sums) for _, sec, sums in steps])
+    roles: dict[str, ServedFit] = {}
+    for role in sorted({r for r, _, _ in steps}):
+        try:
+            roles[role] = fit_served(engine_only, threads, [(sec, sums) for r, sec, sums
+                                                            in steps if r == role])
+        except ServedFitError:
+            continue
+    return ServedFits(pooled, roles)

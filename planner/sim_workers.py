@@ -138,6 +138,7 @@ class SimWorker:
                  listeners: tuple[KVEventListener, ...] = (), fast_forward: bool = True
                  ) -> None:
         self.name, self.role, self.threads = name, role, threads
+        profile = profile.for_role(role)  # a role's own served calibration, if fitted
         self.sched = Scheduler(scheduler_config(profile), listeners)
         self.max_model_len = self.sched.config.max_model_len
         self.model = profile.step(threads)

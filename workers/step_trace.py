@@ -120,15 +120,18 @@ class StepPublisher:
         self.steps.note(ServedStep(start, seconds, self.threads, self.role(), sums))
 
     async def run(self, stop: asyncio.Event, every_s: float = 1.0) -> None:
-        """Flush every ``every_s`` until ``stop``, then once more; never raises (a
-        worker's shutdown awaits it)."""
+        """Flush every ``every_s`` until ``stop``, then once more unless the last flush
+        failed; never raises (a worker's shutdown awaits it)."""
         warned = False
         while True:
             try:
                 await asyncio.wait_for(stop.wait(), every_s)
             except asyncio.TimeoutError:  # not the builtin TimeoutError on 3.10
                 pass
+            last = stop.is_set()  # before the take: what was noted before stop goes in it
             batch = self.steps.take()
+            if last and warned:  # Redis away (each try waits out its retries): not again
+                return
             try:
                 await asyncio.to_thread(self.steps.flush, batch)
                 warned = False
@@ -136,5 +139,5 @@ class StepPublisher:
                 if not warned:
                     log.warning("served steps not published (%d steps): %s", len(batch), e)
                 warned = True
-            if stop.is_set():
+            if last:
                 return

@@ -98,11 +98,12 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         loop.profile = dataclasses.replace(loop.profile, steps={
             1: loop.profile.steps[1].scaled_parts(wide.memory, wide.compute)})
         fit = loop.recalibrate(time.time())
-        assert fit is not None and fit.steps >= len(steps) >= 100, fit
-        assert fit.memory == pytest.approx(1, rel=0.3) and fit.compute == pytest.approx(
-            1, rel=0.3), fit
+        assert fit is not None and fit.pooled.steps >= len(steps) >= 100, fit
+        assert fit.pooled.memory == pytest.approx(1, rel=0.3), fit
+        assert fit.pooled.compute == pytest.approx(1, rel=0.3), fit
+        assert set(fit.roles) <= {"mixed", "decode"}
         assert loop.autoscaler.score is not before and loop.calibration == fit
-        assert f"planner_served_steps{{component=\"planner\"}} {float(fit.steps)}" in \
+        assert f"planner_served_steps{{component=\"planner\"}} {float(fit.pooled.steps)}" in \
             loop.metrics.text().replace("pdserve:", "")
     finally:
         load.finish()

@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 
 from common.cost_model import StepModel, StepSums, step_sums
-from common.served_fit import MIN_STEPS, ServedFitError, fit_served
+from common.served_fit import MIN_STEPS, ServedFitError, fit_served, fit_served_roles
+from loadtest.workloads import Request
+from planner.config import PoolConfig
+from planner.predict import simulate
 from planner.synthetic import synthetic_profile
 
 # [1, T, (T-4)+, (T-16)+, (T-64)+, (T-256)+, (T-1024)+, [T>4], A_dec, A_fresh, A_pre, S]
@@ -88,3 +91,38 @@ def test_too_few_steps_or_factors_no_machine_explains_are_refused() -> None:
     with pytest.raises(ServedFitError, match="not this profile's engine") as far:
         fit_served(ENGINE, 1, served_steps(400, 12.0, 12.0, 0.0))
     assert far.value.reason == "out_of_range"
+
+
+def test_each_role_gets_its_own_calibration_where_its_steps_make_one() -> None:
+    """A prefill worker's steps also send their KV: its own factors, not the pool's; a
+    role with too few steps takes the pooled calibration."""
+    prefill = [("prefill", sec, sums) for sec, sums in served_steps(300, 1.0, 1.8, 0.0, 1)]
+    decode = [("decode", sec, sums) for sec, sums in served_steps(300, 1.3, 1.0, 0.0, 2)]
+    few = [("mixed", sec, sums) for sec, sums in served_steps(MIN_STEPS - 1, 3.0, 3.0, 0.0, 3)]
+    fits = fit_served_roles(ENGINE, 1, prefill + decode + few)
+    assert set(fits.roles) == {"prefill", "decode"}
+    assert fits.roles["prefill"].compute == pytest.approx(1.8, rel=0.05)
+    assert fits.roles["decode"].memory == pytest.approx(1.3, rel=0.05)
+    assert fits.pooled.steps == 300 + 300 + MIN_STEPS - 1
+    profile = synthetic_profile("cpu")
+    profile = dataclasses.replace(profile, steps={**profile.steps, 1: ENGINE})
+    now = fits.apply(profile)
+    prompt = step_sums([(512, 0)])
+    assert now.for_role("prefill").step(1).seconds(prompt) == pytest.approx(
+        ENGINE.scaled_parts(fits.roles["prefill"].memory, fits.roles["prefill"].compute)
+        .seconds(prompt), rel=1e-3)  # + its per-sequence cost, ~0
+    assert now.for_role("mixed").step(1).seconds(prompt) == now.step(1).seconds(prompt)
+    assert now.step(1).seconds(prompt) < now.for_role("prefill").step(1).seconds(prompt)
+
+
+def test_the_simulator_steps_each_role_with_its_own_calibration() -> None:
+    profile = synthetic_profile("cpu")
+    split = PoolConfig("disaggregated", prefill_workers=1, decode_workers=1, prefill_threads=1,
+                       decode_threads=1, local_prefill_threshold=0)
+    requests = [Request(list(range(5, 1029)), 8)]
+    base = simulate(profile, split, requests, [0.0])
+    slow = dataclasses.replace(profile, by_role={
+        "prefill": dataclasses.replace(profile, serving={1: 2.0}, serving_compute={1: 2.0})})
+    got = simulate(slow, split, requests, [0.0])
+    assert got["ttft_p90_ms"] == pytest.approx(2 * base["ttft_p90_ms"], rel=0.1)
+    assert got["tpot_p90_ms"] == pytest.approx(base["tpot_p90_ms"], rel=1e-6)  # decode as it was
