@@ -146,7 +146,7 @@ def engine_only_of(profile: Profile) -> Profile:
     """``profile`` without its serving calibration: the engine alone, as the grid
     measured it."""
     return replace(profile, serving={}, serving_compute={}, serving_per_seq={},
-                   serving_jitter={}, serving_jitter_step_s={})
+                   serving_jitter={}, serving_jitter_step_s={}, by_role={})
 
 
 def step_speed(profile: Profile, threads: int, steps: Sequence[TracedStep]) -> dict | None:

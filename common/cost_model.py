@@ -305,7 +305,7 @@ class Profile:
     """Threads per worker -> how long the served steps the spread was measured on took
     (the decode waves' median gap): a longer step spreads less (:func:`spread_steps`).
     Absent (profiles before it): every step spreads as those did."""
-    by_role: dict[str, Profile] = field(default_factory=dict, compare=False, repr=False)
+    by_role: dict[str, Profile] = field(default_factory=dict, repr=False)
     """Runtime only, never saved: a worker role's own serving calibration, where the
     steps that role's workers served say it (:class:`common.served_fit.ServedFits`: a
     prefill worker's steps also send their KV); :meth:`for_role` hands it out."""

@@ -49,6 +49,11 @@ JITTER_PROBS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9,
                 0.975, 0.995)
 """Where the spread of served steps is kept (quantiles of the ratios)."""
 MIN_JITTER_STEPS = 20
+MIN_GROUP = 20
+"""The decode-only steps and the steps that prefill weigh alike as two groups, each step
+``1 / max(its group's size, MIN_GROUP)``: a group of a few steps weighs less, so that one
+stretched prefill among a thousand decodes cannot set the compute factor. A role's own
+fit needs this many of each kind; else the role takes the pooled one."""
 
 
 class ServedFitError(ValueError):
@@ -87,10 +92,12 @@ class ServedFit:
 
     def apply(self, profile: Profile) -> Profile:
         """``profile`` with this calibration for :attr:`threads` (the others as they
-        were; a spread not fitted keeps the profile's)."""
+        were; a spread not fitted keeps the profile's), and no role's own
+        (:attr:`Profile.by_role`: they were fitted against the calibration this
+        replaces)."""
         t = self.threads
         out = dataclasses.replace(
-            profile, serving={**profile.serving, t: self.memory},
+            profile, by_role={}, serving={**profile.serving, t: self.memory},
             serving_compute={**profile.serving_compute, t: self.compute},
             serving_per_seq={**profile.serving_per_seq, t: self.per_seq_s})
         if self.jitter and self.jitter_step_s:
@@ -147,8 +154,8 @@ def fit_served(engine_only: StepModel, threads: int,
     # share and leave the prefills, which TTFT is made of, out (a 2-core Xeon: compute
     # x0.49 where prefilling steps ran x1.1-1.2 the engine alone).
     decode_only = np.array([s.tokens == s.seqs for _, s in steps])[keep]
-    weights = np.where(decode_only, 1.0 / max(1, decode_only.sum()),
-                       1.0 / max(1, (~decode_only).sum())) * len(y)
+    weights = np.where(decode_only, 1.0 / max(MIN_GROUP, decode_only.sum()),
+                       1.0 / max(MIN_GROUP, (~decode_only).sum())) * len(y)
     memory = compute = per_seq = None
     for cols in ((0, 1, 2), (0, 1)):
         xs = x[:, cols]
@@ -159,8 +166,10 @@ def fit_served(engine_only: StepModel, threads: int,
         if fm > 0 and fc > 0 and ps >= 0:
             memory, compute, per_seq = float(fm), float(fc), float(ps)
             break
-    if memory is None:  # one factor for the whole step: the median ratio
-        memory = compute = float(np.median(y))
+    if memory is None:  # one factor for the whole step: the weighted median ratio
+        order = np.argsort(y)
+        at = np.searchsorted(np.cumsum(weights[order]), weights.sum() / 2)
+        memory = compute = float(y[order][min(at, len(y) - 1)])
         per_seq = 0.0
     lo, hi = FACTOR_RANGE
     if not (lo <= memory <= hi and lo <= compute <= hi):
@@ -194,9 +203,9 @@ class ServedFits:
     def apply(self, profile: Profile) -> Profile:
         """``profile`` with the pooled calibration, and each fitted role's in
         :attr:`Profile.by_role` (the simulator's workers of that role step with it)."""
-        base = self.pooled.apply(profile)
-        return dataclasses.replace(base, by_role={
-            **base.by_role, **{role: fit.apply(base) for role, fit in self.roles.items()}})
+        base = self.pooled.apply(profile)  # by_role cleared: a window's roles alone
+        return dataclasses.replace(base, by_role={role: fit.apply(base)
+                                                  for role, fit in self.roles.items()})
 
     def describe(self) -> str:
         roles = "".join(f"; {role}: memory x{f.memory:.2f}, compute x{f.compute:.2f}, "
@@ -208,14 +217,19 @@ class ServedFits:
 def fit_served_roles(engine_only: StepModel, threads: int,
                      steps: Sequence[tuple[str, float, StepSums]]) -> ServedFits:
     """:func:`fit_served` over every step (``(role, seconds, sums)``), and per role where
-    that role's steps make a fit (else the role takes the pooled one). Raises
+    that role's steps make a fit with at least :data:`MIN_GROUP` of each kind (else the
+    role takes the pooled one: a decode worker that never prefills says nothing of its
+    compute factor, which its local prefills would step with). Raises
     :class:`ServedFitError` when the pooled fit does."""
     pooled = fit_served(engine_only, threads, [(sec, sums) for _, sec, sums in steps])
     roles: dict[str, ServedFit] = {}
     for role in sorted({r for r, _, _ in steps}):
+        mine = [(sec, sums) for r, sec, sums in steps if r == role]
+        decodes = sum(sums.tokens == sums.seqs for _, sums in mine)
+        if min(decodes, len(mine) - decodes) < MIN_GROUP:
+            continue
         try:
-            roles[role] = fit_served(engine_only, threads, [(sec, sums) for r, sec, sums
-                                                            in steps if r == role])
+            roles[role] = fit_served(engine_only, threads, mine)
         except ServedFitError:
             continue
     return ServedFits(pooled, roles)

@@ -138,12 +138,12 @@ class SimWorker:
                  listeners: tuple[KVEventListener, ...] = (), fast_forward: bool = True
                  ) -> None:
         self.name, self.role, self.threads = name, role, threads
-        profile = profile.for_role(role)  # a role's own served calibration, if fitted
         self.sched = Scheduler(scheduler_config(profile), listeners)
         self.max_model_len = self.sched.config.max_model_len
-        self.model = profile.step(threads)
-        self._jitter = profile.serving_jitter.get(threads, ())
-        self._jitter_step_s = profile.serving_jitter_step_s.get(threads)
+        steps = profile.for_role(role)  # its role's own served calibration, if fitted
+        self.model = steps.step(threads)
+        self._jitter = steps.serving_jitter.get(threads, ())
+        self._jitter_step_s = steps.serving_jitter_step_s.get(threads)
         self._rng = np.random.default_rng(zlib.crc32(name.encode()))  # same run, same draws
         self.loop, self.host = loop, host
         self.local_prefill_threshold = local_prefill_threshold

@@ -130,8 +130,10 @@ class StepPublisher:
                 pass
             last = stop.is_set()  # before the take: what was noted before stop goes in it
             batch = self.steps.take()
-            if last and warned:  # Redis away (each try waits out its retries): not again
-                return
+            if not batch or (last and warned):  # nothing, or Redis away (each try waits
+                if last:                        # out redis-py's retries): not again
+                    return
+                continue
             try:
                 await asyncio.to_thread(self.steps.flush, batch)
                 warned = False

@@ -89,23 +89,36 @@ def test_served_steps_that_do_not_parse_or_cannot_be_are_skipped(client):
 
 
 def test_a_worker_publishing_steps_to_a_redis_that_is_away_serves_on_and_stops_cleanly():
-    """StepPublisher.run (a worker's --publish-steps task): a Redis that does not
-    answer loses those steps, never the worker's shutdown, which awaits the task."""
+    """StepPublisher.run (a worker's --publish-steps task): a Redis that does not answer
+    loses those steps, never the worker's shutdown, which awaits the task; once a flush
+    failed, stopping does not try again (each try waits out redis-py's retries), and
+    empty rounds never touch Redis."""
     import asyncio
 
     from cluster.net import free_port
 
+    class Counted(StepLog):
+        tries = 0
+
+        def flush(self, records: list) -> None:
+            Counted.tries += 1
+            super().flush(records)
+
     away = redis.Redis(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.2)
-    publisher = StepPublisher(StepLog(away, "m"), 1, lambda: "decode")
-    publisher(time.time(), 0.02, StepSums(1, 1, 300.0, 0.0, 0.0))
+    publisher = StepPublisher(Counted(away, "m"), 1, lambda: "decode")
 
     async def serve_then_stop() -> None:
         stop = asyncio.Event()
-        task = asyncio.create_task(publisher.run(stop, every_s=0.05))
-        await asyncio.sleep(0.3)
-        publisher(time.time(), 0.02, StepSums(1, 1, 301.0, 0.0, 0.0))
+        task = asyncio.create_task(publisher.run(stop, every_s=0.02))
+        await asyncio.sleep(0.2)  # empty rounds: no try
+        assert Counted.tries == 0
+        publisher(time.time(), 0.02, StepSums(1, 1, 300.0, 0.0, 0.0))
+        while Counted.tries == 0:
+            await asyncio.sleep(0.01)
+        publisher(time.time(), 0.02, StepSums(1, 1, 301.0, 0.0, 0.0))  # while it fails
         stop.set()
-        await asyncio.wait_for(task, 30)  # returns (a try waits out redis-py's retries)
+        await asyncio.wait_for(task, 30)  # returns, raises nothing
 
     asyncio.run(serve_then_stop())
+    assert Counted.tries == 1  # not again at stop: Redis was away
     assert publisher.steps.take() == []  # taken and lost, not piling up

@@ -126,3 +126,27 @@ def test_the_simulator_steps_each_role_with_its_own_calibration() -> None:
     got = simulate(slow, split, requests, [0.0])
     assert got["ttft_p90_ms"] == pytest.approx(2 * base["ttft_p90_ms"], rel=0.1)
     assert got["tpot_p90_ms"] == pytest.approx(base["tpot_p90_ms"], rel=1e-6)  # decode as it was
+
+
+def test_the_few_steps_that_prefill_weigh_as_much_as_the_many_decodes() -> None:
+    """A decode worker serves ~20 decode steps per prefill, and its prefills cost what
+    the engine-only model leaves out (a KV send, a receive): the fit must still predict
+    the prefills (TTFT), not only the decodes."""
+    rng = random.Random(5)
+    served = ENGINE.scaled_parts(1.3, 1.0)
+    steps = []
+    for i in range(1000):
+        if i % 20:
+            sums = step_sums([(1, rng.randint(40, 700)) for _ in range(rng.randint(1, 24))])
+            extra = 1.0
+        else:
+            sums = step_sums([(rng.randint(64, 1024), 0)])
+            extra = 1.4  # what the model does not know of
+        steps.append((served.seconds(sums) * extra * float(np.exp(rng.gauss(0, 0.05))),
+                      sums))
+    model = fit_served(ENGINE, 1, steps).apply(dataclasses.replace(
+        synthetic_profile("cpu"), steps={1: ENGINE})).step(1)
+    for kind in (True, False):  # decode-only steps, then the prefills
+        ratios = [sec / model.seconds(sums) for sec, sums in steps
+                  if (sums.tokens == sums.seqs) == kind]
+        assert float(np.median(ratios)) == pytest.approx(1.0, abs=0.06), kind
