@@ -81,26 +81,29 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
             time.sleep(0.1)
         # The workers published their steps, each in the role it had then (prompts under
         # the decode worker's local threshold: the prefill worker idles), and the planner
-        # refits its step model from them. The synthetic profile is not this tiny model's
-        # engine: the fit is refused, and the planner keeps the profile's calibration.
+        # refits its step model from them. (The load is over first: the fits below see
+        # the same steps.)
+        load.finish()
+        time.sleep(1.5)  # the last second's steps, flushed
         steps = loop.steps.recent(time.time() - 300)
         assert {s.threads for s in steps} == {1}
         assert {s.role for s in steps} == {"mixed", "decode"}
         del loop.recalibrate  # the real one again
         before = loop.autoscaler.score
+        engine = loop.profile.steps[1]
+        # A profile whose engine is 100x this one's: the fit says so and is refused, and
+        # the planner keeps the profile's calibration.
+        loop.profile = dataclasses.replace(loop.profile,
+                                           steps={1: engine.scaled_parts(100.0, 100.0)})
         assert loop.recalibrate(time.time()) is None and loop.autoscaler.score is before
-        # With the profile's engine scaled to what those steps say (a fit no range
-        # bounds), the planner takes the refit, close to no correction at all.
+        # Any factors allowed (the synthetic profile is not this tiny model's engine): the
+        # planner takes the fit of the very steps the workers published.
+        loop.profile = dataclasses.replace(loop.profile, steps={1: engine})
         monkeypatch.setattr(served_fit, "FACTOR_RANGE", (1e-9, 1e9))
-        wide = served_fit.fit_served(loop.profile.steps[1], 1, [(s.seconds, s.sums)
-                                                               for s in steps])
-        monkeypatch.undo()
-        loop.profile = dataclasses.replace(loop.profile, steps={
-            1: loop.profile.steps[1].scaled_parts(wide.memory, wide.compute)})
         fit = loop.recalibrate(time.time())
-        assert fit is not None and fit.pooled.steps >= len(steps) >= 100, fit
-        assert fit.pooled.memory == pytest.approx(1, rel=0.3), fit
-        assert fit.pooled.compute == pytest.approx(1, rel=0.3), fit
+        assert fit is not None and fit.pooled.steps == len(steps) >= 100, fit
+        assert fit == served_fit.fit_served_roles(engine, 1, [(s.role, s.seconds, s.sums)
+                                                              for s in steps])
         assert set(fit.roles) <= {"mixed", "decode"}
         assert loop.autoscaler.score is not before and loop.calibration == fit
         assert f"planner_served_steps{{component=\"planner\"}} {float(fit.pooled.steps)}" in \
