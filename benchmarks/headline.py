@@ -160,8 +160,10 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
                 planner.stop()
                 decisions = [{"at": d.at, "action": d.action, "reason": d.reason,
                               "current": d.current.label, "scores": d.scores,
-                              "target": d.target.label if d.target else None}
-                             for d in planner.decisions]
+                              "target": d.target.label if d.target else None,
+                              "step_model": model}
+                             for d, model in zip(planner.decisions, planner.step_models,
+                                                 strict=True)]
                 (out / f"{workload}-s{seed}-adaptive-decisions.json").write_text(
                     json.dumps(decisions, indent=1))
     (out / f"{workload}-s{seed}-{name}-sweep.json").write_text(json.dumps(points, indent=1))

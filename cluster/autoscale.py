@@ -92,6 +92,8 @@ class AutoscaleLoop:
         self._refused = ""  # why the last fit was refused (its kind), logged once a kind
         self.metrics = metrics or Metrics({"component": "planner"})
         self.decisions: list[Decision] = []
+        self.step_models: list[str] = []
+        """Beside each decision, the serving calibration it simulated with."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -126,6 +128,8 @@ class AutoscaleLoop:
         self.recalibrate(now)
         d = self.autoscaler.decide(now, current, records)
         self.decisions.append(d)
+        self.step_models.append(self.calibration.describe() if self.calibration
+                                else "the profile's")
         self.metrics.inc("planner_decisions_total", action=d.action, reason=d.reason)
         for label, goodput in d.scores.items():
             self.metrics.set("planner_predicted_goodput", goodput, config=label)

@@ -105,6 +105,8 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert fit == served_fit.fit_served_roles(engine, 1, [(s.role, s.seconds, s.sums)
                                                               for s in steps])
         assert set(fit.roles) <= {"mixed", "decode"}
+        assert len(loop.step_models) == len(loop.decisions) == 4
+        assert set(loop.step_models) == {"the profile's"}  # the scripted decisions'
         assert loop.autoscaler.score is not before and loop.calibration == fit
         assert f"planner_served_steps{{component=\"planner\"}} {float(fit.pooled.steps)}" in \
             loop.metrics.text().replace("pdserve:", "")
