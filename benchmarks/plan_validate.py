@@ -139,7 +139,7 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
     when given, else the validation's profile file. The result has the harness's
     metrics, the router's placements and ``steps``: every worker's engine steps that
     started while the requests ran (their step traces, warm-up left out)."""
-    name = "".join(ch if ch.isalnum() else "-" for ch in c.label).strip("-")
+    name = run_name(c.label)
     path = None
     if profile is not None and c.kind == "adaptive":
         path = str(out / f"{name}-profile.json")
@@ -171,6 +171,12 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
             continue
         m["steps"].setdefault(role, []).extend(steps)
     return m
+
+
+def run_name(label: str) -> str:
+    """What a candidate's files under ``out`` are named after: its label, letters and
+    digits kept (``NAME.json``, ``NAME-steps/``, ``NAME-logs/``)."""
+    return "".join(ch if ch.isalnum() else "-" for ch in label).strip("-")
 
 
 def local_placements(target: str, tls_ca: str | None = None) -> dict[str, int] | None:

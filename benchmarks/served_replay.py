@@ -40,12 +40,13 @@ from common.cost_model import Profile, load_profile
 from common.served_fit import ServedFitError, fit_served_roles
 from workers.step_trace import TracedStep, read_step_trace
 
+from .plan_validate import run_name
 from .profile_serving import engine_only_of
 
 
 def trace_dir_name(label: str) -> str:
-    """The folder ``--validate`` writes a candidate's traces to (``_measure``'s name)."""
-    return "".join(ch if ch.isalnum() else "-" for ch in label).strip("-") + "-steps"
+    """The folder ``--validate`` writes a candidate's traces to."""
+    return run_name(label) + "-steps"
 
 
 def candidate_steps(root: Path, label: str) -> list[tuple[str, TracedStep]]:
@@ -80,8 +81,8 @@ def errors(profile: Profile, threads: int, steps: list[tuple[str, TracedStep]]
             return float("nan")
         return float(np.median([s.seconds / models[r].seconds(s.sums) for r, s in group]) - 1)
 
-    return (median([(r, s) for r, s in steps if s.sums.tokens == s.sums.seqs]),
-            median([(r, s) for r, s in steps if s.sums.tokens > s.sums.seqs]))
+    return (median([(r, s) for r, s in steps if s.sums.decode_only]),
+            median([(r, s) for r, s in steps if not s.sums.decode_only]))
 
 
 def threads_of(label: str) -> int:

@@ -115,6 +115,11 @@ class StepSums:
     fresh_pairs: float = 0.0
     prefix_pairs: float = 0.0
 
+    @property
+    def decode_only(self) -> bool:
+        """Every chunk one token: a decode step with no prefill in it."""
+        return self.tokens == self.seqs
+
     def features(self, gemv_rows: int = GEMV_ROWS) -> list[float]:
         """This step's regression row (see :func:`features`); an engine without a GEMV
         (``gemv_rows`` 0) has no handover: its knot and step are 0 (else they would

@@ -128,24 +128,47 @@ def _lad(x: np.ndarray, y: np.ndarray, weights: np.ndarray, iterations: int = 50
     return coef
 
 
+@dataclass(frozen=True)
+class _Steps:
+    """Served steps as the fit reads them: each one's engine-only memory and compute
+    parts and sequences (columns of ``parts``), seconds, and kind."""
+
+    parts: np.ndarray
+    seconds: np.ndarray
+    decode_only: np.ndarray
+
+    @classmethod
+    def of(cls, engine_only: StepModel, steps: Sequence[tuple[float, StepSums]]) -> _Steps:
+        return cls(np.array([[*engine_only.parts(s), float(s.seqs)] for _, s in steps]
+                            ).reshape(-1, 3),
+                   np.array([sec for sec, _ in steps], dtype=np.float64),
+                   np.array([s.decode_only for _, s in steps], dtype=bool))
+
+    def __getitem__(self, mask: np.ndarray) -> _Steps:
+        return _Steps(self.parts[mask], self.seconds[mask], self.decode_only[mask])
+
+
 def fit_served(engine_only: StepModel, threads: int,
                steps: Sequence[tuple[float, StepSums]]) -> ServedFit:
     """The serving calibration of ``threads``-thread workers from their served steps
     (``(seconds, sums)``), against ``engine_only`` (the profile's engine fit for that
     thread count, :attr:`Profile.steps`). Raises :class:`ServedFitError`."""
-    if len(steps) < MIN_STEPS:
-        raise ServedFitError(f"{len(steps)} served steps of {threads}-thread workers; a fit "
-                             f"needs {MIN_STEPS}", "few_steps")
-    parts = np.array([[*engine_only.parts(s), float(s.seqs)] for _, s in steps])
-    seconds = np.array([sec for sec, _ in steps], dtype=np.float64)
-    # Each step's weight: the engine-only model's time, its floor included (a tiny
-    # decode the linear terms put under the floor must not count more than it runs).
-    model = np.maximum(parts[:, 0] + parts[:, 1], engine_only.floor_s)
-    keep = (parts[:, 0] + parts[:, 1] > 0) & (seconds > 0)
+    return _fit(engine_only, threads, _Steps.of(engine_only, steps))
+
+
+def _fit(engine_only: StepModel, threads: int, steps: _Steps) -> ServedFit:
+    if len(steps.seconds) < MIN_STEPS:
+        raise ServedFitError(f"{len(steps.seconds)} served steps of {threads}-thread "
+                             f"workers; a fit needs {MIN_STEPS}", "few_steps")
+    linear = steps.parts[:, 0] + steps.parts[:, 1]
+    keep = (linear > 0) & (steps.seconds > 0)
     if keep.sum() < MIN_STEPS:
         raise ServedFitError(f"{int(keep.sum())} served steps with a positive time; a fit "
                              f"needs {MIN_STEPS}", "few_steps")
-    parts, seconds, model = parts[keep], seconds[keep], model[keep]
+    parts, seconds, decode_only = steps.parts[keep], steps.seconds[keep], steps.decode_only[keep]
+    # Each step's weight: the engine-only model's time, its floor included (a tiny
+    # decode the linear terms put under the floor must not count more than it runs).
+    model = np.maximum(linear[keep], engine_only.floor_s)
     x, y = parts / model[:, None], seconds / model  # relative: a long step counts as a short
     # The two kinds of step weigh alike, whatever their numbers: decode-only steps (their
     # time mostly the memory-bound terms) and steps that prefill (mostly compute). A
@@ -153,7 +176,6 @@ def fit_served(engine_only: StepModel, threads: int,
     # unweighted median would fit the compute factor to the decode steps' small compute
     # share and leave the prefills, which TTFT is made of, out (a 2-core Xeon: compute
     # x0.49 where prefilling steps ran x1.1-1.2 the engine alone).
-    decode_only = np.array([s.tokens == s.seqs for _, s in steps])[keep]
     weights = np.where(decode_only, 1.0 / max(MIN_GROUP, decode_only.sum()),
                        1.0 / max(MIN_GROUP, (~decode_only).sum())) * len(y)
     memory = compute = per_seq = None
@@ -185,7 +207,7 @@ def fit_served(engine_only: StepModel, threads: int,
     if len(spread) >= MIN_JITTER_STEPS:
         jitter = jitter_quantiles(spread / float(np.median(spread)))
         step_s = float(np.median(seconds[decode_only]))
-    return ServedFit(threads, int(keep.sum()), memory, compute, per_seq, jitter, step_s,
+    return ServedFit(threads, len(y), memory, compute, per_seq, jitter, step_s,
                      float(np.median(np.abs(ratios - 1.0))))
 
 
@@ -221,15 +243,17 @@ def fit_served_roles(engine_only: StepModel, threads: int,
     role takes the pooled one: a decode worker that never prefills says nothing of its
     compute factor, which its local prefills would step with). Raises
     :class:`ServedFitError` when the pooled fit does."""
-    pooled = fit_served(engine_only, threads, [(sec, sums) for _, sec, sums in steps])
+    every = _Steps.of(engine_only, [(sec, sums) for _, sec, sums in steps])  # once
+    pooled = _fit(engine_only, threads, every)
+    of_role = np.array([r for r, _, _ in steps])
     roles: dict[str, ServedFit] = {}
-    for role in sorted({r for r, _, _ in steps}):
-        mine = [(sec, sums) for r, sec, sums in steps if r == role]
-        decodes = sum(sums.tokens == sums.seqs for _, sums in mine)
-        if min(decodes, len(mine) - decodes) < MIN_GROUP:
+    for role in sorted(set(of_role)):
+        mine = every[of_role == role]
+        decodes = int(mine.decode_only.sum())
+        if min(decodes, len(mine.seconds) - decodes) < MIN_GROUP:
             continue
         try:
-            roles[role] = fit_served(engine_only, threads, mine)
+            roles[role] = _fit(engine_only, threads, mine)
         except ServedFitError:
             continue
     return ServedFits(pooled, roles)

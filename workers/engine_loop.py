@@ -328,13 +328,14 @@ class EngineLoop(ReservationDriver):
                 with contextlib.suppress(OSError):
                     self._trace.close()
                 self._trace = None
+                self.engine.trace_sums = self._records_steps()
         if self._step_listener is not None:
             try:
                 self._step_listener(start, seconds, sums)
             except Exception:  # noqa: BLE001 - the listener's fault, not the step's
                 log.exception("step listener turned off")
                 self._step_listener = None
-        self.engine.trace_sums = self._records_steps()
+                self.engine.trace_sums = self._records_steps()
 
     def _emit(self, output: RequestOutput) -> None:
         """Hand an output to its stream; a request that failed on its own (``error``)
