@@ -146,7 +146,8 @@ def engine_only_of(profile: Profile) -> Profile:
     """``profile`` without its serving calibration: the engine alone, as the grid
     measured it."""
     return replace(profile, serving={}, serving_compute={}, serving_per_seq={},
-                   serving_jitter={}, serving_jitter_step_s={}, by_role={})
+                   serving_jitter={}, serving_jitter_step_s={}, serving_decode={},
+                   by_role={})
 
 
 def step_speed(profile: Profile, threads: int, steps: Sequence[TracedStep]) -> dict | None:
@@ -226,4 +227,5 @@ def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - pr
                                             **{str(t): v for t, v in facts.items()}}}
     return replace(profile, serving=memory, serving_compute=compute, serving_per_seq=per_seq,
                    serving_jitter=jitter, serving_jitter_step_s=jitter_step,
-                   points=points), facts
+                   serving_decode={t: f for t, f in profile.serving_decode.items()
+                                   if t not in facts}, points=points), facts

@@ -13,8 +13,9 @@ traced steps at ``--after`` seconds into the run and compares, on the steps afte
   --autoscale``).
 
 Each prints the median of ``served / predicted - 1`` over the later decode-only steps
-(what ITL is made of) and over the later steps that prefill (TTFT's): the model stands
-for the median step, the spread around it is drawn apart. Usage::
+and over the later steps that prefill (TTFT's): the model stands for the median step,
+the spread around it is drawn apart; and the error of the decode-only steps' p90, each
+counted once per sequence in it, the spread drawn (what ITL p90 is made of). Usage::
 
     python -m benchmarks.served_replay DIR [DIR ...] [--profile FILE] [--after 60]
 
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common.cost_model import Profile, load_profile
+from common.cost_model import Profile, draw_jitter, load_profile, spread_steps
 from common.served_fit import ServedFitError, fit_served_roles
 from workers.step_trace import TracedStep, read_step_trace
 
@@ -62,27 +63,62 @@ def waves_profile(profile: Profile, threads: int, serving: dict) -> Profile:
     """``profile`` with the calibration a validation row measured (``row["serving"]``)."""
     from dataclasses import replace
 
-    return replace(profile, serving={**profile.serving, threads: serving["factor"]},
-                   serving_compute={**profile.serving_compute,
-                                    threads: serving["compute_factor"]},
-                   serving_per_seq={**profile.serving_per_seq,
-                                    threads: serving["per_seq_ms"] / 1e3})
+    out = replace(profile, serving={**profile.serving, threads: serving["factor"]},
+                  serving_compute={**profile.serving_compute,
+                                   threads: serving["compute_factor"]},
+                  serving_per_seq={**profile.serving_per_seq,
+                                   threads: serving["per_seq_ms"] / 1e3})
+    if serving.get("jitter") and serving.get("jitter_step_ms"):
+        out = replace(out, serving_jitter={**profile.serving_jitter, threads: tuple(
+            (float(p), float(r)) for p, r in serving["jitter"])},
+            serving_jitter_step_s={**profile.serving_jitter_step_s,
+                                   threads: serving["jitter_step_ms"] / 1e3})
+    return out
 
 
-def errors(profile: Profile, threads: int, steps: list[tuple[str, TracedStep]]
-           ) -> tuple[float, float]:
-    """The median of ``served / predicted - 1`` over the decode-only steps (what ITL is
-    made of) and over the steps that prefill (TTFT), each predicted by its role's model
-    (:meth:`Profile.for_role`)."""
-    models = {role: profile.for_role(role).step(threads) for role, _ in steps}
+def weighted_p90(values: np.ndarray, weights: np.ndarray) -> float:
+    order = np.argsort(values)
+    at = np.searchsorted(np.cumsum(weights[order]), 0.9 * weights.sum())
+    return float(values[order][min(at, len(values) - 1)])
+
+
+def errors(profile: Profile, threads: int, steps: list[tuple[str, TracedStep]],
+           draws: int = 20) -> tuple[float, float, float]:
+    """The median of ``served / predicted - 1`` over the decode-only steps and over the
+    steps that prefill (TTFT), each predicted by its role's model
+    (:meth:`Profile.for_role`); and the error of the decode-only steps' p90, each step
+    counted once per sequence in it (what ITL p90 is made of), predicted as the
+    simulator steps: the model with a factor drawn from its role's spread (``draws``
+    draws a step, a fixed seed)."""
+    roles = {role: profile.for_role(role) for role, _ in steps}
+    models = {role: p.step(threads) for role, p in roles.items()}
 
     def median(group: list[tuple[str, TracedStep]]) -> float:
         if not group:
             return float("nan")
         return float(np.median([s.seconds / models[r].seconds(s.sums) for r, s in group]) - 1)
 
-    return (median([(r, s) for r, s in steps if s.sums.decode_only]),
-            median([(r, s) for r, s in steps if not s.sums.decode_only]))
+    decodes = [(r, s) for r, s in steps if s.sums.decode_only]
+    p90 = float("nan")
+    if decodes:
+        rng = np.random.default_rng(0)
+        drawn = []
+        for role in roles:
+            mine = [s for r, s in decodes if r == role]
+            if not mine:
+                continue
+            model = np.repeat([models[role].seconds(s.sums) for s in mine], draws)
+            p = roles[role]
+            drawn.append(spread_steps(model, draw_jitter(p.serving_jitter.get(threads, ()),
+                                                         rng.random(len(model))),
+                                      p.serving_jitter_step_s.get(threads)))
+        seqs = np.array([s.sums.seqs for role in roles for r, s in decodes if r == role],
+                        dtype=np.float64)
+        served = np.array([s.seconds for role in roles for r, s in decodes if r == role])
+        p90 = (weighted_p90(np.concatenate(drawn), np.repeat(seqs, draws))
+               / weighted_p90(served, seqs) - 1)
+    return (median(decodes), median([(r, s) for r, s in steps if not s.sums.decode_only]),
+            p90)
 
 
 def threads_of(label: str) -> int:
@@ -124,8 +160,8 @@ def replay(root: Path, profile: Profile, after_s: float) -> list[dict]:
     return rows
 
 
-def _pct(pair: tuple[float, float] | None) -> str:
-    return "refused" if pair is None else f"{pair[0]:+.1%} / {pair[1]:+.1%}"
+def _pct(errs: tuple[float, ...] | None) -> str:
+    return "refused" if errs is None else " / ".join(f"{e:+.1%}" for e in errs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,18 +185,19 @@ def main(argv: list[str] | None = None) -> None:
                                                          d.parent / "profile.json")
                                         if p.exists())
             rows += [{**r, "run": d.name} for r in replay(root, load_profile(path), args.after)]
-    print(f"{'run':<12}{'candidate':<42}{'steps':>12}  {'waves: decode / prefill':>24}  "
-          f"{'served fit: decode / prefill':>29}")
+    print("median error of decode-only steps / of steps that prefill / p90 error of decode "
+          "steps, each counted once per sequence (with the spread drawn)")
+    print(f"{'run':<12}{'candidate':<42}{'steps':>12}  {'waves':>24}  {'served fit':>24}")
     for r in rows:
         print(f"{r['run']:<12}{r['config']:<42}{r['steps_before']:>5} {r['steps_after']:>6}  "
-              f"{_pct(r['waves']):>24}  {_pct(r['served']):>29}")
+              f"{_pct(r['waves']):>24}  {_pct(r['served']):>24}")
     for name in ("waves", "served"):
-        for i, kind in enumerate(("decode", "prefill")):
+        for i, kind in enumerate(("median error of decode steps", "median error of prefill "
+                                  "steps", "p90 error of decode steps")):
             got = [abs(r[name][i]) for r in rows if r[name] is not None and
                    np.isfinite(r[name][i])]
             if got:
-                print(f"{name}: mean |median error| of {kind} steps {np.mean(got):.1%} over "
-                      f"{len(got)} candidates")
+                print(f"{name}: mean |{kind}| {np.mean(got):.1%} over {len(got)} candidates")
     for r in rows:
         print(f"{r['run']} {r['config']}: {r['fit']}")
 

@@ -119,6 +119,11 @@ class DeploymentConfig:
         "server's scattered blocks cost the decode attention less than at 16; prefix-cache "
         "hits land on block boundaries, so chat turns recompute a little more) and 16 on "
         "CUDA"))
+    max_num_batched_tokens: int = field(default=2048, metadata=setting(
+        "each worker's step token budget: the most prompt + decode tokens one engine step "
+        "computes (a longer prompt is prefilled in chunks of it); lower keeps decodes' "
+        "inter-token latency down while long prompts prefill, higher prefills in fewer "
+        "steps"))
     max_model_len: int | None = field(default=None, metadata=setting(
         "longest prompt + output a request may have, in tokens",
         shown="the model's context, within the KV cache"))
@@ -264,6 +269,9 @@ class DeploymentConfig:
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or (self.mixed or 0) < 0:
             raise DeploymentError("worker counts must be >= 0")
+        if self.max_num_batched_tokens < 1:
+            raise DeploymentError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: "
+                                  "a step's token budget must be >= 1")
         if self.block_size < 0:
             raise DeploymentError(f"--block-size {self.block_size}: tokens per KV block "
                                   "must be >= 1, or 0 for the device's default")
@@ -358,6 +366,7 @@ class DeploymentConfig:
                 "--quantization", self.quantization,
                 "--kv-cache-gb", str(self.kv_cache_gb),
                 "--block-size", str(self.block_size), "--threads", str(threads),
+                "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--local-prefill-threshold", str(self.local_prefill_threshold),
                 "--transfer-timeout-s", str(self.transfer_timeout_s),
                 "--drain-timeout-s", str(self.drain_timeout_s)]

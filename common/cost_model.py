@@ -65,7 +65,7 @@ import json
 import math
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -188,6 +188,16 @@ class StepModel:
     gemv_rows: int = GEMV_ROWS
     """Up to how many tokens its engine's linear layers ran the decode GEMV (the
     handover term and the first knot of :func:`features` sit there)."""
+    decode_factors: tuple[float, ...] = ()
+    """Served decode steps' own shape: a decode-only step of ``b`` sequences takes
+    ``decode_factors[min(b, len) - 1]`` times what the terms say (empty: 1). Fitted
+    from served steps only (:mod:`common.served_fit`): what batch size costs on a worker
+    whose neighbour competes for the core is not what the engine alone measured."""
+
+    def decode_factor(self, seqs: int) -> float:
+        """The factor of a decode-only step of ``seqs`` sequences (1 without a table)."""
+        f = self.decode_factors
+        return f[min(seqs, len(f)) - 1] if f and seqs >= 1 else 1.0
 
     def row(self, chunks: Iterable[Chunk] | StepSums) -> list[float]:
         """A step's regression row for this model (:func:`features`)."""
@@ -202,7 +212,8 @@ class StepModel:
         times as long."""
         scale = [memory if i in MEMORY_TERMS else compute for i in range(len(self.coef))]
         return StepModel(tuple(c * k for c, k in zip(self.coef, scale, strict=True)),
-                         self.floor_s * memory, self.error, self.gemv_rows)
+                         self.floor_s * memory, self.error, self.gemv_rows,
+                         self.decode_factors)
 
     def parts(self, chunks: Iterable[Chunk] | StepSums) -> tuple[float, float]:
         """``(memory_s, compute_s)`` of a step (its chunks, or their sums): the two
@@ -216,11 +227,13 @@ class StepModel:
         """Every step ``seconds`` longer per sequence in it (the serving cost of the
         message each sampled token becomes)."""
         return StepModel((*self.coef[:-1], self.coef[-1] + seconds), self.floor_s + seconds,
-                         self.error, self.gemv_rows)
+                         self.error, self.gemv_rows, self.decode_factors)
 
     def seconds(self, chunks: Iterable[Chunk] | StepSums) -> float:
-        row = self.row(chunks)
-        return max(self.floor_s, sum(c * x for c, x in zip(self.coef, row, strict=True)))
+        sums = chunks if isinstance(chunks, StepSums) else step_sums(chunks)
+        row = sums.features(self.gemv_rows)
+        t = max(self.floor_s, sum(c * x for c, x in zip(self.coef, row, strict=True)))
+        return t * self.decode_factor(sums.seqs) if sums.decode_only else t
 
     def decode_seconds(self, batch: int, context: int) -> float:
         """A decode-only step of ``batch`` sequences of ``context`` tokens each."""
@@ -310,6 +323,10 @@ class Profile:
     """Threads per worker -> how long the served steps the spread was measured on took
     (the decode waves' median gap): a longer step spreads less (:func:`spread_steps`).
     Absent (profiles before it): every step spreads as those did."""
+    serving_decode: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    """Threads per worker -> the served decode steps' factors by batch size
+    (:attr:`StepModel.decode_factors`; absent: none). Only a calibration fitted on
+    served steps has them (:mod:`common.served_fit`)."""
     by_role: dict[str, Profile] = field(default_factory=dict, repr=False)
     """Runtime only, never saved: a worker role's own serving calibration, where the
     steps that role's workers served say it (:class:`common.served_fit.ServedFits`: a
@@ -329,6 +346,8 @@ class Profile:
         compute = self.serving_compute.get(threads, factor)
         if (factor, compute) != (1.0, 1.0):
             model = model.scaled_parts(factor, compute)
+        if self.serving_decode.get(threads):
+            model = replace(model, decode_factors=self.serving_decode[threads])
         return model.plus_per_sequence(per_seq) if per_seq else model
 
 
@@ -413,18 +432,21 @@ def profile_to_json(p: Profile) -> dict:
         "serving_compute": {str(t): f for t, f in p.serving_compute.items()},
         "serving_jitter": {str(t): [list(q) for q in qs] for t, qs in p.serving_jitter.items()},
         "serving_jitter_step_s": {str(t): s for t, s in p.serving_jitter_step_s.items()},
+        "serving_decode": {str(t): list(f) for t, f in p.serving_decode.items()},
     }
 
 
 def _serving_of(d: dict) -> tuple[dict[int, float], dict[int, float], dict[int, float],
-                                   dict, dict[int, float]]:
+                                   dict, dict[int, float], dict[int, tuple[float, ...]]]:
     """The serving fields, in :class:`Profile`'s order."""
     return ({int(t): float(f) for t, f in d.get("serving", {}).items()},
             {int(t): float(f) for t, f in d.get("serving_compute", {}).items()},
             {int(t): float(s) for t, s in d.get("serving_per_seq", {}).items()},
             {int(t): tuple((float(p), float(r)) for p, r in qs)
              for t, qs in d.get("serving_jitter", {}).items()},
-            {int(t): float(s) for t, s in d.get("serving_jitter_step_s", {}).items()})
+            {int(t): float(s) for t, s in d.get("serving_jitter_step_s", {}).items()},
+            {int(t): tuple(float(x) for x in f)
+             for t, f in d.get("serving_decode", {}).items()})
 
 
 def draw_jitter(quantiles: Sequence[tuple[float, float]], u: np.ndarray) -> np.ndarray:

@@ -25,6 +25,14 @@ alike as two groups -> :meth:`ServedFit.apply` puts it in a profile for the
 simulator (the live planner, ``pdserve up --autoscale``; ``pdserve plan --validate``'s
 ``served`` prediction).
 
+The decode-only steps get a table besides (:func:`decode_table`): their median ratio to
+the fitted model per batch size. The two factors scale the engine's own shape, and a
+decode worker's steps have another: on a 2-core Xeon (two hyperthreads, one AMX unit)
+a one-sequence decode step ran x1.12 the engine alone and every larger one x1.3-1.5,
+the GEMMs sharing their unit with the neighbour's prefill where the one-row GEMV did
+not; the fitted model put the decode worker's ITL p90 23% high. The spread is then
+what is left around the table.
+
 Where the steps cannot tell memory from compute (every step the same shape) one factor
 serves both; a fit outside :data:`FACTOR_RANGE` or on fewer than :data:`MIN_STEPS`
 steps is refused (:class:`ServedFitError`), and the caller keeps its profile.
@@ -49,6 +57,10 @@ JITTER_PROBS = (0.005, 0.025, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9,
                 0.975, 0.995)
 """Where the spread of served steps is kept (quantiles of the ratios)."""
 MIN_JITTER_STEPS = 20
+TABLE_SEQS = 16
+"""The decode table's last batch size: larger batches take its factor."""
+MIN_BUCKET = 20
+"""Decode-only steps of one batch size a factor of the table is made from."""
 MIN_GROUP = 20
 """The decode-only steps and the steps that prefill weigh alike as two groups, each step
 ``1 / max(its group's size, MIN_GROUP)``: a group of a few steps weighs less, so that one
@@ -89,6 +101,8 @@ class ServedFit:
     """Those decode steps' median seconds (None: no spread fitted)."""
     deviation: float
     """Median ``|served / fitted - 1|`` over the steps: how closely the fit follows them."""
+    decode_factors: tuple[float, ...] = ()
+    """:func:`decode_table` of the decode-only steps (empty: too few of any one size)."""
 
     def apply(self, profile: Profile) -> Profile:
         """``profile`` with this calibration for :attr:`threads` (the others as they
@@ -99,7 +113,8 @@ class ServedFit:
         out = dataclasses.replace(
             profile, by_role={}, serving={**profile.serving, t: self.memory},
             serving_compute={**profile.serving_compute, t: self.compute},
-            serving_per_seq={**profile.serving_per_seq, t: self.per_seq_s})
+            serving_per_seq={**profile.serving_per_seq, t: self.per_seq_s},
+            serving_decode={**profile.serving_decode, t: self.decode_factors})
         if self.jitter and self.jitter_step_s:
             out = dataclasses.replace(
                 out, serving_jitter={**profile.serving_jitter, t: self.jitter},
@@ -107,9 +122,31 @@ class ServedFit:
         return out
 
     def describe(self) -> str:
-        return (f"{self.threads} thread(s): memory x{self.memory:.2f}, compute "
-                f"x{self.compute:.2f}, +{self.per_seq_s * 1e3:.2f} ms a sequence, from "
-                f"{self.steps} served steps (median deviation {self.deviation:.1%})")
+        return (f"{self.threads} thread(s): {self.factors()}, from {self.steps} served "
+                f"steps (median deviation {self.deviation:.1%})")
+
+    def factors(self) -> str:
+        table = self.decode_factors
+        decode = (f", decode x{min(table):.2f}-{max(table):.2f} by batch" if table else "")
+        return (f"memory x{self.memory:.2f}, compute x{self.compute:.2f}, "
+                f"+{self.per_seq_s * 1e3:.2f} ms a sequence{decode}")
+
+
+def decode_table(ratios: np.ndarray, seqs: np.ndarray) -> tuple[float, ...]:
+    """Per batch size ``b`` (1 to :data:`TABLE_SEQS`; the last takes every larger one),
+    the median of the decode-only steps' ``ratios`` (served / model) of that size, where
+    there are at least :data:`MIN_BUCKET` of them; a size with fewer is interpolated
+    between its measured neighbours, and held flat past the outermost. Empty: no size
+    has enough."""
+    sizes = np.minimum(seqs, TABLE_SEQS)
+    known = {b: float(np.median(ratios[sizes == b])) for b in range(1, TABLE_SEQS + 1)
+             if (sizes == b).sum() >= MIN_BUCKET}
+    if not known:
+        return ()
+    xs = np.array(sorted(known), dtype=np.float64)
+    table = np.interp(np.arange(1, TABLE_SEQS + 1), xs, [known[int(b)] for b in xs])
+    last = int(xs[-1])  # sizes past the last measured one take its factor: no entry
+    return tuple(float(f) for f in table[:last])
 
 
 def _lad(x: np.ndarray, y: np.ndarray, weights: np.ndarray, iterations: int = 50
@@ -146,6 +183,28 @@ class _Steps:
 
     def __getitem__(self, mask: np.ndarray) -> _Steps:
         return _Steps(self.parts[mask], self.seconds[mask], self.decode_only[mask])
+
+    def ratios(self, engine_only: StepModel, memory: float, compute: float,
+               per_seq: float) -> np.ndarray:
+        """Served / fitted of each step, the fitted model floored as
+        :meth:`Profile.step` floors it (scaled parts, then the per-sequence cost)."""
+        fitted = self.parts @ np.array([memory, compute, per_seq])
+        return self.seconds / np.maximum(fitted, engine_only.floor_s * memory + per_seq)
+
+    def decode_spread(self, ratios: np.ndarray
+                      ) -> tuple[tuple[float, ...], tuple[tuple[float, float], ...],
+                                 float | None]:
+        """Of the decode-only steps and their ``ratios``: the :func:`decode_table`, the
+        spread left around it (median 1; empty with too few steps) and their median
+        seconds (None likewise)."""
+        r, seqs = ratios[self.decode_only], self.parts[self.decode_only, 2].astype(int)
+        table = decode_table(r, seqs)
+        if len(r) < MIN_JITTER_STEPS:
+            return table, (), None
+        if table:
+            r = r / np.array(table)[np.minimum(seqs, len(table)) - 1]
+        return (table, jitter_quantiles(r / float(np.median(r))),
+                float(np.median(self.seconds[self.decode_only])))
 
 
 def fit_served(engine_only: StepModel, threads: int,
@@ -198,17 +257,25 @@ def _fit(engine_only: StepModel, threads: int, steps: _Steps) -> ServedFit:
         raise ServedFitError(f"served steps fit memory x{memory:.2f}, compute x{compute:.2f}: "
                              f"outside [{lo}, {hi}], not this profile's engine (its model, "
                              "dtype or machine differ?)", "out_of_range")
-    fitted = parts @ np.array([memory, compute, per_seq])
-    # As the served model floors (Profile.step: scaled_parts, then plus_per_sequence).
-    ratios = seconds / np.maximum(fitted, engine_only.floor_s * memory + per_seq)
-    spread = ratios[decode_only]
-    jitter: tuple[tuple[float, float], ...] = ()
-    step_s = None
-    if len(spread) >= MIN_JITTER_STEPS:
-        jitter = jitter_quantiles(spread / float(np.median(spread)))
-        step_s = float(np.median(seconds[decode_only]))
+    kept = steps[keep]
+    ratios = kept.ratios(engine_only, memory, compute, per_seq)
+    table, jitter, step_s = kept.decode_spread(ratios)
     return ServedFit(threads, len(y), memory, compute, per_seq, jitter, step_s,
-                     float(np.median(np.abs(ratios - 1.0))))
+                     float(np.median(np.abs(ratios - 1.0))), table)
+
+
+def _with_decode_of(fit: ServedFit, engine_only: StepModel, steps: _Steps) -> ServedFit:
+    """``fit``'s factors with the decode table and spread of ``steps`` (a role's own,
+    too few of its steps prefill for a fit of its own)."""
+    steps = steps[steps.seconds > 0]
+    ratios = steps.ratios(engine_only, fit.memory, fit.compute, fit.per_seq_s)
+    table, jitter, step_s = steps.decode_spread(ratios)
+    if not table:
+        return fit
+    return dataclasses.replace(fit, steps=len(steps.seconds), decode_factors=table,
+                               jitter=jitter or fit.jitter,
+                               jitter_step_s=step_s if jitter else fit.jitter_step_s,
+                               deviation=float(np.median(np.abs(ratios - 1.0))))
 
 
 @dataclass(frozen=True)
@@ -230,8 +297,7 @@ class ServedFits:
                                                   for role, fit in self.roles.items()})
 
     def describe(self) -> str:
-        roles = "".join(f"; {role}: memory x{f.memory:.2f}, compute x{f.compute:.2f}, "
-                        f"+{f.per_seq_s * 1e3:.2f} ms a sequence ({f.steps} steps)"
+        roles = "".join(f"; {role}: {f.factors()} ({f.steps} steps)"
                         for role, f in sorted(self.roles.items()))
         return self.pooled.describe() + roles
 
@@ -239,10 +305,11 @@ class ServedFits:
 def fit_served_roles(engine_only: StepModel, threads: int,
                      steps: Sequence[tuple[str, float, StepSums]]) -> ServedFits:
     """:func:`fit_served` over every step (``(role, seconds, sums)``), and per role where
-    that role's steps make a fit with at least :data:`MIN_GROUP` of each kind (else the
-    role takes the pooled one: a decode worker that never prefills says nothing of its
-    compute factor, which its local prefills would step with). Raises
-    :class:`ServedFitError` when the pooled fit does."""
+    that role's steps make a fit with at least :data:`MIN_GROUP` of each kind. Else the
+    role takes the pooled factors (a decode worker that never prefills says nothing of
+    its compute factor, which its local prefills would step with), with its own decode
+    table and spread where its decode steps make one. Raises :class:`ServedFitError`
+    when the pooled fit does."""
     every = _Steps.of(engine_only, [(sec, sums) for _, sec, sums in steps])  # once
     pooled = _fit(engine_only, threads, every)
     of_role = np.array([r for r, _, _ in steps])
@@ -250,10 +317,13 @@ def fit_served_roles(engine_only: StepModel, threads: int,
     for role in sorted(set(of_role)):
         mine = every[of_role == role]
         decodes = int(mine.decode_only.sum())
-        if min(decodes, len(mine.seconds) - decodes) < MIN_GROUP:
-            continue
-        try:
-            roles[role] = _fit(engine_only, threads, mine)
-        except ServedFitError:
-            continue
+        if min(decodes, len(mine.seconds) - decodes) >= MIN_GROUP:
+            try:
+                roles[role] = _fit(engine_only, threads, mine)
+                continue
+            except ServedFitError:
+                pass
+        own = _with_decode_of(pooled, engine_only, mine)
+        if own is not pooled:
+            roles[role] = own
     return ServedFits(pooled, roles)

@@ -334,12 +334,14 @@ class SimWorker:
 
     def _start_run(self, out: SchedulerOutput, chunks: list[tuple[int, int]], k: int) -> None:
         """Step ``k`` times at once: every step adds one token of context to each of
-        the batch's requests, so its time is linear in the step's index (floored)."""
+        the batch's requests, so its time is linear in the step's index (floored, then
+        the decode table's factor of the batch)."""
         coef = self.model.coef
         raw0 = sum(c * x for c, x in zip(coef, self.model.row(chunks), strict=True))
         raw1 = sum(c * x for c, x in zip(coef, self.model.row([(n, s + 1) for n, s in chunks]),
                                          strict=True))
         durations = np.maximum(self.model.floor_s, raw0 + (raw1 - raw0) * np.arange(k))
+        durations *= self.model.decode_factor(len(chunks))  # every chunk one token
         if self._jitter:
             durations = self._spread(durations)
         ends = self.loop.now + np.cumsum(durations)

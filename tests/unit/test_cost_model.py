@@ -1,6 +1,7 @@
 """common.cost_model: a linear spline in batched tokens plus attention pairs and sequences,
 fitted by least squares, its held-out error, and the profile file's round trip."""
 
+import dataclasses
 import random
 
 import pytest
@@ -233,3 +234,19 @@ def test_memory_and_compute_terms_scale_apart(tmp_path):
     one = Profile("m", "float32", {}, 16, 1024, 1000, 2048, 256, 2048, steps,
                   p.transfer, serving={1: 1.25})
     assert one.step(1).seconds([(512, 0)]) == pytest.approx(1.25 * p.steps[1].seconds([(512, 0)]))
+
+
+def test_decode_factors_scale_decode_only_steps_and_survive_the_file(tmp_path):
+    steps = {1: fit_steps(_points(60))}
+    p = Profile("m", "float32", {}, 16, 1024, 1000, 2048, 256, 2048, steps,
+                fit_transfer([(1 << 20, 0.001), (1 << 24, 0.008), (1 << 22, 0.003)]),
+                serving={1: 1.25}, serving_per_seq={1: 0.001},
+                serving_decode={1: (0.8, 1.5)})
+    plain = dataclasses.replace(p, serving_decode={})
+    one, three = [(1, 300)], [(1, 300)] * 3
+    assert p.step(1).seconds(one) == pytest.approx(0.8 * plain.step(1).seconds(one))
+    assert p.step(1).seconds(three) == pytest.approx(1.5 * plain.step(1).seconds(three))
+    prefill = [(200, 0), (1, 300)]  # a step that prefills: the table does not apply
+    assert p.step(1).seconds(prefill) == plain.step(1).seconds(prefill)
+    save_profile(p, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json").step(1).seconds(three) == p.step(1).seconds(three)

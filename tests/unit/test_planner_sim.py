@@ -4,6 +4,8 @@ simulator itself raises otherwise, and the tests check the block managers again)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from loadtest.metrics import SLO, compute_metrics
@@ -160,12 +162,14 @@ def test_disaggregation_keeps_itl_p99_low_where_long_prefills_stall_mixed_decode
     assert disagg["itl_p99_ms"] < 0.5 * mixed["itl_p99_ms"]
 
 
-def test_fast_forward_is_the_same_run_as_stepping_one_step_at_a_time() -> None:
+@pytest.mark.parametrize("table", [(), (0.7, 1.0, 1.3)], ids=["engine", "decode-table"])
+def test_fast_forward_is_the_same_run_as_stepping_one_step_at_a_time(table) -> None:
+    profile = dataclasses.replace(PROFILE, serving_decode={1: table})
     reqs = mixed_workload(80, 64, 48, 0.2, 700, 24, range_ratio=0.5, seed=5)
     arrivals = arrival_times(80, 3.0, seed=5)
     for cfg in (TWO_MIXED, DISAGG):
-        fast = run(PROFILE, cfg, reqs, arrivals)
-        slow = run(PROFILE, cfg, reqs, arrivals, fast_forward=False)
+        fast = run(profile, cfg, reqs, arrivals)
+        slow = run(profile, cfg, reqs, arrivals, fast_forward=False)
         assert sum(w.steps for w in fast.workers) == sum(w.steps for w in slow.workers)
         for a, b in zip(fast.records, slow.records, strict=True):
             assert a.token_times == pytest.approx(b.token_times, abs=1e-9)

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 
 from common.cost_model import StepModel, StepSums, step_sums
-from common.served_fit import MIN_STEPS, ServedFitError, fit_served, fit_served_roles
+from common.served_fit import (
+    MIN_STEPS,
+    ServedFitError,
+    decode_table,
+    fit_served,
+    fit_served_roles,
+)
 from loadtest.workloads import Request
 from planner.config import PoolConfig
 from planner.predict import simulate
@@ -95,15 +101,19 @@ def test_too_few_steps_or_factors_no_machine_explains_are_refused() -> None:
 
 def test_each_role_gets_its_own_calibration_where_its_steps_make_one() -> None:
     """A prefill worker's steps also send their KV: its own factors, not the pool's; a
-    role with too few steps takes the pooled calibration."""
+    role with too few steps for a fit takes the pooled factors, with the decode table of
+    its own decode steps."""
     prefill = [("prefill", sec, sums) for sec, sums in served_steps(300, 1.0, 1.8, 0.0, 1)]
     decode = [("decode", sec, sums) for sec, sums in served_steps(300, 1.3, 1.0, 0.0, 2)]
     few = [("mixed", sec, sums) for sec, sums in served_steps(MIN_STEPS - 1, 3.0, 3.0, 0.0, 3)]
     fits = fit_served_roles(ENGINE, 1, prefill + decode + few)
-    assert set(fits.roles) == {"prefill", "decode"}
+    assert set(fits.roles) == {"prefill", "decode", "mixed"}
     assert fits.roles["prefill"].compute == pytest.approx(1.8, rel=0.05)
     assert fits.roles["decode"].memory == pytest.approx(1.3, rel=0.05)
     assert fits.pooled.steps == 300 + 300 + MIN_STEPS - 1
+    mixed = fits.roles["mixed"]  # the pooled factors; its decodes 3x: in its table
+    assert (mixed.memory, mixed.compute) == (fits.pooled.memory, fits.pooled.compute)
+    assert min(mixed.decode_factors) > 1.8
     profile = synthetic_profile("cpu")
     profile = dataclasses.replace(profile, steps={**profile.steps, 1: ENGINE})
     now = fits.apply(profile)
@@ -150,3 +160,81 @@ def test_the_few_steps_that_prefill_weigh_as_much_as_the_many_decodes() -> None:
         ratios = [sec / model.seconds(sums) for sec, sums in steps
                   if (sums.tokens == sums.seqs) == kind]
         assert float(np.median(ratios)) == pytest.approx(1.0, abs=0.06), kind
+
+
+def gemv_steps(n: int, one_seq: float, memory: float, seed: int, prefills: float = 0.0,
+               prefill_compute: float = 1.0) -> list[tuple[float, StepSums]]:
+    """Decode-only steps of 1-8 sequences served at ``memory`` x the engine, except
+    those of one sequence at ``one_seq`` x (the GEMV running beside a neighbour's GEMMs
+    keeps more of its speed than they do); a share ``prefills`` of prefill steps at
+    ``prefill_compute``. 5% log-normal noise."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < prefills:
+            sums = step_sums([(rng.randint(128, 1024), 0)])
+            seconds = ENGINE.scaled_parts(1.0, prefill_compute).seconds(sums)
+        else:
+            b = rng.randint(1, 8)
+            sums = step_sums([(1, rng.randint(100, 400)) for _ in range(b)])
+            seconds = ENGINE.seconds(sums) * (one_seq if b == 1 else memory)
+        out.append((seconds * float(np.exp(rng.gauss(0.0, 0.05))), sums))
+    return out
+
+
+def by_batch(steps: list[tuple[float, StepSums]], model: StepModel) -> dict[int, float]:
+    """Median served / predicted per batch size of the decode-only steps."""
+    ratios: dict[int, list[float]] = {}
+    for sec, sums in steps:
+        if sums.decode_only:
+            ratios.setdefault(sums.seqs, []).append(sec / model.seconds(sums))
+    return {b: float(np.median(r)) for b, r in ratios.items()}
+
+
+def test_decode_steps_get_the_shape_their_batch_sizes_served() -> None:
+    """The factors scale the engine's own shape; where a one-sequence step kept its speed
+    and the larger ones slowed 1.4x, the table carries what the factors cannot, and the
+    spread is what is left around it (the 5% noise, not the two shapes' 1.4x)."""
+    steps = gemv_steps(2000, 1.0, 1.4, seed=7, prefills=0.1)
+    fit = fit_served(ENGINE, 1, steps)
+    assert len(fit.decode_factors) == 8
+    profile = fit.apply(dataclasses.replace(synthetic_profile("cpu"),
+                                            steps={1: ENGINE}))
+    later = gemv_steps(2000, 1.0, 1.4, seed=8)
+    for b, ratio in by_batch(later, profile.step(1)).items():
+        assert ratio == pytest.approx(1.0, abs=0.03), b
+    spread = dict(fit.jitter)
+    assert spread[0.9] == pytest.approx(np.exp(1.2816 * 0.05), rel=0.03)
+    # Without the table, the one-sequence steps are what the factors miss.
+    flat = dataclasses.replace(profile, serving_decode={})
+    assert by_batch(later, flat.step(1))[1] < 0.85
+
+
+def test_a_decode_worker_that_never_prefills_steps_with_its_own_decode_table() -> None:
+    """Its decode steps say nothing of the compute factor, which the pool takes from a
+    prefill worker whose steps also send their KV (1.8x): the decode worker's decodes
+    are predicted from its own steps, its rare prefills with the pooled factors."""
+    prefill = [("prefill", sec, sums) for sec, sums in served_steps(300, 1.0, 1.8, 0.0, 1)
+               if not sums.decode_only]
+    decode = [("decode", sec, sums) for sec, sums in gemv_steps(600, 1.0, 1.4, seed=3)]
+    fits = fit_served_roles(ENGINE, 1, prefill + decode)
+    own = fits.roles["decode"]
+    assert (own.memory, own.compute) == (fits.pooled.memory, fits.pooled.compute)
+    profile = fits.apply(dataclasses.replace(synthetic_profile("cpu"), steps={1: ENGINE}))
+    later = gemv_steps(1000, 1.0, 1.4, seed=4)
+    for b, ratio in by_batch(later, profile.for_role("decode").step(1)).items():
+        assert ratio == pytest.approx(1.0, abs=0.03), b
+    pooled = by_batch(later, profile.step(1))  # the pool's table: the prefill role has none
+    assert max(abs(r - 1) for r in pooled.values()) < 0.03  # one decode role: the same
+    prompt = step_sums([(512, 0)])
+    assert profile.for_role("decode").step(1).seconds(prompt) == profile.step(1).seconds(prompt)
+
+
+def test_the_decode_table_interpolates_between_sizes_and_holds_past_the_last() -> None:
+    seqs = np.array([1] * 30 + [2] * 5 + [4] * 30 + [20] * 3)
+    ratios = np.where(seqs == 1, 0.8, np.where(seqs == 4, 1.4, 9.0))
+    table = decode_table(ratios, seqs)
+    assert table == pytest.approx((0.8, 1.0, 1.2, 1.4))  # sizes 2, 3 too few: between
+    model = dataclasses.replace(ENGINE, decode_factors=table)
+    assert model.decode_factor(9) == model.decode_factor(4) == pytest.approx(1.4)
+    assert decode_table(ratios[:10], seqs[:10]) == ()  # no size has MIN_BUCKET steps
