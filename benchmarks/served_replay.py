@@ -67,7 +67,9 @@ def waves_profile(profile: Profile, threads: int, serving: dict) -> Profile:
                   serving_compute={**profile.serving_compute,
                                    threads: serving["compute_factor"]},
                   serving_per_seq={**profile.serving_per_seq,
-                                   threads: serving["per_seq_ms"] / 1e3})
+                                   threads: serving["per_seq_ms"] / 1e3},
+                  serving_decode={t: f for t, f in profile.serving_decode.items()
+                                  if t != threads})  # the waves fit none
     if serving.get("jitter") and serving.get("jitter_step_ms"):
         out = replace(out, serving_jitter={**profile.serving_jitter, threads: tuple(
             (float(p), float(r)) for p, r in serving["jitter"])},
@@ -187,9 +189,10 @@ def main(argv: list[str] | None = None) -> None:
             rows += [{**r, "run": d.name} for r in replay(root, load_profile(path), args.after)]
     print("median error of decode-only steps / of steps that prefill / p90 error of decode "
           "steps, each counted once per sequence (with the spread drawn)")
-    print(f"{'run':<12}{'candidate':<42}{'steps':>12}  {'waves':>24}  {'served fit':>24}")
+    w = max([12, *(len(r["run"]) + 2 for r in rows)])
+    print(f"{'run':<{w}}{'candidate':<42}{'steps':>12}  {'waves':>24}  {'served fit':>24}")
     for r in rows:
-        print(f"{r['run']:<12}{r['config']:<42}{r['steps_before']:>5} {r['steps_after']:>6}  "
+        print(f"{r['run']:<{w}}{r['config']:<42}{r['steps_before']:>5} {r['steps_after']:>6}  "
               f"{_pct(r['waves']):>24}  {_pct(r['served']):>24}")
     for name in ("waves", "served"):
         for i, kind in enumerate(("median error of decode steps", "median error of prefill "

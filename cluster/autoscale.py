@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -67,7 +68,9 @@ class AutoscaleLoop:
             raise ValueError("--autoscale reads the routers' traffic from Redis: run with "
                              "the prefix index (no --no-redis)")
         self.cluster = cluster
-        profile = load_profile(c.profile)
+        # Its simulated workers chunk prompts as the real ones do.
+        profile = replace(load_profile(c.profile),
+                          max_num_batched_tokens=c.max_num_batched_tokens)
         blocks = resolve_block_size(c.block_size, "cuda" if c.gpus_per_worker else "cpu")
         if blocks != profile.block_size:
             log.warning("autoscale: %s was measured with %d-token KV blocks and the workers "

@@ -419,7 +419,8 @@ class DeploymentConfig:
         if self.profile:
             t = self.threads(os.cpu_count() or 1)
             args += ["--profile", self.profile, "--itl-budget-ms", str(self.itl_budget_ms),
-                     "--prefill-threads", str(t), "--decode-threads", str(t)]
+                     "--prefill-threads", str(t), "--decode-threads", str(t),
+                     "--max-num-batched-tokens", str(self.max_num_batched_tokens)]
         if self.kv_offer != "layers":  # when the prefill workers' KV lands (placement)
             args += ["--kv-offer", self.kv_offer]
         if self.metrics_port is not None:

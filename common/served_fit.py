@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -100,9 +101,11 @@ class ServedFit:
     jitter_step_s: float | None
     """Those decode steps' median seconds (None: no spread fitted)."""
     deviation: float
-    """Median ``|served / fitted - 1|`` over the steps: how closely the fit follows them."""
+    """Median ``|served / fitted - 1|`` over the steps (the decode-only ones with the
+    decode table): how closely the fit follows them."""
     decode_factors: tuple[float, ...] = ()
-    """:func:`decode_table` of the decode-only steps (empty: too few of any one size)."""
+    """:func:`decode_table` of the decode-only steps (empty: too few of any one size, or
+    a factor outside :data:`FACTOR_RANGE`)."""
 
     def apply(self, profile: Profile) -> Profile:
         """``profile`` with this calibration for :attr:`threads` (the others as they
@@ -191,20 +194,37 @@ class _Steps:
         fitted = self.parts @ np.array([memory, compute, per_seq])
         return self.seconds / np.maximum(fitted, engine_only.floor_s * memory + per_seq)
 
-    def decode_spread(self, ratios: np.ndarray
-                      ) -> tuple[tuple[float, ...], tuple[tuple[float, float], ...],
-                                 float | None]:
-        """Of the decode-only steps and their ``ratios``: the :func:`decode_table`, the
-        spread left around it (median 1; empty with too few steps) and their median
-        seconds (None likewise)."""
-        r, seqs = ratios[self.decode_only], self.parts[self.decode_only, 2].astype(int)
+    def usable(self) -> _Steps:
+        """The steps a fit reads: a positive time, and a positive time by the model."""
+        return self[(self.parts[:, 0] + self.parts[:, 1] > 0) & (self.seconds > 0)]
+
+    def decode_spread(self, ratios: np.ndarray) -> _DecodeSpread:
+        """Of the decode-only steps (of one sequence or more) and their ``ratios``: the
+        :func:`decode_table` (empty when a factor is outside :data:`FACTOR_RANGE`: not
+        a batch size's speed), and the spread and deviation left around it."""
+        decode = self.decode_only & (self.parts[:, 2] >= 1)
+        r, seqs = ratios[decode], self.parts[decode, 2].astype(int)
         table = decode_table(r, seqs)
-        if len(r) < MIN_JITTER_STEPS:
-            return table, (), None
+        lo, hi = FACTOR_RANGE
+        if not all(lo <= f <= hi for f in table):
+            table = ()
+        left = ratios.copy()
         if table:
-            r = r / np.array(table)[np.minimum(seqs, len(table)) - 1]
-        return (table, jitter_quantiles(r / float(np.median(r))),
-                float(np.median(self.seconds[self.decode_only])))
+            left[decode] = r / np.array(table)[np.minimum(seqs, len(table)) - 1]
+        deviation = float(np.median(np.abs(left - 1.0)))
+        if len(r) < MIN_JITTER_STEPS:
+            return _DecodeSpread(table, (), None, deviation)
+        r = left[decode]
+        return _DecodeSpread(table, jitter_quantiles(r / float(np.median(r))),
+                             float(np.median(self.seconds[decode])), deviation)
+
+
+class _DecodeSpread(NamedTuple):
+    table: tuple[float, ...]
+    jitter: tuple[tuple[float, float], ...]
+    step_s: float | None
+    deviation: float
+    """Median ``|served / fitted - 1|`` of the steps, the decode ones' with the table."""
 
 
 def fit_served(engine_only: StepModel, threads: int,
@@ -219,15 +239,14 @@ def _fit(engine_only: StepModel, threads: int, steps: _Steps) -> ServedFit:
     if len(steps.seconds) < MIN_STEPS:
         raise ServedFitError(f"{len(steps.seconds)} served steps of {threads}-thread "
                              f"workers; a fit needs {MIN_STEPS}", "few_steps")
-    linear = steps.parts[:, 0] + steps.parts[:, 1]
-    keep = (linear > 0) & (steps.seconds > 0)
-    if keep.sum() < MIN_STEPS:
-        raise ServedFitError(f"{int(keep.sum())} served steps with a positive time; a fit "
+    kept = steps.usable()
+    if len(kept.seconds) < MIN_STEPS:
+        raise ServedFitError(f"{len(kept.seconds)} served steps with a positive time; a fit "
                              f"needs {MIN_STEPS}", "few_steps")
-    parts, seconds, decode_only = steps.parts[keep], steps.seconds[keep], steps.decode_only[keep]
+    parts, seconds, decode_only = kept.parts, kept.seconds, kept.decode_only
     # Each step's weight: the engine-only model's time, its floor included (a tiny
     # decode the linear terms put under the floor must not count more than it runs).
-    model = np.maximum(linear[keep], engine_only.floor_s)
+    model = np.maximum(parts[:, 0] + parts[:, 1], engine_only.floor_s)
     x, y = parts / model[:, None], seconds / model  # relative: a long step counts as a short
     # The two kinds of step weigh alike, whatever their numbers: decode-only steps (their
     # time mostly the memory-bound terms) and steps that prefill (mostly compute). A
@@ -257,25 +276,21 @@ def _fit(engine_only: StepModel, threads: int, steps: _Steps) -> ServedFit:
         raise ServedFitError(f"served steps fit memory x{memory:.2f}, compute x{compute:.2f}: "
                              f"outside [{lo}, {hi}], not this profile's engine (its model, "
                              "dtype or machine differ?)", "out_of_range")
-    kept = steps[keep]
-    ratios = kept.ratios(engine_only, memory, compute, per_seq)
-    table, jitter, step_s = kept.decode_spread(ratios)
-    return ServedFit(threads, len(y), memory, compute, per_seq, jitter, step_s,
-                     float(np.median(np.abs(ratios - 1.0))), table)
+    d = kept.decode_spread(kept.ratios(engine_only, memory, compute, per_seq))
+    return ServedFit(threads, len(y), memory, compute, per_seq, d.jitter, d.step_s,
+                     d.deviation, d.table)
 
 
 def _with_decode_of(fit: ServedFit, engine_only: StepModel, steps: _Steps) -> ServedFit:
     """``fit``'s factors with the decode table and spread of ``steps`` (a role's own,
     too few of its steps prefill for a fit of its own)."""
-    steps = steps[steps.seconds > 0]
-    ratios = steps.ratios(engine_only, fit.memory, fit.compute, fit.per_seq_s)
-    table, jitter, step_s = steps.decode_spread(ratios)
-    if not table:
+    steps = steps.usable()
+    d = steps.decode_spread(steps.ratios(engine_only, fit.memory, fit.compute, fit.per_seq_s))
+    if not d.table:  # (a table takes MIN_BUCKET >= MIN_JITTER_STEPS steps: a spread too)
         return fit
-    return dataclasses.replace(fit, steps=len(steps.seconds), decode_factors=table,
-                               jitter=jitter or fit.jitter,
-                               jitter_step_s=step_s if jitter else fit.jitter_step_s,
-                               deviation=float(np.median(np.abs(ratios - 1.0))))
+    return dataclasses.replace(fit, steps=len(steps.seconds), decode_factors=d.table,
+                               jitter=d.jitter, jitter_step_s=d.step_s,
+                               deviation=d.deviation)
 
 
 @dataclass(frozen=True)
@@ -321,8 +336,9 @@ def fit_served_roles(engine_only: StepModel, threads: int,
             try:
                 roles[role] = _fit(engine_only, threads, mine)
                 continue
-            except ServedFitError:
-                pass
+            except ServedFitError as e:
+                if e.reason == "out_of_range":  # not this engine's steps: no table either
+                    continue
         own = _with_decode_of(pooled, engine_only, mine)
         if own is not pooled:
             roles[role] = own

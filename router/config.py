@@ -69,6 +69,9 @@ class RouterConfig:
     """Threads per worker of each pool: which of the profile's step models applies."""
     itl_budget_ms: float = 200.0
     """The longest step a local prefill may make running decodes wait through."""
+    max_num_batched_tokens: int = 2048
+    """The workers' step token budget (``pdserve worker --max-num-batched-tokens``): the
+    chunks the placement rule expects a prompt to be computed in."""
     kv_offer: str = "layers"
     """The prefill workers' ``--kv-offer``: whether a remote prompt's KV moves while its
     prefill computes it (``layers``) or after (the placement rule's remote estimate)."""

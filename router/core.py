@@ -540,7 +540,8 @@ def _placement(config: RouterConfig) -> PrefillPlacement | None:
     """The live prefill-placement rule when the router was given a machine profile."""
     if config.placement_profile is None:
         return None
-    profile = load_profile(config.placement_profile)
+    profile = dataclasses.replace(load_profile(config.placement_profile),  # their budget
+                                  max_num_batched_tokens=config.max_num_batched_tokens)
     return PrefillPlacement(profile, config.decode_threads, config.prefill_threads,
                             config.itl_budget_ms / 1000, static_threshold=0,
                             kv_offer=config.kv_offer)

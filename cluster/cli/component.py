@@ -84,6 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_setting(r, "tool_call_parser")
     add_setting(r, "profile")
     add_setting(r, "itl_budget_ms")
+    add_setting(r, "max_num_batched_tokens")
     add_setting(r, "kv_offer")
     add_setting(r, "stall_probe_s")
     add_setting(r, "prefill_queue_limit")
@@ -207,7 +208,8 @@ def router_config(args: argparse.Namespace,  # noqa: ANN201 - ServerConfig
                             kv_offer=args.kv_offer, prefill_threads=args.prefill_threads,
                             stall_probe_after_s=args.stall_probe_s,
                             prefill_queue_limit=args.prefill_queue_limit,
-                            decode_threads=args.decode_threads),
+                            decode_threads=args.decode_threads,
+                            max_num_batched_tokens=args.max_num_batched_tokens),
         host=args.host, port=args.port, http_port=None if args.http_port == 0 else args.http_port,
         metrics_port=args.metrics_port, cluster_tls=cluster_tls(args),
         api_keys_file=args.api_keys, metrics_public=args.metrics_public,

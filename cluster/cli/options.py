@@ -136,7 +136,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_setting(p, "quantization")
     add_setting(p, "kv_cache_gb")
     add_setting(p, "block_size")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    add_setting(p, "max_num_batched_tokens")
     add_setting(p, "max_model_len")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="torch threads for this process (default: all cores)")

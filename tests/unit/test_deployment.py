@@ -71,6 +71,17 @@ def test_flags_override_the_file_and_unset_flags_keep_it(tmp_path: Path) -> None
     assert config.threads_per_worker == 1 and config.launcher == "ray"  # a default
 
 
+def test_the_step_token_budget_reaches_every_worker_and_the_placement_rule() -> None:
+    parser = build_parser()
+    config = DeploymentConfig(prefill=1, decode=1, profile="/p.json", max_num_batched_tokens=512)
+    for role in ("prefill", "decode", "mixed"):
+        w = parser.parse_args(config.worker_args(role, "h", 0, None, 1))
+        assert w.max_num_batched_tokens == 512
+    assert parser.parse_args(config.router_args(["a:1"], None)).max_num_batched_tokens == 512
+    with pytest.raises(DeploymentError, match="max-num-batched-tokens 0"):
+        DeploymentConfig(max_num_batched_tokens=0)
+
+
 def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
     config = DeploymentConfig(prefill=1, decode=1, model="/m", max_model_len=512,
                               gpus_per_worker=1, drain_timeout_s=12, stall_probe_s=2.0)
@@ -210,14 +221,15 @@ def test_each_up_flag_sets_its_field() -> None:
         assert getattr(config, f.name) == value != f.default, (f.name, argv)
 
 
-ENGINE = ["model", "dtype", "kv_cache_gb", "block_size", "max_model_len"]
+ENGINE = ["model", "dtype", "kv_cache_gb", "block_size", "max_num_batched_tokens",
+          "max_model_len"]
 
 
 @pytest.mark.parametrize(("command", "shared"), [
     ("worker", [*ENGINE, "local_prefill_threshold", "transfer_timeout_s", "drain_timeout_s",
                 "cluster_tls_dir", "cluster_secret_file"]),
     ("router", ["policy", "port", "http_port", "max_in_flight", "cluster_tls_dir", "tls_cert",
-                "tls_key", "profile", "itl_budget_ms"]),
+                "tls_key", "profile", "itl_budget_ms", "max_num_batched_tokens"]),
     ("generate", ENGINE),
 ])
 def test_components_share_the_deployment_defaults_and_help(command: str,

@@ -238,3 +238,10 @@ def test_the_decode_table_interpolates_between_sizes_and_holds_past_the_last() -
     model = dataclasses.replace(ENGINE, decode_factors=table)
     assert model.decode_factor(9) == model.decode_factor(4) == pytest.approx(1.4)
     assert decode_table(ratios[:10], seqs[:10]) == ()  # no size has MIN_BUCKET steps
+
+
+def test_a_batch_size_no_machine_speed_explains_leaves_the_table_out() -> None:
+    fit = fit_served(ENGINE, 1, gemv_steps(1500, 8.0, 1.0, seed=9, prefills=0.2))
+    assert fit.decode_factors == ()  # one-sequence steps 8x: not a speed, a wrong engine
+    assert fit_served(ENGINE, 1, gemv_steps(1500, 1.5, 1.0, seed=9, prefills=0.2)
+                      ).decode_factors[0] == pytest.approx(1.5, rel=0.05)
