@@ -27,11 +27,10 @@ simulator (the live planner, ``pdserve up --autoscale``; ``pdserve plan --valida
 
 The decode-only steps get a table besides (:func:`decode_table`): their median ratio to
 the fitted model per batch size. The two factors scale the engine's own shape, and a
-decode worker's steps have another: on a 2-core Xeon (two hyperthreads, one AMX unit)
-a one-sequence decode step ran x1.12 the engine alone and every larger one x1.3-1.5,
-the GEMMs sharing their unit with the neighbour's prefill where the one-row GEMV did
-not; the fitted model put the decode worker's ITL p90 23% high. The spread is then
-what is left around the table.
+served decode step's is not the engine's: on a 2-core Xeon a one-sequence decode step
+ran x0.8-1.1 the engine alone and every larger one x1.2-1.7, the other worker prefilling
+meanwhile or not, and the fitted model put a decode worker's ITL p90 23-44% high. The
+spread is then what is left around the table.
 
 Where the steps cannot tell memory from compute (every step the same shape) one factor
 serves both; a fit outside :data:`FACTOR_RANGE` or on fewer than :data:`MIN_STEPS`
