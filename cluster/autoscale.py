@@ -10,7 +10,10 @@ calibration is refitted first from the steps the workers served in the same wind
 (they publish them, ``pdserve worker --publish-steps``: :mod:`common.served_steps`,
 :func:`common.served_fit.fit_served_roles`: all roles' steps together, and each role's
 own where they make a fit), so the simulator runs at the machine's speed of those
-minutes; with too few steps (a quiet window) it keeps the profile's own. A
+minutes. A window whose steps make no fit (too few, a quiet window; or factors no
+machine's speed explains, which a few seconds of steps can give) keeps the last accepted
+calibration while it is at most :data:`KEEP_FIT_WINDOWS` windows old, then the
+profile's own. A
 ``switch`` is carried out one worker at a time
 (:meth:`cluster.local.LocalCluster.set_role`: the worker drains, swaps its KV channel end
 and registers again, weights kept; the router follows through the registry and, while no
@@ -21,7 +24,8 @@ Every decision is logged (one line: action, reason, each candidate's predicted g
 and counted on the planner's own ``/metrics`` (``planner_decisions_total{action,reason}``,
 ``planner_predicted_goodput{config}``, ``planner_role_changes_total{role}``,
 ``planner_served_factor{term}`` and ``planner_served_steps``: the calibration it
-simulated with, ``term`` one of memory, compute, per_seq_ms; 0 steps: the profile's), served
+simulated with, ``term`` one of memory, compute, per_seq_ms, decode_min, decode_max; 0
+steps: the profile's), served
 beside the router's when the cluster has a metrics port. :meth:`AutoscaleLoop.stop`
 ends the thread between decisions.
 """
@@ -29,6 +33,7 @@ ends the thread between decisions.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import replace
@@ -57,6 +62,10 @@ from workers.engine.params import resolve_block_size
 from .local import LocalCluster, free_port
 
 log = logging.getLogger(__name__)
+
+
+KEEP_FIT_WINDOWS = 2
+"""How many windows a refused window's decision may still use the last accepted fit."""
 
 
 class AutoscaleLoop:
@@ -93,6 +102,7 @@ class AutoscaleLoop:
         """The served steps' calibration the last decision simulated with (None: the
         profile's own)."""
         self._refused = ""  # why the last fit was refused (its kind), logged once a kind
+        self._fitted_at = -math.inf  # when the calibration was fitted
         self.metrics = metrics or Metrics({"component": "planner"})
         self.decisions: list[Decision] = []
         self.step_models: list[str] = []
@@ -151,9 +161,14 @@ class AutoscaleLoop:
 
     def recalibrate(self, now: float) -> ServedFits | None:
         """Refit the simulator's serving calibration from the workers' steps of the
-        window (:func:`common.served_fit.fit_served_roles`) and score with it; a refused fit
+        window (:func:`common.served_fit.fit_served_roles`) and score with it. A refused fit
         (too few steps, factors no machine's speed explains, or the steps not readable:
-        Redis away) scores with the profile's own."""
+        Redis away) keeps the last accepted one while it is at most
+        :data:`KEEP_FIT_WINDOWS` windows old, else scores with the profile's own: a
+        2-core Xeon's 15 s windows of recorded steps fitted memory factors from x0.23 to
+        x1.4 (they tell memory from compute poorly; below 0.2 is refused), and in a
+        headline run two refused windows put the planner back on the profile's
+        calibration for the very decision that split the pools."""
         threads = self.cluster.threads
         fit: ServedFits | None = None
         try:
@@ -163,20 +178,29 @@ class AutoscaleLoop:
             fit = fit_served_roles(self.profile.steps[threads], threads, steps)
         except (ServedFitError, redis.RedisError) as e:
             reason = getattr(e, "reason", "redis")
+            kept = now - self._fitted_at <= KEEP_FIT_WINDOWS * self.config.window_s
             if reason != self._refused:
-                log.info("autoscale: simulating with the profile's serving calibration: %s", e)
+                log.info("autoscale: simulating with %s: %s", "the last window's serving "
+                         "calibration" if kept and self.calibration else "the profile's "
+                         "serving calibration", e)
             self._refused = reason
+            if kept:
+                fit = self.calibration
         else:
             self._refused = ""
+            self._fitted_at = now
         if fit != self.calibration:
             profile = self.profile if fit is None else fit.apply(self.profile)
             self.autoscaler.score = simulated_goodput(profile, threads, *self._slo,
                                                       slo_profile=self.profile)
         self.calibration = fit
         pooled = fit.pooled if fit else None
+        table = pooled.decode_factors if pooled else ()
         for term, value in (("memory", pooled.memory if pooled else 0.0),
                             ("compute", pooled.compute if pooled else 0.0),
-                            ("per_seq_ms", pooled.per_seq_s * 1e3 if pooled else 0.0)):
+                            ("per_seq_ms", pooled.per_seq_s * 1e3 if pooled else 0.0),
+                            ("decode_min", min(table, default=0.0)),
+                            ("decode_max", max(table, default=0.0))):
             self.metrics.set("planner_served_factor", value, term=term)
         self.metrics.set("planner_served_steps", pooled.steps if pooled else 0)
         return fit

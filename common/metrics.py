@@ -74,7 +74,9 @@ CATALOG: tuple[Spec, ...] = (
          ("role",)),
     Spec("planner_served_factor", "gauge", "The serving calibration the planner simulates "
          "with, refitted from the workers' served steps: memory and compute factors on the "
-         "profile's step model, per_seq_ms the cost of a sequence (0: the profile's own)",
+         "profile's step model, per_seq_ms the cost of a sequence, decode_min and decode_max "
+         "the range of the decode steps' factors by batch size (0: none; all 0: the "
+         "profile's own)",
          ("term",)),
     Spec("planner_served_steps", "gauge", "Served steps that calibration was fitted on (0: "
          "the fit was refused, too few steps or factors out of range; the profile's own)"),

@@ -16,7 +16,7 @@ import pytest
 from cluster_helpers import Load, assert_cluster_idle, start
 from conftest import hf_greedy
 
-from cluster.autoscale import AutoscaleLoop
+from cluster.autoscale import KEEP_FIT_WINDOWS, AutoscaleLoop
 from common import served_fit
 from common.cost_model import save_profile
 from planner.autoscale import AutoscaleConfig
@@ -110,6 +110,16 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert loop.autoscaler.score is not before and loop.calibration == fit
         assert f"planner_served_steps{{component=\"planner\"}} {float(fit.pooled.steps)}" in \
             loop.metrics.text().replace("pdserve:", "")
+        top = max(fit.pooled.decode_factors, default=0.0)  # the decode table's range
+        assert f'planner_served_factor{{component="planner",term="decode_max"}} {top}' in \
+            loop.metrics.text().replace("pdserve:", "")
+        # A window refused after it (factors out of range again) keeps that fit while it
+        # is at most KEEP_FIT_WINDOWS windows old; past that, the profile's own.
+        monkeypatch.setattr(served_fit, "FACTOR_RANGE", (1e3, 1e4))
+        window = loop.config.window_s
+        assert loop.recalibrate(time.time()) is fit
+        later = time.time() + KEEP_FIT_WINDOWS * window + 1
+        assert loop.recalibrate(later) is None and loop.autoscaler.score is not before
     finally:
         load.finish()
         loop.stop()
