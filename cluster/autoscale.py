@@ -101,7 +101,7 @@ class AutoscaleLoop:
         self.calibration: ServedFits | None = None
         """The served steps' calibration the last decision simulated with (None: the
         profile's own)."""
-        self._refused = ""  # why the last fit was refused (its kind), logged once a kind
+        self._refused: tuple[str, bool] | None = None  # the last refusal's kind and if kept
         self._fitted_at = -math.inf  # when the calibration was fitted
         self.metrics = metrics or Metrics({"component": "planner"})
         self.decisions: list[Decision] = []
@@ -166,7 +166,8 @@ class AutoscaleLoop:
         Redis away) keeps the last accepted one while it is at most
         :data:`KEEP_FIT_WINDOWS` windows old, else scores with the profile's own: a
         2-core Xeon's 15 s windows of recorded steps fitted memory factors from x0.23 to
-        x1.4 (they tell memory from compute poorly; below 0.2 is refused), and in a
+        x1.43 (they tell memory from compute poorly; below 0.2 is refused:
+        ``loadtest/results/served-decode-table-xeon-1205/windows15.txt``), and in a
         headline run two refused windows put the planner back on the profile's
         calibration for the very decision that split the pools."""
         threads = self.cluster.threads
@@ -178,16 +179,17 @@ class AutoscaleLoop:
             fit = fit_served_roles(self.profile.steps[threads], threads, steps)
         except (ServedFitError, redis.RedisError) as e:
             reason = getattr(e, "reason", "redis")
-            kept = now - self._fitted_at <= KEEP_FIT_WINDOWS * self.config.window_s
-            if reason != self._refused:
-                log.info("autoscale: simulating with %s: %s", "the last window's serving "
-                         "calibration" if kept and self.calibration else "the profile's "
-                         "serving calibration", e)
-            self._refused = reason
+            kept = (self.calibration is not None
+                    and 0 <= now - self._fitted_at <= KEEP_FIT_WINDOWS * self.config.window_s)
+            if (reason, kept) != self._refused:  # logged once a kind, and when the kept fit expires
+                log.info("autoscale: simulating with %s: %s", f"the last accepted serving "
+                         f"calibration ({now - self._fitted_at:.0f} s old)" if kept else
+                         "the profile's serving calibration", e)
+            self._refused = (reason, kept)
             if kept:
                 fit = self.calibration
         else:
-            self._refused = ""
+            self._refused = None
             self._fitted_at = now
         if fit != self.calibration:
             profile = self.profile if fit is None else fit.apply(self.profile)

@@ -27,9 +27,10 @@ simulator (the live planner, ``pdserve up --autoscale``; ``pdserve plan --valida
 
 The decode-only steps get a table besides (:func:`decode_table`): their median ratio to
 the fitted model per batch size. The two factors scale the engine's own shape, and a
-served decode step's is not the engine's: on a 2-core Xeon a one-sequence decode step
-ran x0.8-1.1 the engine alone and every larger one x1.2-1.7, the other worker prefilling
-meanwhile or not, and the fitted model put a decode worker's ITL p90 23-44% high. The
+served decode step's is not the engine's: on a 2-core Xeon a decode step of two or more
+sequences ran 1.1-1.7 times the ratio to the engine alone of a one-sequence step on the
+same worker (all remote: x1.07 and x1.28-1.42), the other worker prefilling
+meanwhile or not, and the fitted model put a decode worker's ITL p90 21-44% high. The
 spread is then what is left around the table.
 
 Where the steps cannot tell memory from compute (every step the same shape) one factor
@@ -284,6 +285,8 @@ def _with_decode_of(fit: ServedFit, engine_only: StepModel, steps: _Steps) -> Se
     """``fit``'s factors with the decode table and spread of ``steps`` (a role's own,
     too few of its steps prefill for a fit of its own)."""
     steps = steps.usable()
+    if not len(steps.seconds):
+        return fit
     d = steps.decode_spread(steps.ratios(engine_only, fit.memory, fit.compute, fit.per_seq_s))
     if not d.table:  # (a table takes MIN_BUCKET >= MIN_JITTER_STEPS steps: a spread too)
         return fit

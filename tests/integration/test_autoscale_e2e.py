@@ -113,13 +113,14 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         top = max(fit.pooled.decode_factors, default=0.0)  # the decode table's range
         assert f'planner_served_factor{{component="planner",term="decode_max"}} {top}' in \
             loop.metrics.text().replace("pdserve:", "")
-        # A window refused after it (factors out of range again) keeps that fit while it
-        # is at most KEEP_FIT_WINDOWS windows old; past that, the profile's own.
+        # A window refused after it (its factors out of range) keeps that fit, and its
+        # score, while it is at most KEEP_FIT_WINDOWS windows old; past that (a window
+        # with no steps), the profile's own.
+        scored = loop.autoscaler.score
         monkeypatch.setattr(served_fit, "FACTOR_RANGE", (1e3, 1e4))
-        window = loop.config.window_s
-        assert loop.recalibrate(time.time()) is fit
-        later = time.time() + KEEP_FIT_WINDOWS * window + 1
-        assert loop.recalibrate(later) is None and loop.autoscaler.score is not before
+        assert loop.recalibrate(time.time()) is fit and loop.autoscaler.score is scored
+        later = time.time() + KEEP_FIT_WINDOWS * loop.config.window_s + 1
+        assert loop.recalibrate(later) is None and loop.autoscaler.score is not scored
     finally:
         load.finish()
         loop.stop()

@@ -655,7 +655,11 @@ def test_decode_killed_mid_transfer_fails_send_and_prefill_serves_another_pair(
         assert result.state in (TransferState.FAILED, TransferState.TIMED_OUT), result
         assert time.monotonic() - killed < TEST_CFG["data_timeout_s"] + 1
         # Sending to the dead address again fails at once (connection refused), not
-        # after the 10 s connect timeout: nothing waits on a worker that is gone.
+        # after the 10 s connect timeout: nothing waits on a worker that is gone. Gone
+        # means reaped: a killed process still tearing down (torch's mappings, on busy
+        # cores) keeps its listening socket, whose backlog takes the connect and then
+        # resets it, and TCPStore's client retries a reset for its whole timeout.
+        victim.proc.wait(10)
         again = sender.send(address, "to-dead-decode-2", [3, 4], make_kv(11, lay, 2))
         result = again.wait(TEST_CFG["connect_timeout_s"] / 2)
         assert result.state is TransferState.FAILED and "refused" in result.reason, result
