@@ -115,12 +115,11 @@ def launchable(c: PoolConfig) -> bool:
     return len(threads) == 1
 
 
-def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path, block_size: int,
-                   profile_path: str | None = None, max_num_batched_tokens: int = 2048
-                   ) -> LocalClusterConfig:
-    """The local cluster of ``c``, its KV blocks of ``block_size`` tokens and its step
-    budget of ``max_num_batched_tokens`` (the profile's, which the simulator copies); an
-    adaptive router reads ``profile_path`` (default: the validation's profile)."""
+def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path, engine: Profile,
+                   profile_path: str | None = None) -> LocalClusterConfig:
+    """The local cluster of ``c``, its KV block size and step token budget those of
+    ``engine`` (the validation's profile, which the simulator copies); an adaptive router
+    reads ``profile_path`` (default: the validation's profile)."""
     t = c.mixed_threads or c.prefill_threads
     pools: dict = ({"mixed": c.mixed_workers} if c.kind == "mixed" else
                    {"prefill": c.prefill_workers, "decode": c.decode_workers,
@@ -130,17 +129,18 @@ def cluster_config(o: ValidateOptions, c: PoolConfig, log_dir: Path, block_size:
     return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
                               kv_cache_gb=o.kv_cache_gb, threads_per_worker=t, dtype=o.dtype,
                               policy=c.policy, launcher="process", log_dir=str(log_dir),
-                              block_size=block_size,
-                              max_num_batched_tokens=max_num_batched_tokens, **pools)
+                              block_size=engine.block_size,
+                              max_num_batched_tokens=engine.max_num_batched_tokens, **pools)
 
 
 def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[float],
-             slo: SLO | None, out: Path, block_size: int, profile: Profile | None = None,
-             max_num_batched_tokens: int = 2048) -> dict:
-    """Run ``c`` for real; an adaptive router gets ``profile`` (saved under ``out``)
-    when given, else the validation's profile file. The result has the harness's
-    metrics, the router's placements and ``steps``: every worker's engine steps that
-    started while the requests ran (their step traces, warm-up left out)."""
+             slo: SLO | None, out: Path, engine: Profile, profile: Profile | None = None
+             ) -> dict:
+    """Run ``c`` for real, sized as ``engine`` (:func:`cluster_config`); an adaptive
+    router gets ``profile`` (saved under ``out``) when given, else the validation's
+    profile file. The result has the harness's metrics, the router's placements and
+    ``steps``: every worker's engine steps that started while the requests ran (their
+    step traces, warm-up left out)."""
     name = run_name(c.label)
     path = None
     if profile is not None and c.kind == "adaptive":
@@ -148,8 +148,7 @@ def _measure(o: ValidateOptions, c: PoolConfig, requests: list, arrivals: list[f
         save_profile(profile, path)
     traces = out / f"{name}-steps"
     shutil.rmtree(traces, ignore_errors=True)  # a rerun into the same directory
-    config = dataclasses.replace(cluster_config(o, c, out / f"{name}-logs", block_size, path,
-                                                max_num_batched_tokens),
+    config = dataclasses.replace(cluster_config(o, c, out / f"{name}-logs", engine, path),
                                  step_trace_dir=str(traces))
     with LocalCluster(config) as cluster:
         cluster.wait_ready()
@@ -290,8 +289,7 @@ def validate(o: ValidateOptions, profile: Profile | None = None) -> dict:
               f"predicted TTFT p90 {fig['ttft_p90_ms']:.0f} ms, ITL p90 "
               f"{fig['itl_p90_ms']:.0f} ms, goodput {fig['goodput']:.3f}/s ==", flush=True)
         m = _measure(o, r.config, workload.requests, workload.arrivals, slo, out,
-                     profile.block_size, now if o.recalibrate else None,
-                     profile.max_num_batched_tokens)
+                     profile, now if o.recalibrate else None)
         if slo is None:
             m["request_goodput"] = m["request_throughput"]
         measured = {k: m[h] for k, h in COMPARED}

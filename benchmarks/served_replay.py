@@ -104,21 +104,18 @@ def errors(profile: Profile, threads: int, steps: list[tuple[str, TracedStep]],
     p90 = float("nan")
     if decodes:
         rng = np.random.default_rng(0)
-        drawn = []
-        for role in roles:
+        drawn, seqs, served = [], [], []
+        for role, p in roles.items():
             mine = [s for r, s in decodes if r == role]
-            if not mine:
-                continue
             model = np.repeat([models[role].seconds(s.sums) for s in mine], draws)
-            p = roles[role]
             drawn.append(spread_steps(model, draw_jitter(p.serving_jitter.get(threads, ()),
                                                          rng.random(len(model))),
                                       p.serving_jitter_step_s.get(threads)))
-        seqs = np.array([s.sums.seqs for role in roles for r, s in decodes if r == role],
-                        dtype=np.float64)
-        served = np.array([s.seconds for role in roles for r, s in decodes if r == role])
-        p90 = (weighted_p90(np.concatenate(drawn), np.repeat(seqs, draws))
-               / weighted_p90(served, seqs) - 1)
+            seqs += [s.sums.seqs for s in mine]
+            served += [s.seconds for s in mine]
+        weights = np.array(seqs, dtype=np.float64)
+        p90 = (weighted_p90(np.concatenate(drawn), np.repeat(weights, draws))
+               / weighted_p90(np.array(served), weights) - 1)
     return (median(decodes), median([(r, s) for r, s in steps if not s.sums.decode_only]),
             p90)
 

@@ -231,7 +231,7 @@ class StepModel:
 
     def seconds(self, chunks: Iterable[Chunk] | StepSums) -> float:
         sums = chunks if isinstance(chunks, StepSums) else step_sums(chunks)
-        row = sums.features(self.gemv_rows)
+        row = self.row(sums)
         t = max(self.floor_s, sum(c * x for c, x in zip(self.coef, row, strict=True)))
         return t * self.decode_factor(sums.seqs) if sums.decode_only else t
 
