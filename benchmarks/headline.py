@@ -161,6 +161,7 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
                 decisions = [{"at": d.at, "action": d.action, "reason": d.reason,
                               "current": d.current.label, "scores": d.scores,
                               "target": d.target.label if d.target else None,
+                              "switch_s": d.switch_s, "net_gain": d.net_gain,
                               "step_model": model}
                              for d, model in zip(planner.decisions, planner.step_models,
                                                  strict=True)]

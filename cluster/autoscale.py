@@ -19,13 +19,17 @@ profile's own. A
 and registers again, weights kept; the router follows through the registry and, while no
 pair of pools can split, serves whole requests on any worker). A worker that cannot drain
 in time keeps its role; the next decision starts from whatever roles the workers have.
+Each change is timed, by the role it leaves, and a switch is weighed with its changes'
+seconds (:meth:`AutoscaleLoop.move_estimates`; the cost rule of
+:mod:`planner.autoscale`).
 
 Every decision is logged (one line: action, reason, each candidate's predicted goodput)
 and counted on the planner's own ``/metrics`` (``planner_decisions_total{action,reason}``,
 ``planner_predicted_goodput{config}``, ``planner_role_changes_total{role}``,
 ``planner_served_factor{term}`` and ``planner_served_steps``: the calibration it
 simulated with, ``term`` one of memory, compute, per_seq_ms, decode_min, decode_max; 0
-steps: the profile's), served
+steps: the profile's; ``planner_move_seconds{role}``: a change leaving ``role`` measured,
+``planner_switch_seconds``: the last weighed switch's changes), served
 beside the router's when the cluster has a metrics port. :meth:`AutoscaleLoop.stop`
 ends the thread between decisions.
 """
@@ -36,6 +40,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,9 +50,10 @@ import redis
 from common.cost_model import load_profile
 from common.metrics import Metrics
 from common.redis_url import connect as connect_redis
+from common.registry import ROLES
 from common.served_fit import ServedFitError, ServedFits, fit_served_roles
 from common.served_steps import StepLog
-from common.traffic import TrafficLog
+from common.traffic import TrafficLog, TrafficRecord
 from planner.autoscale import (
     AutoscaleConfig,
     Autoscaler,
@@ -57,6 +63,7 @@ from planner.autoscale import (
     role_changes,
     simulated_goodput,
 )
+from workers.config import WorkerConfig
 from workers.engine.params import resolve_block_size
 
 from .local import LocalCluster, free_port
@@ -66,6 +73,9 @@ log = logging.getLogger(__name__)
 
 KEEP_FIT_WINDOWS = 2
 """How many windows a refused window's decision may still use the last accepted fit."""
+
+MOVE_WEIGHT = 0.5
+"""A measured role change's weight in its role's estimate (the rest: the ones before)."""
 
 
 class AutoscaleLoop:
@@ -104,6 +114,9 @@ class AutoscaleLoop:
         self._refused: tuple[str, bool] | None = None  # the last refusal's kind and if kept
         self._fitted_at = -math.inf  # when the calibration was fitted
         self.metrics = metrics or Metrics({"component": "planner"})
+        self.moves: dict[str, float] = {}
+        """Measured seconds a worker leaving each role took to change (a moving
+        average); a role not measured yet: :meth:`move_estimates`' prior."""
         self.decisions: list[Decision] = []
         self.step_models: list[str] = []
         """Beside each decision, the serving calibration it simulated with."""
@@ -139,24 +152,49 @@ class AutoscaleLoop:
             return None
         records = self.traffic.recent(now - self.config.window_s)
         self.recalibrate(now)
-        d = self.autoscaler.decide(now, current, records)
+        d = self.autoscaler.decide(now, current, records, self.move_estimates(records))
         self.decisions.append(d)
         self.step_models.append(self.calibration.describe() if self.calibration
                                 else "the profile's")
         self.metrics.inc("planner_decisions_total", action=d.action, reason=d.reason)
         for label, goodput in d.scores.items():
             self.metrics.set("planner_predicted_goodput", goodput, config=label)
+        if d.net_gain is not None:
+            self.metrics.set("planner_switch_seconds", d.switch_s)
+        cost = (f"; switching takes ~{d.switch_s:.1f} s of role changes, net gain "
+                f"{d.net_gain:+.0%}" if d.net_gain is not None and d.switch_s else "")
         log.info("autoscale: %s (%s) at %s with %d requests in the window; predicted goodput "
-                 "%s; step model: %s", d.action, d.reason, current.label, len(records),
-                 ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-",
+                 "%s%s; step model: %s", d.action, d.reason, current.label, len(records),
+                 ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", cost,
                  self.calibration.describe() if self.calibration else "the profile's")
         if d.target is not None:
             for address, role in role_changes(roles, d.target):
                 why = f"autoscale: {current.label} -> {d.target.label} ({d.reason})"
-                self.cluster.set_role(address, role, reason=why)
+                started = time.monotonic()
+                try:
+                    self.cluster.set_role(address, role, reason=why)
+                finally:  # a change that could not drain took its time too
+                    self._moved(roles[address], time.monotonic() - started)
                 self.metrics.inc("planner_role_changes_total", role=role)
                 log.info("autoscale: %s is now %s", address, role)
         return d
+
+    def move_estimates(self, records: Sequence[TrafficRecord]) -> dict[str, float]:
+        """Seconds a worker leaving each role takes to change, for the switch's cost:
+        measured (:attr:`moves`), else a prior from the window: the drain's grace plus
+        decoding the window's mean request alone on the profile (a drain waits for the
+        requests in flight; under load they decode slower, and the measure replaces it)."""
+        out = int(sum(r.output_tokens for r in records) / max(1, len(records)))
+        context = int(sum(r.prompt_tokens for r in records) / max(1, len(records))) + out
+        prior = (WorkerConfig.drain_grace_s
+                 + out * self.profile.step(self.cluster.threads).decode_seconds(1, context))
+        return {role: self.moves.get(role, prior) for role in ROLES}
+
+    def _moved(self, role: str, seconds: float) -> None:
+        before = self.moves.get(role)
+        self.moves[role] = seconds if before is None else (
+            MOVE_WEIGHT * seconds + (1 - MOVE_WEIGHT) * before)
+        self.metrics.set("planner_move_seconds", self.moves[role], role=role)
 
 
     def recalibrate(self, now: float) -> ServedFits | None:

@@ -80,6 +80,11 @@ CATALOG: tuple[Spec, ...] = (
          ("term",)),
     Spec("planner_served_steps", "gauge", "Served steps that calibration was fitted on (0: "
          "the fit was refused, too few steps or factors out of range; the profile's own)"),
+    Spec("planner_move_seconds", "gauge", "Seconds a worker leaving the role took to change "
+         "(drain, new KV channel end, registering again), a moving average of the planner's "
+         "changes", ("role",)),
+    Spec("planner_switch_seconds", "gauge", "The role changes' seconds the last switch the "
+         "planner weighed would take (its cost: the capacity those changes take)"),
     Spec("request_migrations_total", "counter",
          "Requests moved to another worker after theirs failed mid-stream"),
     Spec("workers", "gauge", "Workers the router routes to, by role", ("role",)),

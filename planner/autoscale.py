@@ -14,19 +14,35 @@ hold, else the decision says which did not (its ``reason``):
 2. ``current_best``: another candidate scores best;
 3. ``gain_below_threshold``: it beats the current one by at least ``min_gain``
    (relative; against a current goodput of 0, any positive one counts);
-4. ``dwell``: the last change is at least ``min_dwell_s`` old;
-5. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
+4. ``switch_cost``: it still does once the switch's role changes are paid for (below);
+5. ``dwell``: the last change is at least ``min_dwell_s`` old;
+6. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
 
-Then ``switch``. Under a steady load the scores are steady, so (2)-(5) keep a planner
+Then ``switch``. Under a steady load the scores are steady, so (2)-(6) keep a planner
 from flapping: a candidate must win by a margin, twice, and not too soon after the
 last change.
+
+The switch's cost (4). Its role changes run one worker at a time, each taking the
+seconds the caller says a worker leaving that role takes (``move_s``: the live loop
+measures them); meanwhile the other workers serve, as :func:`serving_while_moving`. The
+planner takes the window's traffic to go on for ``AutoscaleConfig.horizon_s`` and
+compares what each choice serves over it::
+
+    stay:   g(current) * H
+    switch: g(while moving) * M + g(best) * (H - M)     M: the changes' seconds
+
+A switch is worth it when it serves ``min_gain`` more (``Decision.net_gain``). With
+changes that cost nothing this is rule (3) again; a switch whose changes outlast the
+horizon never pays. On a 2-core Xeon a headline run's decisions every 5 s on 15 s of
+traffic switched twice inside a 30 s point, each time on a predicted gain of 14-46%,
+and served 0.44x colocated there.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from common.cost_model import Profile
 from common.traffic import TrafficRecord
@@ -47,11 +63,19 @@ class AutoscaleConfig:
     min_gain: float = 0.10
     min_dwell_s: float = 60.0
     confirmations: int = 2
+    payback_s: float | None = None
+    """How long the window's traffic is taken to go on after a switch, for its cost;
+    None: the longer of the window and the dwell time."""
+
+    @property
+    def horizon_s(self) -> float:
+        return self.payback_s or max(self.window_s, self.min_dwell_s)
 
     def __post_init__(self) -> None:
         checks = {"interval_s": self.interval_s > 0, "window_s": self.window_s > 0,
                   "min_requests": self.min_requests >= 1, "min_gain": self.min_gain >= 0,
-                  "min_dwell_s": self.min_dwell_s >= 0, "confirmations": self.confirmations >= 1}
+                  "min_dwell_s": self.min_dwell_s >= 0, "confirmations": self.confirmations >= 1,
+                  "payback_s": self.payback_s is None or self.payback_s > 0}
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"AutoscaleConfig.{name} out of range: {getattr(self, name)}")
@@ -66,6 +90,11 @@ class Decision:
     reason: str
     scores: dict[str, float] = field(default_factory=dict)
     """Every candidate's score, by its label."""
+    switch_s: float = 0.0
+    """The best candidate's role changes: estimated seconds (0: free, or none weighed)."""
+    net_gain: float | None = None
+    """The best candidate's gain over the horizon with its changes paid (None: not
+    weighed: it was not better by ``min_gain`` to begin with)."""
 
     @property
     def action(self) -> str:
@@ -86,8 +115,10 @@ class Autoscaler:
         self._leader: PoolConfig | None = None
         self._wins = 0
 
-    def decide(self, now: float, current: PoolConfig,
-               records: Sequence[TrafficRecord]) -> Decision:
+    def decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
+               move_s: Mapping[str, float] | None = None) -> Decision:
+        """``move_s``: seconds a worker leaving each role (``mixed``, ``prefill``,
+        ``decode``) takes to change; a role not named: free."""
         c = self.config
         if len(records) < c.min_requests:
             self._leader, self._wins = None, 0
@@ -104,14 +135,28 @@ class Autoscaler:
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels)
+        leaving = moves(current, best)
+        busy = sum((move_s or {}).get(role, 0.0) for role in leaving)
+        net = gain
+        if busy > 0:
+            h = c.horizon_s
+            during = serving_while_moving(current, best)
+            g_during = self.score(during, records) if during is not None else 0.0
+            served = g_during * min(busy, h) + scores[best] * max(0.0, h - busy)
+            net = served / (base * h) - 1 if base > 0 else (
+                float("inf") if served > 0 else -1.0)
+        cost = {"switch_s": busy, "net_gain": net}
+        if net < c.min_gain:
+            self._leader, self._wins = None, 0
+            return Decision(now, current, None, "switch_cost", labels, **cost)
         self._wins = self._wins + 1 if best == self._leader else 1
         self._leader = best
         if self.last_change is not None and now - self.last_change < c.min_dwell_s:
-            return Decision(now, current, None, "dwell", labels)
+            return Decision(now, current, None, "dwell", labels, **cost)
         if self._wins < c.confirmations:
-            return Decision(now, current, None, "confirming", labels)
+            return Decision(now, current, None, "confirming", labels, **cost)
         self.last_change, self._leader, self._wins = now, None, 0
-        return Decision(now, current, best, "switch", labels)
+        return Decision(now, current, best, "switch", labels, **cost)
 
 
 def reachable(workers: int, threads: int, static_threshold: int,
@@ -130,13 +175,43 @@ def reachable(workers: int, threads: int, static_threshold: int,
     return out
 
 
+def _sizes(config: PoolConfig) -> dict[str, int]:
+    return {"mixed": config.mixed_workers, "prefill": config.prefill_workers,
+            "decode": config.decode_workers}
+
+
+def moves(current: PoolConfig, target: PoolConfig) -> list[str]:
+    """The roles the workers that change leave, one per worker, in
+    :func:`role_changes`' order (by role: mixed, prefill, decode)."""
+    have, want = _sizes(current), _sizes(target)
+    return [role for role in have for _ in range(max(0, have[role] - want[role]))]
+
+
+def serving_while_moving(current: PoolConfig, target: PoolConfig) -> PoolConfig | None:
+    """The pools that serve while the first worker of ``current -> target`` changes its
+    role: ``current`` less that worker; whole requests on the workers left when they
+    no longer form a prefill and a decode pool (as the router serves then). None: no
+    worker is left. Later changes of the same switch are taken to serve alike (exact
+    for two workers: one serves, colocated, while the other changes)."""
+    leaving = moves(current, target)
+    if not leaving:
+        return current
+    sizes = _sizes(current)
+    sizes[leaving[0]] -= 1
+    if sum(sizes.values()) == 0:
+        return None
+    if sizes["mixed"] or not (sizes["prefill"] and sizes["decode"]):
+        threads = max(current.mixed_threads, current.prefill_threads, current.decode_threads)
+        return PoolConfig("mixed", mixed_workers=sum(sizes.values()), mixed_threads=threads)
+    return replace(current, prefill_workers=sizes["prefill"], decode_workers=sizes["decode"])
+
+
 def role_changes(roles: dict[str, str], target: PoolConfig) -> list[tuple[str, str]]:
     """``(worker, new role)`` moves taking workers (``worker -> role`` now) to ``target``'s
     pool sizes, fewest moves, in an order that never leaves the router without a way to
     serve: a worker leaving the last mixed slot goes to decode first (the router serves
     colocated on whatever workers remain while the others change)."""
-    want = {"mixed": target.mixed_workers, "prefill": target.prefill_workers,
-            "decode": target.decode_workers}
+    want = _sizes(target)
     if sum(want.values()) != len(roles):
         raise ValueError(f"{target.label} needs {sum(want.values())} workers, the cluster "
                          f"has {len(roles)}")

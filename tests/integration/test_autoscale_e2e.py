@@ -67,6 +67,10 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         second = loop.tick(time.time())
         assert (second.action, second.reason) == ("switch", "switch")
         assert _roles(c) == ["decode", "prefill"]
+        # Weighed with its two changes' seconds (a prior: none measured yet), then each
+        # change timed by the role it left.
+        assert second.switch_s > 2 * 2.0 and second.net_gain > 0.9, second  # 2 s: the grace
+        assert set(loop.moves) == {"mixed"} and loop.moves["mixed"] > 0
         decode = c.worker_addresses[[r for _, r in c.workers].index("decode")]
         load.wait_routed("decode_worker", decode, len(load.results))
 
@@ -74,6 +78,7 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert loop.tick(time.time()).reason == "confirming"
         assert loop.tick(time.time()).action == "switch"
         assert _roles(c) == ["mixed", "mixed"]
+        assert set(loop.moves) == {"mixed", "prefill", "decode"}
         mark = len(load.results)
         deadline = time.monotonic() + 20
         while len(load.results) < mark + 6:
@@ -135,5 +140,7 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
     assert 'planner_decisions_total{action="switch",component="planner",reason="switch"} 2.0' \
         in text.replace("pdserve:", "")
     assert "planner_role_changes_total" in text
+    assert 'planner_move_seconds{component="planner",role="decode"}' in text.replace(
+        "pdserve:", "")
     workers = urllib.request.urlopen(c.metrics_urls["worker-0"], timeout=5).read().decode()
     assert "worker_role_changes_total" in workers

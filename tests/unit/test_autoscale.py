@@ -4,7 +4,14 @@ margin, a dwell time, confirmations) and the role moves it asks for. Pure."""
 import pytest
 
 from common.traffic import TrafficRecord
-from planner.autoscale import AutoscaleConfig, Autoscaler, reachable, role_changes
+from planner.autoscale import (
+    AutoscaleConfig,
+    Autoscaler,
+    moves,
+    reachable,
+    role_changes,
+    serving_while_moving,
+)
 from planner.config import PoolConfig
 
 MIXED, SPLIT = reachable(2, 1, 32)
@@ -105,3 +112,52 @@ def test_the_simulated_score_does_not_flap_under_a_steady_load():
             moves.append(d.target.label)
             current = d.target
     assert len(moves) <= 1, moves
+
+
+def test_the_pools_serving_while_workers_change_roles():
+    three = reachable(3, 2, 0)  # 3 mixed; 1P + 2D; 2P + 1D
+    assert moves(MIXED, SPLIT) == ["mixed", "mixed"]
+    assert moves(SPLIT, MIXED) == ["prefill", "decode"]
+    assert moves(three[1], three[2]) == ["decode"]
+    assert moves(SPLIT, SPLIT) == []
+    one_mixed = PoolConfig("mixed", mixed_workers=1, mixed_threads=1)
+    assert serving_while_moving(MIXED, SPLIT) == one_mixed
+    assert serving_while_moving(SPLIT, MIXED) == one_mixed  # the decode worker, whole
+    assert serving_while_moving(three[0], three[1]) == PoolConfig(
+        "mixed", mixed_workers=2, mixed_threads=2)
+    during = serving_while_moving(three[1], three[2])  # a decode worker of two leaves
+    assert (during.kind, during.prefill_workers, during.decode_workers) == (
+        "disaggregated", 1, 1)
+    assert serving_while_moving(SPLIT, SPLIT) == SPLIT
+    solo = PoolConfig("mixed", mixed_workers=1, mixed_threads=1)
+    assert serving_while_moving(solo, PoolConfig("mixed", mixed_workers=1,
+                                                 mixed_threads=2)) == solo
+
+
+def test_a_switch_pays_for_its_role_changes_over_the_horizon():
+    """2 mixed -> 1P+1D is two changes; meanwhile one worker serves (goodput 0.5 of
+    the window's traffic here). Over a 60 s horizon 2 x 5 s of changes leave a 2x
+    winner +75%; a 1.3x winner whose changes take 2 x 20 s loses; changes longer than
+    the horizon never pay."""
+    scores = {MIXED.label: 1.0, SPLIT.label: 2.0, "1 mixed x1t": 0.5}
+    s = _scaler(scores, window_s=60, min_dwell_s=30)
+    d = s.decide(0.0, MIXED, RECORDS, {"mixed": 5.0})
+    assert (d.reason, d.switch_s) == ("confirming", 10.0)
+    assert d.net_gain == pytest.approx((0.5 * 10 + 2.0 * 50) / 60 - 1)
+    assert s.decide(20.0, MIXED, RECORDS, {"mixed": 5.0}).reason == "switch"
+    scores[SPLIT.label] = 1.3
+    s = _scaler(scores, window_s=60)
+    d = s.decide(0.0, MIXED, RECORDS, {"mixed": 20.0, "decode": 0.0})
+    assert (d.reason, d.target) == ("switch_cost", None)
+    assert d.net_gain == pytest.approx((0.5 * 40 + 1.3 * 20) / 60 - 1)
+    assert s.decide(20.0, MIXED, RECORDS).reason == "confirming"  # changes for free
+    s = _scaler(scores, window_s=60, payback_s=30)
+    assert s.decide(0.0, MIXED, RECORDS, {"mixed": 20.0}).net_gain == pytest.approx(-0.5)
+    with pytest.raises(ValueError, match="payback_s"):
+        AutoscaleConfig(payback_s=0)
+
+
+def test_a_gain_too_small_is_not_weighed_for_its_cost():
+    s = _scaler({MIXED.label: 1.0, SPLIT.label: 1.05})
+    d = s.decide(0.0, MIXED, RECORDS, {"mixed": 5.0})
+    assert (d.reason, d.net_gain, d.switch_s) == ("gain_below_threshold", None, 0.0)
