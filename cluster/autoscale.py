@@ -181,14 +181,15 @@ class AutoscaleLoop:
 
     def move_estimates(self, records: Sequence[TrafficRecord]) -> dict[str, float]:
         """Seconds a worker leaving each role takes to change, for the switch's cost:
-        measured (:attr:`moves`), else a prior from the window: the drain's grace plus
-        decoding the window's mean request alone on the profile (a drain waits for the
-        requests in flight; under load they decode slower, and the measure replaces it)."""
-        out = int(sum(r.output_tokens for r in records) / max(1, len(records)))
-        context = int(sum(r.prompt_tokens for r in records) / max(1, len(records))) + out
+        measured (:attr:`moves`), else a prior from what the role drains
+        (:mod:`workers.roles`): nothing for mixed; for prefill and decode the drain's
+        grace plus one prefill of the window's mean prompt on the profile (the prompts,
+        or the KV of the reservations, placed there just before it left)."""
+        prompt = int(sum(r.prompt_tokens for r in records) / max(1, len(records)))
         prior = (WorkerConfig.drain_grace_s
-                 + out * self.profile.step(self.cluster.threads).decode_seconds(1, context))
-        return {role: self.moves.get(role, prior) for role in ROLES}
+                 + self.profile.step(self.cluster.threads).prefill_seconds(prompt))
+        return {role: self.moves.get(role, 0.0 if role == "mixed" else prior)
+                for role in ROLES}
 
     def _moved(self, role: str, seconds: float) -> None:
         before = self.moves.get(role)

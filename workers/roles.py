@@ -12,10 +12,20 @@ prefix cache included, stay; only the channel end and what names the role change
 1. check the role (INVALID_ARGUMENT, naming the roles); the role it has: answered at once;
 2. step out of the registry (:meth:`Presence.step_out`): routers stop choosing this
    worker within their discovery interval;
-3. drain (:func:`wait_idle`, as SIGTERM's drain does): serve what was routed here for
-   ``drain_grace_s``, then wait until nothing runs, waits, is reserved or is in
-   transfer, at most the drain timeout. On timeout it steps back in with the old role
-   and answers FAILED_PRECONDITION: a role change never aborts a request;
+3. drain what the old role's channel end carries, at most the drain timeout
+   (:func:`wait_idle`); requests it does not carry run on in the new role (``Generate``
+   and a decode's tokens need no channel end):
+
+   - ``mixed``: it has no end, nothing to drain: the change takes milliseconds;
+   - ``decode``: serve what was routed here for ``drain_grace_s``, then wait until no
+     reservation waits for its KV and nothing is in transfer; the sequences decoding
+     go on;
+   - ``prefill``: as SIGTERM's drain: the grace, then until nothing runs, waits or is in
+     transfer (a prompt computing here sends its KV through the old end).
+
+   On timeout it steps back in with the old role and answers FAILED_PRECONDITION: a
+   role change never aborts a request. (Before 2026-12-05 every role drained whole: a
+   2-core Xeon's headline runs spent 5-11 s a switch of two changes);
 4. open the new role's end (a receiver on a fresh port for decode); if it cannot open,
    step back in with the old role, UNAVAILABLE;
 5. swap, with no await in between (no call runs meanwhile): the servicer's ends and
@@ -146,15 +156,17 @@ def channel_ends(config: WorkerConfig, build: Callable[[], LLMEngine],
 
 
 async def wait_idle(loop: EngineLoop, in_transfer: Callable[[], int], grace_s: float,
-                    timeout_s: float) -> float | None:
+                    timeout_s: float, channel_only: bool = False) -> float | None:
     """Wait until nothing runs, waits, is reserved or is in transfer (``in_transfer()``
     transfers of the channel end), and at least ``grace_s`` passed (requests routed
-    before routers saw this worker leave may still come). Seconds it took; None when
+    before routers saw this worker leave may still come). ``channel_only``: only what
+    is reserved or in transfer (what runs and waits goes on). Seconds it took; None when
     ``timeout_s`` passed first."""
     started = time.monotonic()
     while (took := time.monotonic() - started) < timeout_s:
         load = loop.load()
-        idle = not (load.running or load.waiting or load.reserved or in_transfer())
+        busy = load.reserved or in_transfer()
+        idle = not (busy or (not channel_only and (load.running or load.waiting)))
         if idle and took >= grace_s:
             return took
         await asyncio.sleep(0.1)
@@ -237,8 +249,9 @@ class RoleSwitch:
                  old, role, reason or "none given")
         if self._presence is not None:
             await self._presence.step_out()
-        drained = await wait_idle(self._loop, self._in_transfer, self.config.drain_grace_s,
-                                  timeout_s)
+        drained = 0.0 if old == "mixed" else await wait_idle(
+            self._loop, self._in_transfer, self.config.drain_grace_s, timeout_s,
+            channel_only=old == "decode")
         if drained is None:
             await self._step_in()
             load = self._loop.load()

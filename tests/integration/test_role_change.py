@@ -47,6 +47,23 @@ def probe(address: str) -> int:
     return out[-1].usage.cached_tokens
 
 
+LONG = [(5 * j) % 97 + 120 for j in range(30)]
+LONG_TOKENS = 400  # over a second of tiny-model decode steps
+
+
+def stream_long(address: str, tokens: list[int]) -> list[int]:
+    """Generate LONG for LONG_TOKENS greedy tokens on the worker, appending each to
+    ``tokens`` as it streams; all of them."""
+    channel, s = stub(address)
+    with channel:
+        for out in s.Generate(worker_pb2.WorkerGenerateRequest(
+                request_id=f"long-{time.monotonic_ns()}", prompt_token_ids=LONG,
+                sampling=common_pb2.SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0,
+                                                   ignore_eos=True)), timeout=120):
+            tokens.extend(out.token_ids)
+    return list(tokens)
+
+
 @pytest.fixture(scope="module")
 def role_cluster(tiny_checkpoints, tmp_path_factory):
     c = start(tiny_checkpoints["llama"], tmp_path_factory.mktemp("role-logs"), prefill=2,
@@ -91,9 +108,22 @@ def test_role_changes_under_load_lose_no_request_and_no_block(role_cluster,
         assert (answer.previous_role, answer.role, answer.kv_address) == ("decode", "mixed", "")
         assert load_of(worker).role == "mixed"
 
-        mark = len(load.results)
-        answer = c.set_role(names.index("prefill-1"), "prefill", "test: back")  # by index
-        assert (answer.previous_role, answer.role) == ("mixed", "prefill")
+        # mixed -> prefill with a long request decoding here: a mixed worker has no KV
+        # channel end to drain, so the change does not wait for it, and it ends in the
+        # new role with HF's tokens.
+        with ThreadPoolExecutor(1) as pool:
+            tokens: list[int] = []
+            running = pool.submit(stream_long, worker, tokens)
+            deadline = time.monotonic() + 30
+            while not tokens:
+                assert time.monotonic() < deadline and not running.done()
+                time.sleep(0.01)
+            mark = len(load.results)
+            answer = c.set_role(names.index("prefill-1"), "prefill", "test: back")  # by index
+            assert len(tokens) < LONG_TOKENS, "the long request ended before the change"
+            assert running.result(60) == hf_greedy(tiny_checkpoints["llama"], [LONG],
+                                                   LONG_TOKENS)[0]
+        assert (answer.previous_role, answer.role, answer.drained_s) == ("mixed", "prefill", 0)
         load.wait_routed("worker", worker, mark)
         assert c.set_role("prefill-1", "prefill").drained_s == 0.0  # already: no-op
 

@@ -24,11 +24,13 @@ from workers.server import WorkerConfig
 @dataclass
 class FakeLoop:
     busy: int = 0  # running requests the drain waits for
+    reserved: int = 0  # reservations waiting for their KV
     hooks: list[tuple[object, str]] = field(default_factory=list)
     engine: object = None
 
     def load(self) -> EngineLoad:
-        return EngineLoad(running=self.busy, waiting=0, free_blocks=8, total_blocks=8)
+        return EngineLoad(running=self.busy, waiting=0, free_blocks=8, total_blocks=8,
+                          reserved=self.reserved)
 
     def set_kv_receiver(self, expect: object, address: str = "") -> None:
         self.hooks.append((expect, address))
@@ -68,11 +70,11 @@ def switch(role: str = "mixed", busy: int = 0, timeout_s: float = 5.0
 
 def test_role_change_drains_swaps_the_channel_end_and_registers_in_the_new_role() -> None:
     async def body() -> None:
-        s, loop, servicer, presence, metrics = switch("mixed")
+        s, loop, servicer, presence, metrics = switch("mixed", busy=3)
         metrics.set("kv_blocks_free", 8)
         done = await s.change("prefill", "planner: prefill queue too deep")
         assert (done.role, done.previous_role, done.kv_address) == ("prefill", "mixed", "")
-        assert done.drained_s >= 0.05  # the grace, at least
+        assert done.drained_s == 0.0  # no end to drain: what runs goes on as prefill
         assert s.role == "prefill" and s.end.sender is not None
         assert servicer.used == [("prefill", s.end.sender, None)]
         assert loop.hooks == [(None, "")]
@@ -92,6 +94,30 @@ def test_role_change_drains_swaps_the_channel_end_and_registers_in_the_new_role(
     asyncio.run(body())
 
 
+def test_each_role_drains_what_its_channel_end_carries() -> None:
+    """A decode worker waits for its reservations' KV, not for the sequences decoding (they
+    go on in the new role); a prefill worker for what runs (its KV leaves through the old
+    end)."""
+    async def body() -> None:
+        s, loop, servicer, _, _ = switch("decode", busy=2)
+        loop.reserved = 1
+        change = asyncio.ensure_future(s.change("mixed"))
+        await asyncio.sleep(0.2)
+        assert not change.done() and servicer.used == []  # a reservation's KV to come
+        loop.reserved = 0
+        done = await change
+        assert done.role == "mixed" and 0.2 <= done.drained_s < 1  # 2 still run
+        s, loop, servicer, _, _ = switch("prefill", busy=1)
+        change = asyncio.ensure_future(s.change("decode"))
+        await asyncio.sleep(0.2)
+        assert not change.done()
+        loop.busy = 0
+        assert (await change).drained_s >= 0.2
+        s.close()
+
+    asyncio.run(body())
+
+
 def test_invalid_role_is_refused_naming_the_roles() -> None:
     async def body() -> None:
         s, _, servicer, presence, _ = switch()
@@ -106,15 +132,15 @@ def test_invalid_role_is_refused_naming_the_roles() -> None:
 
 def test_a_second_change_while_one_drains_is_refused() -> None:
     async def body() -> None:
-        s, loop, _, _, _ = switch("mixed", busy=1)
-        first = asyncio.ensure_future(s.change("prefill"))
+        s, loop, _, _, _ = switch("prefill", busy=1)
+        first = asyncio.ensure_future(s.change("mixed"))
         await asyncio.sleep(0.05)
         with pytest.raises(RoleChangeError) as e:
             await s.change("decode")
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "under way" in str(e.value)
         loop.busy = 0
-        assert (await first).role == "prefill"
+        assert (await first).role == "mixed"
         s.close()
 
     asyncio.run(body())
@@ -122,18 +148,18 @@ def test_a_second_change_while_one_drains_is_refused() -> None:
 
 def test_a_caller_hanging_up_does_not_leave_the_worker_out_of_the_registry() -> None:
     async def body() -> None:
-        s, loop, _, presence, _ = switch("mixed", busy=1)
-        call = asyncio.ensure_future(s.change("prefill"))
+        s, loop, _, presence, _ = switch("prefill", busy=1)
+        call = asyncio.ensure_future(s.change("mixed"))
         await asyncio.sleep(0.05)
         call.cancel()  # the caller's deadline: the change goes on to its end
         await asyncio.sleep(0.05)
         loop.busy = 0
         deadline = time.monotonic() + 2
-        while presence.events[-1] != ("in", "prefill") or s.changing is not None:
+        while presence.events[-1] != ("in", "mixed") or s.changing is not None:
             assert time.monotonic() < deadline, presence.events
             await asyncio.sleep(0.01)
-        assert s.role == "prefill"
-        assert (await s.change("mixed")).role == "mixed"  # no change is left under way
+        assert s.role == "mixed"
+        assert (await s.change("prefill")).role == "prefill"  # no change is left under way
         s.close()
 
     asyncio.run(body())
