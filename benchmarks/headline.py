@@ -161,7 +161,9 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
                 decisions = [{"at": d.at, "action": d.action, "reason": d.reason,
                               "current": d.current.label, "scores": d.scores,
                               "target": d.target.label if d.target else None,
-                              "switch_s": d.switch_s, "net_gain": d.net_gain,
+                              "switch_s": d.switch_s,  # inf (from 0): null
+                              "net_gain": d.net_gain if d.net_gain is None
+                              or math.isfinite(d.net_gain) else None,
                               "step_model": model}
                              for d, model in zip(planner.decisions, planner.step_models,
                                                  strict=True)]

@@ -198,34 +198,28 @@ def calibrate(profile: Profile, model: str, progress=print,  # noqa: ANN001 - pr
     ``serving_per_seq``, ``serving_jitter``) measured for each of ``threads`` (default:
     all of its thread counts; the others keep theirs), its workers in the profile's
     dtype."""
-    memory, compute = dict(profile.serving), dict(profile.serving_compute)
-    per_seq, jitter = dict(profile.serving_per_seq), dict(profile.serving_jitter)
-    jitter_step = dict(profile.serving_jitter_step_s)
-    facts: dict = {}
+    out, facts = profile, {}
     for t in sorted(profile.steps if threads is None else threads):
         progress(f"serving calibration: {t} thread(s) per worker ...")
         waves = serving_waves(profile, model, t, dtype=profile.dtype)
         fm, fc, ps = fit_serving([(w["measured_ms"], w["memory_ms"], w["compute_ms"],
                                    w["batch"]) for w in waves])
-        memory[t], compute[t], per_seq[t] = fm, fc, ps / 1e3  # the waves are in ms
-        jitter[t] = jitter_quantiles([r for w in waves for r in w.pop("ratios")])
+        spread = jitter_quantiles([r for w in waves for r in w.pop("ratios")])
         decode = [w["measured_ms"] for w in waves if w["kind"] == "decode"]
-        jitter_step[t] = float(np.median(decode)) / 1e3 if decode else 0.0
+        step_s = float(np.median(decode)) / 1e3 if decode else 0.0
+        out = out.with_serving(t, fm, fc, ps / 1e3, jitter=spread, jitter_step_s=step_s)
         facts[t] = {"waves": waves, "factor": fm, "compute_factor": fc, "per_seq_ms": ps,
-                    "jitter": jitter[t], "jitter_step_ms": jitter_step[t] * 1e3}
+                    "jitter": spread, "jitter_step_ms": step_s * 1e3}
         for w in waves:
             fitted = fm * w["memory_ms"] + fc * w["compute_ms"] + ps * w["batch"]
             what = ("ITL p50" if w["kind"] == "decode" else "TTFT p50")
             progress(f"  {w['workers']} mixed worker(s), {w['kind']} wave of {w['batch']} "
                      f"each: {what} {w['measured_ms']:.1f} ms served vs "
                      f"{w['engine_only_ms']:.1f} ms engine alone (fit: {fitted:.1f})")
-        spread = dict(jitter[t])
+        q = dict(spread)
         progress(f"  memory-bound terms x{fm:.2f}, compute x{fc:.2f}, + {ps:.2f} ms per "
-                 f"sequence; steps spread p10 {spread.get(0.1, 1):.2f} / p90 "
-                 f"{spread.get(0.9, 1):.2f} of the median")
+                 f"sequence; steps spread p10 {q.get(0.1, 1):.2f} / p90 "
+                 f"{q.get(0.9, 1):.2f} of the median")
     points = {**profile.points, "serving": {**profile.points.get("serving", {}),
                                             **{str(t): v for t, v in facts.items()}}}
-    return replace(profile, serving=memory, serving_compute=compute, serving_per_seq=per_seq,
-                   serving_jitter=jitter, serving_jitter_step_s=jitter_step,
-                   serving_decode={t: f for t, f in profile.serving_decode.items()
-                                   if t not in facts}, points=points), facts
+    return replace(out, points=points), facts  # the waves fit no decode table

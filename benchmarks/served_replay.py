@@ -60,22 +60,13 @@ def candidate_steps(root: Path, label: str) -> list[tuple[str, TracedStep]]:
 
 
 def waves_profile(profile: Profile, threads: int, serving: dict) -> Profile:
-    """``profile`` with the calibration a validation row measured (``row["serving"]``)."""
-    from dataclasses import replace
-
-    out = replace(profile, serving={**profile.serving, threads: serving["factor"]},
-                  serving_compute={**profile.serving_compute,
-                                   threads: serving["compute_factor"]},
-                  serving_per_seq={**profile.serving_per_seq,
-                                   threads: serving["per_seq_ms"] / 1e3},
-                  serving_decode={t: f for t, f in profile.serving_decode.items()
-                                  if t != threads})  # the waves fit none
-    if serving.get("jitter") and serving.get("jitter_step_ms"):
-        out = replace(out, serving_jitter={**profile.serving_jitter, threads: tuple(
-            (float(p), float(r)) for p, r in serving["jitter"])},
-            serving_jitter_step_s={**profile.serving_jitter_step_s,
-                                   threads: serving["jitter_step_ms"] / 1e3})
-    return out
+    """``profile`` with the calibration a validation row measured (``row["serving"]``;
+    the waves fit no decode table)."""
+    fitted = bool(serving.get("jitter") and serving.get("jitter_step_ms"))
+    return profile.with_serving(
+        threads, serving["factor"], serving["compute_factor"], serving["per_seq_ms"] / 1e3,
+        jitter=tuple((float(p), float(r)) for p, r in serving["jitter"]) if fitted else None,
+        jitter_step_s=serving["jitter_step_ms"] / 1e3 if fitted else 0.0)
 
 
 def weighted_p90(values: np.ndarray, weights: np.ndarray) -> float:

@@ -63,7 +63,6 @@ from planner.autoscale import (
     role_changes,
     simulated_goodput,
 )
-from workers.config import WorkerConfig
 from workers.engine.params import resolve_block_size
 
 from .local import LocalCluster, free_port
@@ -173,8 +172,11 @@ class AutoscaleLoop:
                 started = time.monotonic()
                 try:
                     self.cluster.set_role(address, role, reason=why)
-                finally:  # a change that could not drain took its time too
-                    self._moved(roles[address], time.monotonic() - started)
+                except grpc.RpcError as e:  # a drain that timed out took its time too
+                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                        self._moved(roles[address], time.monotonic() - started)
+                    raise
+                self._moved(roles[address], time.monotonic() - started)
                 self.metrics.inc("planner_role_changes_total", role=role)
                 log.info("autoscale: %s is now %s", address, role)
         return d
@@ -186,7 +188,7 @@ class AutoscaleLoop:
         grace plus one prefill of the window's mean prompt on the profile (the prompts,
         or the KV of the reservations, placed there just before it left)."""
         prompt = int(sum(r.prompt_tokens for r in records) / max(1, len(records)))
-        prior = (WorkerConfig.drain_grace_s
+        prior = (self.cluster.config.drain_grace_s
                  + self.profile.step(self.cluster.threads).prefill_seconds(prompt))
         return {role: self.moves.get(role, 0.0 if role == "mixed" else prior)
                 for role in ROLES}

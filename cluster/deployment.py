@@ -144,6 +144,10 @@ class DeploymentConfig:
     drain_timeout_s: float = field(default=30.0, metadata=setting(
         "seconds a stopping worker (SIGTERM, or removed by `pdserve scale`) has to finish "
         "its requests"))
+    drain_grace_s: float = field(default=2.0, metadata=setting(
+        "seconds a worker leaving the registry (stopping, or changing its role) keeps "
+        "taking what routers that have not seen it leave still send it; at least their "
+        "discovery interval (1 s)"))
     # -- router ----------------------------------------------------------------------------
     host: str = field(default="127.0.0.1", metadata=setting(
         "interface the router binds; with --launcher process, the workers and Redis too"))
@@ -272,6 +276,9 @@ class DeploymentConfig:
         if self.max_num_batched_tokens < 1:
             raise DeploymentError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: "
                                   "a step's token budget must be >= 1")
+        if not (self.drain_timeout_s >= 0 and self.drain_grace_s >= 0):
+            raise DeploymentError(f"--drain-timeout-s {self.drain_timeout_s}, --drain-grace-s "
+                                  f"{self.drain_grace_s}: seconds must be >= 0")
         if self.block_size < 0:
             raise DeploymentError(f"--block-size {self.block_size}: tokens per KV block "
                                   "must be >= 1, or 0 for the device's default")
@@ -369,7 +376,8 @@ class DeploymentConfig:
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
                 "--local-prefill-threshold", str(self.local_prefill_threshold),
                 "--transfer-timeout-s", str(self.transfer_timeout_s),
-                "--drain-timeout-s", str(self.drain_timeout_s)]
+                "--drain-timeout-s", str(self.drain_timeout_s),
+                "--drain-grace-s", str(self.drain_grace_s)]
         if self.model:
             args += ["--model", self.model]
         if self.max_model_len:

@@ -332,6 +332,26 @@ class Profile:
     steps that role's workers served say it (:class:`common.served_fit.ServedFits`: a
     prefill worker's steps also send their KV); :meth:`for_role` hands it out."""
 
+    def with_serving(self, threads: int, memory: float, compute: float, per_seq_s: float,
+                     decode: tuple[float, ...] = (),
+                     jitter: tuple[tuple[float, float], ...] | None = None,
+                     jitter_step_s: float = 0.0) -> Profile:
+        """This profile with the serving calibration of ``threads`` replaced (the other
+        thread counts' as they were): the memory and compute factors, the cost per
+        sequence, the decode table (empty: none), and the spread with the steps' median
+        seconds it was measured on when ``jitter`` is given (None: this profile's kept)."""
+        out = replace(
+            self, serving={**self.serving, threads: memory},
+            serving_compute={**self.serving_compute, threads: compute},
+            serving_per_seq={**self.serving_per_seq, threads: per_seq_s},
+            serving_decode={**{t: f for t, f in self.serving_decode.items() if t != threads},
+                            **({threads: tuple(decode)} if decode else {})})
+        if jitter is None:
+            return out
+        return replace(out, serving_jitter={**self.serving_jitter, threads: tuple(jitter)},
+                       serving_jitter_step_s={**self.serving_jitter_step_s,
+                                              threads: jitter_step_s})
+
     def for_role(self, role: str) -> Profile:
         """The profile a worker of ``role`` steps with (:attr:`by_role`, else this)."""
         return self.by_role.get(role, self)

@@ -112,17 +112,11 @@ class ServedFit:
         were; a spread not fitted keeps the profile's), and no role's own
         (:attr:`Profile.by_role`: they were fitted against the calibration this
         replaces)."""
-        t = self.threads
-        out = dataclasses.replace(
-            profile, by_role={}, serving={**profile.serving, t: self.memory},
-            serving_compute={**profile.serving_compute, t: self.compute},
-            serving_per_seq={**profile.serving_per_seq, t: self.per_seq_s},
-            serving_decode={**profile.serving_decode, t: self.decode_factors})
-        if self.jitter and self.jitter_step_s:
-            out = dataclasses.replace(
-                out, serving_jitter={**profile.serving_jitter, t: self.jitter},
-                serving_jitter_step_s={**profile.serving_jitter_step_s, t: self.jitter_step_s})
-        return out
+        fitted = bool(self.jitter and self.jitter_step_s)
+        out = profile.with_serving(self.threads, self.memory, self.compute, self.per_seq_s,
+                                   self.decode_factors, self.jitter if fitted else None,
+                                   self.jitter_step_s or 0.0)
+        return dataclasses.replace(out, by_role={})
 
     def describe(self) -> str:
         return (f"{self.threads} thread(s): {self.factors()}, from {self.steps} served "

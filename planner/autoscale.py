@@ -32,10 +32,11 @@ compares what each choice serves over it::
     switch: g(while moving) * M + g(best) * (H - M)     M: the changes' seconds
 
 A switch is worth it when it serves ``min_gain`` more (``Decision.net_gain``). With
-changes that cost nothing this is rule (3) again; a switch whose changes outlast the
-horizon never pays. On a 2-core Xeon a headline run's decisions every 5 s on 15 s of
-traffic switched twice inside a 30 s point, each time on a predicted gain of 14-46%,
-and served 0.44x colocated there.
+changes that cost nothing this is rule (3) again; changes that outlast the horizon
+count only what the others serve meanwhile (worth it only where the current
+configuration serves less than they would alone). On a 2-core Xeon a headline run's
+decisions every 5 s on 15 s of traffic switched twice inside a 30 s point, each time on
+a predicted gain of 14-46%, and served 0.44x colocated there.
 """
 
 from __future__ import annotations

@@ -150,11 +150,24 @@ class EngineLoop(ReservationDriver):
         """Run ``fn`` on the engine thread between steps (from any thread)."""
         self._commands.put(Call(fn))
 
+    async def barrier(self) -> None:
+        """Returns once the engine thread has taken every command queued before this
+        call (a reserve queued earlier is placed, or waits for room, by then)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def passed() -> None:
+            if not done.done():  # the waiter may have given up
+                done.set_result(None)
+
+        self.call_soon(lambda: loop.call_soon_threadsafe(passed))
+        await done
+
     def set_kv_receiver(self, kv_expect: KVExpect | None, kv_address: str = "") -> None:
         """A role change (:mod:`workers.roles`): reservations from now on register with
-        ``kv_expect`` and name ``kv_address``; None: no more reservations (``reserve``
-        raises). Swapped on the engine thread, in order with the commands: a reserve
-        queued before runs with the old hooks, and is computed here if they fail."""
+        ``kv_expect`` and name ``kv_address``; None: reservations are local. Swapped on
+        the engine thread, in order with the commands: a reserve queued before runs with
+        the old hooks, and is computed here if they fail."""
         def swap() -> None:
             self._kv_expect, self._kv_address = kv_expect, kv_address
 
@@ -182,9 +195,9 @@ class EngineLoop(ReservationDriver):
         :class:`Reservation`. Call ``commit(first_token, choice_tokens=())`` once the
         prefill worker sampled it (and, n > 1, the other choices' first tokens; None:
         prefill failed, compute everything here); not needed when the reservation is
-        local. Waits (in order) while the KV pool is full."""
-        if self._kv_expect is None:
-            raise RuntimeError("this worker has no KV receiver (role is not decode)")
+        local. Waits (in order) while the KV pool is full. With no KV receiver when it
+        runs (the role changed after the servicer let the call in; a change to decode is
+        swapped in before any reserve queued after it) the reservation is local."""
         add = Add(request, asyncio.get_running_loop(), asyncio.Queue(),
                    local_threshold=max(local_threshold, 0))
 

@@ -167,6 +167,14 @@ async def wait_idle(loop: EngineLoop, in_transfer: Callable[[], int], grace_s: f
         load = loop.load()
         busy = load.reserved or in_transfer()
         idle = not (busy or (not channel_only and (load.running or load.waiting)))
+        if idle and took >= grace_s and channel_only:
+            # A reserve let in just before is queued, not counted yet: once the engine
+            # took it, it is registered with the receiver (in transfer) or waits.
+            try:
+                await asyncio.wait_for(loop.barrier(), timeout_s - took)
+            except TimeoutError:
+                return None
+            idle = not (loop.load().reserved or in_transfer())
         if idle and took >= grace_s:
             return took
         await asyncio.sleep(0.1)

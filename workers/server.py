@@ -14,7 +14,8 @@ Calls: ``Generate`` (any role) runs a request here, a server stream; ``Prefill``
 (prefill role) computes a prompt, returns its first token and sends the KV to the
 decode worker's reservation; ``Decode`` (decode role) is the bidirectional stream of
 a disaggregated request (worker.proto tells the message order); ``SetRole`` changes
-the role in place, draining first, the engine and its weights staying
+the role in place, draining what the old role's KV channel end carries first, the
+engine, its weights and the requests running there staying
 (:mod:`workers.roles`, which also says who may call it). When a caller cancels
 or its deadline passes, gRPC cancels the handler and the engine loop aborts the request,
 freeing its blocks (reserved blocks once no transfer can write into them).
@@ -233,10 +234,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "Decode: the first message must be `start`")
         req = await _typed(first.start, context)
-        try:
-            commit, stream = self._loop.reserve(req, self._config.local_prefill_threshold)
-        except RuntimeError as e:  # the role changed meanwhile: the router tries another
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        # The role changed since the check above: the reservation is local (computed here).
+        commit, stream = self._loop.reserve(req, self._config.local_prefill_threshold)
 
         async def read_commit() -> None:
             msg = await anext(requests, None)  # the caller hung up without one: compute here

@@ -55,6 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "Redis, which the live planner refits its step model from (needs "
                         "--redis-url; `pdserve up --autoscale` turns it on)")
     add_setting(w, "drain_timeout_s")
+    add_setting(w, "drain_grace_s")
     add_setting(w, "kv_offer")
     add_setting(w, "kv_offer_timeout_s")
     add_setting(w, "cluster_tls_dir")
@@ -186,7 +187,8 @@ def worker_config(args: argparse.Namespace,  # noqa: ANN201 - WorkerConfig
         redis_url=with_password(args.redis_url, redis_password(args, password)),
         metrics_port=args.metrics_port,
         step_trace=args.step_trace.replace("{pid}", str(os.getpid())) if args.step_trace else None,
-        publish_steps=args.publish_steps, drain_timeout_s=args.drain_timeout_s, cluster_tls=tls)
+        publish_steps=args.publish_steps, drain_timeout_s=args.drain_timeout_s,
+        drain_grace_s=args.drain_grace_s, cluster_tls=tls)
 
 
 def router_config(args: argparse.Namespace,  # noqa: ANN201 - ServerConfig

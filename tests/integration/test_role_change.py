@@ -9,6 +9,7 @@ worker in each new role, the worker keeps its process, engine counters and prefi
 
 from __future__ import annotations
 
+import queue
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -47,27 +48,73 @@ def probe(address: str) -> int:
     return out[-1].usage.cached_tokens
 
 
+GRACE_S = 0.5  # the workers' --drain-grace-s: shorter than a long request's decode
 LONG = [(5 * j) % 97 + 120 for j in range(30)]
-LONG_TOKENS = 400  # over a second of tiny-model decode steps
+LONG_TOKENS = 470  # max positions 512
+CHOICES = 16  # greedy, all alike: 16 sequences decode ~3x longer than GRACE_S here
 
 
 def stream_long(address: str, tokens: list[int]) -> list[int]:
-    """Generate LONG for LONG_TOKENS greedy tokens on the worker, appending each to
-    ``tokens`` as it streams; all of them."""
+    """Generate LONG for LONG_TOKENS greedy tokens on the worker, CHOICES times,
+    appending the first choice's to ``tokens`` as they stream; all of them."""
     channel, s = stub(address)
     with channel:
         for out in s.Generate(worker_pb2.WorkerGenerateRequest(
                 request_id=f"long-{time.monotonic_ns()}", prompt_token_ids=LONG,
                 sampling=common_pb2.SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0,
-                                                   ignore_eos=True)), timeout=120):
-            tokens.extend(out.token_ids)
+                                                   ignore_eos=True), n=CHOICES), timeout=120):
+            if out.index == 0:
+                tokens.extend(out.token_ids)
     return list(tokens)
+
+
+def decode_long(address: str, tokens: list[int]) -> list[int]:
+    """A ``Decode`` stream of LONG on the (decode) worker, its prompt computed there
+    (committed without a first token, as after a failed prefill): LONG_TOKENS greedy
+    tokens, CHOICES times, the first choice's appended to ``tokens`` as they stream;
+    all of them."""
+    reserved: queue.Queue[bool] = queue.Queue()
+
+    def messages():  # noqa: ANN202 - a request iterator
+        yield worker_pb2.DecodeRequest(start=worker_pb2.WorkerGenerateRequest(
+            request_id=f"long-decode-{time.monotonic_ns()}", prompt_token_ids=LONG,
+            sampling=common_pb2.SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0,
+                                               ignore_eos=True), n=CHOICES))
+        if not reserved.get(timeout=60):
+            return  # local: no commit
+        yield worker_pb2.DecodeRequest(commit=worker_pb2.DecodeCommit())
+
+    channel, s = stub(address)
+    with channel:
+        for msg in s.Decode(messages(), timeout=120):
+            if msg.HasField("reservation"):
+                reserved.put(not msg.reservation.local)
+            elif msg.output.index == 0:
+                tokens.extend(msg.output.token_ids)
+    return list(tokens)
+
+
+def running_across(change, stream, address: str, tokens_of):  # noqa: ANN001, ANN201
+    """Start ``stream(address, tokens)`` (a long request on the worker), make
+    ``change()`` once it streams, and check the change did not wait for it and it ends
+    with HF's tokens; the change's answer."""
+    with ThreadPoolExecutor(1) as pool:
+        tokens: list[int] = []
+        running = pool.submit(stream, address, tokens)
+        deadline = time.monotonic() + 30
+        while not tokens:
+            assert time.monotonic() < deadline and not running.done()
+            time.sleep(0.01)
+        answer = change()
+        assert len(tokens) < LONG_TOKENS, "the long request ended before the change"
+        assert running.result(60) == tokens_of()
+    return answer
 
 
 @pytest.fixture(scope="module")
 def role_cluster(tiny_checkpoints, tmp_path_factory):
     c = start(tiny_checkpoints["llama"], tmp_path_factory.mktemp("role-logs"), prefill=2,
-              decode=1, block_size=4, local_prefill_threshold=0)
+              decode=1, block_size=4, local_prefill_threshold=0, drain_grace_s=GRACE_S)
     yield c
     c.stop()
 
@@ -87,7 +134,7 @@ def test_role_changes_under_load_lose_no_request_and_no_block(role_cluster,
         # prefill -> decode, with a second change and a bad role asked meanwhile
         with ThreadPoolExecutor(1) as pool:
             changing = pool.submit(c.set_role, "prefill-1", "decode", "test: more decode")
-            time.sleep(0.5)  # it drains for 2 s (the grace) at least
+            time.sleep(0.2)  # it drains for the grace at least
             channel, s = stub(worker)
             with channel:
                 with pytest.raises(grpc.RpcError) as e:
@@ -100,29 +147,25 @@ def test_role_changes_under_load_lose_no_request_and_no_block(role_cluster,
                 assert all(r in e.value.details() for r in ("prefill", "decode", "mixed"))
             answer = changing.result(60)
         assert (answer.previous_role, answer.role) == ("prefill", "decode")
-        assert answer.kv_address and answer.drained_s >= 2.0
+        assert answer.kv_address and answer.drained_s >= GRACE_S
         assert c.workers[names.index("prefill-1")] == ("prefill-1", "decode")
         load.wait_routed("decode_worker", worker, len(load.results))
 
-        answer = c.set_role(worker, "mixed", "test: colocate")  # by address
+        # decode -> mixed with a long disaggregated request decoding here: the drain
+        # waits for reservations' KV, not for the sequences decoding.
+        long_reference = hf_greedy(tiny_checkpoints["llama"], [LONG], LONG_TOKENS)[0]
+        answer = running_across(lambda: c.set_role(worker, "mixed", "test: colocate"),
+                                decode_long, worker, lambda: long_reference)  # by address
         assert (answer.previous_role, answer.role, answer.kv_address) == ("decode", "mixed", "")
         assert load_of(worker).role == "mixed"
 
         # mixed -> prefill with a long request decoding here: a mixed worker has no KV
         # channel end to drain, so the change does not wait for it, and it ends in the
         # new role with HF's tokens.
-        with ThreadPoolExecutor(1) as pool:
-            tokens: list[int] = []
-            running = pool.submit(stream_long, worker, tokens)
-            deadline = time.monotonic() + 30
-            while not tokens:
-                assert time.monotonic() < deadline and not running.done()
-                time.sleep(0.01)
-            mark = len(load.results)
-            answer = c.set_role(names.index("prefill-1"), "prefill", "test: back")  # by index
-            assert len(tokens) < LONG_TOKENS, "the long request ended before the change"
-            assert running.result(60) == hf_greedy(tiny_checkpoints["llama"], [LONG],
-                                                   LONG_TOKENS)[0]
+        mark = len(load.results)
+        answer = running_across(
+            lambda: c.set_role(names.index("prefill-1"), "prefill", "test: back"),  # by index
+            stream_long, worker, lambda: long_reference)
         assert (answer.previous_role, answer.role, answer.drained_s) == ("mixed", "prefill", 0)
         load.wait_routed("worker", worker, mark)
         assert c.set_role("prefill-1", "prefill").drained_s == 0.0  # already: no-op

@@ -15,11 +15,13 @@ import json
 import logging
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ from workers.transfer.header import (
     message_plan,
     tag_for,
 )
+from workers.transfer.rendezvous import connect_store, listen_store
 from workers.transfer.state import StateCounters, TransferHandle
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -655,10 +658,8 @@ def test_decode_killed_mid_transfer_fails_send_and_prefill_serves_another_pair(
         assert result.state in (TransferState.FAILED, TransferState.TIMED_OUT), result
         assert time.monotonic() - killed < TEST_CFG["data_timeout_s"] + 1
         # Sending to the dead address again fails at once (connection refused), not
-        # after the 10 s connect timeout: nothing waits on a worker that is gone. Gone
-        # means reaped: a killed process still tearing down (torch's mappings, on busy
-        # cores) keeps its listening socket, whose backlog takes the connect and then
-        # resets it, and TCPStore's client retries a reset for its whole timeout.
+        # after the 10 s connect timeout: nothing waits on a worker that is gone. (Once
+        # reaped; while it tears down, within a store try: the next test.)
         victim.proc.wait(10)
         again = sender.send(address, "to-dead-decode-2", [3, 4], make_kv(11, lay, 2))
         result = again.wait(TEST_CFG["connect_timeout_s"] / 2)
@@ -675,6 +676,32 @@ def test_decode_killed_mid_transfer_fails_send_and_prefill_serves_another_pair(
         sender.close()
         victim.proc.kill()
         victim.stop()
+
+
+def test_joining_the_store_of_a_process_tearing_down_fails_within_a_try() -> None:
+    """A killed process still tearing down (torch's mappings, on busy cores) keeps its
+    listening socket a moment: its backlog takes the connect, then resets it, and
+    TCPStore's client alone retries for its whole timeout (10 s here). connect_store
+    joins in 1 s tries and probes the listener before each: refused once it is gone."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=8)  # never accepts
+    port = listener.getsockname()[1]
+    closer = threading.Timer(0.5, listener.close)
+    closer.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            connect_store("127.0.0.1", port, 10.0)
+        assert time.monotonic() - started < 5
+    finally:
+        closer.cancel()
+        listener.close()
+    server = listen_store("127.0.0.1", 0, 10.0)  # a live one: joined, with the whole timeout
+    try:
+        client = connect_store("127.0.0.1", server.port, 10.0)
+        client.set("k", b"v")
+        assert server.get("k") == b"v" and client.timeout == timedelta(seconds=10)
+    finally:
+        del server
 
 
 # --- early offers: offered while the prefill computes, decided after ---------------------

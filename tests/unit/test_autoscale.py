@@ -138,7 +138,7 @@ def test_a_switch_pays_for_its_role_changes_over_the_horizon():
     """2 mixed -> 1P+1D is two changes; meanwhile one worker serves (goodput 0.5 of
     the window's traffic here). Over a 60 s horizon 2 x 5 s of changes leave a 2x
     winner +75%; a 1.3x winner whose changes take 2 x 20 s loses; changes longer than
-    the horizon never pay."""
+    the horizon leave what one worker serves meanwhile."""
     scores = {MIXED.label: 1.0, SPLIT.label: 2.0, "1 mixed x1t": 0.5}
     s = _scaler(scores, window_s=60, min_dwell_s=30)
     d = s.decide(0.0, MIXED, RECORDS, {"mixed": 5.0})

@@ -84,14 +84,17 @@ def test_the_step_token_budget_reaches_every_worker_and_the_placement_rule() -> 
 
 def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
     config = DeploymentConfig(prefill=1, decode=1, model="/m", max_model_len=512,
-                              gpus_per_worker=1, drain_timeout_s=12, stall_probe_s=2.0)
+                              gpus_per_worker=1, drain_timeout_s=12, drain_grace_s=0.5,
+                              stall_probe_s=2.0)
     parser = build_parser()
     w = parser.parse_args(config.worker_args("decode", "10.0.0.5", 0, "redis://r:6379/0", 4,
                                              metrics_port=0))
     assert (w.command, w.role, w.host, w.port, w.threads) == ("worker", "decode", "10.0.0.5",
                                                               0, 4)
-    assert (w.redis_url, w.metrics_port, w.device, w.max_model_len, w.drain_timeout_s) == (
-        "redis://r:6379/0", 0, "cuda", 512, 12.0)
+    assert (w.redis_url, w.metrics_port, w.device, w.max_model_len, w.drain_timeout_s,
+            w.drain_grace_s) == ("redis://r:6379/0", 0, "cuda", 512, 12.0, 0.5)
+    with pytest.raises(DeploymentError, match="drain-grace-s -1"):
+        DeploymentConfig(drain_grace_s=-1)
     for profile in ("/p.json", None):  # the placement rule may come from a flag
         offered = DeploymentConfig(prefill=1, decode=1, profile=profile, kv_offer="after")
         assert parser.parse_args(offered.router_args(["a:1"], None)).kv_offer == "after"
@@ -227,7 +230,7 @@ ENGINE = ["model", "dtype", "kv_cache_gb", "block_size", "max_num_batched_tokens
 
 @pytest.mark.parametrize(("command", "shared"), [
     ("worker", [*ENGINE, "local_prefill_threshold", "transfer_timeout_s", "drain_timeout_s",
-                "cluster_tls_dir", "cluster_secret_file"]),
+                "drain_grace_s", "cluster_tls_dir", "cluster_secret_file"]),
     ("router", ["policy", "port", "http_port", "max_in_flight", "cluster_tls_dir", "tls_cert",
                 "tls_key", "profile", "itl_budget_ms", "max_num_batched_tokens"]),
     ("generate", ENGINE),

@@ -25,12 +25,16 @@ from workers.server import WorkerConfig
 class FakeLoop:
     busy: int = 0  # running requests the drain waits for
     reserved: int = 0  # reservations waiting for their KV
+    barriers: int = 0  # the engine thread's commands caught up with
     hooks: list[tuple[object, str]] = field(default_factory=list)
     engine: object = None
 
     def load(self) -> EngineLoad:
         return EngineLoad(running=self.busy, waiting=0, free_blocks=8, total_blocks=8,
                           reserved=self.reserved)
+
+    async def barrier(self) -> None:
+        self.barriers += 1
 
     def set_kv_receiver(self, expect: object, address: str = "") -> None:
         self.hooks.append((expect, address))
@@ -107,6 +111,7 @@ def test_each_role_drains_what_its_channel_end_carries() -> None:
         loop.reserved = 0
         done = await change
         assert done.role == "mixed" and 0.2 <= done.drained_s < 1  # 2 still run
+        assert loop.barriers == 1  # a reserve let in just before counted first
         s, loop, servicer, _, _ = switch("prefill", busy=1)
         change = asyncio.ensure_future(s.change("decode"))
         await asyncio.sleep(0.2)

@@ -94,14 +94,36 @@ def listen_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     return store
 
 
+STORE_ATTEMPT_S = 1.0
+"""How long one try to join a remote store waits before the listener is probed again."""
+
+
 def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A client of a remote store; raises within ``timeout_s`` if nobody answers, and
     at once (ConnectionRefusedError) when nothing listens there: TCPStore's client
     retries a refused connect for its whole timeout, which would keep every send to a
-    dead decode worker (and the prefill blocks it reads) waiting that long."""
-    with socket.create_connection((host, port), timeout=timeout_s):
-        pass
-    return dist.TCPStore(host, port, None, False, td(timeout_s), wait_for_workers=False)
+    dead decode worker (and the prefill blocks it reads) waiting that long.
+
+    A process dying (SIGKILLed, still tearing down) keeps its listening socket a moment:
+    the probe gets into its backlog, then the store's connect is reset, and TCPStore
+    would retry for the whole timeout. So the store is joined in tries of
+    :data:`STORE_ATTEMPT_S`, the listener probed before each: once it is gone, the
+    refusal is raised at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        with socket.create_connection((host, port), timeout=max(left, 0.001)):
+            pass
+        try:
+            store = dist.TCPStore(host, port, None, False,
+                                  td(max(min(STORE_ATTEMPT_S, left), 0.001)),
+                                  wait_for_workers=False)
+        except RuntimeError:  # DistNetworkError, DistStoreError: reset or no answer
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)  # a connect reset at once: not a busy loop
+        store.set_timeout(td(timeout_s))
+        return store
 
 
 def parse_address(address: str) -> tuple[str, int]:
