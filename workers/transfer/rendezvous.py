@@ -122,6 +122,7 @@ def connect_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)  # a connect reset at once: not a busy loop
+            continue
         store.set_timeout(td(timeout_s))
         return store
 
