@@ -24,7 +24,10 @@ The sweep's rates are ``fractions`` of that capacity (conversations/s for ``chat
 each rate point has ``duration_s`` of Poisson arrivals with fresh prompts, the same
 requests for every cluster; every seed repeats the sweep with other prompts and
 arrivals. Everything absolute that was used (capacity, SLOs, rates) is printed and
-saved. :mod:`benchmarks.headline_report` tabulates, checks the targets and plots.
+saved. :mod:`benchmarks.headline_report` tabulates, checks the targets and plots. Each
+sweep's workers trace their engine steps (``WORKLOAD-sSEED-CLUSTER-steps/``, unix
+times; each point's ``started_unix_s`` in the sweep file), so what the planner would
+have fitted and predicted at any moment can be replayed offline.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -86,8 +90,11 @@ def _sessions(requests: list[Request]) -> int:
         else len(requests)
 
 
-def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None) -> LocalClusterConfig:
+def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None,
+            steps: Path | None = None) -> LocalClusterConfig:
     extra: dict = dict(CLUSTERS[name])
+    if steps is not None:  # each worker's engine steps, to replay offline
+        extra["step_trace_dir"] = str(steps)
     if name == "adaptive":
         extra |= {"profile": o.profile, "autoscale": True,
                   "autoscale_interval_s": o.autoscale_interval_s,
@@ -131,7 +138,8 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
            out: Path) -> list[dict]:
     slo = SLO(cal["slo_ttft_ms"], cal["slo_tpot_ms"])
     points = []
-    with LocalCluster(_config(o, name, out, slo)) as cluster:
+    steps = out / f"{workload}-s{seed}-{name}-steps"
+    with LocalCluster(_config(o, name, out, slo, steps)) as cluster:
         cluster.wait_ready()
         cluster.warm()
         planner = None
@@ -148,13 +156,14 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
                 times = arrival_times(n, rate, 1.0, point_seed)
                 print(f"\n== {name}, {workload}, seed {seed}: {n} sessions at {rate:.3f}/s "
                       f"({fraction:.0%} of capacity) ==", flush=True)
+                started = time.time()  # the step traces' clock
                 m = run(RunOptions(cluster.target, tuple(reqs), tuple(times), slo=slo,
                                    progress=True),
                         str(out / f"{workload}-s{seed}-{name}-f{fraction:g}.json"),
                         {"cluster": name, "fraction": fraction, "rate": rate})
                 roles = [role for _, role in cluster.workers]
                 points.append({"cluster": name, "fraction": fraction, "rate": rate,
-                               "roles_after": roles, **m})
+                               "started_unix_s": started, "roles_after": roles, **m})
         finally:
             if planner is not None:
                 planner.stop()

@@ -1,0 +1,170 @@
+"""What the live planner would have predicted during a ``pdserve bench-headline`` run,
+against what the run measured on the same requests.
+
+The headline runs every load point's requests on a colocated cluster (2 mixed workers)
+and on a static split (1 prefill + 1 decode, every prompt remote), and their workers
+trace their engine steps (``WORKLOAD-sSEED-CLUSTER-steps/``). At times ``t`` through each
+point (every ``--every`` s, from one window in) this does what the live planner
+(:mod:`cluster.autoscale`) does at a decision:
+
+- the serving calibration, fitted on the steps one cluster's workers traced in
+  ``[t - span, t]`` (:func:`common.served_fit.fit_served_roles`; ``--spans``, default
+  the headline's window);
+- the traffic: the point's requests that arrived in ``[t - window, t]``;
+- each configuration's predicted goodput (:func:`planner.autoscale.simulated_goodput`,
+  the headline's SLOs): 2 mixed, and 1P + 1D with every prompt remote as the static
+  cluster runs.
+
+It prints, per point, the predicted split / mixed goodput ratio (median over the
+decisions) beside the measured static / colocated one. Fitted on colocated's steps, it
+is the planner's view while all workers are mixed, before any switch (no prefill or
+decode worker has stepped); fitted on static's, its view after a switch. A ratio
+predicted above the measured one is a planner that splits where it should not. Usage::
+
+    python -m benchmarks.planner_replay DIR [--profile FILE] [--spans 15,60]
+
+``DIR`` is the headline's ``--out``; ``--profile`` defaults to the one it ran with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from common.cost_model import Profile, load_profile
+from common.served_fit import ServedFitError, fit_served_roles
+from common.traffic import TrafficRecord
+from planner.autoscale import simulated_goodput
+from planner.config import PoolConfig
+from workers.step_trace import TracedStep, read_step_trace
+
+from .headline import requests_of
+
+THREADS = 1  # the headline's workers
+MIXED = PoolConfig("mixed", mixed_workers=2, mixed_threads=THREADS)
+SPLIT = PoolConfig("disaggregated", prefill_workers=1, decode_workers=1,
+                   prefill_threads=THREADS, decode_threads=THREADS)
+VIEWS = {"colocated": "before a switch", "static": "after a switch"}
+
+
+def traced(folder: Path) -> list[tuple[str, TracedStep]]:
+    """Every worker's steps with its role (files ``ROLE-PORT.steps.csv``), in time order."""
+    steps = [(f.name.split("-", 1)[0], s) for f in sorted(folder.glob("*.steps.csv"))
+             for s in read_step_trace(str(f))]
+    return sorted(steps, key=lambda rs: rs[1].start_unix_s)
+
+
+def traffic(point: dict, workload: str, seed: int, k: int) -> list[TrafficRecord]:
+    """The point's requests as the routers log them (arrival, prompt and output tokens)."""
+    d = point["details"]
+    reqs = requests_of(workload, len(d["sent"]), seed * 1000 + k)
+    return [TrafficRecord(point["started_unix_s"] + sent, len(r.prompt), 0, out)
+            for r, sent, out in zip(reqs, d["sent"], d["output_tokens"], strict=True)]
+
+
+def calibrated(profile: Profile, steps: list[tuple[str, TracedStep]], since: float,
+               until: float) -> Profile | None:
+    """``profile`` with the calibration fitted on the steps in ``[since, until]``; None:
+    refused (the planner then keeps its last one, or the profile's)."""
+    window = [(role, s.seconds, s.sums) for role, s in steps
+              if since <= s.start_unix_s <= until]
+    try:
+        return fit_served_roles(profile.steps[THREADS], THREADS, window).apply(profile)
+    except ServedFitError:
+        return None
+
+
+def replay(root: Path, profile: Profile, spans: list[float], every: float) -> list[dict]:
+    options = json.loads((root / "options.json").read_text())
+    window = 3 * options["autoscale_interval_s"]
+    rows = []
+    for workload in options["workloads"]:
+        cal = json.loads((root / f"{workload}-calibration.json").read_text())
+        for seed in options["seeds"]:
+            sweeps = {c: json.loads((root / f"{workload}-s{seed}-{c}-sweep.json").read_text())
+                      for c in ("colocated", "static")}
+            measured = {c: {p["fraction"]: p for p in pts} for c, pts in sweeps.items()}
+            for k, fraction in enumerate(sorted(measured["colocated"])):
+                coloc, static = measured["colocated"][fraction], measured["static"][fraction]
+                truth = (static["request_goodput"] / coloc["request_goodput"]
+                         if coloc["request_goodput"] else math.inf)
+                for view in VIEWS:
+                    point = measured[view][fraction]
+                    records = traffic(point, workload, seed, k)
+                    steps = traced(root / f"{workload}-s{seed}-{view}-steps")
+                    start, end = point["started_unix_s"], records[-1].arrival
+                    for span in spans:
+                        ratios, refused = [], 0
+                        t = start + window
+                        while t <= end + 1e-9:
+                            recent = [r for r in records if t - window <= r.arrival < t]
+                            fitted = calibrated(profile, steps, t - span, t)
+                            refused += fitted is None
+                            score = simulated_goodput(fitted or profile, THREADS,
+                                                      cal["slo_ttft_ms"], cal["slo_tpot_ms"],
+                                                      slo_profile=profile)
+                            if len(recent) >= 6:  # the headline planner's min_requests
+                                mixed, split = score(MIXED, recent), score(SPLIT, recent)
+                                ratios.append(split / mixed if mixed else math.inf)
+                            t += every
+                        rows.append({"workload": workload, "seed": seed,
+                                     "fraction": fraction, "view": view, "span_s": span,
+                                     "decisions": len(ratios), "refused": refused,
+                                     "predicted": float(np.median(ratios)) if ratios else None,
+                                     "predicted_min": min(ratios, default=None),
+                                     "predicted_max": max(ratios, default=None),
+                                     "measured": truth})
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    lines = ["split / mixed goodput: predicted by the planner at its decisions (median, "
+             "range) against measured static / colocated, the same requests",
+             f"{'workload':9s}{'seed':>5s}{'load':>6s}  {'steps of (planner view)':30s}"
+             f"{'span':>6s}{'n':>4s}{'refused':>8s}{'predicted':>11s}{'range':>15s}"
+             f"{'measured':>10s}"]
+    for r in rows:
+        pred = "-" if r["predicted"] is None else f"{r['predicted']:.2f}"
+        rng = ("-" if r["predicted"] is None
+               else f"{r['predicted_min']:.2f}-{r['predicted_max']:.2f}")
+        lines.append(f"{r['workload']:9s}{r['seed']:5d}{r['fraction']:6.0%}  "
+                     f"{r['view'] + ' (' + VIEWS[r['view']] + ')':30s}{r['span_s']:5.0f}s"
+                     f"{r['decisions']:4d}{r['refused']:8d}{pred:>11s}{rng:>15s}"
+                     f"{r['measured']:10.2f}")
+    for view in VIEWS:
+        for span in sorted({r["span_s"] for r in rows}):
+            logs = [math.log(r["predicted"] / r["measured"]) for r in rows
+                    if r["view"] == view and r["span_s"] == span and r["predicted"]
+                    and r["measured"] and math.isfinite(r["predicted"] * r["measured"])]
+            if logs:
+                lines.append(f"{view} steps, span {span:.0f}s: predicted / measured ratio, "
+                             f"geometric mean x{math.exp(np.mean(logs)):.2f} over "
+                             f"{len(logs)} points (1: unbiased; above: splits too eagerly)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("dir", type=Path)
+    p.add_argument("--profile", default=None)
+    p.add_argument("--spans", default=None,
+                   help="comma-separated seconds of steps each calibration is fitted on "
+                        "(default: the headline's window)")
+    p.add_argument("--every", type=float, default=None,
+                   help="seconds between decisions (default: the headline's interval)")
+    a = p.parse_args(argv)
+    options = json.loads((a.dir / "options.json").read_text())
+    profile = load_profile(a.profile or options["profile"])
+    window = 3 * options["autoscale_interval_s"]
+    spans = [float(s) for s in a.spans.split(",")] if a.spans else [window]
+    rows = replay(a.dir, profile, spans, a.every or options["autoscale_interval_s"])
+    print(report(rows))
+    (a.dir / "planner-replay.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
