@@ -18,7 +18,10 @@ point (every ``--every`` s, from one window in) this does what the live planner
 It prints, per point, the predicted split / mixed goodput ratio (median over the
 decisions) beside the measured static / colocated one. Fitted on colocated's steps, it
 is the planner's view while all workers are mixed, before any switch (no prefill or
-decode worker has stepped); fitted on static's, its view after a switch. A ratio
+decode worker has stepped); fitted on static's, its view after a switch. Fitted on the
+adaptive cluster's own steps and traffic, with the adaptive split (the router placing
+each prompt live) against mixed: measured is adaptive / colocated, which is the split's
+only where the adaptive cluster ran split through the point (column ``A ran``). A ratio
 predicted above the measured one is a planner that splits where it should not. Usage::
 
     python -m benchmarks.planner_replay DIR [--profile FILE] [--spans 15,60]
@@ -38,7 +41,7 @@ import numpy as np
 from common.cost_model import Profile, load_profile
 from common.served_fit import ServedFitError, fit_served_roles
 from common.traffic import TrafficRecord
-from planner.autoscale import simulated_goodput
+from planner.autoscale import reachable, simulated_goodput
 from planner.config import PoolConfig
 from workers.step_trace import TracedStep, read_step_trace
 
@@ -48,7 +51,9 @@ THREADS = 1  # the headline's workers
 MIXED = PoolConfig("mixed", mixed_workers=2, mixed_threads=THREADS)
 SPLIT = PoolConfig("disaggregated", prefill_workers=1, decode_workers=1,
                    prefill_threads=THREADS, decode_threads=THREADS)
-VIEWS = {"colocated": "before a switch", "static": "after a switch"}
+ADAPTIVE = reachable(2, THREADS, 32, 200.0, "layers")[1]  # the headline's, as it runs it
+VIEWS = {"colocated": "before a switch", "static": "after a switch",
+         "adaptive": "the planner's own"}
 
 
 def traced(folder: Path) -> list[tuple[str, TracedStep]]:
@@ -58,12 +63,30 @@ def traced(folder: Path) -> list[tuple[str, TracedStep]]:
     return sorted(steps, key=lambda rs: rs[1].start_unix_s)
 
 
-def traffic(point: dict, workload: str, seed: int, k: int) -> list[TrafficRecord]:
-    """The point's requests as the routers log them (arrival, prompt and output tokens)."""
-    d = point["details"]
+def traffic(root: Path, point: dict, workload: str, seed: int, k: int
+            ) -> list[TrafficRecord]:
+    """The point's requests as the routers log them (arrival, prompt and output tokens),
+    from its run's per-request details (``WORKLOAD-sSEED-CLUSTER-fFRACTION.json``)."""
+    run = root / f"{workload}-s{seed}-{point['cluster']}-f{point['fraction']:g}.json"
+    d = json.loads(run.read_text())["details"]
     reqs = requests_of(workload, len(d["sent"]), seed * 1000 + k)
     return [TrafficRecord(point["started_unix_s"] + sent, len(r.prompt), 0, out)
             for r, sent, out in zip(reqs, d["sent"], d["output_tokens"], strict=True)]
+
+
+def split_at(decisions: Path):  # noqa: ANN201 - (start, end) -> str
+    """Whether the adaptive cluster ran split between two times, from its decisions:
+    ``split``, ``mixed`` or ``both``."""
+    ds = json.loads(decisions.read_text())
+
+    def during(start: float, end: float) -> str:
+        kinds = {("mixed" if d["current"].endswith("mixed x1t") else "split")
+                 for d in ds if start <= d["at"] <= end}
+        kinds |= {"split" for d in ds if start <= d["at"] <= end and d["target"]
+                  and not d["target"].endswith("mixed x1t")}
+        return "both" if len(kinds) > 1 else next(iter(kinds), "-")
+
+    return during
 
 
 def calibrated(profile: Profile, steps: list[tuple[str, TracedStep]], since: float,
@@ -86,15 +109,17 @@ def replay(root: Path, profile: Profile, spans: list[float], every: float) -> li
         cal = json.loads((root / f"{workload}-calibration.json").read_text())
         for seed in options["seeds"]:
             sweeps = {c: json.loads((root / f"{workload}-s{seed}-{c}-sweep.json").read_text())
-                      for c in ("colocated", "static")}
+                      for c in VIEWS}
+            roles = split_at(root / f"{workload}-s{seed}-adaptive-decisions.json")
             measured = {c: {p["fraction"]: p for p in pts} for c, pts in sweeps.items()}
             for k, fraction in enumerate(sorted(measured["colocated"])):
-                coloc, static = measured["colocated"][fraction], measured["static"][fraction]
-                truth = (static["request_goodput"] / coloc["request_goodput"]
-                         if coloc["request_goodput"] else math.inf)
+                coloc = measured["colocated"][fraction]["request_goodput"]
                 for view in VIEWS:
                     point = measured[view][fraction]
-                    records = traffic(point, workload, seed, k)
+                    other = "adaptive" if view == "adaptive" else "static"
+                    truth = (measured[other][fraction]["request_goodput"] / coloc
+                             if coloc else math.inf)
+                    records = traffic(root, point, workload, seed, k)
                     steps = traced(root / f"{workload}-s{seed}-{view}-steps")
                     start, end = point["started_unix_s"], records[-1].arrival
                     for span in spans:
@@ -108,7 +133,8 @@ def replay(root: Path, profile: Profile, spans: list[float], every: float) -> li
                                                       cal["slo_ttft_ms"], cal["slo_tpot_ms"],
                                                       slo_profile=profile)
                             if len(recent) >= 6:  # the headline planner's min_requests
-                                mixed, split = score(MIXED, recent), score(SPLIT, recent)
+                                mixed = score(MIXED, recent)
+                                split = score(ADAPTIVE if view == "adaptive" else SPLIT, recent)
                                 ratios.append(split / mixed if mixed else math.inf)
                             t += every
                         rows.append({"workload": workload, "seed": seed,
@@ -117,7 +143,8 @@ def replay(root: Path, profile: Profile, spans: list[float], every: float) -> li
                                      "predicted": float(np.median(ratios)) if ratios else None,
                                      "predicted_min": min(ratios, default=None),
                                      "predicted_max": max(ratios, default=None),
-                                     "measured": truth})
+                                     "measured": truth,
+                                     "adaptive_split": roles(start, end)})
     return rows
 
 
@@ -126,7 +153,7 @@ def report(rows: list[dict]) -> str:
              "range) against measured static / colocated, the same requests",
              f"{'workload':9s}{'seed':>5s}{'load':>6s}  {'steps of (planner view)':30s}"
              f"{'span':>6s}{'n':>4s}{'refused':>8s}{'predicted':>11s}{'range':>15s}"
-             f"{'measured':>10s}"]
+             f"{'measured':>10s}{'A ran':>7s}"]
     for r in rows:
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.2f}"
         rng = ("-" if r["predicted"] is None
@@ -134,12 +161,13 @@ def report(rows: list[dict]) -> str:
         lines.append(f"{r['workload']:9s}{r['seed']:5d}{r['fraction']:6.0%}  "
                      f"{r['view'] + ' (' + VIEWS[r['view']] + ')':30s}{r['span_s']:5.0f}s"
                      f"{r['decisions']:4d}{r['refused']:8d}{pred:>11s}{rng:>15s}"
-                     f"{r['measured']:10.2f}")
+                     f"{r['measured']:10.2f}{r['adaptive_split']:>7s}")
     for view in VIEWS:
         for span in sorted({r["span_s"] for r in rows}):
             logs = [math.log(r["predicted"] / r["measured"]) for r in rows
                     if r["view"] == view and r["span_s"] == span and r["predicted"]
-                    and r["measured"] and math.isfinite(r["predicted"] * r["measured"])]
+                    and r["measured"] and math.isfinite(r["predicted"] * r["measured"])
+                    and (view != "adaptive" or r["adaptive_split"] == "split")]
             if logs:
                 lines.append(f"{view} steps, span {span:.0f}s: predicted / measured ratio, "
                              f"geometric mean x{math.exp(np.mean(logs)):.2f} over "
