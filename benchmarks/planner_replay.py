@@ -9,7 +9,9 @@ point (every ``--every`` s, from one window in) this does what the live planner
 
 - the serving calibration, fitted on the steps one cluster's workers traced in
   ``[t - span, t]`` (:func:`common.served_fit.fit_served_roles`; ``--spans``, default
-  the headline's window);
+  the headline's window), each step with the role its worker had then (the adaptive
+  cluster's rebuilt from its decisions); a refused fit keeps the last accepted one as
+  the planner does;
 - the traffic: the point's requests that arrived in ``[t - window, t]``;
 - each configuration's predicted goodput (:func:`planner.autoscale.simulated_goodput`,
   the headline's SLOs): 2 mixed, and 1P + 1D with every prompt remote as the static
@@ -34,14 +36,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from cluster.autoscale import KEEP_FIT_WINDOWS
 from common.cost_model import Profile, load_profile
 from common.served_fit import ServedFitError, fit_served_roles
 from common.traffic import TrafficRecord
-from planner.autoscale import reachable, simulated_goodput
+from planner.autoscale import reachable, role_changes, simulated_goodput
 from planner.config import PoolConfig
 from workers.step_trace import TracedStep, read_step_trace
 
@@ -56,19 +61,62 @@ VIEWS = {"colocated": "before a switch", "static": "after a switch",
          "adaptive": "the planner's own"}
 
 
-def traced(folder: Path) -> list[tuple[str, TracedStep]]:
-    """Every worker's steps with its role (files ``ROLE-PORT.steps.csv``), in time order."""
-    steps = [(f.name.split("-", 1)[0], s) for f in sorted(folder.glob("*.steps.csv"))
-             for s in read_step_trace(str(f))]
+def traced(folder: Path, role_at: Callable[[str, float], str] | None = None
+           ) -> list[tuple[str, TracedStep]]:
+    """Every worker's steps with its role, in time order. A trace file
+    (``ROLE-PORT.steps.csv``) keeps the role its worker started with; ``role_at(port,
+    time)`` gives the role a worker changed to (:func:`roles_over_time`)."""
+    steps = []
+    for f in sorted(folder.glob("*.steps.csv")):
+        first, port = f.name.split(".", 1)[0].split("-", 1)
+        steps += [(role_at(port, s.start_unix_s) if role_at else first, s)
+                  for s in read_step_trace(str(f))]
     return sorted(steps, key=lambda rs: rs[1].start_unix_s)
+
+
+def pools_of(label: str) -> PoolConfig:
+    """The pool sizes a decision's configuration label names (``2 mixed x1t``,
+    ``1P x1t + 1D x1t, ...``)."""
+    if m := re.match(r"(\d+) mixed x(\d+)t", label):
+        return PoolConfig("mixed", mixed_workers=int(m[1]), mixed_threads=int(m[2]))
+    m = re.match(r"(\d+)P x(\d+)t \+ (\d+)D x(\d+)t", label)
+    if m is None:
+        raise ValueError(f"not a configuration label: {label!r}")
+    return PoolConfig("disaggregated", prefill_workers=int(m[1]), prefill_threads=int(m[2]),
+                      decode_workers=int(m[3]), decode_threads=int(m[4]))
+
+
+def roles_over_time(decisions: Path, folder: Path) -> Callable[[str, float], str]:
+    """Each adaptive worker's role at a time (by the port its trace file names): all
+    mixed at first, then moved at every switch as the planner moves them
+    (:func:`planner.autoscale.role_changes`, on the workers' ``HOST:PORT`` addresses;
+    one host, so ports order them)."""
+    roles = {f.name.split(".", 1)[0].split("-", 1)[1]: "mixed"
+             for f in folder.glob("*.steps.csv")}
+    timeline: list[tuple[float, dict[str, str]]] = [(-math.inf, dict(roles))]
+    for d in json.loads(decisions.read_text()):
+        if d["action"] == "switch":
+            for worker, role in role_changes(roles, pools_of(d["target"])):
+                roles[worker] = role
+            timeline.append((d["at"], dict(roles)))
+
+    def role_at(port: str, at: float) -> str:
+        return next(r for t, r in reversed(timeline) if t <= at)[port]
+
+    return role_at
 
 
 def traffic(root: Path, point: dict, workload: str, seed: int, k: int
             ) -> list[TrafficRecord]:
     """The point's requests as the routers log them (arrival, prompt and output tokens),
     from its run's per-request details (``WORKLOAD-sSEED-CLUSTER-fFRACTION.json``)."""
+    if workload != "mixed":
+        raise ValueError(f"the replay rebuilds the mixed workload's requests, not {workload}'s")
     run = root / f"{workload}-s{seed}-{point['cluster']}-f{point['fraction']:g}.json"
     d = json.loads(run.read_text())["details"]
+    if point["failed"]:  # the details list the completed requests only
+        raise ValueError(f"{run.name}: {point['failed']} requests failed; the replay needs "
+                         "every request's send time")
     reqs = requests_of(workload, len(d["sent"]), seed * 1000 + k)
     return [TrafficRecord(point["started_unix_s"] + sent, len(r.prompt), 0, out)
             for r, sent, out in zip(reqs, d["sent"], d["output_tokens"], strict=True)]
@@ -80,10 +128,10 @@ def split_at(decisions: Path):  # noqa: ANN201 - (start, end) -> str
     ds = json.loads(decisions.read_text())
 
     def during(start: float, end: float) -> str:
-        kinds = {("mixed" if d["current"].endswith("mixed x1t") else "split")
-                 for d in ds if start <= d["at"] <= end}
-        kinds |= {"split" for d in ds if start <= d["at"] <= end and d["target"]
-                  and not d["target"].endswith("mixed x1t")}
+        now = [d for d in ds if start <= d["at"] <= end]
+        kinds = {"mixed" if pools_of(d["current"]).kind == "mixed" else "split" for d in now}
+        kinds |= {"mixed" if pools_of(d["target"]).kind == "mixed" else "split"
+                  for d in now if d["target"]}
         return "both" if len(kinds) > 1 else next(iter(kinds), "-")
 
     return during
@@ -120,15 +168,23 @@ def replay(root: Path, profile: Profile, spans: list[float], every: float) -> li
                     truth = (measured[other][fraction]["request_goodput"] / coloc
                              if coloc else math.inf)
                     records = traffic(root, point, workload, seed, k)
-                    steps = traced(root / f"{workload}-s{seed}-{view}-steps")
+                    folder = root / f"{workload}-s{seed}-{view}-steps"
+                    steps = traced(folder, roles_over_time(
+                        root / f"{workload}-s{seed}-adaptive-decisions.json", folder)
+                        if view == "adaptive" else None)
                     start, end = point["started_unix_s"], records[-1].arrival
                     for span in spans:
                         ratios, refused = [], 0
+                        kept: tuple[float, Profile] | None = None  # the last accepted
                         t = start + window
                         while t <= end + 1e-9:
                             recent = [r for r in records if t - window <= r.arrival < t]
                             fitted = calibrated(profile, steps, t - span, t)
                             refused += fitted is None
+                            if fitted is not None:
+                                kept = (t, fitted)
+                            elif kept and t - kept[0] <= KEEP_FIT_WINDOWS * window:
+                                fitted = kept[1]  # as the live planner keeps it
                             score = simulated_goodput(fitted or profile, THREADS,
                                                       cal["slo_ttft_ms"], cal["slo_tpot_ms"],
                                                       slo_profile=profile)

@@ -276,9 +276,10 @@ class DeploymentConfig:
         if self.max_num_batched_tokens < 1:
             raise DeploymentError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: "
                                   "a step's token budget must be >= 1")
-        if not (self.drain_timeout_s >= 0 and self.drain_grace_s >= 0):
-            raise DeploymentError(f"--drain-timeout-s {self.drain_timeout_s}, --drain-grace-s "
-                                  f"{self.drain_grace_s}: seconds must be >= 0")
+        if not 0 <= self.drain_grace_s < self.drain_timeout_s:
+            raise DeploymentError(f"--drain-grace-s {self.drain_grace_s}, --drain-timeout-s "
+                                  f"{self.drain_timeout_s}: the grace must be >= 0 and "
+                                  "shorter than the timeout (a drain waits the grace first)")
         if self.block_size < 0:
             raise DeploymentError(f"--block-size {self.block_size}: tokens per KV block "
                                   "must be >= 1, or 0 for the device's default")

@@ -152,7 +152,10 @@ class EngineLoop(ReservationDriver):
 
     async def barrier(self) -> None:
         """Returns once the engine thread has taken every command queued before this
-        call (a reserve queued earlier is placed, or waits for room, by then)."""
+        call (a reserve queued earlier is placed, or waits for room, by then); at once
+        when the loop no longer serves (its commands are dropped)."""
+        if not self.serving:
+            return
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -160,7 +163,11 @@ class EngineLoop(ReservationDriver):
             if not done.done():  # the waiter may have given up
                 done.set_result(None)
 
-        self.call_soon(lambda: loop.call_soon_threadsafe(passed))
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the waiter's loop closed
+                loop.call_soon_threadsafe(passed)
+
+        self.call_soon(wake)
         await done
 
     def set_kv_receiver(self, kv_expect: KVExpect | None, kv_address: str = "") -> None:

@@ -40,8 +40,9 @@ the registry: it runs on to its end, bounded by the drain timeout.
 
 Stragglers (a router that missed the departure) are served in the role they find, and
 none is lost: a ``Prefill`` on a worker no longer prefill is refused and the decode
-worker computes the prompt; a ``Decode`` on one no longer decode is refused UNAVAILABLE
-and the router reserves on another; a reservation placed with the old receiver just
+worker computes the prompt; a ``Decode`` on one no longer decode is refused
+FAILED_PRECONDITION and the router reserves on another (one let in just before the change
+reserves locally: computed here); a reservation placed with the old receiver just
 before it closed is computed here. ``Generate`` works in every role.
 
 Trust: ``SetRole`` is a call of the internal ``Worker`` service like ``Prefill`` and
@@ -169,10 +170,12 @@ async def wait_idle(loop: EngineLoop, in_transfer: Callable[[], int], grace_s: f
         idle = not (busy or (not channel_only and (load.running or load.waiting)))
         if idle and took >= grace_s and channel_only:
             # A reserve let in just before is queued, not counted yet: once the engine
-            # took it, it is registered with the receiver (in transfer) or waits.
+            # took it, a placed one is registered with the receiver (in transfer); one
+            # waiting for room may not show until the next step, and runs locally
+            # after the swap.
             try:
                 await asyncio.wait_for(loop.barrier(), timeout_s - took)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # Python 3.10: not the builtin TimeoutError
                 return None
             idle = not (loop.load().reserved or in_transfer())
         if idle and took >= grace_s:

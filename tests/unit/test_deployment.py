@@ -95,6 +95,8 @@ def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
             w.drain_grace_s) == ("redis://r:6379/0", 0, "cuda", 512, 12.0, 0.5)
     with pytest.raises(DeploymentError, match="drain-grace-s -1"):
         DeploymentConfig(drain_grace_s=-1)
+    with pytest.raises(DeploymentError, match="shorter than the timeout"):
+        DeploymentConfig(drain_grace_s=5, drain_timeout_s=5)
     for profile in ("/p.json", None):  # the placement rule may come from a flag
         offered = DeploymentConfig(prefill=1, decode=1, profile=profile, kv_offer="after")
         assert parser.parse_args(offered.router_args(["a:1"], None)).kv_offer == "after"
@@ -213,7 +215,8 @@ def _other_value(f: dataclasses.Field, action: argparse.Action) -> tuple[list[st
 def test_each_up_flag_sets_its_field() -> None:
     up = _actions("up")
     parser = build_parser()
-    base = ["up", "--prefill", "1", "--decode", "1"]
+    # a grace below any timeout the loop sets (the flag given again wins)
+    base = ["up", "--prefill", "1", "--decode", "1", "--drain-grace-s", "0.1"]
     for f in dataclasses.fields(DeploymentConfig):
         choices = up[f.name].choices
         if choices is not None and len(choices) == 1:  # nothing else to set it to
