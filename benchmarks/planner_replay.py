@@ -36,54 +36,36 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from cluster.autoscale import KEEP_FIT_WINDOWS
+from cluster.deployment import DeploymentConfig
 from common.cost_model import Profile, load_profile
 from common.served_fit import ServedFitError, fit_served_roles
 from common.traffic import TrafficRecord
 from planner.autoscale import reachable, role_changes, simulated_goodput
 from planner.config import PoolConfig
-from workers.step_trace import TracedStep, read_step_trace
+from workers.step_trace import TracedStep
 
 from .headline import requests_of
+from .served_replay import role_and_port, traced_steps
 
 THREADS = 1  # the headline's workers
-MIXED = PoolConfig("mixed", mixed_workers=2, mixed_threads=THREADS)
-SPLIT = PoolConfig("disaggregated", prefill_workers=1, decode_workers=1,
-                   prefill_threads=THREADS, decode_threads=THREADS)
-ADAPTIVE = reachable(2, THREADS, 32, 200.0, "layers")[1]  # the headline's, as it runs it
+_D = DeploymentConfig()  # the headline's adaptive cluster runs the defaults
+MIXED, ADAPTIVE = reachable(2, THREADS, _D.local_prefill_threshold, _D.itl_budget_ms,
+                            _D.kv_offer)  # its planner's candidates
+SPLIT = reachable(2, THREADS, 0)[1]  # every prompt remote: the static cluster
+CANDIDATES = {c.label: c for c in (MIXED, ADAPTIVE)}
 VIEWS = {"colocated": "before a switch", "static": "after a switch",
          "adaptive": "the planner's own"}
 
 
-def traced(folder: Path, role_at: Callable[[str, float], str] | None = None
-           ) -> list[tuple[str, TracedStep]]:
-    """Every worker's steps with its role, in time order. A trace file
-    (``ROLE-PORT.steps.csv``) keeps the role its worker started with; ``role_at(port,
-    time)`` gives the role a worker changed to (:func:`roles_over_time`)."""
-    steps = []
-    for f in sorted(folder.glob("*.steps.csv")):
-        first, port = f.name.split(".", 1)[0].split("-", 1)
-        steps += [(role_at(port, s.start_unix_s) if role_at else first, s)
-                  for s in read_step_trace(str(f))]
-    return sorted(steps, key=lambda rs: rs[1].start_unix_s)
-
-
 def pools_of(label: str) -> PoolConfig:
-    """The pool sizes a decision's configuration label names (``2 mixed x1t``,
-    ``1P x1t + 1D x1t, ...``)."""
-    if m := re.match(r"(\d+) mixed x(\d+)t", label):
-        return PoolConfig("mixed", mixed_workers=int(m[1]), mixed_threads=int(m[2]))
-    m = re.match(r"(\d+)P x(\d+)t \+ (\d+)D x(\d+)t", label)
-    if m is None:
-        raise ValueError(f"not a configuration label: {label!r}")
-    return PoolConfig("disaggregated", prefill_workers=int(m[1]), prefill_threads=int(m[2]),
-                      decode_workers=int(m[3]), decode_threads=int(m[4]))
+    """The candidate a decision names by its label."""
+    return CANDIDATES[label]
 
 
 def roles_over_time(decisions: Path, folder: Path) -> Callable[[str, float], str]:
@@ -91,8 +73,7 @@ def roles_over_time(decisions: Path, folder: Path) -> Callable[[str, float], str
     mixed at first, then moved at every switch as the planner moves them
     (:func:`planner.autoscale.role_changes`, on the workers' ``HOST:PORT`` addresses;
     one host, so ports order them)."""
-    roles = {f.name.split(".", 1)[0].split("-", 1)[1]: "mixed"
-             for f in folder.glob("*.steps.csv")}
+    roles = {role_and_port(f)[1]: "mixed" for f in folder.glob("*.steps.csv")}
     timeline: list[tuple[float, dict[str, str]]] = [(-math.inf, dict(roles))]
     for d in json.loads(decisions.read_text()):
         if d["action"] == "switch":
@@ -169,7 +150,7 @@ def replay(root: Path, profile: Profile, spans: list[float], every: float) -> li
                              if coloc else math.inf)
                     records = traffic(root, point, workload, seed, k)
                     folder = root / f"{workload}-s{seed}-{view}-steps"
-                    steps = traced(folder, roles_over_time(
+                    steps = traced_steps(folder, roles_over_time(
                         root / f"{workload}-s{seed}-adaptive-decisions.json", folder)
                         if view == "adaptive" else None)
                     start, end = point["started_unix_s"], records[-1].arrival

@@ -33,6 +33,7 @@ import argparse
 import json
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -50,13 +51,29 @@ def trace_dir_name(label: str) -> str:
     return run_name(label) + "-steps"
 
 
-def candidate_steps(root: Path, label: str) -> list[tuple[str, TracedStep]]:
-    """Every worker's traced steps with its role (files ``ROLE-PORT.steps.csv``), in time
-    order."""
+def role_and_port(trace: Path) -> tuple[str, str]:
+    """The role a worker started with and its port, from its trace file's name
+    (``ROLE-PORT.steps.csv``, :func:`cluster.deployment.step_trace_path`)."""
+    role, port = trace.name.split(".", 1)[0].split("-", 1)
+    return role, port
+
+
+def traced_steps(folder: Path, role_at: Callable[[str, float], str] | None = None
+                 ) -> list[tuple[str, TracedStep]]:
+    """Every worker's traced steps in ``folder`` with its role, in time order. A trace
+    file keeps the role its worker started with; ``role_at(port, time)``, when given,
+    says the role a worker had at a step (one that changed roles in place)."""
     steps: list[tuple[str, TracedStep]] = []
-    for f in sorted((root / trace_dir_name(label)).glob("*.steps.csv")):
-        steps += [(f.name.split("-", 1)[0], s) for s in read_step_trace(str(f))]
+    for f in sorted(folder.glob("*.steps.csv")):
+        first, port = role_and_port(f)
+        steps += [(role_at(port, s.start_unix_s) if role_at else first, s)
+                  for s in read_step_trace(str(f))]
     return sorted(steps, key=lambda rs: rs[1].start_unix_s)
+
+
+def candidate_steps(root: Path, label: str) -> list[tuple[str, TracedStep]]:
+    """A validation candidate's traced steps with their roles, in time order."""
+    return traced_steps(root / trace_dir_name(label))
 
 
 def waves_profile(profile: Profile, threads: int, serving: dict) -> Profile:

@@ -229,11 +229,7 @@ def current_config(roles: dict[str, str],
     None when none does (a role change half done)."""
     n = {r: sum(1 for role in roles.values() if role == r)
          for r in ("mixed", "prefill", "decode")}
-    for c in candidates:
-        if (c.mixed_workers, c.prefill_workers, c.decode_workers) == (
-                n["mixed"], n["prefill"], n["decode"]):
-            return c
-    return None
+    return next((c for c in candidates if _sizes(c) == n), None)
 
 
 def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None = None,

@@ -163,12 +163,15 @@ async def wait_idle(loop: EngineLoop, in_transfer: Callable[[], int], grace_s: f
     before routers saw this worker leave may still come). ``channel_only``: only what
     is reserved or in transfer (what runs and waits goes on). Seconds it took; None when
     ``timeout_s`` passed first."""
+    def idle() -> bool:
+        load = loop.load()
+        return not (load.reserved or in_transfer()
+                    or (not channel_only and (load.running or load.waiting)))
+
     started = time.monotonic()
     while (took := time.monotonic() - started) < timeout_s:
-        load = loop.load()
-        busy = load.reserved or in_transfer()
-        idle = not (busy or (not channel_only and (load.running or load.waiting)))
-        if idle and took >= grace_s and channel_only:
+        drained = idle()
+        if drained and took >= grace_s and channel_only:
             # A reserve let in just before is queued, not counted yet: once the engine
             # took it, a placed one is registered with the receiver (in transfer); one
             # waiting for room may not show until the next step, and runs locally
@@ -177,8 +180,8 @@ async def wait_idle(loop: EngineLoop, in_transfer: Callable[[], int], grace_s: f
                 await asyncio.wait_for(loop.barrier(), timeout_s - took)
             except asyncio.TimeoutError:  # Python 3.10: not the builtin TimeoutError
                 return None
-            idle = not (loop.load().reserved or in_transfer())
-        if idle and took >= grace_s:
+            drained = idle()
+        if drained and took >= grace_s:
             return took
         await asyncio.sleep(0.1)
     return None

@@ -234,7 +234,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "Decode: the first message must be `start`")
         req = await _typed(first.start, context)
-        # The role changed since the check above: the reservation is local (computed here).
+        # Should the role change after the check above, the reservation is local (the
+        # engine loop places it with no receiver): computed here, not refused.
         commit, stream = self._loop.reserve(req, self._config.local_prefill_threshold)
 
         async def read_commit() -> None:
