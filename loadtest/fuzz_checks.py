@@ -213,7 +213,10 @@ def check_http(status: int, content_type: str, body: bytes) -> list[tuple[str, s
 
 
 def _check_sse(text: str) -> list[tuple[str, str, str]]:
-    events = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+    # The SSE grammar ends lines at CR, LF or CRLF only; str.splitlines also breaks
+    # at NEL, U+2028 and U+2029, which may stand raw inside an event's JSON.
+    lines = re.split(r"\r\n|\r|\n", text)
+    events = [line[5:].strip() for line in lines if line.startswith("data:")]
     if not events or events[-1] != "[DONE]":
         return [("bad answer", "200", f"SSE stream does not end with [DONE]: {text[-200:]!r}")]
     out: list[tuple[str, str, str]] = []

@@ -145,6 +145,18 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
+# Characters that Python's ``str.splitlines`` and some clients' line readers take
+# for line breaks although server-sent events break lines only at CR and LF.
+_LINE_BREAKS_OUTSIDE_SSE = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def dumps_event(obj: Any) -> str:
+    """``dumps`` for one server-sent event's ``data:`` line: the same JSON, with the
+    Unicode line separators (NEL, U+2028, U+2029) escaped so that no client that
+    splits lines more eagerly than the SSE grammar cuts an event in two."""
+    return dumps(obj).translate(_LINE_BREAKS_OUTSIDE_SSE)
+
+
 class _NotJson(ValueError):
     """A refusal of ours while parsing; its text is meant for the client."""
 

@@ -48,7 +48,7 @@ import grpc
 from protos.pdserve.v1 import common_pb2
 from router.errors import RouterError, http_status, to_public
 
-from .protocol import ApiError, RouterLike, dumps
+from .protocol import ApiError, RouterLike, dumps_event
 
 LOGPROB_FLOOR = -9999.0  # what a -inf / NaN logprob is reported as (JSON has no inf)
 
@@ -69,7 +69,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def sse(obj: Any) -> bytes:
     """One server-sent event carrying ``obj`` as JSON."""
-    return b"data: " + dumps(obj).encode() + b"\n\n"
+    return b"data: " + dumps_event(obj).encode() + b"\n\n"
 
 
 # --------------------------------------------------------------------------- errors

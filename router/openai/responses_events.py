@@ -26,14 +26,14 @@ from typing import Any
 
 from protos.pdserve.v1 import api_pb2, common_pb2
 
-from .protocol import ApiError, dumps
+from .protocol import ApiError, dumps_event
 from .render import Renderer, Strings
 from .responses_api import ResponsesCall
 
 
 def sse_event(obj: dict[str, Any]) -> bytes:
     """One Responses server-sent event: its ``type`` as the event name, then the JSON."""
-    return f"event: {obj['type']}\ndata: {dumps(obj)}\n\n".encode()
+    return f"event: {obj['type']}\ndata: {dumps_event(obj)}\n\n".encode()
 
 
 def _usage(chat: dict[str, Any]) -> dict[str, Any]:
