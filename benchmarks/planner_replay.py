@@ -24,7 +24,13 @@ decode worker has stepped); fitted on static's, its view after a switch. Fitted 
 adaptive cluster's own steps and traffic, with the adaptive split (the router placing
 each prompt live) against mixed: measured is adaptive / colocated, which is the split's
 only where the adaptive cluster ran split through the point (column ``A ran``). A ratio
-predicted above the measured one is a planner that splits where it should not. Usage::
+predicted above the measured one is a planner that splits where it should not.
+
+View ``remembered`` is the adaptive cluster's again, each configuration scored as the
+live planner now scores it (:class:`planner.autoscale.FitMemory`): with the calibration
+of the last window it served whole (one that began after the last switch), kept for
+``AutoscaleConfig.memory_s`` through the seed's points, else with the window's. Column
+``own`` says which of mixed (m) and the split (s) had their own. Usage::
 
     python -m benchmarks.planner_replay DIR [--profile FILE] [--spans 15,60]
 
@@ -46,7 +52,13 @@ from cluster.deployment import DeploymentConfig
 from common.cost_model import Profile, load_profile
 from common.served_fit import ServedFitError, fit_served_roles
 from common.traffic import TrafficRecord
-from planner.autoscale import reachable, role_changes, simulated_goodput
+from planner.autoscale import (
+    AutoscaleConfig,
+    FitMemory,
+    reachable,
+    role_changes,
+    simulated_goodput,
+)
 from planner.config import PoolConfig
 from workers.step_trace import TracedStep
 
@@ -60,7 +72,7 @@ MIXED, ADAPTIVE = reachable(2, THREADS, _D.local_prefill_threshold, _D.itl_budge
 SPLIT = reachable(2, THREADS, 0)[1]  # every prompt remote: the static cluster
 CANDIDATES = {c.label: c for c in (MIXED, ADAPTIVE)}
 VIEWS = {"colocated": "before a switch", "static": "after a switch",
-         "adaptive": "the planner's own"}
+         "adaptive": "the planner's own", "remembered": "each its own"}
 
 
 def pools_of(label: str) -> PoolConfig:
@@ -130,57 +142,111 @@ def calibrated(profile: Profile, steps: list[tuple[str, TracedStep]], since: flo
         return None
 
 
+def switches_of(decisions: Path) -> tuple[list[float], Callable[[float], str]]:
+    """The adaptive cluster's switch times, and the configuration it ran at a time."""
+    ds = json.loads(decisions.read_text())
+    moved = [(d["at"], d["target"]) for d in ds if d["action"] == "switch"]
+
+    def running(at: float) -> str:
+        return next((label for t, label in reversed(moved) if t <= at), MIXED.label)
+
+    return [t for t, _ in moved], running
+
+
+class Scores:
+    """The headline's goodput score on a calibrated profile, one per profile."""
+
+    def __init__(self, profile: Profile, cal: dict) -> None:
+        self.profile, self.cal = profile, cal
+        self._on: dict[int, tuple[Profile, Callable]] = {}
+
+    def on(self, fitted: Profile | None) -> Callable:
+        p = fitted or self.profile
+        if id(p) not in self._on:
+            self._on[id(p)] = (p, simulated_goodput(
+                p, THREADS, self.cal["slo_ttft_ms"], self.cal["slo_tpot_ms"],
+                slo_profile=self.profile))
+        return self._on[id(p)][1]
+
+
+def decisions_at(records: list[TrafficRecord], steps: list[tuple[str, TracedStep]],
+                 times: list[float], window: float, span: float, scores: Scores,
+                 split: PoolConfig, memory: FitMemory | None = None,
+                 switches: tuple[list[float], Callable[[float], str]] | None = None
+                 ) -> tuple[list[float], int, set[str]]:
+    """The predicted split / mixed goodput at each decision time with enough traffic,
+    the refused fits, and (``memory``: the remembered view) which of mixed (m) and the
+    split (s) were scored with their own calibration."""
+    ratios, refused, owns = [], 0, set()
+    kept: tuple[float, Profile] | None = None  # the last accepted
+    for t in times:
+        recent = [r for r in records if t - window <= r.arrival < t]
+        fitted = calibrated(scores.profile, steps, t - span, t)
+        refused += fitted is None
+        if fitted is not None:
+            kept = (t, fitted)
+            if memory is not None and switches is not None:
+                last = max((a for a in switches[0] if a <= t), default=-math.inf)
+                if t - window >= last:  # a window the running configuration served whole
+                    memory.note(switches[1](t), fitted, t)
+        elif kept and t - kept[0] <= KEEP_FIT_WINDOWS * window:
+            fitted = kept[1]  # as the live planner keeps it
+        if len(recent) < 6:  # the headline planner's min_requests
+            continue
+        own = {c.label: memory.own(c.label, t) if memory else None for c in (MIXED, split)}
+        owns.add("".join(k for k, c in (("m", MIXED), ("s", split)) if own[c.label]) or "-")
+        mixed = scores.on(own[MIXED.label] or fitted)(MIXED, recent)
+        ratio = scores.on(own[split.label] or fitted)(split, recent)
+        ratios.append(ratio / mixed if mixed else math.inf)
+    return ratios, refused, owns
+
+
 def replay(root: Path, profile: Profile, spans: list[float], every: float) -> list[dict]:
     options = json.loads((root / "options.json").read_text())
     window = 3 * options["autoscale_interval_s"]
+    keep_s = AutoscaleConfig(window_s=window).memory_s
     rows = []
     for workload in options["workloads"]:
-        cal = json.loads((root / f"{workload}-calibration.json").read_text())
+        scores = Scores(profile, json.loads(
+            (root / f"{workload}-calibration.json").read_text()))
         for seed in options["seeds"]:
             sweeps = {c: json.loads((root / f"{workload}-s{seed}-{c}-sweep.json").read_text())
-                      for c in VIEWS}
-            roles = split_at(root / f"{workload}-s{seed}-adaptive-decisions.json")
+                      for c in ("colocated", "static", "adaptive")}
+            decisions = root / f"{workload}-s{seed}-adaptive-decisions.json"
+            roles, switches = split_at(decisions), switches_of(decisions)
             measured = {c: {p["fraction"]: p for p in pts} for c, pts in sweeps.items()}
+            memories = {span: FitMemory(keep_s) for span in spans}  # through the points
             for k, fraction in enumerate(sorted(measured["colocated"])):
                 coloc = measured["colocated"][fraction]["request_goodput"]
                 for view in VIEWS:
-                    point = measured[view][fraction]
-                    other = "adaptive" if view == "adaptive" else "static"
-                    truth = (measured[other][fraction]["request_goodput"] / coloc
+                    ran = "static" if view in ("colocated", "static") else "adaptive"
+                    point = measured["adaptive" if view == "remembered" else view][fraction]
+                    truth = (measured[ran][fraction]["request_goodput"] / coloc
                              if coloc else math.inf)
                     records = traffic(root, point, workload, seed, k)
-                    folder = root / f"{workload}-s{seed}-{view}-steps"
-                    steps = traced_steps(folder, roles_over_time(
-                        root / f"{workload}-s{seed}-adaptive-decisions.json", folder)
-                        if view == "adaptive" else None)
+                    cluster = "adaptive" if view == "remembered" else view
+                    folder = root / f"{workload}-s{seed}-{cluster}-steps"
+                    steps = traced_steps(folder, roles_over_time(decisions, folder)
+                                         if cluster == "adaptive" else None)
                     start, end = point["started_unix_s"], records[-1].arrival
+                    times, t = [], start + window
+                    while t <= end + 1e-9:
+                        times.append(t)
+                        t += every
                     for span in spans:
-                        ratios, refused = [], 0
-                        kept: tuple[float, Profile] | None = None  # the last accepted
-                        t = start + window
-                        while t <= end + 1e-9:
-                            recent = [r for r in records if t - window <= r.arrival < t]
-                            fitted = calibrated(profile, steps, t - span, t)
-                            refused += fitted is None
-                            if fitted is not None:
-                                kept = (t, fitted)
-                            elif kept and t - kept[0] <= KEEP_FIT_WINDOWS * window:
-                                fitted = kept[1]  # as the live planner keeps it
-                            score = simulated_goodput(fitted or profile, THREADS,
-                                                      cal["slo_ttft_ms"], cal["slo_tpot_ms"],
-                                                      slo_profile=profile)
-                            if len(recent) >= 6:  # the headline planner's min_requests
-                                mixed = score(MIXED, recent)
-                                split = score(ADAPTIVE if view == "adaptive" else SPLIT, recent)
-                                ratios.append(split / mixed if mixed else math.inf)
-                            t += every
+                        remembered = view == "remembered"
+                        ratios, refused, owns = decisions_at(
+                            records, steps, times, window, span, scores,
+                            ADAPTIVE if cluster == "adaptive" else SPLIT,
+                            memories[span] if remembered else None,
+                            switches if remembered else None)
                         rows.append({"workload": workload, "seed": seed,
                                      "fraction": fraction, "view": view, "span_s": span,
                                      "decisions": len(ratios), "refused": refused,
                                      "predicted": float(np.median(ratios)) if ratios else None,
                                      "predicted_min": min(ratios, default=None),
                                      "predicted_max": max(ratios, default=None),
-                                     "measured": truth,
+                                     "measured": truth, "own": ",".join(sorted(owns)),
                                      "adaptive_split": roles(start, end)})
     return rows
 
@@ -190,7 +256,7 @@ def report(rows: list[dict]) -> str:
              "range) against measured static / colocated, the same requests",
              f"{'workload':9s}{'seed':>5s}{'load':>6s}  {'steps of (planner view)':30s}"
              f"{'span':>6s}{'n':>4s}{'refused':>8s}{'predicted':>11s}{'range':>15s}"
-             f"{'measured':>10s}{'A ran':>7s}"]
+             f"{'measured':>10s}{'A ran':>7s}{'own':>6s}"]
     for r in rows:
         pred = "-" if r["predicted"] is None else f"{r['predicted']:.2f}"
         rng = ("-" if r["predicted"] is None
@@ -198,13 +264,14 @@ def report(rows: list[dict]) -> str:
         lines.append(f"{r['workload']:9s}{r['seed']:5d}{r['fraction']:6.0%}  "
                      f"{r['view'] + ' (' + VIEWS[r['view']] + ')':30s}{r['span_s']:5.0f}s"
                      f"{r['decisions']:4d}{r['refused']:8d}{pred:>11s}{rng:>15s}"
-                     f"{r['measured']:10.2f}{r['adaptive_split']:>7s}")
+                     f"{r['measured']:10.2f}{r['adaptive_split']:>7s}"
+                     f"{r['own'] if r['view'] == 'remembered' else '':>6s}")
     for view in VIEWS:
         for span in sorted({r["span_s"] for r in rows}):
             logs = [math.log(r["predicted"] / r["measured"]) for r in rows
                     if r["view"] == view and r["span_s"] == span and r["predicted"]
                     and r["measured"] and math.isfinite(r["predicted"] * r["measured"])
-                    and (view != "adaptive" or r["adaptive_split"] == "split")]
+                    and (view in ("colocated", "static") or r["adaptive_split"] == "split")]
             if logs:
                 lines.append(f"{view} steps, span {span:.0f}s: predicted / measured ratio, "
                              f"geometric mean x{math.exp(np.mean(logs)):.2f} over "

@@ -13,7 +13,12 @@ own where they make a fit), so the simulator runs at the machine's speed of thos
 minutes. A window whose steps make no fit (too few, a quiet window; or factors no
 machine's speed explains, which a few seconds of steps can give) keeps the last accepted
 calibration while it is at most :data:`KEEP_FIT_WINDOWS` windows old, then the
-profile's own. A
+profile's own. A window the current configuration served whole (no role change inside
+it) is also remembered as that configuration's own calibration
+(:class:`planner.autoscale.FitMemory`, ``AutoscaleConfig.remember_s``): each candidate is
+scored with its own while it has one, else with the window's, and a candidate without
+one must win by ``min_gain_unproven`` (the steps of one configuration misjudge another's
+by up to 2x; :mod:`planner.autoscale`). A
 ``switch`` is carried out one worker at a time
 (:meth:`cluster.local.LocalCluster.set_role`: the worker drains, swaps its KV channel end
 and registers again, weights kept; the router follows through the registry and, while no
@@ -58,11 +63,14 @@ from planner.autoscale import (
     AutoscaleConfig,
     Autoscaler,
     Decision,
+    FitMemory,
+    Score,
     current_config,
     reachable,
     role_changes,
     simulated_goodput,
 )
+from planner.config import PoolConfig
 from workers.engine.params import resolve_block_size
 
 from .local import LocalCluster, free_port
@@ -108,8 +116,11 @@ class AutoscaleLoop:
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
         self.steps = StepLog(self._redis, Path(c.model).name)
         self.calibration: ServedFits | None = None
-        """The served steps' calibration the last decision simulated with (None: the
-        profile's own)."""
+        """The window's served steps' calibration the last decision simulated with (None:
+        the profile's own); a candidate with its own in :attr:`memory` took that."""
+        self.memory: FitMemory[ServedFits] = FitMemory(self.config.memory_s)
+        self._settled_at = -math.inf  # when the last switch's role changes ended
+        self._scored: tuple = (None, {})  # what the autoscaler's score simulates with
         self._refused: tuple[str, bool] | None = None  # the last refusal's kind and if kept
         self._fitted_at = -math.inf  # when the calibration was fitted
         self.metrics = metrics or Metrics({"component": "planner"})
@@ -144,17 +155,17 @@ class AutoscaleLoop:
     def tick(self, now: float) -> Decision | None:
         """One decision and, on a switch, its role changes (blocking through drains).
         None while the workers' roles form no configuration (a change half done)."""
-        roles = dict(zip(self.cluster.worker_addresses,
-                         (role for _, role in self.cluster.workers), strict=True))
+        roles = self._roles()
         current = current_config(roles, self.autoscaler.candidates)
         if current is None:
             return None
         records = self.traffic.recent(now - self.config.window_s)
         self.recalibrate(now)
-        d = self.autoscaler.decide(now, current, records, self.move_estimates(records))
+        proven = self.memory.proven(now)
+        d = self.autoscaler.decide(now, current, records, self.move_estimates(records),
+                                   proven)
         self.decisions.append(d)
-        self.step_models.append(self.calibration.describe() if self.calibration
-                                else "the profile's")
+        self.step_models.append(self._describe(proven))
         self.metrics.inc("planner_decisions_total", action=d.action, reason=d.reason)
         for label, goodput in d.scores.items():
             self.metrics.set("planner_predicted_goodput", goodput, config=label)
@@ -165,21 +176,39 @@ class AutoscaleLoop:
         log.info("autoscale: %s (%s) at %s with %d requests in the window; predicted goodput "
                  "%s%s; step model: %s", d.action, d.reason, current.label, len(records),
                  ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", cost,
-                 self.calibration.describe() if self.calibration else "the profile's")
+                 self.step_models[-1])
         if d.target is not None:
-            for address, role in role_changes(roles, d.target):
-                why = f"autoscale: {current.label} -> {d.target.label} ({d.reason})"
-                started = time.monotonic()
-                try:
-                    self.cluster.set_role(address, role, reason=why)
-                except grpc.RpcError as e:  # a drain that timed out took its time too
-                    if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                        self._moved(roles[address], time.monotonic() - started)
-                    raise
-                self._moved(roles[address], time.monotonic() - started)
-                self.metrics.inc("planner_role_changes_total", role=role)
-                log.info("autoscale: %s is now %s", address, role)
+            try:
+                self._change_roles(roles, current, d)
+            finally:
+                self._settled_at = time.time()
         return d
+
+    def _roles(self) -> dict[str, str]:
+        return dict(zip(self.cluster.worker_addresses,
+                        (role for _, role in self.cluster.workers), strict=True))
+
+    def _describe(self, proven: set[str]) -> str:
+        """The calibrations a decision simulated with, for its log line."""
+        window = self.calibration.describe() if self.calibration else "the profile's"
+        own = ", ".join(sorted(proven))
+        return window + (f" | own calibration: {own}" if own else "")
+
+    def _change_roles(self, roles: dict[str, str], current: PoolConfig, d: Decision) -> None:
+        """``d``'s switch, one worker at a time, each change timed by the role it left."""
+        assert d.target is not None
+        for address, role in role_changes(roles, d.target):
+            why = f"autoscale: {current.label} -> {d.target.label} ({d.reason})"
+            started = time.monotonic()
+            try:
+                self.cluster.set_role(address, role, reason=why)
+            except grpc.RpcError as e:  # a drain that timed out took its time too
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._moved(roles[address], time.monotonic() - started)
+                raise
+            self._moved(roles[address], time.monotonic() - started)
+            self.metrics.inc("planner_role_changes_total", role=role)
+            log.info("autoscale: %s is now %s", address, role)
 
     def move_estimates(self, records: Sequence[TrafficRecord]) -> dict[str, float]:
         """Seconds a worker leaving each role takes to change, for the switch's cost:
@@ -210,7 +239,11 @@ class AutoscaleLoop:
         x1.43 (they tell memory from compute poorly; below 0.2 is refused:
         ``loadtest/results/served-decode-table-xeon-1205/windows15.txt``), and in a
         headline run two refused windows put the planner back on the profile's
-        calibration for the very decision that split the pools."""
+        calibration for the very decision that split the pools.
+
+        An accepted fit of a window that began after the last switch's role changes
+        ended is also noted as the current configuration's own (:attr:`memory`); the
+        score takes each candidate's own while remembered, else this window's."""
         threads = self.cluster.threads
         fit: ServedFits | None = None
         try:
@@ -232,10 +265,13 @@ class AutoscaleLoop:
         else:
             self._refused = None
             self._fitted_at = now
-        if fit != self.calibration:
-            profile = self.profile if fit is None else fit.apply(self.profile)
-            self.autoscaler.score = simulated_goodput(profile, threads, *self._slo,
-                                                      slo_profile=self.profile)
+            current = current_config(self._roles(), self.autoscaler.candidates)
+            if current is not None and now - self.config.window_s >= self._settled_at:
+                self.memory.note(current.label, fit, now)  # a window it served whole
+        owns = {label: self.memory.own(label, now) for label in self.memory.proven(now)}
+        if (fit, owns) != self._scored:
+            self.autoscaler.score = self._score(fit, owns)
+            self._scored = (fit, owns)
         self.calibration = fit
         pooled = fit.pooled if fit else None
         table = pooled.decode_factors if pooled else ()
@@ -247,6 +283,23 @@ class AutoscaleLoop:
             self.metrics.set("planner_served_factor", value, term=term)
         self.metrics.set("planner_served_steps", pooled.steps if pooled else 0)
         return fit
+
+    def _score(self, fit: ServedFits | None, owns: dict[str, ServedFits | None]) -> Score:
+        """The simulator's goodput of a candidate on its own calibration (``owns``, by
+        label) if it has one, else on the window's ``fit`` (None: the profile's)."""
+        scores: dict[int, Score] = {}
+
+        def on(f: ServedFits | None) -> Score:
+            if id(f) not in scores:
+                profile = self.profile if f is None else f.apply(self.profile)
+                scores[id(f)] = simulated_goodput(profile, self.cluster.threads, *self._slo,
+                                                  slo_profile=self.profile)
+            return scores[id(f)]
+
+        def score(config: PoolConfig, records: Sequence[TrafficRecord]) -> float:
+            return on(owns.get(config.label) or fit)(config, records)
+
+        return score
 
 
 def start_autoscale(cluster: LocalCluster) -> AutoscaleLoop:

@@ -13,7 +13,10 @@ hold, else the decision says which did not (its ``reason``):
 1. ``few_requests``: the window has at least ``min_requests`` requests;
 2. ``current_best``: another candidate scores best;
 3. ``gain_below_threshold``: it beats the current one by at least ``min_gain``
-   (relative; against a current goodput of 0, any positive one counts);
+   (relative; against a current goodput of 0, any positive one counts); ``unproven``:
+   and by ``min_gain_unproven`` when it is not among the ``proven`` configurations the
+   caller names (those scored with a serving calibration fitted while they ran, see
+   below);
 4. ``switch_cost``: it still does once the switch's role changes are paid for (below);
 5. ``dwell``: the last change is at least ``min_dwell_s`` old;
 6. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
@@ -37,13 +40,26 @@ count only what the others serve meanwhile (worth it only where the current
 configuration serves less than they would alone). On a 2-core Xeon a headline run's
 decisions every 5 s on 15 s of traffic switched twice inside a 30 s point, each time on
 a predicted gain of 14-46%, and served 0.44x colocated there.
+
+Proven and unproven candidates. The live loop scores each configuration with a serving
+calibration (the simulator's step times refitted from the workers' recorded steps).
+Fitted on the steps of the configuration that ran, it predicts that configuration well
+and another poorly: on a 2-core Xeon's headline run, each configuration's own steps
+predicted its goodput within 7% at 5 of 6 points, while the split's steps predicted 2
+mixed at 0.56 req/s where it served 1.08, and a 15 s window of mixed steps predicted the
+split up to 1.22x mixed where it served 0.77-0.92x
+(``loadtest/results/headline-xeon-1206-traced/``). So the loop remembers each
+configuration's calibration from the last window it served whole (:class:`FitMemory`)
+and scores it with that; a configuration that has not run lately is scored with the
+current window's, and must win by the larger ``min_gain_unproven``.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Generic, TypeVar
 
 from common.cost_model import Profile
 from common.traffic import TrafficRecord
@@ -62,11 +78,23 @@ class AutoscaleConfig:
     window_s: float = 60.0
     min_requests: int = 10
     min_gain: float = 0.10
+    min_gain_unproven: float = 0.30
+    """The margin for a candidate scored without a calibration of its own steps: the
+    largest error seen in a cross-configuration prediction (x1.22-1.33 on a 2-core
+    Xeon), so that noise in that prediction alone does not move the workers."""
     min_dwell_s: float = 60.0
     confirmations: int = 2
     payback_s: float | None = None
     """How long the window's traffic is taken to go on after a switch, for its cost;
     None: the longer of the window and the dwell time."""
+    remember_s: float | None = None
+    """How long a configuration's own calibration is remembered (:class:`FitMemory`);
+    None: ten windows. The machine's speed drifts (a VM's halved within an hour), so
+    an old calibration is dropped rather than trusted."""
+
+    @property
+    def memory_s(self) -> float:
+        return self.remember_s or 10 * self.window_s
 
     @property
     def horizon_s(self) -> float:
@@ -75,6 +103,8 @@ class AutoscaleConfig:
     def __post_init__(self) -> None:
         checks = {"interval_s": self.interval_s > 0, "window_s": self.window_s > 0,
                   "min_requests": self.min_requests >= 1, "min_gain": self.min_gain >= 0,
+                  "min_gain_unproven": self.min_gain_unproven >= self.min_gain,
+                  "remember_s": self.remember_s is None or self.remember_s > 0,
                   "min_dwell_s": self.min_dwell_s >= 0, "confirmations": self.confirmations >= 1,
                   "payback_s": self.payback_s is None or self.payback_s > 0}
         for name, ok in checks.items():
@@ -117,9 +147,11 @@ class Autoscaler:
         self._wins = 0
 
     def decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
-               move_s: Mapping[str, float] | None = None) -> Decision:
+               move_s: Mapping[str, float] | None = None,
+               proven: Collection[str] | None = None) -> Decision:
         """``move_s``: seconds a worker leaving each role (``mixed``, ``prefill``,
-        ``decode``) takes to change; a role not named: free."""
+        ``decode``) takes to change; a role not named: free. ``proven``: the labels of
+        the configurations scored with their own calibration (None: every one)."""
         c = self.config
         if len(records) < c.min_requests:
             self._leader, self._wins = None, 0
@@ -136,6 +168,10 @@ class Autoscaler:
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels)
+        bar = c.min_gain if proven is None or best.label in proven else c.min_gain_unproven
+        if gain < bar:
+            self._leader, self._wins = None, 0
+            return Decision(now, current, None, "unproven", labels)
         leaving = moves(current, best)
         busy = sum((move_s or {}).get(role, 0.0) for role in leaving)
         net = gain
@@ -147,7 +183,7 @@ class Autoscaler:
             net = served / (base * h) - 1 if base > 0 else (
                 float("inf") if served > 0 else -1.0)
         cost = {"switch_s": busy, "net_gain": net}
-        if net < c.min_gain:
+        if net < bar:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "switch_cost", labels, **cost)
         self._wins = self._wins + 1 if best == self._leader else 1
@@ -158,6 +194,32 @@ class Autoscaler:
             return Decision(now, current, None, "confirming", labels, **cost)
         self.last_change, self._leader, self._wins = now, None, 0
         return Decision(now, current, best, "switch", labels, **cost)
+
+
+Fit = TypeVar("Fit")
+
+
+class FitMemory(Generic[Fit]):
+    """Each configuration's serving calibration as last fitted on a window it served
+    whole (no role change inside it), by label, kept ``keep_s`` seconds. The live loop
+    notes the current configuration's fit after each clean window and scores every
+    candidate with :meth:`own`, falling back to the current window's fit."""
+
+    def __init__(self, keep_s: float) -> None:
+        self.keep_s = keep_s
+        self._fits: dict[str, tuple[float, Fit]] = {}
+
+    def note(self, label: str, fit: Fit, at: float) -> None:
+        self._fits[label] = (at, fit)
+
+    def own(self, label: str, now: float) -> Fit | None:
+        """``label``'s own calibration, if fitted at most ``keep_s`` before ``now``."""
+        at, fit = self._fits.get(label, (-float("inf"), None))
+        return fit if 0 <= now - at <= self.keep_s else None
+
+    def proven(self, now: float) -> set[str]:
+        """The labels with an own calibration at ``now``."""
+        return {label for label in self._fits if self.own(label, now) is not None}
 
 
 def reachable(workers: int, threads: int, static_threshold: int,

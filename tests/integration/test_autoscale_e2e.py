@@ -115,6 +115,15 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert len(loop.step_models) == len(loop.decisions) == 4
         assert set(loop.step_models) == {"the profile's"}  # the scripted decisions'
         assert loop.autoscaler.score is not before and loop.calibration == fit
+        # Its window holds the switches: no configuration's own calibration. A window
+        # that begins after the last switch is the current configuration's own.
+        assert loop.memory.proven(time.time()) == set()
+        loop._settled_at -= loop.config.window_s + 60  # as if the switch were older
+        now = time.time()
+        refit = loop.recalibrate(now)
+        assert refit == fit and loop.memory.own("2 mixed x1t", now) is refit
+        fit = refit
+        assert "own calibration: 2 mixed x1t" in loop._describe(loop.memory.proven(now))
         assert f"planner_served_steps{{component=\"planner\"}} {float(fit.pooled.steps)}" in \
             loop.metrics.text().replace("pdserve:", "")
         top = max(fit.pooled.decode_factors, default=0.0)  # the decode table's range

@@ -7,6 +7,7 @@ from common.traffic import TrafficRecord
 from planner.autoscale import (
     AutoscaleConfig,
     Autoscaler,
+    FitMemory,
     moves,
     reachable,
     role_changes,
@@ -161,3 +162,42 @@ def test_a_gain_too_small_is_not_weighed_for_its_cost():
     s = _scaler({MIXED.label: 1.0, SPLIT.label: 1.05})
     d = s.decide(0.0, MIXED, RECORDS, {"mixed": 5.0})
     assert (d.reason, d.net_gain, d.switch_s) == ("gain_below_threshold", None, 0.0)
+
+
+def test_an_unproven_candidate_must_win_by_the_larger_margin():
+    """A candidate scored without a calibration of its own steps needs
+    ``min_gain_unproven``; with one, ``min_gain``. The switch's cost is weighed against
+    the same bar."""
+    s = _scaler({MIXED.label: 1.0, SPLIT.label: 1.2})
+    d = s.decide(0.0, MIXED, RECORDS, proven={MIXED.label})
+    assert (d.reason, d.target, d.net_gain) == ("unproven", None, None)
+    assert s.decide(20.0, MIXED, RECORDS, proven={MIXED.label}).reason == "unproven"
+    assert s.decide(40.0, MIXED, RECORDS, proven=set()).reason == "unproven"
+    assert s.decide(60.0, MIXED, RECORDS, proven={MIXED.label, SPLIT.label}).reason == \
+        "confirming"
+    assert s.decide(80.0, MIXED, RECORDS).reason == "switch"  # None: all proven
+    s = _scaler({MIXED.label: 1.0, SPLIT.label: 1.5, "1 mixed x1t": 0.5}, window_s=60,
+                min_dwell_s=60)
+    d = s.decide(0.0, MIXED, RECORDS, {"mixed": 5.0}, proven=())  # +50%; paid: +33%
+    assert d.net_gain == pytest.approx((0.5 * 10 + 1.5 * 50) / 60 - 1)
+    assert d.reason == "confirming"
+    d = s.decide(20.0, MIXED, RECORDS, {"mixed": 7.0}, proven=())  # paid: +26.7%
+    assert (d.reason, d.target) == ("switch_cost", None)
+    with pytest.raises(ValueError, match="min_gain_unproven"):
+        AutoscaleConfig(min_gain=0.4, min_gain_unproven=0.3)
+
+
+def test_fit_memory_keeps_each_configurations_own_fit_for_a_while():
+    m: FitMemory[str] = FitMemory(keep_s=100)
+    assert m.own(MIXED.label, 0.0) is None and m.proven(0.0) == set()
+    m.note(MIXED.label, "mixed fit", 10.0)
+    m.note(SPLIT.label, "split fit", 50.0)
+    assert m.own(MIXED.label, 60.0) == "mixed fit" and m.own(SPLIT.label, 60.0) == "split fit"
+    assert m.proven(60.0) == {MIXED.label, SPLIT.label}
+    assert m.own(MIXED.label, 111.0) is None and m.proven(111.0) == {SPLIT.label}
+    m.note(MIXED.label, "newer", 120.0)
+    assert m.own(MIXED.label, 121.0) == "newer"
+    assert m.own(MIXED.label, 119.0) is None  # not fitted yet then
+    with pytest.raises(ValueError, match="remember_s"):
+        AutoscaleConfig(remember_s=0)
+    assert AutoscaleConfig(window_s=15).memory_s == 150
