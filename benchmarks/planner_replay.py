@@ -28,9 +28,12 @@ predicted above the measured one is a planner that splits where it should not.
 
 View ``remembered`` is the adaptive cluster's again, each configuration scored as the
 live planner now scores it (:class:`planner.autoscale.FitMemory`): with the calibration
-of the last window it served whole (one that began after the last switch), kept for
+of the last window it served whole (one that began after the last switch: its
+decision's time here, the end of its role changes live, some 50 ms later), kept for
 ``AutoscaleConfig.memory_s`` through the seed's points, else with the window's. Column
-``own`` says which of mixed (m) and the split (s) had their own. Usage::
+``own`` says which of mixed (m) and the split (s) had their own. The traffic is every
+request that arrived in the window, as the live planner reads it (the routers note a
+request when admitted, :mod:`common.traffic`). Usage::
 
     python -m benchmarks.planner_replay DIR [--profile FILE] [--spans 15,60]
 
@@ -187,7 +190,7 @@ def decisions_at(records: list[TrafficRecord], steps: list[tuple[str, TracedStep
             kept = (t, fitted)
             if memory is not None and switches is not None:
                 last = max((a for a in switches[0] if a <= t), default=-math.inf)
-                if t - window >= last:  # a window the running configuration served whole
+                if t - max(span, window) >= last:  # steps the running one served alone
                     memory.note(switches[1](t), fitted, t)
         elif kept and t - kept[0] <= KEEP_FIT_WINDOWS * window:
             fitted = kept[1]  # as the live planner keeps it

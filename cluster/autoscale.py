@@ -161,7 +161,7 @@ class AutoscaleLoop:
             return None
         records = self.traffic.recent(now - self.config.window_s)
         self.recalibrate(now)
-        proven = self.memory.proven(now)
+        proven = self.memory.proven(now) if self.calibration is not None else set()
         d = self.autoscaler.decide(now, current, records, self.move_estimates(records),
                                    proven)
         self.decisions.append(d)
@@ -178,10 +178,11 @@ class AutoscaleLoop:
                  ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", cost,
                  self.step_models[-1])
         if d.target is not None:
+            started = time.monotonic()
             try:
                 self._change_roles(roles, current, d)
-            finally:
-                self._settled_at = time.time()
+            finally:  # on the caller's clock
+                self._settled_at = now + (time.monotonic() - started)
         return d
 
     def _roles(self) -> dict[str, str]:
@@ -234,7 +235,8 @@ class AutoscaleLoop:
         window (:func:`common.served_fit.fit_served_roles`) and score with it. A refused fit
         (too few steps, factors no machine's speed explains, or the steps not readable:
         Redis away) keeps the last accepted one while it is at most
-        :data:`KEEP_FIT_WINDOWS` windows old, else scores with the profile's own: a
+        :data:`KEEP_FIT_WINDOWS` windows old, else scores every candidate with the
+        profile's own (remembered ones too: no fit of the machine's speed now): a
         2-core Xeon's 15 s windows of recorded steps fitted memory factors from x0.23 to
         x1.43 (they tell memory from compute poorly; below 0.2 is refused:
         ``loadtest/results/served-decode-table-xeon-1205/windows15.txt``), and in a
@@ -268,7 +270,10 @@ class AutoscaleLoop:
             current = current_config(self._roles(), self.autoscaler.candidates)
             if current is not None and now - self.config.window_s >= self._settled_at:
                 self.memory.note(current.label, fit, now)  # a window it served whole
-        owns = {label: self.memory.own(label, now) for label in self.memory.proven(now)}
+        # With no fit of the window's, everything on the profile: a remembered fit beside
+        # the profile's calibration would compare two machines' speeds.
+        owns = ({label: self.memory.own(label, now) for label in self.memory.proven(now)}
+                if fit is not None else {})
         if (fit, owns) != self._scored:
             self.autoscaler.score = self._score(fit, owns)
             self._scored = (fit, owns)

@@ -1,7 +1,14 @@
 """Recent traffic's shapes, in Redis: what the live planner re-plans from.
 
-Every router notes each finished request (:meth:`TrafficLog.note`: when it arrived,
-its prompt, cached and output tokens; never its tokens or text) in memory, and a
+Every router notes each request twice (:meth:`TrafficLog.note`: when it arrived, its
+prompt, cached and output tokens; never its tokens or text): once admitted, ``done``
+False, with the output its ``max_tokens`` allows, and once finished with the output it
+had. The reader keeps the finished record of a request where there is one, else the
+admitted one (:meth:`TrafficLog.recent`): a window holds the requests still in flight
+too. Noted only when finished, a 15 s window of a 2-core Xeon's headline run held 38-89%
+of the requests that had arrived in it (38% at 120% load, where e2e latency p50 was
+9 s), so the planner saw a fraction of the load it was sizing for. A request that
+fails keeps its admitted record. The records are kept in memory, and a
 periodic task of the router writes them (:meth:`TrafficLog.flush`, one pipelined round
 trip, from a thread) to one capped Redis stream per model, ``<prefix>traffic``, shared by
 every router of the model. The autoscaler (``pdserve up --autoscale``,
@@ -19,6 +26,9 @@ from .stream_log import StreamLog
 MAX_TOKENS = 1 << 24
 """No request's count of tokens is above this; a larger value is not ours."""
 
+MAX_KEY = 64
+"""A record's ``key`` is at most this long; a longer one is not ours."""
+
 
 @dataclass(frozen=True)
 class TrafficRecord:
@@ -27,6 +37,12 @@ class TrafficRecord:
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
+    """Finished: the output it had; admitted: the most it may have (``max_tokens``)."""
+    key: str = ""
+    """The router's id of the request, the same in both of its records ("": a record
+    that stands alone)."""
+    done: bool = True
+    """False: noted when admitted; a finished record of the same key replaces it."""
 
 
 class TrafficLog(StreamLog[TrafficRecord]):
@@ -37,7 +53,14 @@ class TrafficLog(StreamLog[TrafficRecord]):
 
     def _fields(self, r: TrafficRecord) -> dict:
         return {"a": f"{r.arrival:.6f}", "p": r.prompt_tokens, "c": r.cached_tokens,
-                "o": r.output_tokens}
+                "o": r.output_tokens, "k": r.key[:MAX_KEY], "d": int(r.done)}
+
+    def recent(self, since: float) -> list[TrafficRecord]:
+        """The requests that arrived at ``since`` or later, oldest first: each finished
+        one's finished record, each in flight's admitted one."""
+        records = super().recent(since)
+        finished = {r.key for r in records if r.done and r.key}
+        return [r for r in records if r.done or r.key not in finished]
 
     def _parse(self, fields: dict) -> TrafficRecord | None:
         try:
@@ -48,7 +71,12 @@ class TrafficLog(StreamLog[TrafficRecord]):
         if not all(0 <= n <= MAX_TOKENS for n in counts) or not 0 < arrival < 1e11:
             return None
         p, c, o = counts
-        return TrafficRecord(arrival, p, min(c, p), o)
+        key = fields.get(b"k", b"")
+        done = fields.get(b"d", b"1")
+        if not isinstance(key, bytes) or len(key) > MAX_KEY or done not in (b"0", b"1"):
+            return None
+        return TrafficRecord(arrival, p, min(c, p), o, key.decode("ascii", "replace"),
+                             done == b"1")
 
     def _time(self, r: TrafficRecord) -> float:
         return r.arrival

@@ -14,9 +14,9 @@ hold, else the decision says which did not (its ``reason``):
 2. ``current_best``: another candidate scores best;
 3. ``gain_below_threshold``: it beats the current one by at least ``min_gain``
    (relative; against a current goodput of 0, any positive one counts); ``unproven``:
-   and by ``min_gain_unproven`` when it is not among the ``proven`` configurations the
-   caller names (those scored with a serving calibration fitted while they ran, see
-   below);
+   and by ``min_gain_unproven`` unless both it and the current one are among the
+   ``proven`` configurations the caller names (those scored with a serving calibration
+   fitted while they ran, see below);
 4. ``switch_cost``: it still does once the switch's role changes are paid for (below);
 5. ``dwell``: the last change is at least ``min_dwell_s`` old;
 6. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
@@ -34,7 +34,8 @@ compares what each choice serves over it::
     stay:   g(current) * H
     switch: g(while moving) * M + g(best) * (H - M)     M: the changes' seconds
 
-A switch is worth it when it serves ``min_gain`` more (``Decision.net_gain``). With
+A switch is worth it when it serves ``min_gain`` more (``Decision.net_gain``;
+``min_gain_unproven`` where rule 3 asks for it). With
 changes that cost nothing this is rule (3) again; changes that outlast the horizon
 count only what the others serve meanwhile (worth it only where the current
 configuration serves less than they would alone). On a 2-core Xeon a headline run's
@@ -51,7 +52,9 @@ split up to 1.22x mixed where it served 0.77-0.92x
 (``loadtest/results/headline-xeon-1206-traced/``). So the loop remembers each
 configuration's calibration from the last window it served whole (:class:`FitMemory`)
 and scores it with that; a configuration that has not run lately is scored with the
-current window's, and must win by the larger ``min_gain_unproven``.
+current window's. A comparison in which either side is not scored on its own steps
+(the target has not run lately, or the current one has not yet served a whole window
+since the switch to it) must show the larger ``min_gain_unproven``.
 """
 
 from __future__ import annotations
@@ -168,7 +171,8 @@ class Autoscaler:
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels)
-        bar = c.min_gain if proven is None or best.label in proven else c.min_gain_unproven
+        bar = (c.min_gain if proven is None or {best.label, current.label} <= set(proven)
+               else c.min_gain_unproven)
         if gain < bar:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "unproven", labels)

@@ -184,7 +184,7 @@ class Router:
                         else WorkerRegistry(self._redis, self.model_name))
         self.prefixes = PrefixLookup(index, self.metrics, budget_s=config.prefix_lookup_budget_s)
         self.traffic = TrafficLog(self._redis, self.model_name) if self._redis else None
-        """Finished requests' shapes for the live planner (common/traffic.py)."""
+        """Requests' shapes, admitted and finished, for the live planner (common/traffic.py)."""
         self._traffic_task: asyncio.Task | None = None
         self.workers = WorkerPool(config, self.metrics, connect=connect, registry=registry,
                                   on_redis=self.prefixes.note_redis)
@@ -366,6 +366,7 @@ class Router:
         migrations = 0
         self._in_flight += 1
         self.metrics.set("requests_in_flight", self._in_flight)
+        key = self._note_admitted(request, received)
         try:
             while open_:
                 routing = api_pb2.Routing()
@@ -387,7 +388,7 @@ class Router:
                         if msg.finish_reason:
                             open_.discard(index)
                             self._finish(out, routing, ids, choices, index, migrations,
-                                         received, caller, last=not open_)
+                                         received, caller, last=not open_, key=key)
                         yield out
                     unfinished = open_ if solo is None else open_ & {solo}
                     if unfinished:  # a stream that ends early is a failed attempt
@@ -475,6 +476,19 @@ class Router:
         return prompt + request.n * max(0, min(request.sampling.max_tokens,
                                                self.max_model_len - prompt))
 
+    def _note_admitted(self, request: Request, received: float) -> str:
+        """The request in the traffic log as soon as it is admitted (its output: the most
+        ``max_tokens`` allows), so that the planner sees requests in flight; its key,
+        which the finished record repeats (:mod:`common.traffic`)."""
+        if self.traffic is None:
+            return ""
+        key = f"{self._nonce}-{next(self._ids)}"
+        arrival = time.time() - (time.monotonic() - received)
+        prompt = len(request.prompt_token_ids)
+        self.traffic.note(TrafficRecord(arrival, prompt, 0, self._reserve(request) - prompt,
+                                        key, done=False))
+        return key
+
     def _worker_request(self, request: Request, generated: list[int]) -> Request:
         """The request a worker sees: a unique id (this router's nonce and a counter;
         clients may reuse theirs, and one request's cancellation must never reach
@@ -500,7 +514,7 @@ class Router:
 
     def _finish(self, out: api_pb2.GenerateResponse, routing: api_pb2.Routing, ids: list[int],
                 choices: list[_Choice], index: int, migrations: int, received: float,
-                caller: Principal, last: bool = True) -> None:
+                caller: Principal, last: bool = True, key: str = "") -> None:
         """A choice's last message: usage over the whole choice (a migrated one's last
         worker saw part of the output as prompt), routing (where it ran only for
         admins); the request's metrics with the last choice's."""
@@ -521,7 +535,7 @@ class Router:
         total = sum(len(c.generated) for c in choices)
         if self.traffic is not None:
             self.traffic.note(TrafficRecord(time.time() - took, len(ids),
-                                            out.usage.cached_tokens, total))
+                                            out.usage.cached_tokens, total, key))
         m.observe("e2e_request_latency_seconds", took)
         m.inc("prompt_tokens_total", len(ids))
         m.inc("cached_prompt_tokens_total", out.usage.cached_tokens)

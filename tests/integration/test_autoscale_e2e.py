@@ -19,7 +19,7 @@ from conftest import hf_greedy
 from cluster.autoscale import KEEP_FIT_WINDOWS, AutoscaleLoop
 from common import served_fit
 from common.cost_model import save_profile
-from planner.autoscale import AutoscaleConfig
+from planner.autoscale import AutoscaleConfig, simulated_goodput
 from planner.synthetic import synthetic_profile
 
 MAX_TOKENS = 6
@@ -136,7 +136,11 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         monkeypatch.setattr(served_fit, "FACTOR_RANGE", (1e3, 1e4))
         assert loop.recalibrate(time.time()) is fit and loop.autoscaler.score is scored
         later = time.time() + KEEP_FIT_WINDOWS * loop.config.window_s + 1
+        on_profile = simulated_goodput(loop.profile, 1, *loop._slo)
+        mixed = loop.autoscaler.candidates[0]
+        assert scored(mixed, records) != on_profile(mixed, records)  # its own fit
         assert loop.recalibrate(later) is None and loop.autoscaler.score is not scored
+        assert loop.autoscaler.score(mixed, records) == on_profile(mixed, records)
     finally:
         load.finish()
         loop.stop()

@@ -41,11 +41,33 @@ def test_routers_write_and_the_planner_reads_a_window(client):
     assert TrafficLog(client, "other-model").recent(now - 10) == []
 
 
+def test_a_request_in_flight_is_read_by_its_admitted_record_then_its_finished_one(client):
+    """A router notes a request when admitted (``done`` False, output: its max_tokens)
+    and when finished (the output it had, same key): the reader keeps one record per
+    request, the finished one where it exists."""
+    client.flushall()
+    log = TrafficLog(client, "m")
+    now = time.time()
+    log.note(TrafficRecord(now - 3, 128, 0, 256, "r-1", done=False))
+    log.note(TrafficRecord(now - 2, 1536, 0, 16, "r-2", done=False))
+    log.note(TrafficRecord(now - 1, 64, 0, 32))  # a record that stands alone
+    log.flush(log.take())
+    assert [(r.key, r.output_tokens, r.done) for r in log.recent(now - 10)] == [
+        ("r-1", 256, False), ("r-2", 16, False), ("", 32, True)]
+    log.note(TrafficRecord(now - 3, 128, 64, 96, "r-1"))
+    log.flush(log.take())
+    assert [(r.key, r.cached_tokens, r.output_tokens, r.done)
+            for r in log.recent(now - 10)] == [("r-1", 64, 96, True), ("r-2", 0, 16, False),
+                                               ("", 0, 32, True)]
+
+
 def test_malformed_entries_are_skipped_and_the_stream_is_capped(client):
     client.flushall()
     log = TrafficLog(client, "m", maxlen=100)
     client.xadd(log.key, {"a": "nan?", "p": 1, "c": 0, "o": 1})
     client.xadd(log.key, {"a": f"{time.time()}", "p": -5, "c": 0, "o": 1})
+    client.xadd(log.key, {"a": f"{time.time()}", "p": 7, "c": 0, "o": 1, "d": "maybe"})
+    client.xadd(log.key, {"a": f"{time.time()}", "p": 7, "c": 0, "o": 1, "k": "x" * 65})
     client.xadd(log.key, {"a": f"{time.time()}", "p": 7, "c": 99, "o": 1})  # c > p: capped
     assert log.recent(time.time() - 60) == [TrafficRecord(pytest.approx(time.time(), abs=5),
                                                           7, 7, 1)]

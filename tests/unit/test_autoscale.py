@@ -165,14 +165,15 @@ def test_a_gain_too_small_is_not_weighed_for_its_cost():
 
 
 def test_an_unproven_candidate_must_win_by_the_larger_margin():
-    """A candidate scored without a calibration of its own steps needs
-    ``min_gain_unproven``; with one, ``min_gain``. The switch's cost is weighed against
-    the same bar."""
+    """Where the candidate or the current configuration is scored without a calibration
+    of its own steps, the switch needs ``min_gain_unproven``; both with one, ``min_gain``.
+    The switch's cost is weighed against the same bar."""
     s = _scaler({MIXED.label: 1.0, SPLIT.label: 1.2})
     d = s.decide(0.0, MIXED, RECORDS, proven={MIXED.label})
     assert (d.reason, d.target, d.net_gain) == ("unproven", None, None)
     assert s.decide(20.0, MIXED, RECORDS, proven={MIXED.label}).reason == "unproven"
     assert s.decide(40.0, MIXED, RECORDS, proven=set()).reason == "unproven"
+    assert s.decide(50.0, MIXED, RECORDS, proven={SPLIT.label}).reason == "unproven"
     assert s.decide(60.0, MIXED, RECORDS, proven={MIXED.label, SPLIT.label}).reason == \
         "confirming"
     assert s.decide(80.0, MIXED, RECORDS).reason == "switch"  # None: all proven
