@@ -2,7 +2,9 @@
 
 Lifecycle: started once the cluster serves (:meth:`AutoscaleLoop.start`: a daemon
 thread), it wakes every ``autoscale_interval_s``, reads the last three intervals of
-traffic the routers wrote to Redis (:mod:`common.traffic`), and asks
+traffic the routers wrote to Redis (:mod:`common.traffic`: the requests in flight too,
+each with the finished ones' median output, :func:`common.traffic.expected_outputs`),
+and asks
 :class:`planner.autoscale.Autoscaler` whether another configuration the workers can
 reach by changing roles would serve it with more goodput, by simulating each on the
 machine profile (:func:`planner.autoscale.simulated_goodput`). The profile's serving
@@ -58,7 +60,7 @@ from common.redis_url import connect as connect_redis
 from common.registry import ROLES
 from common.served_fit import ServedFitError, ServedFits, fit_served_roles
 from common.served_steps import StepLog
-from common.traffic import TrafficLog, TrafficRecord
+from common.traffic import TrafficLog, TrafficRecord, expected_outputs
 from planner.autoscale import (
     AutoscaleConfig,
     Autoscaler,
@@ -159,7 +161,7 @@ class AutoscaleLoop:
         current = current_config(roles, self.autoscaler.candidates)
         if current is None:
             return None
-        records = self.traffic.recent(now - self.config.window_s)
+        records = expected_outputs(self.traffic.recent(now - self.config.window_s))
         self.recalibrate(now)
         proven = self.memory.proven(now) if self.calibration is not None else set()
         d = self.autoscaler.decide(now, current, records, self.move_estimates(records),

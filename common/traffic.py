@@ -19,7 +19,9 @@ The stream's bounds and its trust in entries are :class:`common.stream_log.Strea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from .stream_log import StreamLog
 
@@ -80,3 +82,16 @@ class TrafficLog(StreamLog[TrafficRecord]):
 
     def _time(self, r: TrafficRecord) -> float:
         return r.arrival
+
+
+def expected_outputs(records: Sequence[TrafficRecord]) -> list[TrafficRecord]:
+    """``records`` with each request in flight's output taken as the median of the
+    finished ones' (at most its ``max_tokens`` bound): a client that leaves
+    ``max_tokens`` unset allows the whole context, which no chat reply comes near. With
+    none finished, the bound stands."""
+    done = [r.output_tokens for r in records if r.done]
+    if not done or all(r.done for r in records):
+        return list(records)
+    typical = int(statistics.median(done))
+    return [r if r.done else replace(r, output_tokens=min(r.output_tokens, typical))
+            for r in records]

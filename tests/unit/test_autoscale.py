@@ -202,3 +202,15 @@ def test_fit_memory_keeps_each_configurations_own_fit_for_a_while():
     with pytest.raises(ValueError, match="remember_s"):
         AutoscaleConfig(remember_s=0)
     assert AutoscaleConfig(window_s=15).memory_s == 150
+
+
+def test_requests_in_flight_take_the_finished_ones_median_output():
+    from common.traffic import expected_outputs
+
+    done = [TrafficRecord(1.0, 100, 0, n, f"d{n}") for n in (10, 30, 500)]
+    flying = [TrafficRecord(2.0, 100, 0, 8000, "a", done=False),
+              TrafficRecord(3.0, 100, 0, 12, "b", done=False)]
+    got = expected_outputs(done + flying)
+    assert [r.output_tokens for r in got] == [10, 30, 500, 30, 12]  # median; its bound
+    assert expected_outputs(flying) == flying  # nothing finished: the bounds stand
+    assert expected_outputs(done) == done
