@@ -162,6 +162,34 @@ def test_the_few_steps_that_prefill_weigh_as_much_as_the_many_decodes() -> None:
         assert float(np.median(ratios)) == pytest.approx(1.0, abs=0.06), kind
 
 
+def test_the_prefilling_steps_weigh_by_their_time() -> None:
+    """Many short prompts' steps beside few long ones, the long ones running faster
+    than the engine-only model's shape says: the fit follows where the prefill time
+    goes (a pool's capacity), so the long steps' total comes out near what they ran."""
+    rng = random.Random(7)
+    served = ENGINE.scaled_parts(1.2, 1.5)
+    steps = []
+    for i in range(900):
+        if i % 9:
+            sums = step_sums([(1, rng.randint(40, 700)) for _ in range(rng.randint(1, 12))])
+            extra = 1.0
+        elif i % 27:  # two in three prefills: ~130-token prompts
+            sums = step_sums([(rng.randint(100, 160), 0)])
+            extra = 1.0
+        else:
+            sums = step_sums([(rng.randint(1200, 1800), 0)])
+            extra = 0.75
+        steps.append((served.seconds(sums) * extra * float(np.exp(rng.gauss(0, 0.05))),
+                      sums))
+    model = fit_served(ENGINE, 1, steps).apply(dataclasses.replace(
+        synthetic_profile("cpu"), steps={1: ENGINE})).step(1)
+    long = [(sec, model.seconds(sums)) for sec, sums in steps if sums.tokens >= 1200]
+    prefill = [(sec, model.seconds(sums)) for sec, sums in steps if sums.tokens > sums.seqs]
+    for group in (long, prefill):
+        ran, fitted = (sum(x) for x in zip(*group, strict=True))
+        assert fitted == pytest.approx(ran, rel=0.1)
+
+
 def gemv_steps(n: int, one_seq: float, memory: float, seed: int, prefills: float = 0.0,
                prefill_compute: float = 1.0) -> list[tuple[float, StepSums]]:
     """Decode-only steps of 1-8 sequences served at ``memory`` x the engine, except
