@@ -33,7 +33,8 @@ decision's time here, the end of its role changes live, some 50 ms later), kept 
 ``AutoscaleConfig.memory_s`` through the seed's points, else with the window's. Column
 ``own`` says which of mixed (m) and the split (s) had their own. The traffic is every
 request that arrived in the window, as the live planner reads it (the routers note a
-request when admitted, :mod:`common.traffic`). Usage::
+request when admitted, :mod:`common.traffic`), but with each request's real output
+where the planner takes a request in flight's as the median of those ended. Usage::
 
     python -m benchmarks.planner_replay DIR [--profile FILE] [--spans 15,60]
 

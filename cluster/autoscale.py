@@ -3,7 +3,8 @@
 Lifecycle: started once the cluster serves (:meth:`AutoscaleLoop.start`: a daemon
 thread), it wakes every ``autoscale_interval_s``, reads the last three intervals of
 traffic the routers wrote to Redis (:mod:`common.traffic`: the requests in flight too,
-each with the finished ones' median output, :func:`common.traffic.expected_outputs`),
+each with the median output of those ended in the last :data:`HISTORY_WINDOWS`
+windows, :func:`common.traffic.expected_outputs`),
 and asks
 :class:`planner.autoscale.Autoscaler` whether another configuration the workers can
 reach by changing roles would serve it with more goodput, by simulating each on the
@@ -83,6 +84,9 @@ log = logging.getLogger(__name__)
 KEEP_FIT_WINDOWS = 2
 """How many windows a refused window's decision may still use the last accepted fit."""
 
+HISTORY_WINDOWS = 4
+"""How many windows of ended requests give an in-flight one its expected output."""
+
 MOVE_WEIGHT = 0.5
 """A measured role change's weight in its role's estimate (the rest: the ones before)."""
 
@@ -157,11 +161,15 @@ class AutoscaleLoop:
     def tick(self, now: float) -> Decision | None:
         """One decision and, on a switch, its role changes (blocking through drains).
         None while the workers' roles form no configuration (a change half done)."""
+        began = time.monotonic()  # with ``now``: the caller's clock
         roles = self._roles()
         current = current_config(roles, self.autoscaler.candidates)
         if current is None:
             return None
-        records = expected_outputs(self.traffic.recent(now - self.config.window_s))
+        since = now - self.config.window_s
+        seen = self.traffic.recent(now - HISTORY_WINDOWS * self.config.window_s)
+        window = [r for r in seen if r.arrival >= since]
+        records = expected_outputs(window, [r for r in seen if r.arrival < since])
         self.recalibrate(now)
         proven = self.memory.proven(now) if self.calibration is not None else set()
         d = self.autoscaler.decide(now, current, records, self.move_estimates(records),
@@ -180,11 +188,10 @@ class AutoscaleLoop:
                  ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", cost,
                  self.step_models[-1])
         if d.target is not None:
-            started = time.monotonic()
             try:
                 self._change_roles(roles, current, d)
-            finally:  # on the caller's clock
-                self._settled_at = now + (time.monotonic() - started)
+            finally:
+                self._settled_at = now + (time.monotonic() - began)
         return d
 
     def _roles(self) -> dict[str, str]:

@@ -2,13 +2,13 @@
 
 Every router notes each request twice (:meth:`TrafficLog.note`: when it arrived, its
 prompt, cached and output tokens; never its tokens or text): once admitted, ``done``
-False, with the output its ``max_tokens`` allows, and once finished with the output it
-had. The reader keeps the finished record of a request where there is one, else the
-admitted one (:meth:`TrafficLog.recent`): a window holds the requests still in flight
-too. Noted only when finished, a 15 s window of a 2-core Xeon's headline run held 38-89%
-of the requests that had arrived in it (38% at 120% load, where e2e latency p50 was
-9 s), so the planner saw a fraction of the load it was sizing for. A request that
-fails keeps its admitted record. The records are kept in memory, and a
+False, with the output its ``max_tokens`` allows, and once it ends (finished, failed
+or cancelled) with the output it had. The reader keeps a request's ended record where
+there is one, else the admitted one (:meth:`TrafficLog.recent`): a window holds the
+requests still in flight too. Noted only when finished, a 15 s window of a 2-core
+Xeon's headline run held 38-89% of the requests that had arrived in it (38% at 120%
+load, where e2e latency p50 was 9 s), so the planner saw a fraction of the load it was
+sizing for. The records are kept in memory, and a
 periodic task of the router writes them (:meth:`TrafficLog.flush`, one pipelined round
 trip, from a thread) to one capped Redis stream per model, ``<prefix>traffic``, shared by
 every router of the model. The autoscaler (``pdserve up --autoscale``,
@@ -22,6 +22,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+import redis
 
 from .stream_log import StreamLog
 
@@ -48,10 +50,14 @@ class TrafficRecord:
 
 
 class TrafficLog(StreamLog[TrafficRecord]):
-    """The routers' finished requests (:class:`~common.stream_log.StreamLog`): noted on
-    a router's event loop, flushed every second."""
+    """The routers' requests, admitted and ended (:class:`~common.stream_log.StreamLog`):
+    noted on a router's event loop, flushed every second. Two entries a request: the
+    stream holds the last ``maxlen / 2`` requests (50,000 by default)."""
 
     suffix = "traffic"
+
+    def __init__(self, client: redis.Redis, model: str, maxlen: int = 100_000) -> None:
+        super().__init__(client, model, maxlen)
 
     def _fields(self, r: TrafficRecord) -> dict:
         return {"a": f"{r.arrival:.6f}", "p": r.prompt_tokens, "c": r.cached_tokens,
@@ -84,12 +90,15 @@ class TrafficLog(StreamLog[TrafficRecord]):
         return r.arrival
 
 
-def expected_outputs(records: Sequence[TrafficRecord]) -> list[TrafficRecord]:
+def expected_outputs(records: Sequence[TrafficRecord],
+                     history: Sequence[TrafficRecord] = ()) -> list[TrafficRecord]:
     """``records`` with each request in flight's output taken as the median of the
-    finished ones' (at most its ``max_tokens`` bound): a client that leaves
-    ``max_tokens`` unset allows the whole context, which no chat reply comes near. With
-    none finished, the bound stands."""
-    done = [r.output_tokens for r in records if r.done]
+    ended ones' in ``history`` and ``records`` (at most its ``max_tokens`` bound): a
+    client that leaves ``max_tokens`` unset allows the whole context, which no chat
+    reply comes near. The caller passes a longer span than the window as ``history``:
+    within a window the requests that ended are the short ones. With none ended, the
+    bound stands."""
+    done = [r.output_tokens for r in (*history, *records) if r.done]
     if not done or all(r.done for r in records):
         return list(records)
     typical = int(statistics.median(done))

@@ -111,6 +111,18 @@ class _Choice:
     generated: list[int] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class _Noted:
+    """A request's entry in the traffic log (:mod:`common.traffic`): noted when admitted,
+    replaced when it ends."""
+
+    key: str
+    arrival: float
+    """Unix time, once for both records."""
+    cached: int = 0
+    """The prompt tokens its last choice found cached (set when that choice finishes)."""
+
+
 class _Relay:
     """Worker stream messages -> public responses: prompt ids first, timings last."""
 
@@ -366,7 +378,7 @@ class Router:
         migrations = 0
         self._in_flight += 1
         self.metrics.set("requests_in_flight", self._in_flight)
-        key = self._note_admitted(request, received)
+        noted = self._note_admitted(request, received)
         try:
             while open_:
                 routing = api_pb2.Routing()
@@ -388,7 +400,7 @@ class Router:
                         if msg.finish_reason:
                             open_.discard(index)
                             self._finish(out, routing, ids, choices, index, migrations,
-                                         received, caller, last=not open_, key=key)
+                                         received, caller, last=not open_, noted=noted)
                         yield out
                     unfinished = open_ if solo is None else open_ & {solo}
                     if unfinished:  # a stream that ends early is a failed attempt
@@ -421,6 +433,10 @@ class Router:
             raise
         finally:
             lease.settle(len(ids) + sum(len(c.generated) for c in choices))
+            if noted is not None and self.traffic is not None:  # finished, failed or gone
+                self.traffic.note(TrafficRecord(noted.arrival, len(ids), noted.cached,
+                                                sum(len(c.generated) for c in choices),
+                                                noted.key))
             self._in_flight -= 1
             self.metrics.set("requests_in_flight", self._in_flight)
             self.metrics.inc("requests_total", status=status)
@@ -476,18 +492,20 @@ class Router:
         return prompt + request.n * max(0, min(request.sampling.max_tokens,
                                                self.max_model_len - prompt))
 
-    def _note_admitted(self, request: Request, received: float) -> str:
+    def _note_admitted(self, request: Request, received: float) -> _Noted | None:
         """The request in the traffic log as soon as it is admitted (its output: the most
-        ``max_tokens`` allows), so that the planner sees requests in flight; its key,
-        which the finished record repeats (:mod:`common.traffic`)."""
+        ``max_tokens`` allows), so that the planner sees requests in flight. The record
+        that replaces it (the same key and arrival: :mod:`common.traffic`) is noted when
+        the request ends, finished or not, with the output it had."""
         if self.traffic is None:
-            return ""
-        key = f"{self._nonce}-{next(self._ids)}"
-        arrival = time.time() - (time.monotonic() - received)
+            return None
+        noted = _Noted(f"{self._nonce}-{next(self._ids)}",
+                       time.time() - (time.monotonic() - received))
         prompt = len(request.prompt_token_ids)
-        self.traffic.note(TrafficRecord(arrival, prompt, 0, self._reserve(request) - prompt,
-                                        key, done=False))
-        return key
+        self.traffic.note(TrafficRecord(noted.arrival, prompt, 0,
+                                        self._reserve(request) - prompt, noted.key,
+                                        done=False))
+        return noted
 
     def _worker_request(self, request: Request, generated: list[int]) -> Request:
         """The request a worker sees: a unique id (this router's nonce and a counter;
@@ -514,7 +532,7 @@ class Router:
 
     def _finish(self, out: api_pb2.GenerateResponse, routing: api_pb2.Routing, ids: list[int],
                 choices: list[_Choice], index: int, migrations: int, received: float,
-                caller: Principal, last: bool = True, key: str = "") -> None:
+                caller: Principal, last: bool = True, noted: _Noted | None = None) -> None:
         """A choice's last message: usage over the whole choice (a migrated one's last
         worker saw part of the output as prompt), routing (where it ran only for
         admins); the request's metrics with the last choice's."""
@@ -532,10 +550,8 @@ class Router:
         if not last:
             return
         took = time.monotonic() - received
-        total = sum(len(c.generated) for c in choices)
-        if self.traffic is not None:
-            self.traffic.note(TrafficRecord(time.time() - took, len(ids),
-                                            out.usage.cached_tokens, total, key))
+        if noted is not None:  # the traffic log's record, noted as the request ends
+            noted.cached = out.usage.cached_tokens
         m.observe("e2e_request_latency_seconds", took)
         m.inc("prompt_tokens_total", len(ids))
         m.inc("cached_prompt_tokens_total", out.usage.cached_tokens)

@@ -19,6 +19,7 @@ from conftest import hf_greedy
 from cluster.autoscale import KEEP_FIT_WINDOWS, AutoscaleLoop
 from common import served_fit
 from common.cost_model import save_profile
+from common.stream_log import StreamLog
 from planner.autoscale import AutoscaleConfig, simulated_goodput
 from planner.synthetic import synthetic_profile
 
@@ -58,7 +59,7 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
             time.sleep(0.2)
         records = loop.traffic.recent(time.time() - 300)
         assert {r.prompt_tokens for r in records} <= {len(p) for p in PROMPTS}
-        assert all(r.output_tokens == MAX_TOKENS for r in records)
+        assert all(r.output_tokens == MAX_TOKENS for r in records)  # admitted or ended
 
         first = loop.tick(time.time())
         assert (first.action, first.reason) == ("stay", "confirming")
@@ -91,6 +92,18 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         # (The load is over first: the fits below see the same steps.)
         load.finish()
         time.sleep(1.5)  # the last second's steps, flushed
+        # Each request the routers served is in the traffic log twice, under one key:
+        # admitted, then ended with the output it had, at the same arrival time.
+        entries = StreamLog.recent(loop.traffic, time.time() - 300)
+        admitted = {r.key: r for r in entries if not r.done}
+        ended = {r.key: r for r in entries if r.done}
+        assert len(admitted) + len(ended) == len(entries) and "" not in admitted
+        assert set(ended) == set(admitted) and len(ended) >= len(load.results)
+        assert all((r.arrival, r.prompt_tokens, r.output_tokens) == (
+            admitted[k].arrival, admitted[k].prompt_tokens, MAX_TOKENS)
+            for k, r in ended.items())
+        assert loop.traffic.recent(time.time() - 300) == sorted(ended.values(),
+                                                                key=lambda r: r.arrival)
         steps = loop.steps.recent(time.time() - 300)
         assert {s.threads for s in steps} == {1}
         assert {"mixed", "decode"} <= {s.role for s in steps} <= {"mixed", "decode",

@@ -214,3 +214,7 @@ def test_requests_in_flight_take_the_finished_ones_median_output():
     assert [r.output_tokens for r in got] == [10, 30, 500, 30, 12]  # median; its bound
     assert expected_outputs(flying) == flying  # nothing finished: the bounds stand
     assert expected_outputs(done) == done
+    earlier = [TrafficRecord(0.0, 100, 0, n, f"e{n}") for n in (400, 600, 700)]
+    got = expected_outputs(flying, earlier)  # the ended ones of a longer span
+    assert [r.output_tokens for r in got] == [600, 12]
+    assert [r.output_tokens for r in expected_outputs(done + flying, earlier)][3] == 450
