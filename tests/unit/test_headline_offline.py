@@ -1,0 +1,84 @@
+"""The offline tools of ``pdserve bench-headline`` on a committed run
+(loadtest/results/headline-xeon-1206-remembered/, its runs.tgz unpacked, one seed):
+``--report-only``'s table and target checks (benchmarks/headline_report.py) reproduce
+the run's own report, and benchmarks.planner_replay rebuilds the planner's predictions
+per decision, the remembered view's memory filled only from windows the running
+configuration served whole. Pure: files and the simulator."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from benchmarks import planner_replay
+from benchmarks.headline_report import checks, report
+from common.cost_model import load_profile
+
+RUN = Path(__file__).resolve().parents[2] / "loadtest/results/headline-xeon-1206-remembered"
+PROFILE = RUN.parents[0] / "served-decode-table-xeon-1205/profile.json"
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("headline")
+    for f in RUN.glob("*.json"):
+        shutil.copy(f, root)
+    with tarfile.open(RUN / "runs.tgz") as t:
+        t.extractall(root, members=[m for m in t.getmembers() if m.name.startswith(
+            "mixed-s1-")], filter="data")
+    options = json.loads((root / "options.json").read_text())
+    (root / "options.json").write_text(json.dumps({**options, "seeds": [1]}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def rows(root) -> list[dict]:
+    return planner_replay.replay(root, load_profile(str(PROFILE)), [15.0], 5.0)
+
+
+def test_report_only_reproduces_the_runs_table(root, capsys):
+    """The seed's table as the run printed it, first->second token gaps included (read
+    from the per-point details), and its targets: 4 of 4 goodput points within 5% of
+    the better baseline, the high-load ITL p99 targets missed."""
+    summary = report(root, ("mixed",), (1,))
+    printed = capsys.readouterr().out
+    saved = (RUN / "report.txt").read_text()
+    table = saved[saved.index("seed 1"):saved.index("targets met")].strip()
+    assert table in printed
+    assert "missing sweeps" not in printed and (root / "headline.json").exists()
+    verdicts = [checks(*(next(p for p in json.loads((
+        root / f"mixed-s1-{c}-sweep.json").read_text()) if p["fraction"] == f)
+        for c in ("colocated", "static", "adaptive"))) for f in (0.25, 0.5, 0.85, 1.2)]
+    assert all(v["goodput >= best - 5%"] for v in verdicts)
+    assert not any(v["ITL p99 <= 0.5 x colocated (high load)"] for v in verdicts[2:])
+    # Seed 1's points: 4 goodput checks met, ITL p99 at low load (25%) met and at high
+    # load (85%, 120%) missed; colocated never saturated (2.19 req/s served of 2.06
+    # offered at 120%), so the 1.5x check applies nowhere: 5 of 7.
+    assert (summary["targets_met"], summary["targets"]) == (5, 7)
+    assert printed.rstrip().endswith("headline-*.png") and "targets met: 5 of 7" in printed
+
+
+def test_every_view_of_every_point_is_replayed(rows):
+    assert {(r["fraction"], r["view"]) for r in rows} == {
+        (f, v) for f in (0.25, 0.5, 0.85, 1.2) for v in planner_replay.VIEWS}
+    assert all(r["decisions"] >= 1 and r["predicted"] > 0 for r in rows)
+    # The adaptive cluster never split in this run: its measured ratio is two mixed
+    # clusters', and mixed had its own calibration at every decision after the first
+    # window (the first point's first decisions had refused fits).
+    adaptive = [r for r in rows if r["view"] == "remembered"]
+    assert {r["adaptive_split"] for r in adaptive} == {"mixed"}
+    assert all(0.9 < r["measured"] < 1.1 for r in adaptive)
+    assert [r["own"] for r in adaptive if r["fraction"] > 0.25] == ["m", "m", "m"]
+
+
+def test_the_static_views_predict_the_split_within_a_factor_of_two(rows):
+    """Predicted split / mixed on 15 s windows of a baseline's steps against the measured
+    static / colocated ratio: off by x1.1 on average in this run, never by 2x."""
+    for r in rows:
+        if r["view"] in ("colocated", "static"):
+            assert 0.5 < r["predicted"] / r["measured"] < 2.0, r
+    print(planner_replay.report(rows))
