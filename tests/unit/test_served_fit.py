@@ -138,24 +138,31 @@ def test_the_simulator_steps_each_role_with_its_own_calibration() -> None:
     assert got["tpot_p90_ms"] == pytest.approx(base["tpot_p90_ms"], rel=1e-6)  # decode as it was
 
 
+def _decodes(rng: random.Random, most: int) -> StepSums:
+    return step_sums([(1, rng.randint(40, 700)) for _ in range(rng.randint(1, most))])
+
+
+def _timed(rng: random.Random, served: StepModel, sums: StepSums, extra: float = 1.0
+           ) -> tuple[float, StepSums]:
+    """A step as served: the model's time, ``extra`` (what it does not know of), noise."""
+    return served.seconds(sums) * extra * float(np.exp(rng.gauss(0, 0.05))), sums
+
+
+def _fitted(steps: list[tuple[float, StepSums]]) -> StepModel:
+    return fit_served(ENGINE, 1, steps).apply(dataclasses.replace(
+        synthetic_profile("cpu"), steps={1: ENGINE})).step(1)
+
+
 def test_the_few_steps_that_prefill_weigh_as_much_as_the_many_decodes() -> None:
     """A decode worker serves ~20 decode steps per prefill, and its prefills cost what
     the engine-only model leaves out (a KV send, a receive): the fit must still predict
     the prefills (TTFT), not only the decodes."""
     rng = random.Random(5)
     served = ENGINE.scaled_parts(1.3, 1.0)
-    steps = []
-    for i in range(1000):
-        if i % 20:
-            sums = step_sums([(1, rng.randint(40, 700)) for _ in range(rng.randint(1, 24))])
-            extra = 1.0
-        else:
-            sums = step_sums([(rng.randint(64, 1024), 0)])
-            extra = 1.4  # what the model does not know of
-        steps.append((served.seconds(sums) * extra * float(np.exp(rng.gauss(0, 0.05))),
-                      sums))
-    model = fit_served(ENGINE, 1, steps).apply(dataclasses.replace(
-        synthetic_profile("cpu"), steps={1: ENGINE})).step(1)
+    steps = [_timed(rng, served, _decodes(rng, 24)) if i % 20 else
+             _timed(rng, served, step_sums([(rng.randint(64, 1024), 0)]), 1.4)  # unknown
+             for i in range(1000)]
+    model = _fitted(steps)
     for kind in (True, False):  # decode-only steps, then the prefills
         ratios = [sec / model.seconds(sums) for sec, sums in steps
                   if (sums.tokens == sums.seqs) == kind]
@@ -168,21 +175,11 @@ def test_the_prefilling_steps_weigh_by_their_time() -> None:
     goes (a pool's capacity), so the long steps' total comes out near what they ran."""
     rng = random.Random(7)
     served = ENGINE.scaled_parts(1.2, 1.5)
-    steps = []
-    for i in range(900):
-        if i % 9:
-            sums = step_sums([(1, rng.randint(40, 700)) for _ in range(rng.randint(1, 12))])
-            extra = 1.0
-        elif i % 27:  # two in three prefills: ~130-token prompts
-            sums = step_sums([(rng.randint(100, 160), 0)])
-            extra = 1.0
-        else:
-            sums = step_sums([(rng.randint(1200, 1800), 0)])
-            extra = 0.75
-        steps.append((served.seconds(sums) * extra * float(np.exp(rng.gauss(0, 0.05))),
-                      sums))
-    model = fit_served(ENGINE, 1, steps).apply(dataclasses.replace(
-        synthetic_profile("cpu"), steps={1: ENGINE})).step(1)
+    steps = [_timed(rng, served, _decodes(rng, 12)) if i % 9 else
+             _timed(rng, served, step_sums([(rng.randint(100, 160), 0)])) if i % 27 else
+             _timed(rng, served, step_sums([(rng.randint(1200, 1800), 0)]), 0.75)
+             for i in range(900)]  # two in three prefills: ~130-token prompts
+    model = _fitted(steps)
     long = [(sec, model.seconds(sums)) for sec, sums in steps if sums.tokens >= 1200]
     prefill = [(sec, model.seconds(sums)) for sec, sums in steps if sums.tokens > sums.seqs]
     for group in (long, prefill):
