@@ -126,7 +126,8 @@ class AutoscaleLoop:
         the profile's own); a candidate with its own in :attr:`memory` took that."""
         self.memory: FitMemory[ServedFits] = FitMemory(self.config.memory_s)
         self._settled_at = -math.inf  # when the last switch's role changes ended
-        self._scored: tuple = (None, {})  # what the autoscaler's score simulates with
+        self._scored: tuple = (None, {})  # the window's fit and each own fit, by label:
+        # what the autoscaler's score simulates with
         self._refused: tuple[str, bool] | None = None  # the last refusal's kind and if kept
         self._fitted_at = -math.inf  # when the calibration was fitted
         self.metrics = metrics or Metrics({"component": "planner"})
@@ -171,7 +172,7 @@ class AutoscaleLoop:
         window = [r for r in seen if r.arrival >= since]
         records = expected_outputs(window, [r for r in seen if r.arrival < since])
         self.recalibrate(now)
-        proven = self.memory.proven(now) if self.calibration is not None else set()
+        proven = set(self._scored[1])  # the candidates the score runs on their own fit
         d = self.autoscaler.decide(now, current, records, self.move_estimates(records),
                                    proven)
         self.decisions.append(d)

@@ -432,11 +432,11 @@ class Router:
             status = "INTERNAL"
             raise
         finally:
-            lease.settle(len(ids) + sum(len(c.generated) for c in choices))
+            output = sum(len(c.generated) for c in choices)
+            lease.settle(len(ids) + output)
             if noted is not None and self.traffic is not None:  # finished, failed or gone
                 self.traffic.note(TrafficRecord(noted.arrival, len(ids), noted.cached,
-                                                sum(len(c.generated) for c in choices),
-                                                noted.key))
+                                                output, noted.key))
             self._in_flight -= 1
             self.metrics.set("requests_in_flight", self._in_flight)
             self.metrics.inc("requests_total", status=status)
