@@ -45,7 +45,7 @@ from common.cost_model import load_profile
 from loadtest.metrics import SLO, percentile
 from loadtest.runner import RunOptions, run
 from loadtest.workloads import Request, arrival_times, mixed_workload, multi_turn_workload
-from planner.autoscale import AutoscaleConfig
+from planner.autoscale import AutoscaleConfig, CapDecision
 
 from .headline_report import TURNS, report
 from .machine import machine_line
@@ -162,8 +162,11 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
                         str(out / f"{workload}-s{seed}-{name}-f{fraction:g}.json"),
                         {"cluster": name, "fraction": fraction, "rate": rate})
                 roles = [role for _, role in cluster.workers]
+                cap = (planner.autoscaler.candidates[0].prefill_tokens_while_decoding
+                       if planner is not None else cluster.config.prefill_tokens_while_decoding)
                 points.append({"cluster": name, "fraction": fraction, "rate": rate,
-                               "started_unix_s": started, "roles_after": roles, **m})
+                               "started_unix_s": started, "roles_after": roles,
+                               "prefill_cap_after": cap, **m})
         finally:
             if planner is not None:
                 planner.stop()
@@ -173,13 +176,23 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
                               "switch_s": d.switch_s,  # inf (from 0): null
                               "net_gain": d.net_gain if d.net_gain is None
                               or math.isfinite(d.net_gain) else None,
-                              "step_model": model}
-                             for d, model in zip(planner.decisions, planner.step_models,
-                                                 strict=True)]
+                              "step_model": model,
+                              "prefill_cap": _cap_decision(cd)}
+                             for d, model, cd in zip(planner.decisions, planner.step_models,
+                                                     planner.cap_decisions, strict=True)]
                 (out / f"{workload}-s{seed}-adaptive-decisions.json").write_text(
                     json.dumps(decisions, indent=1))
     (out / f"{workload}-s{seed}-{name}-sweep.json").write_text(json.dumps(points, indent=1))
     return points
+
+
+def _cap_decision(cd: CapDecision | None) -> dict | None:
+    """A stall-free cap decision for the decisions file (None: the roles changed)."""
+    if cd is None:
+        return None
+    return {"current": cd.current, "target": cd.target, "reason": cd.reason,
+            "predicted": {str(cap): {"goodput": g, "itl_p99_ms": itl}
+                          for cap, (g, itl) in cd.predicted.items()}}
 
 
 def run_headline(o: HeadlineOptions, report_only: bool = False) -> dict:

@@ -96,7 +96,8 @@ def report(out: Path, workloads: tuple[str, ...], seeds: tuple[int, ...],
                 met += sum(applicable.values())
                 total += len(applicable)
                 marks = " ".join("ok" if v else "MISS" for v in applicable.values())
-                roles = "+".join(sorted(a.get("roles_after", [])))
+                roles = "+".join(sorted(a.get("roles_after", []))) + (
+                    f" c{a['prefill_cap_after']}" if a.get("prefill_cap_after") else "")
                 print(f"{c['fraction']:>5.0%} {c['rate']:>7.3f} | "
                       f"{c['request_goodput']:>6.3f} {s['request_goodput']:>6.3f} "
                       f"{a['request_goodput']:>6.3f} | {c['p99_itl_ms']:>6.0f} "

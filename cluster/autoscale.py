@@ -65,13 +65,17 @@ from common.traffic import TrafficLog, TrafficRecord, expected_outputs
 from planner.autoscale import (
     AutoscaleConfig,
     Autoscaler,
+    CapDecision,
     Decision,
     FitMemory,
-    Score,
+    Predict,
+    PrefillCapChooser,
     current_config,
+    goodput_of,
+    prefill_caps,
     reachable,
     role_changes,
-    simulated_goodput,
+    simulated,
 )
 from planner.config import PoolConfig
 from workers.engine.params import resolve_block_size
@@ -112,11 +116,17 @@ class AutoscaleLoop:
         interval = c.autoscale_interval_s
         self.config = config or AutoscaleConfig(
             interval_s=interval, window_s=3 * interval, min_dwell_s=3 * interval)
-        candidates = reachable(len(cluster.workers), cluster.threads,
-                               c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer)
+        self._reachable = reachable(len(cluster.workers), cluster.threads,
+                                    c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer)
         self.profile, self._slo = profile, (c.slo_ttft_ms, c.slo_tpot_ms)
-        self.autoscaler = Autoscaler(
-            candidates, simulated_goodput(profile, cluster.threads, *self._slo), self.config)
+        figures = simulated(profile, cluster.threads, *self._slo)
+        self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
+                                     goodput_of(figures), self.config)
+        self.caps = PrefillCapChooser(prefill_caps(profile, cluster.threads), figures,
+                                      min_requests=self.config.min_requests,
+                                      confirmations=self.config.confirmations)
+        """The stall-free cap, decided after the roles on the same window and scores."""
+        self.metrics_cap(c.prefill_tokens_while_decoding)
         self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
@@ -135,6 +145,8 @@ class AutoscaleLoop:
         """Measured seconds a worker leaving each role took to change (a moving
         average); a role not measured yet: :meth:`move_estimates`' prior."""
         self.decisions: list[Decision] = []
+        self.cap_decisions: list[CapDecision | None] = []
+        """Beside each decision, the cap's (None: the roles changed, no cap decided)."""
         self.step_models: list[str] = []
         """Beside each decision, the serving calibration it simulated with."""
         self._stop = threading.Event()
@@ -189,11 +201,46 @@ class AutoscaleLoop:
                  ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", cost,
                  self.step_models[-1])
         if d.target is not None:
+            self.caps.reset()
+            self.cap_decisions.append(None)
             try:
                 self._change_roles(roles, current, d)
             finally:
                 self._settled_at = now + (time.monotonic() - began)
+            return d
+        cd = self.caps.decide(now, current, records)
+        self.cap_decisions.append(cd)
+        self.metrics.inc("planner_cap_decisions_total", action="set" if cd.target is not None
+                         else "keep", reason=cd.reason)
+        for cap, (_, itl) in cd.predicted.items():
+            self.metrics.set("planner_predicted_itl_p99_ms", itl, cap=str(cap))
+        if cd.predicted:
+            log.info("autoscale: prompt tokens a step while decoding: %s (%s) at %s; "
+                     "predicted goodput, ITL p99: %s", "set" if cd.target is not None
+                     else "keep", cd.reason, cd.current or "no cap",
+                     ", ".join(f"{cap or 'no cap'}: {g:.3f}/s, {itl:.0f} ms"
+                               for cap, (g, itl) in cd.predicted.items()))
+        if cd.target is not None:
+            self._set_cap(roles, current, cd.target, cd.reason)
         return d
+
+    def _with_cap(self, cap: int) -> list[PoolConfig]:
+        return [replace(c, prefill_tokens_while_decoding=cap) for c in self._reachable]
+
+    def metrics_cap(self, cap: int) -> None:
+        self.metrics.set("planner_prefill_cap", cap)
+
+    def _set_cap(self, roles: dict[str, str], current: PoolConfig, cap: int,
+                 reason: str) -> None:
+        """Every worker's stall-free cap (``SetRole`` to the role it has), then the
+        candidates': the next decisions start from it."""
+        why = (f"autoscale: {current.prefill_tokens_while_decoding or 'no cap'} -> "
+               f"{cap or 'no cap'} prompt tokens a step while decoding ({reason})")
+        for address, role in roles.items():
+            self.cluster.set_role(address, role, reason=why, prefill_cap=cap)
+        self.autoscaler.candidates = self._with_cap(cap)
+        self.metrics_cap(cap)
+        log.info("%s: set on %d workers", why, len(roles))
 
     def _roles(self) -> dict[str, str]:
         return dict(zip(self.cluster.worker_addresses,
@@ -279,13 +326,14 @@ class AutoscaleLoop:
             self._fitted_at = now
             current = current_config(self._roles(), self.autoscaler.candidates)
             if current is not None and now - self.config.window_s >= self._settled_at:
-                self.memory.note(current.label, fit, now)  # a window it served whole
+                self.memory.note(current.roles_label, fit, now)  # a window it served whole
         # With no fit of the window's, everything on the profile: a remembered fit beside
         # the profile's calibration would compare two machines' speeds.
         owns = ({label: self.memory.own(label, now) for label in self.memory.proven(now)}
                 if fit is not None else {})
         if (fit, owns) != self._scored:
-            self.autoscaler.score = self._score(fit, owns)
+            figures = self._figures(fit, owns)
+            self.autoscaler.score, self.caps.predict = goodput_of(figures), figures
             self._scored = (fit, owns)
         self.calibration = fit
         pooled = fit.pooled if fit else None
@@ -299,22 +347,24 @@ class AutoscaleLoop:
         self.metrics.set("planner_served_steps", pooled.steps if pooled else 0)
         return fit
 
-    def _score(self, fit: ServedFits | None, owns: dict[str, ServedFits | None]) -> Score:
-        """The simulator's goodput of a candidate on its own calibration (``owns``, by
-        label) if it has one, else on the window's ``fit`` (None: the profile's)."""
-        scores: dict[int, Score] = {}
+    def _figures(self, fit: ServedFits | None, owns: dict[str, ServedFits | None]
+                 ) -> Predict:
+        """The simulator's figures of a candidate on its own calibration (``owns``, by
+        roles label) if it has one, else on the window's ``fit`` (None: the profile's)."""
+        predicts: dict[int, Predict] = {}
 
-        def on(f: ServedFits | None) -> Score:
-            if id(f) not in scores:
+        def on(f: ServedFits | None) -> Predict:
+            if id(f) not in predicts:
                 profile = self.profile if f is None else f.apply(self.profile)
-                scores[id(f)] = simulated_goodput(profile, self.cluster.threads, *self._slo,
-                                                  slo_profile=self.profile)
-            return scores[id(f)]
+                predicts[id(f)] = simulated(profile, self.cluster.threads, *self._slo,
+                                            slo_profile=self.profile)
+            return predicts[id(f)]
 
-        def score(config: PoolConfig, records: Sequence[TrafficRecord]) -> float:
-            return on(owns.get(config.label) or fit)(config, records)
+        def figures(config: PoolConfig, records: Sequence[TrafficRecord]) -> dict:
+            return on(owns.get(config.roles_label) or fit)(config, records)
 
-        return score
+        return figures
+
 
 
 def start_autoscale(cluster: LocalCluster) -> AutoscaleLoop:

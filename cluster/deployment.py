@@ -124,6 +124,11 @@ class DeploymentConfig:
         "computes (a longer prompt is prefilled in chunks of it); lower keeps decodes' "
         "inter-token latency down while long prompts prefill, higher prefills in fewer "
         "steps"))
+    prefill_tokens_while_decoding: int = field(default=0, metadata=setting(
+        "the most prompt tokens one step of a worker computes while any of its requests "
+        "decodes (stall-free batching: decodes wait through a chunk of this, not a long "
+        "prompt's whole step; with none decoding prompts take the whole budget); 0: no "
+        "cap but --max-num-batched-tokens. --autoscale sets it live from the traffic"))
     max_model_len: int | None = field(default=None, metadata=setting(
         "longest prompt + output a request may have, in tokens",
         shown="the model's context, within the KV cache"))
@@ -375,6 +380,7 @@ class DeploymentConfig:
                 "--kv-cache-gb", str(self.kv_cache_gb),
                 "--block-size", str(self.block_size), "--threads", str(threads),
                 "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+                "--prefill-tokens-while-decoding", str(self.prefill_tokens_while_decoding),
                 "--local-prefill-threshold", str(self.local_prefill_threshold),
                 "--transfer-timeout-s", str(self.transfer_timeout_s),
                 "--drain-timeout-s", str(self.drain_timeout_s),

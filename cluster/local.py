@@ -373,12 +373,15 @@ class LocalCluster:
         self._supervising.start()
 
     def set_role(self, worker: int | str, role: str, reason: str = "",
-                 drain_timeout_s: float | None = None) -> worker_pb2.SetRoleResponse:
+                 drain_timeout_s: float | None = None, prefill_cap: int | None = None
+                 ) -> worker_pb2.SetRoleResponse:
         """Change a worker's role in place (``SetRole``, :mod:`workers.roles`) and record
         it in :attr:`workers` (its name stays). ``worker``: its index in
         :attr:`workers`, its name (``prefill-1``) or its address. Blocks through the
         drain; raises ``grpc.RpcError`` with the worker's answer (FAILED_PRECONDITION: it
-        could not drain in time and kept its role; INVALID_ARGUMENT: not a role)."""
+        could not drain in time and kept its role; INVALID_ARGUMENT: not a role).
+        ``prefill_cap``: also set its ``--prefill-tokens-while-decoding`` (the role may
+        be the one it has: then only the cap changes)."""
         names = [n for n, _ in self.workers]
         i = (worker if isinstance(worker, int) else names.index(worker) if worker in names
              else self.worker_addresses.index(worker))
@@ -388,7 +391,8 @@ class LocalCluster:
                                        options=tls.channel_options())
                    if tls is not None else grpc.insecure_channel(address))
         request = worker_pb2.SetRoleRequest(role=role, reason=reason,
-                                            drain_timeout_s=drain_timeout_s or 0.0)
+                                            drain_timeout_s=drain_timeout_s or 0.0,
+                                            prefill_tokens_while_decoding=prefill_cap)
         with channel:
             answer = worker_pb2_grpc.WorkerStub(channel).SetRole(
                 request, timeout=(drain_timeout_s or c.drain_timeout_s) + 30)

@@ -123,7 +123,7 @@ class Decision:
     """The configuration to move to; None: stay."""
     reason: str
     scores: dict[str, float] = field(default_factory=dict)
-    """Every candidate's score, by its label."""
+    """Every candidate's score, by its :attr:`~planner.config.PoolConfig.roles_label`."""
     switch_s: float = 0.0
     """The best candidate's role changes: estimated seconds (0: free, or none weighed)."""
     net_gain: float | None = None
@@ -153,15 +153,16 @@ class Autoscaler:
                move_s: Mapping[str, float] | None = None,
                proven: Collection[str] | None = None) -> Decision:
         """``move_s``: seconds a worker leaving each role (``mixed``, ``prefill``,
-        ``decode``) takes to change; a role not named: free. ``proven``: the labels of
-        the configurations scored with their own calibration (None: every one)."""
+        ``decode``) takes to change; a role not named: free. ``proven``: the
+        ``roles_label`` s of the configurations scored with their own calibration (None:
+        every one)."""
         c = self.config
         if len(records) < c.min_requests:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "few_requests")
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
         scores = {cand: self.score(cand, records) for cand in pool}
-        labels = {cand.label: s for cand, s in scores.items()}
+        labels = {cand.roles_label: s for cand, s in scores.items()}
         best = max(pool, key=lambda cand: (scores[cand], cand == current))
         if best == current:
             self._leader, self._wins = None, 0
@@ -171,7 +172,8 @@ class Autoscaler:
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels)
-        bar = (c.min_gain if proven is None or {best.label, current.label} <= set(proven)
+        bar = (c.min_gain if proven is None
+               or {best.roles_label, current.roles_label} <= set(proven)
                else c.min_gain_unproven)
         if gain < bar:
             self._leader, self._wins = None, 0
@@ -200,12 +202,115 @@ class Autoscaler:
         return Decision(now, current, best, "switch", labels, **cost)
 
 
+Predict = Callable[[PoolConfig, Sequence[TrafficRecord]], Mapping[str, float]]
+"""A configuration's predicted figures on the window (``goodput``, ``itl_p99_ms``)."""
+
+CAP_STEPS = (2.0, 3.0, 6.0)
+"""The stall-free caps the live planner tries, as the multiple of an unloaded one-request
+decode step that a step computing that many prompt tokens takes (:func:`prefill_caps`)."""
+
+
+def prefill_caps(profile: Profile, threads: int, steps: Sequence[float] = CAP_STEPS
+                 ) -> tuple[int, ...]:
+    """0 (no cap) and, per multiple ``k`` in ``steps``, the most prompt tokens (whole KV
+    blocks, within the step budget) whose prefill takes at most ``k`` decode steps on
+    ``profile``: relative to the machine (a GPU computes hundreds of prompt tokens in a
+    decode step's time, two CPU cores a few dozen)."""
+    step, block = profile.step(threads), profile.block_size
+    caps = {0}
+    for k in steps:
+        n = 0
+        while (n + block <= profile.max_num_batched_tokens
+               and step.prefill_seconds(n + block) <= k * step.decode_seconds(1, n + block)):
+            n += block
+        if n:
+            caps.add(n)
+    return tuple(sorted(caps))
+
+
+@dataclass(frozen=True)
+class CapDecision:
+    at: float
+    current: int
+    """The cap in force (0: none)."""
+    target: int | None
+    """The cap to set; None: keep."""
+    reason: str
+    predicted: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """Each cap's predicted (goodput, ITL p99 ms)."""
+
+
+class PrefillCapChooser:
+    """The stall-free cap (``--prefill-tokens-while-decoding``) for the configuration
+    the workers have, decided after the roles (:class:`Autoscaler`) on the same window.
+
+    A long prompt computed in one step makes every running decode wait through it: on
+    a 2-core Xeon, 1,536 prompt tokens in a 0.5-1 s step where a decode step takes 40
+    ms. Capping a step's prompt tokens while anyone decodes (Sarathi-Serve's stall-free
+    batching) bounds that wait, and costs the prompt more steps: worth it under load,
+    where many decodes wait through many prompts, and worse at a low one, where a rare
+    long step is below the 99th percentile of the gaps and the cap's many medium steps
+    are not. So the planner simulates the current configuration with each cap
+    (:func:`prefill_caps`) on the window and takes, among those within ``tolerance`` of
+    the best predicted goodput, the one with the lowest predicted ITL p99. It changes
+    the cap when that one cuts ITL p99 by ``min_itl_gain`` or serves ``min_gain`` more,
+    ``confirmations`` decisions in a row (a change costs nothing: the workers take it
+    at their next step). Reasons: ``few_requests``, ``current_best``,
+    ``below_threshold``, ``confirming``, ``switch``."""
+
+    def __init__(self, caps: Sequence[int], predict: Predict, *, min_requests: int = 10,
+                 tolerance: float = 0.05, min_itl_gain: float = 0.2, min_gain: float = 0.10,
+                 confirmations: int = 2) -> None:
+        if not caps:
+            raise ValueError("the cap chooser needs at least one cap")
+        self.caps, self.predict = tuple(caps), predict
+        self.min_requests, self.tolerance = min_requests, tolerance
+        self.min_itl_gain, self.min_gain = min_itl_gain, min_gain
+        self.confirmations = confirmations
+        self._leader: int | None = None
+        self._wins = 0
+
+    def reset(self) -> None:
+        """Forget a leader (the roles changed: its window no longer applies)."""
+        self._leader, self._wins = None, 0
+
+    def decide(self, now: float, current: PoolConfig,
+               records: Sequence[TrafficRecord]) -> CapDecision:
+        have = current.prefill_tokens_while_decoding
+        if len(records) < self.min_requests:
+            self.reset()
+            return CapDecision(now, have, None, "few_requests")
+        predicted = {}
+        for cap in sorted({have, *self.caps}):
+            m = self.predict(replace(current, prefill_tokens_while_decoding=cap), records)
+            predicted[cap] = (float(m["goodput"]), float(m["itl_p99_ms"]))
+        top = max(g for g, _ in predicted.values())
+        eligible = [c for c, (g, _) in predicted.items() if g >= (1 - self.tolerance) * top]
+        best = min(eligible, key=lambda c: (predicted[c][1], c != have))
+        if best == have:
+            self.reset()
+            return CapDecision(now, have, None, "current_best", predicted)
+        (g_best, itl_best), (g_have, itl_have) = predicted[best], predicted[have]
+        faster = itl_best <= (1 - self.min_itl_gain) * itl_have
+        more = g_best >= (1 + self.min_gain) * g_have if g_have > 0 else g_best > 0
+        if not (faster or more):
+            self.reset()
+            return CapDecision(now, have, None, "below_threshold", predicted)
+        self._wins = self._wins + 1 if best == self._leader else 1
+        self._leader = best
+        if self._wins < self.confirmations:
+            return CapDecision(now, have, None, "confirming", predicted)
+        self.reset()
+        return CapDecision(now, have, best, "switch", predicted)
+
+
 Fit = TypeVar("Fit")
 
 
 class FitMemory(Generic[Fit]):
     """Each configuration's serving calibration as last fitted on a window it served
-    whole (no role change inside it), by label, kept ``keep_s`` seconds. The live loop
+    whole (no role change inside it), by label (``PoolConfig.roles_label``: the fit is
+    of step times, which a stall-free cap does not change), kept ``keep_s`` seconds. The live loop
     notes the current configuration's fit after each clean window and scores every
     candidate with :meth:`own`, falling back to the current window's fit."""
 
@@ -301,11 +406,26 @@ def current_config(roles: dict[str, str],
 def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
                       slo_tpot_ms: float | None = None, seed: int = 0,
                       slo_profile: Profile | None = None) -> Score:
-    """The production score: the simulator's predicted goodput (requests/s meeting the
-    SLOs) of a configuration on the window's requests, replayed at their arrival times
-    with their prompt and output lengths. Prompts are fresh token ids: the window keeps
-    how many tokens were cached, not which, so the simulated prefix cache serves none
-    (a pessimistic reading of cache-heavy traffic, the same for every candidate).
+    """The production score: :func:`simulated`'s predicted goodput (requests/s meeting
+    the SLOs)."""
+    return goodput_of(simulated(profile, threads, slo_ttft_ms, slo_tpot_ms, seed,
+                                slo_profile))
+
+
+def goodput_of(figures: Predict) -> Score:
+    """The score of ``figures``: the predicted goodput."""
+    return lambda config, records: float(figures(config, records)["goodput"])
+
+
+def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
+              slo_tpot_ms: float | None = None, seed: int = 0,
+              slo_profile: Profile | None = None) -> Predict:
+    """The simulator's predicted figures (:func:`planner.predict.predicted`: goodput,
+    latency percentiles) of a configuration on the window's requests, replayed at their
+    arrival times with their prompt and output lengths. Prompts are fresh token ids: the
+    window keeps how many tokens were cached, not which, so the simulated prefix cache
+    serves none (a pessimistic reading of cache-heavy traffic, the same for every
+    candidate).
 
     SLOs not given are relative to the machine: TTFT 5x the unloaded prefill of the
     window's mean prompt, TPOT 2x an unloaded decode step at that context, both on
@@ -313,7 +433,7 @@ def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None 
     the saved one's SLOs, so that targets do not move with the machine's speed)."""
     step = (slo_profile or profile).step(threads)
 
-    def score(config: PoolConfig, records: Sequence[TrafficRecord]) -> float:
+    def figures(config: PoolConfig, records: Sequence[TrafficRecord]) -> dict:
         rng = random.Random(seed)
         t0 = records[0].arrival
         ids = DEFAULT_TOKEN_IDS
@@ -322,8 +442,7 @@ def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None 
         mean_prompt = sum(len(r.prompt) for r in requests) // len(requests)
         ttft = slo_ttft_ms or 5000 * step.prefill_seconds(mean_prompt)
         tpot = slo_tpot_ms or 2000 * step.decode_seconds(1, mean_prompt)
-        m = simulate(profile, config, requests, [r.arrival - t0 for r in records],
-                     SLO(ttft, tpot))
-        return float(m["goodput"])
+        return simulate(profile, config, requests, [r.arrival - t0 for r in records],
+                        SLO(ttft, tpot))
 
-    return score
+    return figures

@@ -41,6 +41,9 @@ class PoolConfig:
     """``adaptive`` only: the longest step a local prefill may make decodes wait."""
     kv_offer: str = "layers"
     """Disaggregated only: the prefill workers' ``--kv-offer``."""
+    prefill_tokens_while_decoding: int = 0
+    """Every worker's ``--prefill-tokens-while-decoding`` (0: none): the live planner
+    sets it from the traffic (:class:`planner.autoscale.PrefillCapChooser`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -58,6 +61,9 @@ class PoolConfig:
         if self.local_prefill_threshold < 0:
             raise ValueError(f"local_prefill_threshold must be >= 0, got "
                              f"{self.local_prefill_threshold}")
+        if self.prefill_tokens_while_decoding < 0:
+            raise ValueError(f"prefill_tokens_while_decoding must be >= 0, got "
+                             f"{self.prefill_tokens_while_decoding}")
         if self.kv_offer not in KV_OFFERS:
             raise ValueError(f"PoolConfig.kv_offer must be one of {KV_OFFERS}, got "
                              f"{self.kv_offer!r}")
@@ -82,6 +88,13 @@ class PoolConfig:
 
     @property
     def label(self) -> str:
+        cap = self.prefill_tokens_while_decoding
+        return self.roles_label + (f", prompts <= {cap} tokens a step while decoding"
+                                   if cap else "")
+
+    @property
+    def roles_label(self) -> str:
+        """:attr:`label` without the stall-free cap: the pools and how prompts move."""
         if self.kind == "mixed":
             return f"{self.mixed_workers} mixed x{self.mixed_threads}t"
         pd = (f"{self.prefill_workers}P x{self.prefill_threads}t + {self.decode_workers}D "
@@ -99,6 +112,8 @@ class PoolConfig:
             del d["itl_budget_ms"]
         if self.kind == "mixed":
             del d["kv_offer"]
+        if not self.prefill_tokens_while_decoding:
+            del d["prefill_tokens_while_decoding"]
         return d
 
 

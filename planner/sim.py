@@ -142,7 +142,7 @@ class Simulation:
             return [SimWorker(f"{role}-{i}", role, threads, profile, self.loop, self,
                               threshold, ((_IndexListener(shared, f"{role}-{i}"),)
                                           if self.cache_aware and role != "decode" else ()),
-                              fast_forward)
+                              fast_forward, config.prefill_tokens_while_decoding)
                     for i in range(n)]
 
         c = config

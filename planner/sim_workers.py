@@ -121,12 +121,14 @@ class Host(Protocol):
         """A decode worker placed a reservation; ``local``: it computes the prompt."""
 
 
-def scheduler_config(profile: Profile) -> SchedulerConfig:
-    """The engine's own sizing of its scheduler (``LLMEngine.__init__``)."""
+def scheduler_config(profile: Profile, prefill_cap: int = 0) -> SchedulerConfig:
+    """The engine's own sizing of its scheduler (``LLMEngine.__init__``); ``prefill_cap``:
+    its ``--prefill-tokens-while-decoding``."""
     n = profile.num_blocks
     return SchedulerConfig(
         num_blocks=n, block_size=profile.block_size,
         max_num_batched_tokens=profile.max_num_batched_tokens,
+        prefill_tokens_while_decoding=prefill_cap,
         max_num_seqs=profile.max_num_seqs,
         max_model_len=min(profile.max_model_len, n * profile.block_size),
         model_id=profile.model, watermark_blocks=min(n // 100, n - 1))
@@ -135,10 +137,10 @@ def scheduler_config(profile: Profile) -> SchedulerConfig:
 class SimWorker:
     def __init__(self, name: str, role: str, threads: int, profile: Profile,
                  loop: EventLoop, host: Host, local_prefill_threshold: int = 0,
-                 listeners: tuple[KVEventListener, ...] = (), fast_forward: bool = True
-                 ) -> None:
+                 listeners: tuple[KVEventListener, ...] = (), fast_forward: bool = True,
+                 prefill_cap: int = 0) -> None:
         self.name, self.role, self.threads = name, role, threads
-        self.sched = Scheduler(scheduler_config(profile), listeners)
+        self.sched = Scheduler(scheduler_config(profile, prefill_cap), listeners)
         self.max_model_len = self.sched.config.max_model_len
         steps = profile.for_role(role)  # its role's own served calibration, if fitted
         self.model = steps.step(threads)

@@ -180,6 +180,11 @@ class EngineLoop(ReservationDriver):
 
         self.call_soon(swap)
 
+    def set_prefill_cap(self, tokens: int) -> None:
+        """The engine's stall-free cap from its next step on
+        (:meth:`LLMEngine.set_prefill_cap`), in order with the commands."""
+        self.call_soon(lambda: self.engine.set_prefill_cap(tokens))
+
     def close(self) -> None:
         self._commands.put(STOP)
         self._thread.join(timeout=10)

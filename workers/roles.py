@@ -201,6 +201,8 @@ class RoleChanged:
     previous_role: str
     drained_s: float
     kv_address: str
+    prefill_cap: int = 0
+    """The engine's stall-free cap after the call (0: none)."""
 
 
 class RoleSwitch:
@@ -217,18 +219,30 @@ class RoleSwitch:
         self.info, self._metrics, self._targets = info, metrics, targets
         self._changing: str | None = None  # the role a change under way goes to
         self._closed = False
+        self.prefill_cap = config.engine.prefill_tokens_while_decoding
+        """The engine's stall-free cap (``SetRole`` may set it, with or without a new
+        role)."""
 
     @property
     def role(self) -> str:
         return self.end.role
 
     async def change(self, role: str, reason: str = "",
-                     drain_timeout_s: float | None = None) -> RoleChanged:
-        """Change to ``role``; raises :class:`RoleChangeError`. Waits for the drain."""
+                     drain_timeout_s: float | None = None,
+                     prefill_cap: int | None = None) -> RoleChanged:
+        """Change to ``role``; raises :class:`RoleChangeError`. Waits for the drain.
+        ``prefill_cap``: the engine's stall-free cap from its next step on, set once the
+        role is known valid, whatever the change then does (None: kept)."""
         old = self.role
         if role not in ROLES:
             raise RoleChangeError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"role {role[:40]!r}: want one of {', '.join(ROLES)}")
+        if prefill_cap is not None and prefill_cap != self.prefill_cap:
+            self._loop.set_prefill_cap(prefill_cap)
+            log.info("prompt tokens per step while decoding: %s -> %s (reason: %s)",
+                     self.prefill_cap or "no cap", prefill_cap or "no cap",
+                     reason or "none given")
+            self.prefill_cap = prefill_cap
         if self._changing is not None:
             raise RoleChangeError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"a change of this worker's role ({old} -> "
@@ -238,7 +252,7 @@ class RoleSwitch:
             raise RoleChangeError(grpc.StatusCode.FAILED_PRECONDITION,
                                   "this worker is shutting down")
         if role == old:
-            return RoleChanged(role, old, 0.0, self.end.kv_address)
+            return RoleChanged(role, old, 0.0, self.end.kv_address, self.prefill_cap)
         timeout = drain_timeout_s if drain_timeout_s else self.config.drain_timeout_s
         self._changing = role
         task = asyncio.ensure_future(self._change(old, role, reason, timeout))
@@ -294,7 +308,7 @@ class RoleSwitch:
             self._metrics.inc("worker_role_changes_total", from_role=old, to_role=role)
         log.info("role changed %s -> %s after a %.1fs drain (reason: %s)", old, role, drained,
                  reason or "none given")
-        return RoleChanged(role, old, drained, new.kv_address)
+        return RoleChanged(role, old, drained, new.kv_address, self.prefill_cap)
 
     def _swap(self, new: ChannelEnd) -> ChannelEnd:
         """Everything that names the role, at once (no await: no call runs between)."""

@@ -289,13 +289,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if self.roles is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 "this worker cannot change its role")
+        cap = (request.prefill_tokens_while_decoding
+               if request.HasField("prefill_tokens_while_decoding") else None)
         try:
             done = await self.roles.change(request.role, request.reason,
-                                           request.drain_timeout_s or None)
+                                           request.drain_timeout_s or None, cap)
         except RoleChangeError as e:
             await context.abort(e.code, str(e))
-        return worker_pb2.SetRoleResponse(role=done.role, previous_role=done.previous_role,
-                                          drained_s=done.drained_s, kv_address=done.kv_address)
+        return worker_pb2.SetRoleResponse(
+            role=done.role, previous_role=done.previous_role, drained_s=done.drained_s,
+            kv_address=done.kv_address, prefill_tokens_while_decoding=done.prefill_cap)
 
     def channel_stats(self) -> ChannelStats | None:
         """This role's end of the KV channel's counters; None on a mixed worker."""

@@ -137,6 +137,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     add_setting(p, "kv_cache_gb")
     add_setting(p, "block_size")
     add_setting(p, "max_num_batched_tokens")
+    add_setting(p, "prefill_tokens_while_decoding")
     add_setting(p, "max_model_len")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="torch threads for this process (default: all cores)")
@@ -156,6 +157,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
         "quantization": None if args.quantization == "none" else args.quantization,
         "block_size": args.block_size,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
         "max_model_len": args.max_model_len,
         "num_threads": args.threads,
         "device": args.device,

@@ -8,7 +8,9 @@ from planner.autoscale import (
     AutoscaleConfig,
     Autoscaler,
     FitMemory,
+    PrefillCapChooser,
     moves,
+    prefill_caps,
     reachable,
     role_changes,
     serving_while_moving,
@@ -218,3 +220,75 @@ def test_requests_in_flight_take_the_finished_ones_median_output():
     got = expected_outputs(flying, earlier)  # the ended ones of a longer span
     assert [r.output_tokens for r in got] == [600, 12]
     assert [r.output_tokens for r in expected_outputs(done + flying, earlier)][3] == 450
+
+
+def _chooser(figures, **kw):
+    """A chooser over caps 0 / 64 / 256 whose predictions are ``figures[cap]``."""
+    def predict(config, records):
+        g, itl = figures[config.prefill_tokens_while_decoding]
+        return {"goodput": g, "itl_p99_ms": itl}
+
+    return PrefillCapChooser((0, 64, 256), predict, **kw)
+
+
+def test_the_cap_with_the_lowest_itl_among_the_near_best_goodputs_wins_twice_in_a_row():
+    # 64 has the lowest ITL but loses 10% goodput; 256 is within 5% and halves ITL p99.
+    c = _chooser({0: (1.00, 900.0), 64: (0.90, 150.0), 256: (0.97, 300.0)})
+    first = c.decide(0.0, MIXED, RECORDS)
+    assert (first.target, first.reason, first.current) == (None, "confirming", 0)
+    assert first.predicted[64] == (0.90, 150.0)
+    second = c.decide(5.0, MIXED, RECORDS)
+    assert (second.target, second.reason) == (256, "switch")
+    capped = MIXED.__class__(**{**MIXED.as_dict(), "prefill_tokens_while_decoding": 256})
+    assert c.decide(10.0, capped, RECORDS).reason == "current_best"
+
+
+def test_the_cap_is_kept_when_no_other_cuts_itl_or_serves_more_by_the_margins():
+    c = _chooser({0: (1.00, 100.0), 64: (1.00, 90.0), 256: (1.00, 95.0)})
+    assert [c.decide(t, MIXED, RECORDS).reason for t in (0.0, 5.0, 10.0)] == [
+        "below_threshold"] * 3  # 10% lower ITL p99: below the 20% margin
+    quiet = _chooser({0: (1.0, 900.0), 64: (1.0, 100.0), 256: (1.0, 100.0)})
+    assert quiet.decide(0.0, MIXED, RECORDS[:5]).reason == "few_requests"
+    # Unsteady predictions: a leader that changes between decisions never switches.
+    tables = [{0: (1.0, 900.0), 64: (1.0, 100.0), 256: (1.0, 400.0)},
+              {0: (1.0, 900.0), 64: (1.0, 400.0), 256: (1.0, 100.0)}]
+    flip = _chooser(tables[0])
+    for k in range(10):
+        flip.predict = _chooser(tables[k % 2]).predict
+        assert flip.decide(5.0 * k, MIXED, RECORDS).target is None
+
+
+def test_the_caps_tried_are_relative_to_the_machine():
+    from planner.synthetic import synthetic_profile
+
+    cpu, gpu = synthetic_profile("cpu"), synthetic_profile("gpu")
+    caps_cpu, caps_gpu = prefill_caps(cpu, 1), prefill_caps(gpu, 1)
+    assert caps_cpu[0] == 0 and caps_gpu[0] == 0 and len(caps_cpu) > 1
+    assert all(c % cpu.block_size == 0 for c in caps_cpu)
+    assert max(caps_gpu) > max(caps_cpu)  # a GPU computes more prompt in a decode's time
+    assert max(caps_gpu) <= gpu.max_num_batched_tokens
+
+
+def test_the_simulated_cap_cuts_itl_p99_under_load_and_keeps_the_prompt_tokens():
+    """The simulator runs the real scheduler with the cap: under a load of long prompts
+    and decodes, ITL p99 falls well below the uncapped one's; with nothing decoding
+    beside it, a lone long prompt's TTFT is unchanged."""
+    import random
+
+    from planner.autoscale import simulated
+    from planner.synthetic import synthetic_profile
+
+    profile = synthetic_profile("cpu")
+    rng = random.Random(5)
+    t, records = 0.0, []
+    while t < 40:
+        t += rng.expovariate(2.0)
+        long = rng.random() < 0.25
+        records.append(TrafficRecord(t, 1536 if long else 128, 0, 16 if long else 96))
+    figures = simulated(profile, 1, slo_ttft_ms=3000, slo_tpot_ms=150)
+    cap = prefill_caps(profile, 1)[1]
+    capped = MIXED.__class__(**{**MIXED.as_dict(), "prefill_tokens_while_decoding": cap})
+    loaded = figures(MIXED, records)["itl_p99_ms"], figures(capped, records)["itl_p99_ms"]
+    assert loaded[1] < 0.5 * loaded[0], loaded
+    lone = [TrafficRecord(0.0, 1536, 0, 4)]
+    assert figures(capped, lone)["ttft_p50_ms"] == figures(MIXED, lone)["ttft_p50_ms"]

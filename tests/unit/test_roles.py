@@ -28,6 +28,7 @@ class FakeLoop:
     barriers: int = 0  # the engine thread's commands caught up with
     hooks: list[tuple[object, str]] = field(default_factory=list)
     engine: object = None
+    caps: list[int] = field(default_factory=list)  # set_prefill_cap's, in order
 
     def load(self) -> EngineLoad:
         return EngineLoad(running=self.busy, waiting=0, free_blocks=8, total_blocks=8,
@@ -38,6 +39,9 @@ class FakeLoop:
 
     def set_kv_receiver(self, expect: object, address: str = "") -> None:
         self.hooks.append((expect, address))
+
+    def set_prefill_cap(self, tokens: int) -> None:
+        self.caps.append(tokens)
 
 
 @dataclass
@@ -131,6 +135,24 @@ def test_invalid_role_is_refused_naming_the_roles() -> None:
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert all(r in str(e.value) for r in ("prefill", "decode", "mixed"))
         assert servicer.used == [] and presence.events == []
+
+    asyncio.run(body())
+
+
+def test_set_role_sets_the_stall_free_cap_with_or_without_a_new_role() -> None:
+    async def body() -> None:
+        s, loop, _, presence, _ = switch("mixed")
+        assert s.prefill_cap == 0
+        done = await s.change("mixed", "planner: decodes wait", prefill_cap=256)
+        assert (done.role, done.prefill_cap, loop.caps) == ("mixed", 256, [256])
+        assert presence.events == []  # the role it has: the registry never heard
+        kept = await s.change("mixed")  # no cap asked: kept, nothing posted
+        assert (kept.prefill_cap, loop.caps) == (256, [256])
+        with pytest.raises(RoleChangeError):  # a bad role sets nothing
+            await s.change("chef", prefill_cap=128)
+        moved = await s.change("decode", prefill_cap=0)  # with a new role: both
+        assert (moved.role, moved.prefill_cap, loop.caps) == ("decode", 0, [256, 0])
+        s.close()
 
     asyncio.run(body())
 

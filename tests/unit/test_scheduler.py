@@ -273,3 +273,61 @@ def test_fork_whose_first_token_ends_it_frees_what_it_took() -> None:
     assert reason is not None and copy is None and kid.is_finished and not kid.block_table
     s.update(out, {"p": 6}, NO_EOS)
     assert_empty(s)
+
+
+def test_prompts_share_the_stall_free_cap_only_while_a_request_decodes() -> None:
+    """Alone, a prompt takes the whole budget; once another request decodes, every step
+    computes at most the cap's prompt tokens (the running prompt's chunk and newly
+    admitted ones together), and the decode still gets its token each step."""
+    s = make(budget=32, prefill_tokens_while_decoding=6)
+    s.add("long", list(range(40)), SamplingParams(max_tokens=3, ignore_eos=True))
+    first = step(s).chunks
+    assert [(c.seq.seq_id, c.num_tokens) for c in first] == [("long", 32)]  # no decode yet
+    s.add("a", list(range(100, 104)), SamplingParams(max_tokens=12, ignore_eos=True))
+    s.add("b", list(range(200, 205)), SamplingParams(max_tokens=2, ignore_eos=True))
+    step(s)  # long's last 8 tokens (it then decodes) and the start of a
+    while s.num_unfinished:
+        out = s.schedule()
+        decoding = [c for c in out.chunks if c.num_tokens == 1 and c.samples]
+        prompts = sum(c.num_tokens for c in out.chunks if c not in decoding)
+        if decoding:
+            assert prompts <= 6
+        s.update(out, {c.seq.seq_id: 7 for c in out.chunks if c.samples}, NO_EOS)
+    assert_empty(s)
+
+
+def test_the_cap_splits_a_prompt_it_would_have_computed_in_one_step() -> None:
+    def chunks_of(cap: int) -> list[int]:
+        s = make(budget=64, prefill_tokens_while_decoding=cap)
+        s.add("d", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+        step(s)  # d decodes from now on
+        s.add("p", list(range(30)), SamplingParams(max_tokens=1, ignore_eos=True))
+        sizes = []
+        while s.get("p") is not None and s.get("p").num_output_tokens == 0:
+            out = step(s)
+            sizes += [c.num_tokens for c in out.chunks if c.seq.seq_id == "p"]
+        return sizes
+
+    assert chunks_of(0) == [30]
+    assert chunks_of(8) == [8, 8, 8, 6]
+
+
+def test_the_cap_holds_through_preemptions() -> None:
+    s = make(num_blocks=14, budget=12, max_seqs=8, prefill_tokens_while_decoding=5)
+    for i in range(12):
+        s.add(str(i), [i % 5 + 1] * (5 + 7 * (i % 4)), SamplingParams(max_tokens=3 + i % 4))
+    steps = preempting = 0
+    while s.num_unfinished:
+        decoding_before = {q.seq_id for q in s.running
+                           if q.num_tokens - q.num_computed_tokens == 1}
+        out = s.schedule()
+        prompts = sum(c.num_tokens for c in out.chunks if c.num_tokens > 1 or not c.samples)
+        if decoding_before:
+            assert prompts <= 5
+        assert out.num_batched_tokens <= 12
+        preempting += bool(out.preempted)
+        s.update(out, {c.seq.seq_id: 1000 + steps for c in out.chunks if c.samples}, NO_EOS)
+        steps += 1
+        assert steps < 1000, "scheduler made no progress"
+    assert preempting
+    assert_empty(s)

@@ -187,6 +187,7 @@ class LLMEngine:
                 num_blocks=self.runner.num_blocks,
                 block_size=config.block_size,
                 max_num_batched_tokens=config.max_num_batched_tokens,
+                prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 model_id=self.model_id,
@@ -230,6 +231,17 @@ class LLMEngine:
         sched, bm = self.scheduler, self.scheduler.block_manager
         return EngineLoad(len(sched.running), len(sched.waiting), bm.num_free_blocks,
                           bm.num_blocks, len(sched.reserved) + len(sched.held))
+
+    def set_prefill_cap(self, tokens: int) -> None:
+        """From the next step on, prompts share at most ``tokens`` of a step while any
+        request decodes (0: no cap; :attr:`SchedulerConfig.prefill_tokens_while_decoding`).
+        Engine thread only."""
+        self.scheduler.config = dataclasses.replace(
+            self.scheduler.config, prefill_tokens_while_decoding=tokens)
+
+    @property
+    def prefill_cap(self) -> int:
+        return self.scheduler.config.prefill_tokens_while_decoding
 
     def has_runnable_requests(self) -> bool:
         """Whether ``step`` has anything to schedule (running or waiting requests;

@@ -46,6 +46,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int = 2048
+    prefill_tokens_while_decoding: int = 0
+    """Most prompt tokens one step computes while a request on this engine is decoding
+    (0: no cap beyond ``max_num_batched_tokens``). Sarathi-Serve's stall-free batching:
+    the decodes' step stays short; an engine with no decodes running still computes
+    prompts at the full budget."""
     model_id: str = "model"
     enable_prefix_caching: bool = True
     watermark_blocks: int = 0
@@ -58,6 +63,7 @@ class SchedulerConfig:
             "block_size": self.block_size >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
             "max_num_seqs": self.max_num_seqs >= 1,
+            "prefill_tokens_while_decoding": self.prefill_tokens_while_decoding >= 0,
             "watermark_blocks": 0 <= self.watermark_blocks < self.num_blocks,
             # A sequence must fit in the whole pool, or it could never be scheduled.
             "max_model_len": 2 <= self.max_model_len <= self.num_blocks * self.block_size,
@@ -92,6 +98,9 @@ class EngineConfig:
     more tokens in ``kv_cache_memory_gb`` and cross the KV channel as stored; prefill and
     decode workers must use the same one."""
     max_num_batched_tokens: int = 2048
+    prefill_tokens_while_decoding: int = 0
+    """:attr:`SchedulerConfig.prefill_tokens_while_decoding`; ``SetRole`` may change it
+    live (:meth:`LLMEngine.set_prefill_cap`)."""
     max_num_seqs: int = 256
     max_model_len: int | None = None
     enable_prefix_caching: bool = True

@@ -7,7 +7,9 @@ Each :meth:`Scheduler.schedule` call builds one step:
    full ones stay in the prefix cache) and it goes back to the waiting queue to be
    recomputed later (prompt + what it generated so far).
 2. Running sequences still in prefill get the next chunk of their prompt, as much as the
-   remaining token budget allows (chunked prefill).
+   remaining token budget allows (chunked prefill); while any sequence decodes, prompts
+   share at most ``prefill_tokens_while_decoding`` tokens of the step, when set
+   (stall-free batching: a decode never waits through a long prompt's whole step).
 3. Waiting sequences are admitted strictly first come, first served: reuse their cached
    prefix, then take a chunk. If the head of the queue does not fit, nobody behind it is
    admitted (no starvation of long prompts), and nothing is admitted in a step that had
@@ -73,6 +75,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+
+def _prompt_tokens(out: SchedulerOutput) -> int:
+    """Tokens of ``out`` that compute prompts (every chunk but single decode tokens)."""
+    return sum(c.num_tokens for c in out.chunks if c.num_tokens > 1 or not c.samples)
 
 
 class Scheduler:
@@ -307,22 +314,34 @@ class Scheduler:
         limit = self.config.max_num_batched_tokens
         decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
         prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        # Prompt tokens this step may compute: the whole budget, or the stall-free cap
+        # while anyone decodes (a decode this step, or one the cap keeps waiting).
+        cap = self.config.prefill_tokens_while_decoding
+        room = cap if cap and decoding else limit
         used = 0  # tokens in out.chunks, kept as we go (a sum per sequence is quadratic)
         for seq in decoding + prefilling:
             if used == limit:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier this step
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, limit - used)
+            left = seq.num_tokens - seq.num_computed_tokens
+            n = min(left, limit - used)
+            if left > 1:
+                n = min(n, room)
+                if n == 0:
+                    continue
             preempted = len(out.preempted)
             if self._grow_or_preempt(seq, n, out):
                 out.chunks.append(ScheduledChunk.next_for(seq, n))
+                if left > 1:
+                    room -= n
             if len(out.preempted) != preempted:  # a victim's chunk gave its tokens back
                 used = out.num_batched_tokens
+                room = max(0, (cap if cap and decoding else limit) - _prompt_tokens(out))
             else:
                 used += n
         if not out.preempted:
-            self._admit(limit - out.num_batched_tokens, out)
+            self._admit(min(limit - out.num_batched_tokens, room), out)
         return out
 
     def _grow_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:

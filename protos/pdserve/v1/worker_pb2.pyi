@@ -138,23 +138,27 @@ class WorkerLoad(_message.Message):
     def __init__(self, role: _Optional[str] = ..., model: _Optional[str] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., reserved_requests: _Optional[int] = ..., transfers: _Optional[_Union[_common_pb2.TransferStats, _Mapping]] = ..., block_size: _Optional[int] = ..., model_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SetRoleRequest(_message.Message):
-    __slots__ = ("role", "reason", "drain_timeout_s")
+    __slots__ = ("role", "reason", "drain_timeout_s", "prefill_tokens_while_decoding")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     DRAIN_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_WHILE_DECODING_FIELD_NUMBER: _ClassVar[int]
     role: str
     reason: str
     drain_timeout_s: float
-    def __init__(self, role: _Optional[str] = ..., reason: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ...) -> None: ...
+    prefill_tokens_while_decoding: int
+    def __init__(self, role: _Optional[str] = ..., reason: _Optional[str] = ..., drain_timeout_s: _Optional[float] = ..., prefill_tokens_while_decoding: _Optional[int] = ...) -> None: ...
 
 class SetRoleResponse(_message.Message):
-    __slots__ = ("role", "previous_role", "drained_s", "kv_address")
+    __slots__ = ("role", "previous_role", "drained_s", "kv_address", "prefill_tokens_while_decoding")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
     DRAINED_S_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_WHILE_DECODING_FIELD_NUMBER: _ClassVar[int]
     role: str
     previous_role: str
     drained_s: float
     kv_address: str
-    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ..., drained_s: _Optional[float] = ..., kv_address: _Optional[str] = ...) -> None: ...
+    prefill_tokens_while_decoding: int
+    def __init__(self, role: _Optional[str] = ..., previous_role: _Optional[str] = ..., drained_s: _Optional[float] = ..., kv_address: _Optional[str] = ..., prefill_tokens_while_decoding: _Optional[int] = ...) -> None: ...
