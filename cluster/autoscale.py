@@ -126,7 +126,6 @@ class AutoscaleLoop:
                                       min_requests=self.config.min_requests,
                                       confirmations=self.config.confirmations)
         """The stall-free cap, decided after the roles on the same window and scores."""
-        self.metrics_cap(c.prefill_tokens_while_decoding)
         self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
@@ -141,6 +140,7 @@ class AutoscaleLoop:
         self._refused: tuple[str, bool] | None = None  # the last refusal's kind and if kept
         self._fitted_at = -math.inf  # when the calibration was fitted
         self.metrics = metrics or Metrics({"component": "planner"})
+        self.metrics_cap(c.prefill_tokens_while_decoding)
         self.moves: dict[str, float] = {}
         """Measured seconds a worker leaving each role took to change (a moving
         average); a role not measured yet: :meth:`move_estimates`' prior."""

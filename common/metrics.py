@@ -85,6 +85,14 @@ CATALOG: tuple[Spec, ...] = (
          "changes", ("role",)),
     Spec("planner_switch_seconds", "gauge", "The role changes' seconds the last switch the "
          "planner weighed would take (its cost: the capacity those changes take)"),
+    Spec("planner_prefill_cap", "gauge", "The prompt tokens a worker step may compute while "
+         "any request decodes, as the planner last set it on every worker (0: no cap; "
+         "--prefill-tokens-while-decoding)"),
+    Spec("planner_cap_decisions_total", "counter", "The live planner's decisions on that "
+         "cap: keep or set, and why", ("action", "reason")),
+    Spec("planner_predicted_itl_p99_ms", "gauge", "The inter-token latency p99 the planner "
+         "predicts for the current configuration with each cap (0: none) on the last window",
+         ("cap",)),
     Spec("request_migrations_total", "counter",
          "Requests moved to another worker after theirs failed mid-stream"),
     Spec("workers", "gauge", "Workers the router routes to, by role", ("role",)),

@@ -1,6 +1,7 @@
 """``pdserve up --autoscale``'s loop on real processes: the routers' traffic log in Redis,
 the planner's decisions carried out as role changes (2 mixed workers -> 1 prefill + 1
-decode -> 2 mixed) while greedy requests stream, none lost, every block free after.
+decode -> 2 mixed, then a stall-free cap on both) while greedy requests stream, none
+lost, every block free after.
 
 The decisions' hysteresis and the simulator's scores are tested without processes
 (tests/unit/test_autoscale.py, test_planner_*.py); here the score is scripted, so the
@@ -51,6 +52,10 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
     loop.recalibrate = lambda now: None  # type: ignore[method-assign] - scripted scores
     loop.autoscaler.score = lambda cfg, records: prefer["mixed" if cfg.kind == "mixed"
                                                         else "split"]
+    itl = {0: 100.0, 64: 200.0}  # the stall-free cap's scripted ITL p99, by cap
+    loop.caps.caps = (0, 64)
+    loop.caps.predict = lambda cfg, records: {
+        "goodput": 1.0, "itl_p99_ms": itl[cfg.prefill_tokens_while_decoding]}
     load = Load(c.target, PROMPTS, MAX_TOKENS)
     try:
         deadline = time.monotonic() + 30
@@ -81,6 +86,20 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert loop.tick(time.time()).action == "switch"
         assert _roles(c) == ["mixed", "mixed"]
         assert set(loop.moves) == {"mixed", "prefill", "decode"}
+        # Decided after the roles (none while they changed): no cap was best so far.
+        assert [d and d.reason for d in loop.cap_decisions] == [
+            "current_best", None, "current_best", None]
+        # Now a cap of 64 halves ITL p99 at the same goodput: after two decisions in a
+        # row every worker has it (SetRole to the role it has), and so do the candidates.
+        itl[64] = 40.0
+        assert [loop.tick(time.time()).reason for _ in range(2)] == ["current_best"] * 2
+        assert [(d.reason, d.target) for d in loop.cap_decisions[-2:]] == [
+            ("confirming", None), ("switch", 64)]
+        assert loop.autoscaler.candidates[0].prefill_tokens_while_decoding == 64
+        assert all(c.set_role(w, "mixed").prefill_tokens_while_decoding == 64
+                   for w in c.worker_addresses)  # the workers' own answer
+        assert 'planner_prefill_cap{component="planner"} 64.0' in loop.metrics.text(
+            ).replace("pdserve:", "")
         mark = len(load.results)
         deadline = time.monotonic() + 20
         while len(load.results) < mark + 6:
@@ -125,7 +144,7 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert fit == served_fit.fit_served_roles(engine, 1, [(s.role, s.seconds, s.sums)
                                                               for s in steps])
         assert set(fit.roles) <= {"mixed", "decode", "prefill"}
-        assert len(loop.step_models) == len(loop.decisions) == 4
+        assert len(loop.step_models) == len(loop.decisions) == 6
         assert set(loop.step_models) == {"the profile's"}  # the scripted decisions'
         assert loop.autoscaler.score is not before and loop.calibration == fit
         # Its window holds the switches: no configuration's own calibration. A window

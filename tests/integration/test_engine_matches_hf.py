@@ -34,6 +34,33 @@ def test_batched_greedy_matches_hf(arch: str, kernel: bool, tiny_checkpoints) ->
     assert_no_leaks(llm.engine)
 
 
+def test_the_stall_free_cap_chunks_prompts_beside_decodes_and_keeps_hf_tokens(
+        tiny_checkpoints) -> None:
+    """Requests arriving while others decode compute their prompts a few tokens a step
+    (``prefill_tokens_while_decoding``): more steps, the same greedy tokens."""
+    path = tiny_checkpoints["llama"]
+
+    def run(cap: int) -> tuple[list[list[int]], int, list[list[int]]]:
+        llm = LLM(path, dtype="float32", num_blocks=128, block_size=4,
+                  max_num_batched_tokens=64, prefill_tokens_while_decoding=cap)
+        engine, prompts = llm.engine, prompts_for(llm)
+        engine.add_request("first", prompts[0], GREEDY)
+        engine.step()  # "first" decodes from now on
+        for i, p in enumerate(prompts[1:]):
+            engine.add_request(str(i), p, GREEDY)
+        done, steps = {}, 1
+        while engine.has_unfinished_requests():
+            steps += 1
+            done |= {o.request_id: o.token_ids for o in engine.step() if o.finished}
+        assert_no_leaks(engine)
+        order = ["first", *map(str, range(len(prompts) - 1))]
+        return [done[k] for k in order], steps, prompts
+
+    (capped, capped_steps, prompts), (plain, plain_steps, _) = run(3), run(0)
+    assert capped == plain == hf_greedy(path, prompts, 20)
+    assert capped_steps > plain_steps
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prefix_cache_hit_gives_the_same_tokens(arch: str, tiny_checkpoints) -> None:
     path = tiny_checkpoints[arch]

@@ -1,6 +1,7 @@
 """A worker changes role in place (``SetRole``, workers/roles.py) while a steady stream
 of greedy requests runs through the router, on real processes: 2 prefill + 1 decode
-workers on the tiny llama; ``prefill-1`` goes prefill -> decode -> mixed -> prefill.
+workers on the tiny llama; ``prefill-1`` goes prefill -> decode -> mixed -> prefill, and
+gets a stall-free cap while mixed (``SetRole`` on the role it has).
 
 Every request completes with Hugging Face's greedy tokens, the router routes to the
 worker in each new role, the worker keeps its process, engine counters and prefix cache
@@ -46,6 +47,17 @@ def probe(address: str) -> int:
             request_id=f"probe-{time.monotonic_ns()}", prompt_token_ids=PROBE,
             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0)), timeout=30))
     return out[-1].usage.cached_tokens
+
+
+def generate(address: str, prompt: list[int]) -> list[int]:
+    """Greedy MAX_TOKENS of ``prompt`` on the worker itself; its tokens."""
+    channel, s = stub(address)
+    with channel:
+        return [t for out in s.Generate(worker_pb2.WorkerGenerateRequest(
+            request_id=f"direct-{time.monotonic_ns()}", prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                               ignore_eos=True)), timeout=30)
+                for t in out.token_ids]
 
 
 GRACE_S = 0.5  # the workers' --drain-grace-s: shorter than a long request's decode
@@ -159,14 +171,31 @@ def test_role_changes_under_load_lose_no_request_and_no_block(role_cluster,
         assert (answer.previous_role, answer.role, answer.kv_address) == ("decode", "mixed", "")
         assert load_of(worker).role == "mixed"
 
+        # The stall-free cap, set live on the role it has while a long request decodes
+        # here: a prompt sent meanwhile computes 4 tokens a step beside those decodes,
+        # and ends with HF's tokens.
+        def cap_then_prompt() -> worker_pb2.SetRoleResponse:
+            answer = c.set_role(worker, "mixed", "test: cap", prefill_cap=4)
+            capped.extend(generate(worker, PROMPTS[-1]))
+            return answer
+
+        capped: list[int] = []
+        answer = running_across(cap_then_prompt, stream_long, worker,
+                                lambda: long_reference)
+        assert (answer.previous_role, answer.role, answer.drained_s,
+                answer.prefill_tokens_while_decoding) == ("mixed", "mixed", 0, 4)
+        assert capped == hf_greedy(tiny_checkpoints["llama"], [PROMPTS[-1]], MAX_TOKENS)[0]
+
         # mixed -> prefill with a long request decoding here: a mixed worker has no KV
         # channel end to drain, so the change does not wait for it, and it ends in the
         # new role with HF's tokens.
         mark = len(load.results)
         answer = running_across(
-            lambda: c.set_role(names.index("prefill-1"), "prefill", "test: back"),  # by index
+            lambda: c.set_role(names.index("prefill-1"), "prefill", "test: back",  # by index
+                               prefill_cap=0),
             stream_long, worker, lambda: long_reference)
-        assert (answer.previous_role, answer.role, answer.drained_s) == ("mixed", "prefill", 0)
+        assert (answer.previous_role, answer.role, answer.drained_s,
+                answer.prefill_tokens_while_decoding) == ("mixed", "prefill", 0, 0)
         load.wait_routed("worker", worker, mark)
         assert c.set_role("prefill-1", "prefill").drained_s == 0.0  # already: no-op
 
