@@ -171,8 +171,8 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
             if planner is not None:
                 planner.stop()
                 decisions = [{"at": d.at, "action": d.action, "reason": d.reason,
-                              "current": d.current.label, "scores": d.scores,
-                              "target": d.target.label if d.target else None,
+                              "current": d.current.roles_label, "scores": d.scores,
+                              "target": d.target.roles_label if d.target else None,
                               "switch_s": d.switch_s,  # inf (from 0): null
                               "net_gain": d.net_gain if d.net_gain is None
                               or math.isfinite(d.net_gain) else None,

@@ -31,13 +31,21 @@ Each change is timed, by the role it leaves, and a switch is weighed with its ch
 seconds (:meth:`AutoscaleLoop.move_estimates`; the cost rule of
 :mod:`planner.autoscale`).
 
+Each candidate is scored with its best stall-free cap (``--prefill-tokens-while-decoding``,
+:func:`planner.autoscale.best_cap_goodput`). When the roles stay, the cap is decided
+next (:class:`planner.autoscale.PrefillCapChooser`, on the last :data:`HISTORY_WINDOWS`
+windows of traffic) and, on a change, set on every worker (``SetRole`` keeping the
+role: the worker takes it at its next step).
+
 Every decision is logged (one line: action, reason, each candidate's predicted goodput)
 and counted on the planner's own ``/metrics`` (``planner_decisions_total{action,reason}``,
 ``planner_predicted_goodput{config}``, ``planner_role_changes_total{role}``,
 ``planner_served_factor{term}`` and ``planner_served_steps``: the calibration it
 simulated with, ``term`` one of memory, compute, per_seq_ms, decode_min, decode_max; 0
 steps: the profile's; ``planner_move_seconds{role}``: a change leaving ``role`` measured,
-``planner_switch_seconds``: the last weighed switch's changes), served
+``planner_switch_seconds``: the last weighed switch's changes; for the cap
+``planner_prefill_cap``, ``planner_cap_decisions_total{action,reason}`` and
+``planner_predicted_itl_p99_ms{cap}``), served
 beside the router's when the cluster has a metrics port. :meth:`AutoscaleLoop.stop`
 ends the thread between decisions.
 """
@@ -70,8 +78,8 @@ from planner.autoscale import (
     FitMemory,
     Predict,
     PrefillCapChooser,
+    best_cap_goodput,
     current_config,
-    goodput_of,
     prefill_caps,
     reachable,
     role_changes,
@@ -120,12 +128,13 @@ class AutoscaleLoop:
                                     c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer)
         self.profile, self._slo = profile, (c.slo_ttft_ms, c.slo_tpot_ms)
         figures = simulated(profile, cluster.threads, *self._slo)
-        self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
-                                     goodput_of(figures), self.config)
         self.caps = PrefillCapChooser(prefill_caps(profile, cluster.threads), figures,
                                       min_requests=self.config.min_requests,
                                       confirmations=self.config.confirmations)
-        """The stall-free cap, decided after the roles on the same window and scores."""
+        """The stall-free cap, decided after the roles, on the same calibration and the
+        last :data:`HISTORY_WINDOWS` windows of traffic."""
+        self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
+                                     best_cap_goodput(figures, self.caps.caps), self.config)
         self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
@@ -208,7 +217,13 @@ class AutoscaleLoop:
             finally:
                 self._settled_at = now + (time.monotonic() - began)
             return d
-        cd = self.caps.decide(now, current, records)
+        try:
+            # A p99 of one window's gaps swings with whether a long prompt landed among
+            # many decodes in it; the longer span is the point's, not the window's.
+            cd = self.caps.decide(now, current, expected_outputs(seen))
+        except BaseException:
+            self.cap_decisions.append(None)  # still one beside each decision
+            raise
         self.cap_decisions.append(cd)
         self.metrics.inc("planner_cap_decisions_total", action="set" if cd.target is not None
                          else "keep", reason=cd.reason)
@@ -232,15 +247,24 @@ class AutoscaleLoop:
 
     def _set_cap(self, roles: dict[str, str], current: PoolConfig, cap: int,
                  reason: str) -> None:
-        """Every worker's stall-free cap (``SetRole`` to the role it has), then the
-        candidates': the next decisions start from it."""
+        """Every worker's stall-free cap (``SetRole`` keeping its role), then the
+        candidates': the next decisions start from it. A worker that refuses (it is
+        gone, or shutting down) keeps its own; the others still take it, and the first
+        refusal is raised once all were asked (a restarted worker starts with the cap
+        its cluster last recorded for it)."""
         why = (f"autoscale: {current.prefill_tokens_while_decoding or 'no cap'} -> "
                f"{cap or 'no cap'} prompt tokens a step while decoding ({reason})")
-        for address, role in roles.items():
-            self.cluster.set_role(address, role, reason=why, prefill_cap=cap)
+        refused: list[grpc.RpcError] = []
+        for address in roles:
+            try:
+                self.cluster.set_role(address, "", reason=why, prefill_cap=cap)
+            except grpc.RpcError as e:
+                refused.append(e)
         self.autoscaler.candidates = self._with_cap(cap)
         self.metrics_cap(cap)
-        log.info("%s: set on %d workers", why, len(roles))
+        log.info("%s: set on %d of %d workers", why, len(roles) - len(refused), len(roles))
+        if refused:
+            raise refused[0]
 
     def _roles(self) -> dict[str, str]:
         return dict(zip(self.cluster.worker_addresses,
@@ -333,7 +357,8 @@ class AutoscaleLoop:
                 if fit is not None else {})
         if (fit, owns) != self._scored:
             figures = self._figures(fit, owns)
-            self.autoscaler.score, self.caps.predict = goodput_of(figures), figures
+            self.autoscaler.score = best_cap_goodput(figures, self.caps.caps)
+            self.caps.predict = figures
             self._scored = (fit, owns)
         self.calibration = fit
         pooled = fit.pooled if fit else None

@@ -278,6 +278,10 @@ class DeploymentConfig:
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or (self.mixed or 0) < 0:
             raise DeploymentError("worker counts must be >= 0")
+        if self.prefill_tokens_while_decoding < 0:
+            raise DeploymentError(f"--prefill-tokens-while-decoding "
+                                  f"{self.prefill_tokens_while_decoding}: want 0 (no cap) or "
+                                  "a positive token count")
         if self.max_num_batched_tokens < 1:
             raise DeploymentError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: "
                                   "a step's token budget must be >= 1")

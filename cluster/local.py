@@ -144,6 +144,9 @@ class LocalCluster:
         self.config = config
         self.placement = dict(placement or {})
         self.workers = config.roles()
+        self.prefill_caps: dict[str, int] = {}
+        """Each worker's stall-free cap as ``SetRole`` last set it (a worker not named:
+        the config's), for its restarts."""
         self.threads = config.threads(os.cpu_count() or 1)
         # Ports are picked free here; a placed component's namespace is a fresh one.
         self.worker_addresses = [f"{self._host(name)}:{free_port(config.host)}"
@@ -246,13 +249,16 @@ class LocalCluster:
         return proc
 
     def _worker_args(self, i: int) -> list[str]:
-        """Worker ``i``'s command line in its current role (a restart keeps a role
-        changed in place)."""
+        """Worker ``i``'s command line in its current role and stall-free cap (a restart
+        keeps both, as changed in place)."""
         (name, role), address = self.workers[i], self.worker_addresses[i]
         host, port = address.rsplit(":", 1)
-        return self.config.worker_args(role, host, int(port),
-                                       without_password(self.redis_url), self.threads,
-                                       self.metrics_ports[name])
+        config = self.config
+        cap = self.prefill_caps.get(name, config.prefill_tokens_while_decoding)
+        if cap != config.prefill_tokens_while_decoding:
+            config = dataclasses.replace(config, prefill_tokens_while_decoding=cap)
+        return config.worker_args(role, host, int(port), without_password(self.redis_url),
+                                  self.threads, self.metrics_ports[name])
 
     def _start_redis(self) -> RedisServer | None:
         """:func:`start_redis`, or, when Redis is placed, the same in its namespace."""
@@ -380,8 +386,8 @@ class LocalCluster:
         :attr:`workers`, its name (``prefill-1``) or its address. Blocks through the
         drain; raises ``grpc.RpcError`` with the worker's answer (FAILED_PRECONDITION: it
         could not drain in time and kept its role; INVALID_ARGUMENT: not a role).
-        ``prefill_cap``: also set its ``--prefill-tokens-while-decoding`` (the role may
-        be the one it has: then only the cap changes)."""
+        ``prefill_cap``: also set its ``--prefill-tokens-while-decoding`` (``role`` may be
+        the one it has, or ``""``: then only the cap changes)."""
         names = [n for n, _ in self.workers]
         i = (worker if isinstance(worker, int) else names.index(worker) if worker in names
              else self.worker_addresses.index(worker))
@@ -397,6 +403,7 @@ class LocalCluster:
             answer = worker_pb2_grpc.WorkerStub(channel).SetRole(
                 request, timeout=(drain_timeout_s or c.drain_timeout_s) + 30)
         self.workers[i] = (names[i], answer.role)
+        self.prefill_caps[names[i]] = answer.prefill_tokens_while_decoding
         return answer
 
     def stop(self, grace: float = 10.0, drain: bool = False) -> None:

@@ -6,8 +6,9 @@ its decisions (role changes, ``SetRole``).
 Every ``interval_s`` the driver calls :meth:`Autoscaler.decide` with the requests that
 arrived in the last ``window_s`` (:mod:`common.traffic`). Each candidate (the
 configurations the workers can reach by changing roles, their threads fixed) is scored
-by ``score(config, records)``, in production the simulator's predicted goodput
-(:func:`simulated_goodput`). The current configuration is left only when all of these
+by ``score(config, records)``, in production the simulator's predicted goodput with
+the configuration's best stall-free cap (:func:`best_cap_goodput`: the cap changes at
+no cost, :class:`PrefillCapChooser`). The current configuration is left only when all of these
 hold, else the decision says which did not (its ``reason``):
 
 1. ``few_requests``: the window has at least ``min_requests`` requests;
@@ -16,7 +17,9 @@ hold, else the decision says which did not (its ``reason``):
    (relative; against a current goodput of 0, any positive one counts); ``unproven``:
    and by ``min_gain_unproven`` unless both it and the current one are among the
    ``proven`` configurations the caller names (those scored with a serving calibration
-   fitted while they ran, see below);
+   fitted while they ran, see below); ``overloaded``: such an unproven comparison is
+   not made at all while the current configuration is predicted to serve less than
+   ``min_served_unproven`` of the window's requests within the SLOs;
 4. ``switch_cost``: it still does once the switch's role changes are paid for (below);
 5. ``dwell``: the last change is at least ``min_dwell_s`` old;
 6. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
@@ -85,6 +88,14 @@ class AutoscaleConfig:
     """The margin for a candidate scored without a calibration of its own steps: the
     largest error seen in a cross-configuration prediction (x1.22-1.33 on a 2-core
     Xeon), so that noise in that prediction alone does not move the workers."""
+    min_served_unproven: float = 0.75
+    """An unproven comparison (above) also needs the current configuration predicted to
+    serve at least this share of the window's requests within the SLOs (requests/s of
+    goodput over the window's arrivals/s): past it, the simulator's cross-configuration
+    error is at its largest. In a 2-core Xeon's headline runs of 2026-12-06, the planner
+    split the pools at 120% load four times on predictions of 1.3-2x two mixed workers
+    (``loadtest/results/headline-xeon-1206-traced/``, ``-cap/``) and served 0.77-0.86x
+    colocated there (0.90x once more on the chat workload)."""
     min_dwell_s: float = 60.0
     confirmations: int = 2
     payback_s: float | None = None
@@ -107,6 +118,7 @@ class AutoscaleConfig:
         checks = {"interval_s": self.interval_s > 0, "window_s": self.window_s > 0,
                   "min_requests": self.min_requests >= 1, "min_gain": self.min_gain >= 0,
                   "min_gain_unproven": self.min_gain_unproven >= self.min_gain,
+                  "min_served_unproven": 0 <= self.min_served_unproven <= 1,
                   "remember_s": self.remember_s is None or self.remember_s > 0,
                   "min_dwell_s": self.min_dwell_s >= 0, "confirmations": self.confirmations >= 1,
                   "payback_s": self.payback_s is None or self.payback_s > 0}
@@ -172,12 +184,14 @@ class Autoscaler:
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels)
-        bar = (c.min_gain if proven is None
-               or {best.roles_label, current.roles_label} <= set(proven)
-               else c.min_gain_unproven)
+        both = proven is None or {best.roles_label, current.roles_label} <= set(proven)
+        bar = c.min_gain if both else c.min_gain_unproven
         if gain < bar:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "unproven", labels)
+        if not both and base < c.min_served_unproven * len(records) / c.window_s:
+            self._leader, self._wins = None, 0
+            return Decision(now, current, None, "overloaded", labels)
         leaving = moves(current, best)
         busy = sum((move_s or {}).get(role, 0.0) for role in leaving)
         net = gain
@@ -192,7 +206,9 @@ class Autoscaler:
         if net < bar:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "switch_cost", labels, **cost)
-        self._wins = self._wins + 1 if best == self._leader else 1
+        # By roles: the stall-free cap may change between two decisions of one leader.
+        self._wins = (self._wins + 1 if self._leader is not None
+                      and best.roles_label == self._leader.roles_label else 1)
         self._leader = best
         if self.last_change is not None and now - self.last_change < c.min_dwell_s:
             return Decision(now, current, None, "dwell", labels, **cost)
@@ -205,9 +221,11 @@ class Autoscaler:
 Predict = Callable[[PoolConfig, Sequence[TrafficRecord]], Mapping[str, float]]
 """A configuration's predicted figures on the window (``goodput``, ``itl_p99_ms``)."""
 
-CAP_STEPS = (2.0, 3.0, 6.0)
+CAP_STEPS = (3.0, 6.0)
 """The stall-free caps the live planner tries, as the multiple of an unloaded one-request
-decode step that a step computing that many prompt tokens takes (:func:`prefill_caps`)."""
+decode step that a step computing that many prompt tokens takes (:func:`prefill_caps`).
+Two decode steps' worth (64 tokens on a 2-core Xeon) was tried too: a headline run's
+windows predicted it 10-25% less goodput than no cap wherever long prompts queued."""
 
 
 def prefill_caps(profile: Profile, threads: int, steps: Sequence[float] = CAP_STEPS
@@ -249,14 +267,22 @@ class PrefillCapChooser:
     ms. Capping a step's prompt tokens while anyone decodes (Sarathi-Serve's stall-free
     batching) bounds that wait, and costs the prompt more steps: worth it under load,
     where many decodes wait through many prompts, and worse at a low one, where a rare
-    long step is below the 99th percentile of the gaps and the cap's many medium steps
+    long step is above the 99th percentile of the gaps and the cap's many medium steps
     are not. So the planner simulates the current configuration with each cap
-    (:func:`prefill_caps`) on the window and takes, among those within ``tolerance`` of
-    the best predicted goodput, the one with the lowest predicted ITL p99. It changes
+    (:func:`prefill_caps`) on the traffic it is handed (the live loop hands it the last
+    four windows: one window's p99 swings with whether a long prompt landed among many
+    decodes in it) and takes, among the caps within ``tolerance`` of the best predicted
+    goodput, the one with the lowest predicted ITL p99. It changes
     the cap when that one cuts ITL p99 by ``min_itl_gain`` or serves ``min_gain`` more,
     ``confirmations`` decisions in a row (a change costs nothing: the workers take it
     at their next step). Reasons: ``few_requests``, ``current_best``,
-    ``below_threshold``, ``confirming``, ``switch``."""
+    ``below_threshold``, ``confirming``, ``switch``.
+
+    Not yet seen by the router: its live placement rule (:mod:`router.adaptive`; also the
+    simulator's ``adaptive`` candidate) estimates a prompt computed on a decode worker in
+    chunks of that worker's spare step budget, not of its cap, so with a cap in force on
+    a split it takes local prompts for faster, and their stall for longer, than they
+    are. The simulated workers themselves run the cap, as the real ones do."""
 
     def __init__(self, caps: Sequence[int], predict: Predict, *, min_requests: int = 10,
                  tolerance: float = 0.05, min_itl_gain: float = 0.2, min_gain: float = 0.10,
@@ -374,7 +400,8 @@ def serving_while_moving(current: PoolConfig, target: PoolConfig) -> PoolConfig 
         return None
     if sizes["mixed"] or not (sizes["prefill"] and sizes["decode"]):
         threads = max(current.mixed_threads, current.prefill_threads, current.decode_threads)
-        return PoolConfig("mixed", mixed_workers=sum(sizes.values()), mixed_threads=threads)
+        return PoolConfig("mixed", mixed_workers=sum(sizes.values()), mixed_threads=threads,
+                          prefill_tokens_while_decoding=current.prefill_tokens_while_decoding)
     return replace(current, prefill_workers=sizes["prefill"], decode_workers=sizes["decode"])
 
 
@@ -415,6 +442,21 @@ def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None 
 def goodput_of(figures: Predict) -> Score:
     """The score of ``figures``: the predicted goodput."""
     return lambda config, records: float(figures(config, records)["goodput"])
+
+
+def best_cap_goodput(figures: Predict, caps: Sequence[int]) -> Score:
+    """A configuration's score as the best predicted goodput it has with any of ``caps``
+    (or the cap it carries). The cap changes at no cost, so a role switch must beat what
+    the current roles would serve with their best cap, not only with the one in force:
+    in a 2-core Xeon's headline run, two overloaded windows predicted two mixed workers
+    1.12 and 1.35 req/s without a cap, 1.42 with one, and the split 1.67 and 2.03; scored
+    without the cap, the planner split the pools there and served 0.79x colocated."""
+    def score(config: PoolConfig, records: Sequence[TrafficRecord]) -> float:
+        return max(float(figures(replace(config, prefill_tokens_while_decoding=cap),
+                                 records)["goodput"])
+                   for cap in {config.prefill_tokens_while_decoding, *caps})
+
+    return score
 
 
 def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,

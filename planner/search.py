@@ -20,7 +20,10 @@ worker per GPU, running the profile's 1-thread step model):
   large as fits); each with every local-prefill threshold asked for;
 - ``adaptive``: each split once more, with the router's live placement rule
   (:mod:`router.adaptive`) over the decode workers' static threshold (left out, with a
-  note, where that module is not installed).
+  note, where that module is not installed);
+- with ``prefill_caps`` (``pdserve plan --prefill-caps``), each of them once per cap,
+  every worker's ``--prefill-tokens-while-decoding`` (``auto``: the live planner's,
+  :func:`planner.autoscale.prefill_caps`, per thread count).
 
 **The symmetric-slice approximation.** Workers of one pool are identical and the router
 spreads load over them, so a cluster of many behaves like many copies of a small slice,
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from common.cost_model import Profile
@@ -118,7 +122,11 @@ def candidates(profile: Profile, resources: Resources,
                policy: str = "cache_aware", adaptive: bool = True,
                itl_budget_ms: float = DEFAULT_ITL_BUDGET_MS,
                max_slice_workers: int = MAX_SLICE_WORKERS,
-               kv_offer: str = "layers") -> list[PoolConfig]:
+               kv_offer: str = "layers",
+               prefill_caps: Callable[[int], tuple[int, ...]] | None = None
+               ) -> list[PoolConfig]:
+    """``prefill_caps(threads)``: the stall-free caps to try for workers of ``threads``
+    threads (None: none)."""
     n = resources.units
     threads = sorted(profile.steps) if resources.kind == "cores" else [1]
     if resources.kind == "gpus" and 1 not in profile.steps:
@@ -138,6 +146,9 @@ def candidates(profile: Profile, resources: Resources,
                                        local_prefill_threshold=ADAPTIVE_STATIC_THRESHOLD,
                                        itl_budget_ms=itl_budget_ms))
     out = [replace(c, policy=policy) for c in out]
+    if prefill_caps is not None:
+        out = [replace(c, prefill_tokens_while_decoding=cap) for c in out
+               for cap in prefill_caps(max(c.mixed_threads, c.decode_threads))]
     return list(dict.fromkeys(out))
 
 
@@ -210,7 +221,9 @@ def plan_workload(profile: Profile, workload: Workload, resources: Resources,
                   max_slice_workers: int = MAX_SLICE_WORKERS,
                   max_requests: int | None = 2000, think_time_s: float = 0.0,
                   configs: list[PoolConfig] | None = None,
-                  kv_offer: str = "layers") -> PlanResult:
+                  kv_offer: str = "layers",
+                  prefill_caps: Callable[[int], tuple[int, ...]] | None = None
+                  ) -> PlanResult:
     """Search (see the module docstring); ``configs`` replaces the candidate list."""
     started = time.perf_counter()
     notes: list[str] = []
@@ -222,7 +235,7 @@ def plan_workload(profile: Profile, workload: Workload, resources: Resources,
     if configs is None:
         configs = candidates(profile, resources, thresholds, policy=policy, adaptive=adaptive,
                              itl_budget_ms=itl_budget_ms, max_slice_workers=max_slice_workers,
-                             kv_offer=kv_offer)
+                             kv_offer=kv_offer, prefill_caps=prefill_caps)
     if not configs:
         raise ValueError(f"no configuration fits {resources.units} {resources.kind} with the "
                          f"profile's thread counts {sorted(profile.steps)}")

@@ -232,17 +232,13 @@ class RoleSwitch:
                      prefill_cap: int | None = None) -> RoleChanged:
         """Change to ``role``; raises :class:`RoleChangeError`. Waits for the drain.
         ``prefill_cap``: the engine's stall-free cap from its next step on, set once the
-        role is known valid, whatever the change then does (None: kept)."""
+        call is accepted (a valid role, no other change under way), whatever the change
+        then does (None: kept); a refused call sets nothing."""
         old = self.role
+        role = role or old  # "": keep the role (a call that sets only the cap)
         if role not in ROLES:
             raise RoleChangeError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"role {role[:40]!r}: want one of {', '.join(ROLES)}")
-        if prefill_cap is not None and prefill_cap != self.prefill_cap:
-            self._loop.set_prefill_cap(prefill_cap)
-            log.info("prompt tokens per step while decoding: %s -> %s (reason: %s)",
-                     self.prefill_cap or "no cap", prefill_cap or "no cap",
-                     reason or "none given")
-            self.prefill_cap = prefill_cap
         if self._changing is not None:
             raise RoleChangeError(grpc.StatusCode.FAILED_PRECONDITION,
                                   f"a change of this worker's role ({old} -> "
@@ -251,6 +247,12 @@ class RoleSwitch:
         if self._closed:
             raise RoleChangeError(grpc.StatusCode.FAILED_PRECONDITION,
                                   "this worker is shutting down")
+        if prefill_cap is not None and prefill_cap != self.prefill_cap:
+            self._loop.set_prefill_cap(prefill_cap)
+            log.info("prompt tokens per step while decoding: %s -> %s (reason: %s)",
+                     self.prefill_cap or "no cap", prefill_cap or "no cap",
+                     reason or "none given")
+            self.prefill_cap = prefill_cap
         if role == old:
             return RoleChanged(role, old, 0.0, self.end.kv_address, self.prefill_cap)
         timeout = drain_timeout_s if drain_timeout_s else self.config.drain_timeout_s

@@ -42,6 +42,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=None)
     p.add_argument("--thresholds", default="0,64,256,1024",
                    help="local-prefill thresholds to try for disaggregated candidates")
+    p.add_argument("--prefill-caps", default="0", metavar="CAPS",
+                   help="stall-free caps to try, each candidate once per cap: comma-"
+                        "separated `--prefill-tokens-while-decoding` values (0: none), or "
+                        "auto: the live planner's (none, and the chunks of 2, 3 and 6 "
+                        "unloaded decode steps on the profile)")
     p.add_argument("--policy", default="cache_aware",
                    choices=("cache_aware", "least_loaded", "round_robin"))
     p.add_argument("--no-adaptive", action="store_true",
@@ -147,6 +152,22 @@ def _workload(args: argparse.Namespace, profile, resources):  # noqa: ANN001, AN
     return workload.explicit(shape, rate, args.burstiness, args.seed), []
 
 
+def _caps(spec: str, profile):  # noqa: ANN001, ANN202 - Profile -> caps by threads, or None
+    """``--prefill-caps``: None for 0 alone (no cap candidates), else caps by threads."""
+    from planner.autoscale import prefill_caps
+
+    if spec.strip() == "auto":
+        return lambda threads: prefill_caps(profile, threads)
+    try:
+        caps = tuple(sorted({int(c) for c in spec.split(",") if c.strip()}))
+    except ValueError:
+        raise ValueError(f"--prefill-caps {spec!r}: comma-separated token counts "
+                         "(0: no cap) or auto") from None
+    if any(c < 0 for c in caps) or not caps:
+        raise ValueError(f"--prefill-caps {spec!r}: token counts >= 0, or auto")
+    return None if caps == (0,) else (lambda threads: caps)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from common.cost_model import load_profile
     from loadtest.metrics import SLO
@@ -157,6 +178,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile)
         thresholds = tuple(int(t) for t in args.thresholds.split(",") if t.strip())
+        caps = _caps(args.prefill_caps, profile)
         if args.gpus is not None:
             resources = Resources(args.gpus, "gpus", args.price_per_gpu_hour)
         else:
@@ -183,7 +205,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                itl_budget_ms=args.itl_budget_ms,
                                max_slice_workers=args.max_slice_workers,
                                max_requests=args.max_requests, think_time_s=args.think_time_s,
-                               kv_offer=args.kv_offer)
+                               kv_offer=args.kv_offer, prefill_caps=caps)
     except ValueError as e:
         print(f"pdserve plan: {e}", file=sys.stderr)
         return EXIT_INVALID

@@ -21,7 +21,7 @@ from cluster.autoscale import KEEP_FIT_WINDOWS, AutoscaleLoop
 from common import served_fit
 from common.cost_model import save_profile
 from common.stream_log import StreamLog
-from planner.autoscale import AutoscaleConfig, simulated_goodput
+from planner.autoscale import AutoscaleConfig, best_cap_goodput, simulated
 from planner.synthetic import synthetic_profile
 
 MAX_TOKENS = 6
@@ -168,7 +168,7 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         monkeypatch.setattr(served_fit, "FACTOR_RANGE", (1e3, 1e4))
         assert loop.recalibrate(time.time()) is fit and loop.autoscaler.score is scored
         later = time.time() + KEEP_FIT_WINDOWS * loop.config.window_s + 1
-        on_profile = simulated_goodput(loop.profile, 1, *loop._slo)
+        on_profile = best_cap_goodput(simulated(loop.profile, 1, *loop._slo), loop.caps.caps)
         mixed = loop.autoscaler.candidates[0]
         assert scored(mixed, records) != on_profile(mixed, records)  # its own fit
         assert loop.recalibrate(later) is None and loop.autoscaler.score is not scored

@@ -14,6 +14,7 @@ import queue
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -185,6 +186,9 @@ def test_role_changes_under_load_lose_no_request_and_no_block(role_cluster,
         assert (answer.previous_role, answer.role, answer.drained_s,
                 answer.prefill_tokens_while_decoding) == ("mixed", "mixed", 0, 4)
         assert capped == hf_greedy(tiny_checkpoints["llama"], [PROMPTS[-1]], MAX_TOKENS)[0]
+        log = (Path(c.config.log_dir) / "prefill-1.log").read_text()
+        assert "prompt tokens per step while decoding: no cap -> 4 (reason: test: cap)" in log
+        assert c.prefill_caps["prefill-1"] == 4  # what a restart would start it with
 
         # mixed -> prefill with a long request decoding here: a mixed worker has no KV
         # channel end to drain, so the change does not wait for it, and it ends in the

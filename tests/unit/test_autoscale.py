@@ -9,6 +9,7 @@ from planner.autoscale import (
     Autoscaler,
     FitMemory,
     PrefillCapChooser,
+    best_cap_goodput,
     moves,
     prefill_caps,
     reachable,
@@ -292,3 +293,41 @@ def test_the_simulated_cap_cuts_itl_p99_under_load_and_keeps_the_prompt_tokens()
     assert loaded[1] < 0.5 * loaded[0], loaded
     lone = [TrafficRecord(0.0, 1536, 0, 4)]
     assert figures(capped, lone)["ttft_p50_ms"] == figures(MIXED, lone)["ttft_p50_ms"]
+
+
+def test_a_candidate_is_scored_with_its_best_cap_so_a_cap_can_stop_a_split():
+    """The overloaded windows of a headline run: two mixed workers predicted 1.12 req/s
+    without a cap and 1.42 with one, the split 1.67. Against the uncapped mixed the split
+    wins by 49% (past the 30% margin); against its best cap by 17%: no switch."""
+    from dataclasses import replace
+
+    table = {("mixed", 0): 1.12, ("mixed", 192): 1.42, ("mixed", 64): 0.9,
+             ("disaggregated", 0): 1.67, ("disaggregated", 192): 1.60}
+
+    def figures(cfg, records):
+        return {"goodput": table[cfg.kind, cfg.prefill_tokens_while_decoding]}
+
+    score = best_cap_goodput(figures, (0, 192))
+    assert (score(MIXED, RECORDS), score(SPLIT, RECORDS)) == (1.42, 1.67)
+    assert score(replace(MIXED, prefill_tokens_while_decoding=64), RECORDS) == 1.42
+    cfg = AutoscaleConfig(min_dwell_s=0, confirmations=1)
+    capped = Autoscaler([MIXED, SPLIT], score, cfg).decide(0.0, MIXED, RECORDS, proven=())
+    assert (capped.target, capped.reason) == (None, "unproven")
+    uncapped = Autoscaler([MIXED, SPLIT], lambda c, r: figures(c, r)["goodput"], cfg)
+    assert uncapped.decide(0.0, MIXED, RECORDS, proven=()).target == SPLIT
+
+
+def test_no_unproven_leap_while_the_current_configuration_is_overloaded():
+    """60 requests in a 60 s window: 1 req/s offered. Two mixed workers predicted to
+    serve 0.5 req/s within the SLOs (under 75% of it) and the split 1.0: a 100% gain,
+    past the unproven margin, but the split is not entered; proven, it is."""
+    busy = [TrafficRecord(float(i), 1536, 0, 16) for i in range(60)]
+    s = _scaler({MIXED.label: 0.5, SPLIT.label: 1.0}, window_s=60, min_dwell_s=0,
+                confirmations=1)
+    d = s.decide(0.0, MIXED, busy, proven={MIXED.label})
+    assert (d.reason, d.target) == ("overloaded", None)
+    assert s.decide(5.0, MIXED, busy, proven={MIXED.label, SPLIT.label}).target == SPLIT
+    served = _scaler({MIXED.label: 0.8, SPLIT.label: 1.2}, window_s=60, confirmations=1)
+    assert served.decide(0.0, MIXED, busy, proven=()).target == SPLIT  # 80% served: not
+    with pytest.raises(ValueError, match="min_served_unproven"):
+        AutoscaleConfig(min_served_unproven=1.5)

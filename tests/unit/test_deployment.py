@@ -82,6 +82,23 @@ def test_the_step_token_budget_reaches_every_worker_and_the_placement_rule() -> 
         DeploymentConfig(max_num_batched_tokens=0)
 
 
+def test_the_stall_free_cap_reaches_every_worker_and_survives_a_restart() -> None:
+    from cluster.local import LocalCluster
+
+    parser = build_parser()
+    config = DeploymentConfig(mixed=2, prefill_tokens_while_decoding=192)
+    for role in ("prefill", "decode", "mixed"):
+        w = parser.parse_args(config.worker_args(role, "h", 0, None, 1))
+        assert w.prefill_tokens_while_decoding == 192
+    cluster = LocalCluster(config)  # nothing started: command lines only
+    cluster.prefill_caps["worker-1"] = 64  # as SetRole set it live
+    caps = [parser.parse_args(cluster._worker_args(i)).prefill_tokens_while_decoding
+            for i in range(2)]
+    assert caps == [192, 64]
+    with pytest.raises(DeploymentError, match="prefill-tokens-while-decoding -1"):
+        DeploymentConfig(prefill_tokens_while_decoding=-1)
+
+
 def test_worker_and_router_command_lines_parse_as_the_cli_does() -> None:
     config = DeploymentConfig(prefill=1, decode=1, model="/m", max_model_len=512,
                               gpus_per_worker=1, drain_timeout_s=12, drain_grace_s=0.5,

@@ -159,6 +159,36 @@ def test_pdserve_plan_kv_offer_reaches_the_split_candidates(tmp_path, capsys) ->
                    decode_threads=1, kv_offer="later")
 
 
+def test_pdserve_plan_prefill_caps_try_each_candidate_once_per_cap(tmp_path, capsys) -> None:
+    """``--prefill-caps``: each candidate again with every worker's stall-free cap, the
+    cap in its config and label; ``auto``: the live planner's caps for the profile."""
+    from planner.autoscale import prefill_caps
+
+    path = tmp_path / "profile.json"
+    save_profile(CPU, path)
+    args = ["plan", "--profile", str(path), "--cores", "2", "--num-requests", "16",
+            "--request-rate", "3", "--workload", "mixed", "--input-len", "128",
+            "--output-len", "32", "--long-fraction", "0.25", "--long-input-len", "1024",
+            "--long-output-len", "8", "--thresholds", "0", "--no-adaptive", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)["candidates"]
+    assert main([*args, "--prefill-caps", "0,64"]) == 0
+    capped = json.loads(capsys.readouterr().out)["candidates"]
+    assert len(capped) == 2 * len(plain)
+    caps = [c["config"].get("prefill_tokens_while_decoding", 0) for c in capped]
+    assert sorted(set(caps)) == [0, 64] and caps.count(64) == len(plain)
+    assert all(c["label"].endswith("prompts <= 64 tokens a step while decoding")
+               for c, cap in zip(capped, caps, strict=True) if cap)
+    uncapped = [c["predicted"] for c, cap in zip(capped, caps, strict=True) if not cap]
+    assert uncapped == [c["predicted"] for c in plain]  # the same runs as without caps
+    assert main([*args, "--prefill-caps", "auto"]) == 0
+    auto = json.loads(capsys.readouterr().out)["candidates"]
+    assert {c["config"].get("prefill_tokens_while_decoding", 0) for c in auto} == {
+        cap for t in CPU.steps for cap in prefill_caps(CPU, t)}
+    assert main([*args, "--prefill-caps", "64,x"]) == 2
+    assert "--prefill-caps" in capsys.readouterr().err
+
+
 def test_pdserve_plan_prints_a_table_with_the_recommendation_marked(tmp_path, capsys) -> None:
     path = tmp_path / "profile.json"
     save_profile(CPU, path)

@@ -148,10 +148,12 @@ def test_set_role_sets_the_stall_free_cap_with_or_without_a_new_role() -> None:
         assert presence.events == []  # the role it has: the registry never heard
         kept = await s.change("mixed")  # no cap asked: kept, nothing posted
         assert (kept.prefill_cap, loop.caps) == (256, [256])
+        only = await s.change("", prefill_cap=128)  # no role named: the one it has
+        assert (only.role, only.previous_role, loop.caps) == ("mixed", "mixed", [256, 128])
         with pytest.raises(RoleChangeError):  # a bad role sets nothing
             await s.change("chef", prefill_cap=128)
         moved = await s.change("decode", prefill_cap=0)  # with a new role: both
-        assert (moved.role, moved.prefill_cap, loop.caps) == ("decode", 0, [256, 0])
+        assert (moved.role, moved.prefill_cap, loop.caps) == ("decode", 0, [256, 128, 0])
         s.close()
 
     asyncio.run(body())
@@ -163,9 +165,10 @@ def test_a_second_change_while_one_drains_is_refused() -> None:
         first = asyncio.ensure_future(s.change("mixed"))
         await asyncio.sleep(0.05)
         with pytest.raises(RoleChangeError) as e:
-            await s.change("decode")
+            await s.change("decode", prefill_cap=64)
         assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
         assert "under way" in str(e.value)
+        assert (loop.caps, s.prefill_cap) == ([], 0)  # refused: its cap not set either
         loop.busy = 0
         assert (await first).role == "mixed"
         s.close()

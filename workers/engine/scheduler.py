@@ -11,7 +11,8 @@ Each :meth:`Scheduler.schedule` call builds one step:
    share at most ``prefill_tokens_while_decoding`` tokens of the step, when set
    (stall-free batching: a decode never waits through a long prompt's whole step).
 3. Waiting sequences are admitted strictly first come, first served: reuse their cached
-   prefix, then take a chunk. If the head of the queue does not fit, nobody behind it is
+   prefix, then take a chunk (within what is left of the budget, and of the stall-free
+   cap while any sequence decodes). If the head of the queue does not fit, nobody behind it is
    admitted (no starvation of long prompts), and nothing is admitted in a step that had
    to preempt.
 
