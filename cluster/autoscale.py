@@ -31,9 +31,10 @@ Each change is timed, by the role it leaves, and a switch is weighed with its ch
 seconds (:meth:`AutoscaleLoop.move_estimates`; the cost rule of
 :mod:`planner.autoscale`).
 
-Each candidate is scored with its best stall-free cap (``--prefill-tokens-while-decoding``,
+A candidate that wins is scored again, with the current one, each with its best
+stall-free cap (``--prefill-tokens-while-decoding``,
 :func:`planner.autoscale.best_cap_goodput`). When the roles stay, the cap is decided
-next (:class:`planner.autoscale.PrefillCapChooser`, on the last :data:`HISTORY_WINDOWS`
+next (:class:`planner.autoscale.PrefillCapChooser`, on the last :data:`CAP_WINDOWS`
 windows of traffic) and, on a change, set on every worker (``SetRole`` keeping the
 role: the worker takes it at its next step).
 
@@ -80,6 +81,7 @@ from planner.autoscale import (
     PrefillCapChooser,
     best_cap_goodput,
     current_config,
+    goodput_of,
     prefill_caps,
     reachable,
     role_changes,
@@ -98,6 +100,12 @@ KEEP_FIT_WINDOWS = 2
 
 HISTORY_WINDOWS = 4
 """How many windows of ended requests give an in-flight one its expected output."""
+
+CAP_WINDOWS = 2
+"""How many windows of traffic the stall-free cap is decided on. One 15 s window's
+predicted ITL p99 without a cap swung between ~60 and 480-790 ms at 120% load in a
+2-core Xeon's headline run; four (60 s) held steady but took ~460 ms of the planner's CPU
+a decision there, and reacted 20-25 s into a 30 s point."""
 
 MOVE_WEIGHT = 0.5
 """A measured role change's weight in its role's estimate (the rest: the ones before)."""
@@ -132,9 +140,10 @@ class AutoscaleLoop:
                                       min_requests=self.config.min_requests,
                                       confirmations=self.config.confirmations)
         """The stall-free cap, decided after the roles, on the same calibration and the
-        last :data:`HISTORY_WINDOWS` windows of traffic."""
+        last :data:`CAP_WINDOWS` windows of traffic."""
         self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
-                                     best_cap_goodput(figures, self.caps.caps), self.config)
+                                     goodput_of(figures), self.config,
+                                     best_cap_goodput(figures, self.caps.caps))
         self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
@@ -219,8 +228,9 @@ class AutoscaleLoop:
             return d
         try:
             # A p99 of one window's gaps swings with whether a long prompt landed among
-            # many decodes in it; the longer span is the point's, not the window's.
-            cd = self.caps.decide(now, current, expected_outputs(seen))
+            # many decodes in it: the cap is decided on a longer span.
+            span = [r for r in seen if r.arrival >= now - CAP_WINDOWS * self.config.window_s]
+            cd = self.caps.decide(now, current, expected_outputs(span))
         except BaseException:
             self.cap_decisions.append(None)  # still one beside each decision
             raise
@@ -357,7 +367,8 @@ class AutoscaleLoop:
                 if fit is not None else {})
         if (fit, owns) != self._scored:
             figures = self._figures(fit, owns)
-            self.autoscaler.score = best_cap_goodput(figures, self.caps.caps)
+            self.autoscaler.score = goodput_of(figures)
+            self.autoscaler.refine = best_cap_goodput(figures, self.caps.caps)
             self.caps.predict = figures
             self._scored = (fit, owns)
         self.calibration = fit

@@ -6,10 +6,12 @@ its decisions (role changes, ``SetRole``).
 Every ``interval_s`` the driver calls :meth:`Autoscaler.decide` with the requests that
 arrived in the last ``window_s`` (:mod:`common.traffic`). Each candidate (the
 configurations the workers can reach by changing roles, their threads fixed) is scored
-by ``score(config, records)``, in production the simulator's predicted goodput with
-the configuration's best stall-free cap (:func:`best_cap_goodput`: the cap changes at
-no cost, :class:`PrefillCapChooser`). The current configuration is left only when all of these
-hold, else the decision says which did not (its ``reason``):
+by ``score(config, records)``, in production the simulator's predicted goodput
+(:func:`simulated_goodput`); where one beats the current configuration by ``min_gain``
+there, both are scored again with their best stall-free cap (``refine``,
+:func:`best_cap_goodput`: the cap changes at no cost, :class:`PrefillCapChooser`). The
+current configuration is left only when all of these hold, else the decision says which
+did not (its ``reason``):
 
 1. ``few_requests``: the window has at least ``min_requests`` requests;
 2. ``current_best``: another candidate scores best;
@@ -151,11 +153,14 @@ class Autoscaler:
     """Keeps the hysteresis state between decisions; one per cluster, one thread."""
 
     def __init__(self, candidates: Sequence[PoolConfig], score: Score,
-                 config: AutoscaleConfig | None = None) -> None:
+                 config: AutoscaleConfig | None = None, refine: Score | None = None) -> None:
+        """``refine``: a costlier score (the live loop's: with the best stall-free cap,
+        :func:`best_cap_goodput`) taken only where a candidate beats the current one by
+        ``min_gain`` on ``score``, for those two, before the rules that follow (3-6)."""
         if not candidates:
             raise ValueError("the autoscaler needs at least one candidate configuration")
         self.candidates = list(candidates)
-        self.score = score
+        self.score, self.refine = score, refine
         self.config = config or AutoscaleConfig()
         self.last_change: float | None = None
         self._leader: PoolConfig | None = None
@@ -181,6 +186,11 @@ class Autoscaler:
             return Decision(now, current, None, "current_best", labels)
         base = scores[current]
         gain = (scores[best] - base) / base if base > 0 else float("inf")
+        if self.refine is not None and gain >= c.min_gain:
+            for cand in (current, best):
+                scores[cand] = labels[cand.roles_label] = self.refine(cand, records)
+            base = scores[current]
+            gain = (scores[best] - base) / base if base > 0 else float("inf")
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels)
@@ -198,7 +208,8 @@ class Autoscaler:
         if busy > 0:
             h = c.horizon_s
             during = serving_while_moving(current, best)
-            g_during = self.score(during, records) if during is not None else 0.0
+            g_during = ((self.refine or self.score)(during, records) if during is not None
+                        else 0.0)
             served = g_during * min(busy, h) + scores[best] * max(0.0, h - busy)
             net = served / (base * h) - 1 if base > 0 else (
                 float("inf") if served > 0 else -1.0)
@@ -270,7 +281,7 @@ class PrefillCapChooser:
     long step is above the 99th percentile of the gaps and the cap's many medium steps
     are not. So the planner simulates the current configuration with each cap
     (:func:`prefill_caps`) on the traffic it is handed (the live loop hands it the last
-    four windows: one window's p99 swings with whether a long prompt landed among many
+    two windows: one window's p99 swings with whether a long prompt landed among many
     decodes in it) and takes, among the caps within ``tolerance`` of the best predicted
     goodput, the one with the lowest predicted ITL p99. It changes
     the cap when that one cuts ITL p99 by ``min_itl_gain`` or serves ``min_gain`` more,

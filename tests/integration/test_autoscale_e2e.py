@@ -21,7 +21,7 @@ from cluster.autoscale import KEEP_FIT_WINDOWS, AutoscaleLoop
 from common import served_fit
 from common.cost_model import save_profile
 from common.stream_log import StreamLog
-from planner.autoscale import AutoscaleConfig, best_cap_goodput, simulated
+from planner.autoscale import AutoscaleConfig, simulated_goodput
 from planner.synthetic import synthetic_profile
 
 MAX_TOKENS = 6
@@ -52,6 +52,7 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
     loop.recalibrate = lambda now: None  # type: ignore[method-assign] - scripted scores
     loop.autoscaler.score = lambda cfg, records: prefer["mixed" if cfg.kind == "mixed"
                                                         else "split"]
+    loop.autoscaler.refine = loop.autoscaler.score  # scripted with or without a cap
     itl = {0: 100.0, 64: 200.0}  # the stall-free cap's scripted ITL p99, by cap
     loop.caps.caps = (0, 64)
     loop.caps.predict = lambda cfg, records: {
@@ -168,7 +169,7 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         monkeypatch.setattr(served_fit, "FACTOR_RANGE", (1e3, 1e4))
         assert loop.recalibrate(time.time()) is fit and loop.autoscaler.score is scored
         later = time.time() + KEEP_FIT_WINDOWS * loop.config.window_s + 1
-        on_profile = best_cap_goodput(simulated(loop.profile, 1, *loop._slo), loop.caps.caps)
+        on_profile = simulated_goodput(loop.profile, 1, *loop._slo)
         mixed = loop.autoscaler.candidates[0]
         assert scored(mixed, records) != on_profile(mixed, records)  # its own fit
         assert loop.recalibrate(later) is None and loop.autoscaler.score is not scored

@@ -311,9 +311,12 @@ def test_a_candidate_is_scored_with_its_best_cap_so_a_cap_can_stop_a_split():
     assert (score(MIXED, RECORDS), score(SPLIT, RECORDS)) == (1.42, 1.67)
     assert score(replace(MIXED, prefill_tokens_while_decoding=64), RECORDS) == 1.42
     cfg = AutoscaleConfig(min_dwell_s=0, confirmations=1)
-    capped = Autoscaler([MIXED, SPLIT], score, cfg).decide(0.0, MIXED, RECORDS, proven=())
-    assert (capped.target, capped.reason) == (None, "unproven")
-    uncapped = Autoscaler([MIXED, SPLIT], lambda c, r: figures(c, r)["goodput"], cfg)
+    plain = lambda c, r: figures(c, r)["goodput"]  # noqa: E731
+    capped = Autoscaler([MIXED, SPLIT], plain, cfg, refine=score)
+    d = capped.decide(0.0, MIXED, RECORDS, proven=())
+    assert (d.target, d.reason) == (None, "unproven")
+    assert d.scores == {MIXED.label: 1.42, SPLIT.label: 1.67}  # refined
+    uncapped = Autoscaler([MIXED, SPLIT], plain, cfg)
     assert uncapped.decide(0.0, MIXED, RECORDS, proven=()).target == SPLIT
 
 
