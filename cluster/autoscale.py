@@ -31,9 +31,9 @@ Each change is timed, by the role it leaves, and a switch is weighed with its ch
 seconds (:meth:`AutoscaleLoop.move_estimates`; the cost rule of
 :mod:`planner.autoscale`).
 
-A candidate that wins is scored again, with the current one, each with its best
-stall-free cap (``--prefill-tokens-while-decoding``,
-:func:`planner.autoscale.best_cap_goodput`). When the roles stay, the cap is decided
+With ``--autoscale-prefill-cap``, a candidate that wins is scored again, with the
+current one, each with its best stall-free cap (``--prefill-tokens-while-decoding``,
+:func:`planner.autoscale.best_cap_goodput`), and when the roles stay, the cap is decided
 next (:class:`planner.autoscale.PrefillCapChooser`, on the last :data:`CAP_WINDOWS`
 windows of traffic) and, on a change, set on every worker (``SetRole`` keeping the
 role: the worker takes it at its next step).
@@ -79,6 +79,7 @@ from planner.autoscale import (
     FitMemory,
     Predict,
     PrefillCapChooser,
+    Score,
     best_cap_goodput,
     current_config,
     goodput_of,
@@ -141,9 +142,10 @@ class AutoscaleLoop:
                                       confirmations=self.config.confirmations)
         """The stall-free cap, decided after the roles, on the same calibration and the
         last :data:`CAP_WINDOWS` windows of traffic."""
+        self.choose_cap = c.autoscale_prefill_cap
+        """``--autoscale-prefill-cap``: decide the cap, and refine a winner at its best."""
         self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
-                                     goodput_of(figures), self.config,
-                                     best_cap_goodput(figures, self.caps.caps))
+                                     goodput_of(figures), self.config, self._refine(figures))
         self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
@@ -164,7 +166,8 @@ class AutoscaleLoop:
         average); a role not measured yet: :meth:`move_estimates`' prior."""
         self.decisions: list[Decision] = []
         self.cap_decisions: list[CapDecision | None] = []
-        """Beside each decision, the cap's (None: the roles changed, no cap decided)."""
+        """Beside each decision, the cap's (None: the roles changed, or caps are not
+        decided: no ``--autoscale-prefill-cap``)."""
         self.step_models: list[str] = []
         """Beside each decision, the serving calibration it simulated with."""
         self._stop = threading.Event()
@@ -226,6 +229,9 @@ class AutoscaleLoop:
             finally:
                 self._settled_at = now + (time.monotonic() - began)
             return d
+        if not self.choose_cap:
+            self.cap_decisions.append(None)
+            return d
         try:
             # A p99 of one window's gaps swings with whether a long prompt landed among
             # many decodes in it: the cap is decided on a longer span.
@@ -248,6 +254,9 @@ class AutoscaleLoop:
         if cd.target is not None:
             self._set_cap(roles, current, cd.target, cd.reason)
         return d
+
+    def _refine(self, figures: Predict) -> Score | None:
+        return best_cap_goodput(figures, self.caps.caps) if self.choose_cap else None
 
     def _with_cap(self, cap: int) -> list[PoolConfig]:
         return [replace(c, prefill_tokens_while_decoding=cap) for c in self._reachable]
@@ -368,7 +377,7 @@ class AutoscaleLoop:
         if (fit, owns) != self._scored:
             figures = self._figures(fit, owns)
             self.autoscaler.score = goodput_of(figures)
-            self.autoscaler.refine = best_cap_goodput(figures, self.caps.caps)
+            self.autoscaler.refine = self._refine(figures)
             self.caps.predict = figures
             self._scored = (fit, owns)
         self.calibration = fit

@@ -187,6 +187,11 @@ class DeploymentConfig:
         "change workers' roles (drain, re-register; weights kept); process launcher"))
     autoscale_interval_s: float = field(default=20.0, metadata=setting(
         "--autoscale: seconds between decisions (each looks at 3 intervals of traffic)"))
+    autoscale_prefill_cap: bool = field(default=False, metadata=setting(
+        "--autoscale: also set the workers' --prefill-tokens-while-decoding from the "
+        "traffic, and score a winning candidate at its best cap (three more simulations "
+        "a decision, of two intervals of traffic: on a 2-core machine they cost more "
+        "goodput at overload than the cap gave back)"))
     slo_ttft_ms: float | None = field(default=None, metadata=setting(
         "--autoscale: the TTFT target goodput counts against",
         shown="5x the profile's unloaded TTFT of the traffic's mean prompt"))

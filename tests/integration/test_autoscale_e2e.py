@@ -34,7 +34,8 @@ def scaled(tiny_checkpoints, tmp_path_factory):
     profile = logs / "profile.json"
     save_profile(synthetic_profile("cpu"), profile)
     c = start(tiny_checkpoints["llama"], logs, mixed=2, threads_per_worker=1, block_size=4,
-              profile=str(profile), autoscale=True)  # the workers publish their steps
+              profile=str(profile), autoscale=True,  # the workers publish their steps
+              autoscale_prefill_cap=True)
     yield c
     c.stop()
 
