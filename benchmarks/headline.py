@@ -46,7 +46,7 @@ from common.cost_model import load_profile
 from loadtest.metrics import SLO, percentile
 from loadtest.runner import RunOptions, run
 from loadtest.workloads import Request, arrival_times, mixed_workload, multi_turn_workload
-from planner.autoscale import AutoscaleConfig, CapDecision
+from planner.autoscale import AutoscaleConfig, CapDecision, prefill_caps
 
 from .headline_report import TURNS, report
 from .machine import machine_line
@@ -55,7 +55,11 @@ CLUSTERS = {
     "colocated": {"mixed": 2},
     "static": {"prefill": 1, "decode": 1, "local_prefill_threshold": 0},
     "adaptive": {"mixed": 2},
+    "capped": {"mixed": 2},
 }
+"""``capped`` (not run unless named: ``--clusters colocated,capped``): colocated with a
+fixed stall-free cap, the smallest the live planner would try on the profile
+(:func:`planner.autoscale.prefill_caps`)."""
 WORKLOADS = tuple(TURNS)
 
 
@@ -72,7 +76,7 @@ class HeadlineOptions:
     tpot_x: float = 2.0
     calibration_requests: int = 8
     autoscale_interval_s: float = 5.0
-    clusters: tuple[str, ...] = tuple(CLUSTERS)
+    clusters: tuple[str, ...] = ("colocated", "static", "adaptive")
     dtype: str = "auto"
     out: str = "bench-results/headline"
 
@@ -101,6 +105,8 @@ def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None,
                   "autoscale_interval_s": o.autoscale_interval_s,
                   "slo_ttft_ms": slo.ttft_ms if slo else None,
                   "slo_tpot_ms": slo.tpot_ms if slo else None}
+    if name == "capped":
+        extra["prefill_tokens_while_decoding"] = prefill_caps(load_profile(o.profile), 1)[1]
     if o.profile:  # every cluster at the profile's block size, which the planner simulates
         extra["block_size"] = load_profile(o.profile).block_size
     return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
