@@ -82,3 +82,16 @@ def test_the_static_views_predict_the_split_within_a_factor_of_two(rows):
         if r["view"] in ("colocated", "static"):
             assert 0.5 < r["predicted"] / r["measured"] < 2.0, r
     print(planner_replay.report(rows))
+
+
+def test_the_capped_cluster_is_colocated_with_the_planners_smallest_cap(tmp_path) -> None:
+    from benchmarks.headline import HeadlineOptions, _config
+    from planner.autoscale import prefill_caps
+
+    o = HeadlineOptions(model="m", profile=str(PROFILE), out=str(tmp_path))
+    capped, colocated = (_config(o, name, tmp_path, None) for name in ("capped", "colocated"))
+    assert capped.prefill_tokens_while_decoding == prefill_caps(
+        load_profile(str(PROFILE)), 1)[1] > 0
+    assert colocated.prefill_tokens_while_decoding == 0
+    assert capped.pool_sizes() == colocated.pool_sizes()
+    assert "capped" not in o.clusters  # only when named
