@@ -105,10 +105,11 @@ def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None,
                   "autoscale_interval_s": o.autoscale_interval_s,
                   "slo_ttft_ms": slo.ttft_ms if slo else None,
                   "slo_tpot_ms": slo.tpot_ms if slo else None}
-    if name == "capped":
-        extra["prefill_tokens_while_decoding"] = prefill_caps(load_profile(o.profile), 1)[1]
     if o.profile:  # every cluster at the profile's block size, which the planner simulates
-        extra["block_size"] = load_profile(o.profile).block_size
+        profile = load_profile(o.profile)
+        extra["block_size"] = profile.block_size
+        if name == "capped":
+            extra["prefill_tokens_while_decoding"] = prefill_caps(profile, 1)[1]
     return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
                               kv_cache_gb=1.0, threads_per_worker=1, dtype=o.dtype,
                               launcher="process", log_dir=str(out / f"{name}-logs"), **extra)

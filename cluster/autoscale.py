@@ -411,7 +411,6 @@ class AutoscaleLoop:
         return figures
 
 
-
 def start_autoscale(cluster: LocalCluster) -> AutoscaleLoop:
     """The loop ``pdserve up --autoscale`` runs, its metrics served on a free port of
     the cluster's host when the cluster serves metrics (printed)."""

@@ -257,6 +257,12 @@ def prefill_caps(profile: Profile, threads: int, steps: Sequence[float] = CAP_ST
     return tuple(sorted(caps))
 
 
+def with_caps(config: PoolConfig, caps: Sequence[int]) -> list[PoolConfig]:
+    """``config`` with each of ``caps`` and the cap it carries, by cap."""
+    return [replace(config, prefill_tokens_while_decoding=cap)
+            for cap in sorted({config.prefill_tokens_while_decoding, *caps})]
+
+
 @dataclass(frozen=True)
 class CapDecision:
     at: float
@@ -318,9 +324,10 @@ class PrefillCapChooser:
             self.reset()
             return CapDecision(now, have, None, "few_requests")
         predicted = {}
-        for cap in sorted({have, *self.caps}):
-            m = self.predict(replace(current, prefill_tokens_while_decoding=cap), records)
-            predicted[cap] = (float(m["goodput"]), float(m["itl_p99_ms"]))
+        for capped in with_caps(current, self.caps):
+            m = self.predict(capped, records)
+            predicted[capped.prefill_tokens_while_decoding] = (float(m["goodput"]),
+                                                                float(m["itl_p99_ms"]))
         top = max(g for g, _ in predicted.values())
         eligible = [c for c, (g, _) in predicted.items() if g >= (1 - self.tolerance) * top]
         best = min(eligible, key=lambda c: (predicted[c][1], c != have))
@@ -347,9 +354,9 @@ Fit = TypeVar("Fit")
 class FitMemory(Generic[Fit]):
     """Each configuration's serving calibration as last fitted on a window it served
     whole (no role change inside it), by label (``PoolConfig.roles_label``: the fit is
-    of step times, which a stall-free cap does not change), kept ``keep_s`` seconds. The live loop
-    notes the current configuration's fit after each clean window and scores every
-    candidate with :meth:`own`, falling back to the current window's fit."""
+    of step times, which a stall-free cap does not change), kept ``keep_s`` seconds. The
+    live loop notes the current configuration's fit after each clean window and scores
+    every candidate with :meth:`own`, falling back to the current window's fit."""
 
     def __init__(self, keep_s: float) -> None:
         self.keep_s = keep_s
@@ -463,9 +470,8 @@ def best_cap_goodput(figures: Predict, caps: Sequence[int]) -> Score:
     1.12 and 1.35 req/s without a cap, 1.42 with one, and the split 1.67 and 2.03; scored
     without the cap, the planner split the pools there and served 0.79x colocated."""
     def score(config: PoolConfig, records: Sequence[TrafficRecord]) -> float:
-        return max(float(figures(replace(config, prefill_tokens_while_decoding=cap),
-                                 records)["goodput"])
-                   for cap in {config.prefill_tokens_while_decoding, *caps})
+        return max(float(figures(capped, records)["goodput"])
+                   for capped in with_caps(config, caps))
 
     return score
 

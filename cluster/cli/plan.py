@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-caps", default="0", metavar="CAPS",
                    help="stall-free caps to try, each candidate once per cap: comma-"
                         "separated `--prefill-tokens-while-decoding` values (0: none), or "
-                        "auto: the live planner's (none, and the chunks of 2, 3 and 6 "
+                        "auto: the live planner's (none, and the chunks of 3 and 6 "
                         "unloaded decode steps on the profile)")
     p.add_argument("--policy", default="cache_aware",
                    choices=("cache_aware", "least_loaded", "round_robin"))

@@ -239,10 +239,6 @@ class LLMEngine:
         self.scheduler.config = dataclasses.replace(
             self.scheduler.config, prefill_tokens_while_decoding=tokens)
 
-    @property
-    def prefill_cap(self) -> int:
-        return self.scheduler.config.prefill_tokens_while_decoding
-
     def has_runnable_requests(self) -> bool:
         """Whether ``step`` has anything to schedule (running or waiting requests;
         reserved and held ones wait for events, not steps). Engine thread only."""

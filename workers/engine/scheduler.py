@@ -12,9 +12,9 @@ Each :meth:`Scheduler.schedule` call builds one step:
    (stall-free batching: a decode never waits through a long prompt's whole step).
 3. Waiting sequences are admitted strictly first come, first served: reuse their cached
    prefix, then take a chunk (within what is left of the budget, and of the stall-free
-   cap while any sequence decodes). If the head of the queue does not fit, nobody behind it is
-   admitted (no starvation of long prompts), and nothing is admitted in a step that had
-   to preempt.
+   cap while any sequence decodes). If the head of the queue does not fit, nobody behind
+   it is admitted (no starvation of long prompts), and nothing is admitted in a step that
+   had to preempt.
 
 :meth:`Scheduler.update` applies the step's sampled tokens, caches newly full blocks and
 finishes sequences that hit EOS, a stop token, ``max_tokens`` or the context limit.
@@ -318,7 +318,8 @@ class Scheduler:
         # Prompt tokens this step may compute: the whole budget, or the stall-free cap
         # while anyone decodes (a decode this step, or one the cap keeps waiting).
         cap = self.config.prefill_tokens_while_decoding
-        room = cap if cap and decoding else limit
+        allowed = cap if cap and decoding else limit
+        room = allowed
         used = 0  # tokens in out.chunks, kept as we go (a sum per sequence is quadratic)
         for seq in decoding + prefilling:
             if used == limit:
@@ -338,7 +339,7 @@ class Scheduler:
                     room -= n
             if len(out.preempted) != preempted:  # a victim's chunk gave its tokens back
                 used = out.num_batched_tokens
-                room = max(0, (cap if cap and decoding else limit) - _prompt_tokens(out))
+                room = max(0, allowed - _prompt_tokens(out))
             else:
                 used += n
         if not out.preempted:
