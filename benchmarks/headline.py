@@ -56,10 +56,14 @@ CLUSTERS = {
     "static": {"prefill": 1, "decode": 1, "local_prefill_threshold": 0},
     "adaptive": {"mixed": 2},
     "capped": {"mixed": 2},
+    "split": {"prefill": 1, "decode": 1},
 }
-"""``capped`` (not run unless named: ``--clusters colocated,capped``): colocated with a
-fixed stall-free cap, the smallest the live planner would try on the profile
-(:func:`planner.autoscale.prefill_caps`)."""
+"""Not run unless named (``--clusters colocated,capped,split``): ``capped`` is colocated
+with a fixed stall-free cap, the smallest the live planner would try on the profile
+(:func:`planner.autoscale.prefill_caps`); ``split`` is 1 prefill + 1 decode worker with
+the router placing each prompt from live state on the profile (:mod:`router.adaptive`):
+the split the adaptive cluster switches to, held through the sweep, which measures what
+its planner only predicts."""
 WORKLOADS = tuple(TURNS)
 
 
@@ -110,6 +114,8 @@ def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None,
         extra["block_size"] = profile.block_size
         if name == "capped":
             extra["prefill_tokens_while_decoding"] = prefill_caps(profile, 1)[1]
+        if name == "split":
+            extra["profile"] = o.profile
     return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
                               kv_cache_gb=1.0, threads_per_worker=1, dtype=o.dtype,
                               launcher="process", log_dir=str(out / f"{name}-logs"), **extra)

@@ -1,8 +1,9 @@
 """``pdserve up --autoscale``: the live planner driving a local cluster's worker roles.
 
 Lifecycle: started once the cluster serves (:meth:`AutoscaleLoop.start`: a daemon
-thread), it wakes every ``autoscale_interval_s``, reads the last three intervals of
-traffic the routers wrote to Redis (:mod:`common.traffic`: the requests in flight too,
+thread, reniced by :data:`PLANNER_NICE` so the workers' steps come first), it wakes
+every ``autoscale_interval_s``, reads the last three intervals of traffic
+the routers wrote to Redis (:mod:`common.traffic`: the requests in flight too,
 each with the median output of those ended in the last :data:`HISTORY_WINDOWS`
 windows, :func:`common.traffic.expected_outputs`),
 and asks
@@ -70,6 +71,7 @@ from common.redis_url import connect as connect_redis
 from common.registry import ROLES
 from common.served_fit import ServedFitError, ServedFits, fit_served_roles
 from common.served_steps import StepLog
+from common.threads import lower_thread_priority
 from common.traffic import TrafficLog, TrafficRecord, expected_outputs
 from planner.autoscale import (
     AutoscaleConfig,
@@ -107,6 +109,14 @@ CAP_WINDOWS = 2
 predicted ITL p99 without a cap swung between ~60 and 480-790 ms at 120% load in a
 2-core Xeon's headline run; four (60 s) held steady but took ~460 ms of the planner's CPU
 a decision there, and reacted 20-25 s into a 30 s point."""
+
+PLANNER_NICE = 10
+"""How much the planner's thread is reniced (:func:`common.threads.lower_thread_priority`).
+Its simulations take ~0.1-0.5 s of CPU a decision on the cores the workers step on; at
+the same priority a step that wakes beside one waited its turn, which raised the adaptive
+cluster's ITL p99 to 1.2-1.3x colocated's at 25% load in a 2-core Xeon's headline while
+it ran the very same configuration. At nice 10 a waking worker preempts it, and under
+full load it still gets ~10% of a core, enough for a decision every few seconds."""
 
 MOVE_WEIGHT = 0.5
 """A measured role change's weight in its role's estimate (the rest: the ones before)."""
@@ -186,6 +196,10 @@ class AutoscaleLoop:
         self._redis.close()
 
     def _run(self) -> None:
+        nice = lower_thread_priority(PLANNER_NICE)
+        log.info("autoscale: planning every %.0f s at nice %s", self.config.interval_s,
+                 "unchanged (this platform renices no single thread)" if nice is None
+                 else nice)
         while not self._stop.wait(self.config.interval_s):
             try:
                 self.tick(time.time())

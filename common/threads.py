@@ -9,12 +9,19 @@ helpers of the engine thread's first forward are named like the engine thread, w
 how the profile counts the forward's helpers apart from the I/O threads.
 
 Names we set (:data:`ENGINE`, :data:`TOKENIZER`) are part of the profile's contract.
+
+:func:`lower_thread_priority` renices the calling thread alone (Linux schedules threads,
+and ``setpriority`` on a thread id reaches that one thread): background work that
+shares a process with nothing latency-bound, but shares the cores with workers that are
+(the live planner's simulations), yields to them at once instead of taking half a core.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+import threading
 
 ENGINE = "pds-engine"
 """A worker's engine thread (and the intra-op helpers it starts)."""
@@ -34,3 +41,19 @@ def name_native_thread(name: str) -> bool:
         return libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def lower_thread_priority(niceness: int) -> int | None:
+    """Raise the calling thread's nice value by ``niceness`` (the process's other threads
+    keep theirs); returns the thread's nice value now, or None where a thread cannot be
+    reniced alone (not Linux) or the kernel refused: the caller runs at its old priority,
+    which is correct, only less kind to its neighbours."""
+    if sys.platform != "linux" or niceness <= 0:
+        return None
+    tid = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + niceness))
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except OSError:
+        return None

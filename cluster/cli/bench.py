@@ -645,7 +645,7 @@ def cmd_bench_headline(args: argparse.Namespace) -> int:
                              f"{', '.join(WORKLOADS)}, clusters {', '.join(CLUSTERS)}")
         seeds = tuple(int(x) for x in args.seeds.split(","))
         fractions = tuple(float(x) for x in args.fractions.split(","))
-        if not args.report_only and {"adaptive", "capped"} & set(clusters):
+        if not args.report_only and {"adaptive", "capped", "split"} & set(clusters):
             load_profile(args.profile)
     except ValueError as e:
         print(f"pdserve bench-headline: {e} (pdserve profile --out {args.profile} writes the "

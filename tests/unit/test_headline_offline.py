@@ -95,3 +95,21 @@ def test_the_capped_cluster_is_colocated_with_the_planners_smallest_cap(tmp_path
     assert colocated.prefill_tokens_while_decoding == 0
     assert capped.pool_sizes() == colocated.pool_sizes()
     assert "capped" not in o.clusters  # only when named
+
+
+def test_the_split_cluster_is_the_split_the_adaptive_planner_would_switch_to(tmp_path) -> None:
+    from benchmarks.headline import HeadlineOptions, _config
+    from planner.autoscale import current_config, reachable
+
+    o = HeadlineOptions(model="m", profile=str(PROFILE), out=str(tmp_path))
+    split, adaptive = (_config(o, name, tmp_path, None) for name in ("split", "adaptive"))
+    assert split.pool_sizes() == {"prefill": 1, "decode": 1, "mixed": 0}
+    assert split.profile == adaptive.profile == str(PROFILE)  # prompts placed live
+    assert not split.autoscale and adaptive.autoscale
+    candidates = reachable(2, 1, adaptive.local_prefill_threshold, adaptive.itl_budget_ms,
+                           adaptive.kv_offer)
+    held = current_config({"a": "prefill", "b": "decode"}, candidates)
+    assert held is not None and held.kind != "mixed"
+    assert (split.local_prefill_threshold, split.itl_budget_ms, split.kv_offer) == (
+        adaptive.local_prefill_threshold, adaptive.itl_budget_ms, adaptive.kv_offer)
+    assert "split" not in o.clusters  # only when named

@@ -33,3 +33,26 @@ def test_a_named_thread_and_the_threads_it_starts_carry_the_name() -> None:
     t.join()
     assert seen == {"named": "pds-engine-and-", "child": "pds-engine-and-"}
     assert comm() != "pds-engine-and-"  # only the calling thread was renamed
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread is reniced alone on Linux")
+def test_a_lowered_thread_is_reniced_alone() -> None:
+    import os
+
+    from common.threads import lower_thread_priority
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    seen: dict[str, int | None] = {}
+
+    def background() -> None:
+        seen["returned"] = lower_thread_priority(5)
+        seen["kernel"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=background)
+    t.start()
+    t.join()
+    expected = min(19, before + 5)
+    assert seen == {"returned": expected, "kernel": expected}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before
+    assert lower_thread_priority(0) is None  # nothing asked: nothing changed
