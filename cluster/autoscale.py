@@ -85,6 +85,8 @@ from planner.autoscale import (
     best_cap_goodput,
     current_config,
     goodput_of,
+    itl_of,
+    per_window,
     prefill_caps,
     reachable,
     role_changes,
@@ -154,8 +156,13 @@ class AutoscaleLoop:
         last :data:`CAP_WINDOWS` windows of traffic."""
         self.choose_cap = c.autoscale_prefill_cap
         """``--autoscale-prefill-cap``: decide the cap, and refine a winner at its best."""
+        self.itl = c.autoscale_itl
+        """``--autoscale-itl`` (default on): rule 2b of :mod:`planner.autoscale`, a move
+        to a configuration of equal predicted goodput and much lower ITL p99."""
+        figures = per_window(figures)
         self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
-                                     goodput_of(figures), self.config, self._refine(figures))
+                                     goodput_of(figures), self.config, self._refine(figures),
+                                     itl_of(figures) if self.itl else None)
         self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
@@ -227,13 +234,18 @@ class AutoscaleLoop:
         self.metrics.inc("planner_decisions_total", action=d.action, reason=d.reason)
         for label, goodput in d.scores.items():
             self.metrics.set("planner_predicted_goodput", goodput, config=label)
+        for label, itl in d.itl_p99_ms.items():
+            self.metrics.set("planner_predicted_config_itl_p99_ms", itl, config=label)
         if d.net_gain is not None:
             self.metrics.set("planner_switch_seconds", d.switch_s)
         cost = (f"; switching takes ~{d.switch_s:.1f} s of role changes, net gain "
                 f"{d.net_gain:+.0%}" if d.net_gain is not None and d.switch_s else "")
+        itl = ("; predicted ITL p99 " + ", ".join(f"{k}: {v:.0f} ms"
+                                                  for k, v in d.itl_p99_ms.items())
+               if d.itl_p99_ms else "")
         log.info("autoscale: %s (%s) at %s with %d requests in the window; predicted goodput "
-                 "%s%s; step model: %s", d.action, d.reason, current.label, len(records),
-                 ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", cost,
+                 "%s%s%s; step model: %s", d.action, d.reason, current.label, len(records),
+                 ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", itl, cost,
                  self.step_models[-1])
         if d.target is not None:
             self.caps.reset()
@@ -391,6 +403,7 @@ class AutoscaleLoop:
         if (fit, owns) != self._scored:
             figures = self._figures(fit, owns)
             self.autoscaler.score = goodput_of(figures)
+            self.autoscaler.itl = itl_of(figures) if self.itl else None
             self.autoscaler.refine = self._refine(figures)
             self.caps.predict = figures
             self._scored = (fit, owns)
@@ -422,7 +435,7 @@ class AutoscaleLoop:
         def figures(config: PoolConfig, records: Sequence[TrafficRecord]) -> dict:
             return on(owns.get(config.roles_label) or fit)(config, records)
 
-        return figures
+        return per_window(figures)
 
 
 def start_autoscale(cluster: LocalCluster) -> AutoscaleLoop:

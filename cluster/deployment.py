@@ -192,6 +192,9 @@ class DeploymentConfig:
         "traffic, and score a winning candidate at its best cap (three more simulations "
         "a decision, of two intervals of traffic: on a 2-core machine they cost more "
         "goodput at overload than the cap gave back)"))
+    autoscale_itl: bool = field(default=True, metadata=setting(
+        "--autoscale: goodput alone decides; no move to a configuration of equal "
+        "predicted goodput for its much lower predicted ITL p99"))
     slo_ttft_ms: float | None = field(default=None, metadata=setting(
         "--autoscale: the TTFT target goodput counts against",
         shown="5x the profile's unloaded TTFT of the traffic's mean prompt"))

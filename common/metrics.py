@@ -93,6 +93,9 @@ CATALOG: tuple[Spec, ...] = (
     Spec("planner_predicted_itl_p99_ms", "gauge", "The inter-token latency p99 the planner "
          "predicts for the current configuration with each cap (0: none) on the last window",
          ("cap",)),
+    Spec("planner_predicted_config_itl_p99_ms", "gauge", "The inter-token latency p99 the "
+         "planner predicts for each configuration of near-best goodput on the last window, "
+         "where it compared them (--autoscale-itl)", ("config",)),
     Spec("request_migrations_total", "counter",
          "Requests moved to another worker after theirs failed mid-stream"),
     Spec("workers", "gauge", "Workers the router routes to, by role", ("role",)),

@@ -14,7 +14,12 @@ current configuration is left only when all of these hold, else the decision say
 did not (its ``reason``):
 
 1. ``few_requests``: the window has at least ``min_requests`` requests;
-2. ``current_best``: another candidate scores best;
+2. ``current_best``: another candidate scores best; or (2b, with an ITL score) a
+   candidate predicted within ``itl_tolerance`` of the best goodput, where the current
+   one is too, has a predicted ITL p99 ``min_itl_gain`` below the current one's
+   (``min_itl_gain_unproven`` unless both are proven, and not ``overloaded``, as in
+   3): the lowest of those is the target, rule 4 asks only that the switch lose at most
+   ``itl_tolerance`` of the goodput, and a switch says ``lower_itl``;
 3. ``gain_below_threshold``: it beats the current one by at least ``min_gain``
    (relative; against a current goodput of 0, any positive one counts); ``unproven``:
    and by ``min_gain_unproven`` unless both it and the current one are among the
@@ -28,7 +33,16 @@ did not (its ``reason``):
 
 Then ``switch``. Under a steady load the scores are steady, so (2)-(6) keep a planner
 from flapping: a candidate must win by a margin, twice, and not too soon after the
-last change.
+last change. Rules 2b and 3 leave a band between them: a configuration entered for its
+ITL is left for goodput only when another serves ``min_gain`` more, and
+``itl_tolerance`` is below that.
+
+Why 2b. Goodput alone cannot tell two configurations that both serve the window within
+the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
+headline, the split (1 prefill + 1 decode worker) served 0.98-1.04x two mixed workers'
+goodput from 50% load up, at 0.34-0.41x their ITL p99 (a prompt computed beside running
+decodes makes them all wait through it), and the goodput-only planner stayed mixed
+(``loadtest/results/headline-xeon-1206-chat-isolated/``).
 
 The switch's cost (4). Its role changes run one worker at a time, each taking the
 seconds the caller says a worker leaving that role takes (``move_s``: the live loop
@@ -103,6 +117,15 @@ class AutoscaleConfig:
     payback_s: float | None = None
     """How long the window's traffic is taken to go on after a switch, for its cost;
     None: the longer of the window and the dwell time."""
+    itl_tolerance: float = 0.05
+    """With an ITL score (``Autoscaler(itl=...)``): candidates predicted within this
+    share of the best goodput, the current one among them, are told apart by their
+    predicted ITL p99 (rule 2b)."""
+    min_itl_gain: float = 0.3
+    """Rule 2b moves to the candidate of lowest predicted ITL p99 when it is at least this
+    much below the current one's (relative)..."""
+    min_itl_gain_unproven: float = 0.5
+    """... and this much, where either side is scored without its own calibration."""
     remember_s: float | None = None
     """How long a configuration's own calibration is remembered (:class:`FitMemory`);
     None: ten windows. The machine's speed drifts (a VM's halved within an hour), so
@@ -121,6 +144,12 @@ class AutoscaleConfig:
                   "min_requests": self.min_requests >= 1, "min_gain": self.min_gain >= 0,
                   "min_gain_unproven": self.min_gain_unproven >= self.min_gain,
                   "min_served_unproven": 0 <= self.min_served_unproven <= 1,
+                  # Below min_gain: a band where neither rule moves (no flapping).
+                  "itl_tolerance": self.itl_tolerance == 0
+                  or 0 < self.itl_tolerance < self.min_gain,
+                  "min_itl_gain": 0 < self.min_itl_gain < 1,
+                  "min_itl_gain_unproven": (self.min_itl_gain <= self.min_itl_gain_unproven
+                                            < 1),
                   "remember_s": self.remember_s is None or self.remember_s > 0,
                   "min_dwell_s": self.min_dwell_s >= 0, "confirmations": self.confirmations >= 1,
                   "payback_s": self.payback_s is None or self.payback_s > 0}
@@ -143,6 +172,9 @@ class Decision:
     net_gain: float | None = None
     """The best candidate's gain over the horizon with its changes paid (None: not
     weighed: it was not better by ``min_gain`` to begin with)."""
+    itl_p99_ms: dict[str, float] = field(default_factory=dict)
+    """Predicted ITL p99 of the candidates rule 2b compared, by ``roles_label`` (empty:
+    it did not apply)."""
 
     @property
     def action(self) -> str:
@@ -153,14 +185,17 @@ class Autoscaler:
     """Keeps the hysteresis state between decisions; one per cluster, one thread."""
 
     def __init__(self, candidates: Sequence[PoolConfig], score: Score,
-                 config: AutoscaleConfig | None = None, refine: Score | None = None) -> None:
+                 config: AutoscaleConfig | None = None, refine: Score | None = None,
+                 itl: Score | None = None) -> None:
         """``refine``: a costlier score (the live loop's: with the best stall-free cap,
         :func:`best_cap_goodput`) taken only where a candidate beats the current one by
-        ``min_gain`` on ``score``, for those two, before the rules that follow (3-6)."""
+        ``min_gain`` on ``score``, for those two, before the rules that follow (3-6).
+        ``itl``: a configuration's predicted ITL p99 (ms) on the window, for rule 2b
+        (None: goodput alone decides)."""
         if not candidates:
             raise ValueError("the autoscaler needs at least one candidate configuration")
         self.candidates = list(candidates)
-        self.score, self.refine = score, refine
+        self.score, self.refine, self.itl = score, refine, itl
         self.config = config or AutoscaleConfig()
         self.last_change: float | None = None
         self._leader: PoolConfig | None = None
@@ -180,6 +215,10 @@ class Autoscaler:
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
         scores = {cand: self.score(cand, records) for cand in pool}
         labels = {cand.roles_label: s for cand, s in scores.items()}
+        quicker = self._lower_itl(now, current, pool, scores, labels, records, move_s,
+                                  proven)
+        if quicker is not None:
+            return quicker
         best = max(pool, key=lambda cand: (scores[cand], cand == current))
         if best == current:
             self._leader, self._wins = None, 0
@@ -199,22 +238,35 @@ class Autoscaler:
         if gain < bar:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "unproven", labels)
-        if not both and base < c.min_served_unproven * len(records) / c.window_s:
+        if not both and self._overloaded(base, records):
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "overloaded", labels)
-        leaving = moves(current, best)
-        busy = sum((move_s or {}).get(role, 0.0) for role in leaving)
-        net = gain
-        if busy > 0:
-            h = c.horizon_s
-            during = serving_while_moving(current, best)
-            g_during = ((self.refine or self.score)(during, records) if during is not None
-                        else 0.0)
-            served = g_during * min(busy, h) + scores[best] * max(0.0, h - busy)
-            net = served / (base * h) - 1 if base > 0 else (
-                float("inf") if served > 0 else -1.0)
-        cost = {"switch_s": busy, "net_gain": net}
-        if net < bar:
+        busy, net = self._net(current, best, scores, records, move_s)
+        return self._commit(now, current, best, labels, busy, net, net >= bar, "switch")
+
+    def _net(self, current: PoolConfig, best: PoolConfig, scores: Mapping[PoolConfig, float],
+             records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None
+             ) -> tuple[float, float]:
+        """The switch's role changes' seconds and its net gain over the horizon (rule 4)."""
+        base = scores[current]
+        busy = sum((move_s or {}).get(role, 0.0) for role in moves(current, best))
+        if busy <= 0:
+            return 0.0, (scores[best] - base) / base if base > 0 else float("inf")
+        h = self.config.horizon_s
+        during = serving_while_moving(current, best)
+        g_during = (self.refine or self.score)(during, records) if during is not None else 0.0
+        served = g_during * min(busy, h) + scores[best] * max(0.0, h - busy)
+        return busy, (served / (base * h) - 1 if base > 0 else (
+            float("inf") if served > 0 else -1.0))
+
+    def _commit(self, now: float, current: PoolConfig, best: PoolConfig,
+                labels: dict[str, float], busy: float, net: float, paid: bool, why: str,
+                itl: dict[str, float] | None = None) -> Decision:
+        """Rules 4-6 for a candidate that won on goodput (``why`` ``switch``) or on ITL
+        (``lower_itl``); ``paid``: its net gain passed rule 4's bar."""
+        c = self.config
+        cost = {"switch_s": busy, "net_gain": net, "itl_p99_ms": itl or {}}
+        if not paid:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "switch_cost", labels, **cost)
         # By roles: the stall-free cap may change between two decisions of one leader.
@@ -226,7 +278,46 @@ class Autoscaler:
         if self._wins < c.confirmations:
             return Decision(now, current, None, "confirming", labels, **cost)
         self.last_change, self._leader, self._wins = now, None, 0
-        return Decision(now, current, best, "switch", labels, **cost)
+        return Decision(now, current, best, why, labels, **cost)
+
+    def _lower_itl(self, now: float, current: PoolConfig, pool: Sequence[PoolConfig],
+                   scores: Mapping[PoolConfig, float], labels: dict[str, float],
+                   records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
+                   proven: Collection[str] | None) -> Decision | None:
+        """Rule 2b: among the candidates within ``itl_tolerance`` of the best predicted
+        goodput, the current one among them, the one of lowest predicted ITL p99, when
+        that is ``min_itl_gain`` (unproven: ``min_itl_gain_unproven``) below the current
+        one's. Rules 4-6 follow, rule 4 asking only that the switch lose at most
+        ``itl_tolerance`` of the goodput over the horizon. None: the rule does not apply
+        (no ITL score, the current configuration is not among the near-best, or no one
+        is enough quicker), and goodput decides."""
+        c = self.config
+        if self.itl is None:
+            return None
+        top = max(scores.values())
+        near = [cand for cand in pool if scores[cand] >= (1 - c.itl_tolerance) * top]
+        if current not in near or len(near) < 2:
+            return None
+        itl = {cand: self.itl(cand, records) for cand in near}
+        quick = min(near, key=lambda cand: (itl[cand], cand != current))
+        if quick == current or not itl[quick] <= (1 - c.min_itl_gain) * itl[current]:
+            return None
+        shown = {cand.roles_label: ms for cand, ms in itl.items()}
+        both = proven is None or {quick.roles_label, current.roles_label} <= set(proven)
+        if not both and not itl[quick] <= (1 - c.min_itl_gain_unproven) * itl[current]:
+            self._leader, self._wins = None, 0
+            return Decision(now, current, None, "unproven", labels, itl_p99_ms=shown)
+        if not both and self._overloaded(scores[current], records):
+            self._leader, self._wins = None, 0
+            return Decision(now, current, None, "overloaded", labels, itl_p99_ms=shown)
+        busy, net = self._net(current, quick, scores, records, move_s)
+        return self._commit(now, current, quick, labels, busy, net,
+                            net >= -c.itl_tolerance, "lower_itl", shown)
+
+    def _overloaded(self, served: float, records: Sequence[TrafficRecord]) -> bool:
+        """The current configuration predicted to serve under ``min_served_unproven`` of
+        the window's requests within the SLOs (rule 3's ``overloaded``)."""
+        return served < self.config.min_served_unproven * len(records) / self.config.window_s
 
 
 Predict = Callable[[PoolConfig, Sequence[TrafficRecord]], Mapping[str, float]]
@@ -462,6 +553,27 @@ def goodput_of(figures: Predict) -> Score:
     return lambda config, records: float(figures(config, records)["goodput"])
 
 
+def itl_of(figures: Predict) -> Score:
+    """The ITL score of ``figures`` (rule 2b): the predicted ITL p99, ms."""
+    return lambda config, records: float(figures(config, records)["itl_p99_ms"])
+
+
+def per_window(figures: Predict) -> Predict:
+    """``figures`` simulating each configuration once per window of records (the same
+    list object, held so its id stays its own), however many scores read it: goodput
+    and ITL p99 come from one run."""
+    last: list = [None, {}]  # the records, and each configuration's figures on them
+
+    def remembered(config: PoolConfig, records: Sequence[TrafficRecord]) -> Mapping:
+        if last[0] is not records:
+            last[:] = [records, {}]
+        if config not in last[1]:
+            last[1][config] = figures(config, records)
+        return last[1][config]
+
+    return remembered
+
+
 def best_cap_goodput(figures: Predict, caps: Sequence[int]) -> Score:
     """A configuration's score as the best predicted goodput it has with any of ``caps``
     (or the cap it carries). The cap changes at no cost, so a role switch must beat what
@@ -481,10 +593,9 @@ def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
               slo_profile: Profile | None = None) -> Predict:
     """The simulator's predicted figures (:func:`planner.predict.predicted`: goodput,
     latency percentiles) of a configuration on the window's requests, replayed at their
-    arrival times with their prompt and output lengths. Prompts are fresh token ids: the
-    window keeps how many tokens were cached, not which, so the simulated prefix cache
-    serves none (a pessimistic reading of cache-heavy traffic, the same for every
-    candidate).
+    arrival times with their prompt and output lengths, and prompts that share what the
+    window says was cached (:func:`window_prompts`): the simulated prefix cache and
+    cache-aware routing then find those hits, or miss them, as the candidate would.
 
     SLOs not given are relative to the machine: TTFT 5x the unloaded prefill of the
     window's mean prompt, TPOT 2x an unloaded decode step at that context, both on
@@ -493,11 +604,9 @@ def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
     step = (slo_profile or profile).step(threads)
 
     def figures(config: PoolConfig, records: Sequence[TrafficRecord]) -> dict:
-        rng = random.Random(seed)
         t0 = records[0].arrival
-        ids = DEFAULT_TOKEN_IDS
-        requests = [Request([rng.choice(ids) for _ in range(max(1, r.prompt_tokens))],
-                            max(1, r.output_tokens)) for r in records]
+        requests = [Request(prompt, max(1, r.output_tokens)) for r, prompt in
+                    zip(records, window_prompts(records, random.Random(seed)), strict=True)]
         mean_prompt = sum(len(r.prompt) for r in requests) // len(requests)
         ttft = slo_ttft_ms or 5000 * step.prefill_seconds(mean_prompt)
         tpot = slo_tpot_ms or 2000 * step.decode_seconds(1, mean_prompt)
@@ -505,3 +614,25 @@ def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
                         SLO(ttft, tpot))
 
     return figures
+
+
+def window_prompts(records: Sequence[TrafficRecord], rng: random.Random,
+                   ids: Sequence[int] = DEFAULT_TOKEN_IDS) -> list[list[int]]:
+    """Token ids for the window's prompts: a record's first ``cached_tokens`` (at most
+    all but one) copied from the latest earlier prompt at least that long, the rest
+    fresh. The routers log how many of a prompt's tokens a worker had cached, not which
+    ones, so the shared prefix is this guess: enough for the simulated prefix cache to
+    hold that many tokens for some worker, where the candidate's routing may or may not
+    find them (a multi-turn chat's later turns extend an earlier one; which earlier
+    prompt they extend is what the window cannot tell). With fresh prompts throughout,
+    every candidate paid every prompt in full: on a 2-core Xeon's chat headline the
+    split, whose one prefill worker computes every prompt, was predicted 5-15% less
+    goodput than two mixed workers at 85-120% load and served 0.98-1.02x."""
+    prompts: list[list[int]] = []
+    for r in records:
+        n = max(1, r.prompt_tokens)
+        cached = min(r.cached_tokens, n - 1)
+        head = next((p[:cached] for p in reversed(prompts) if len(p) >= cached),
+                    []) if cached > 0 else []
+        prompts.append(head + [rng.choice(ids) for _ in range(n - len(head))])
+    return prompts

@@ -4,6 +4,7 @@ margin, a dwell time, confirmations) and the role moves it asks for. Pure."""
 import pytest
 
 from common.traffic import TrafficRecord
+from loadtest.workloads import DEFAULT_TOKEN_IDS as DEFAULT_IDS
 from planner.autoscale import (
     AutoscaleConfig,
     Autoscaler,
@@ -334,3 +335,120 @@ def test_no_unproven_leap_while_the_current_configuration_is_overloaded():
     assert served.decide(0.0, MIXED, busy, proven=()).target == SPLIT  # 80% served: not
     with pytest.raises(ValueError, match="min_served_unproven"):
         AutoscaleConfig(min_served_unproven=1.5)
+
+
+def test_window_prompts_share_what_the_routers_saw_cached():
+    import random
+
+    from planner.autoscale import window_prompts
+
+    records = [TrafficRecord(0.0, 100, 0, 8), TrafficRecord(1.0, 40, 0, 8),
+               TrafficRecord(2.0, 300, 96, 8), TrafficRecord(3.0, 50, 80, 8),
+               TrafficRecord(4.0, 500, 400, 8), TrafficRecord(5.0, 64, 64, 8)]
+    p = window_prompts(records, random.Random(1))
+    assert [len(x) for x in p] == [100, 40, 300, 50, 500, 64]
+    assert p[2][:96] == p[0][:96]  # the latest earlier prompt of 96+ tokens
+    assert p[2][96:] != p[0][96:100]
+    assert p[3][:49] == p[2][:49]  # at most all but one of its own 50 tokens
+    assert p[4][:400] != p[2][:400]  # nothing earlier that long: fresh
+    assert p[5][:63] == p[4][:63] and len(p[5]) == 64
+    plain = [TrafficRecord(r.arrival, r.prompt_tokens, 0, 8) for r in records]
+    rng = random.Random(1)
+    fresh = window_prompts(plain, random.Random(1))
+    assert fresh == [[rng.choice(DEFAULT_IDS) for _ in range(len(x))] for x in fresh]
+
+
+def test_a_window_with_cached_prefixes_predicts_the_cache_hits():
+    """A chat-like window (each conversation's next turn extends its last prompt): with
+    the cached tokens the routers logged, the simulated workers compute less of each
+    prompt than with fresh prompts, and the first token comes sooner."""
+    from planner.autoscale import simulated
+    from planner.synthetic import synthetic_profile
+
+    records, t = [], 0.0
+    for turn in range(3):
+        for _ in range(8):
+            t += 0.4
+            prompt = 192 + turn * 256
+            records.append(TrafficRecord(t, prompt, max(0, prompt - 256), 64))
+    figures = simulated(synthetic_profile("cpu"), 1, slo_ttft_ms=3000, slo_tpot_ms=150)
+    fresh = [TrafficRecord(r.arrival, r.prompt_tokens, 0, 64) for r in records]
+    for config in (MIXED, SPLIT):
+        cached, plain = figures(config, records), figures(config, fresh)
+        assert cached["ttft_p90_ms"] < 0.9 * plain["ttft_p90_ms"], (config.label, cached,
+                                                                    plain)
+
+
+def _itl_scaler(goodput, itl, **kw):
+    cfg = AutoscaleConfig(**{"min_dwell_s": 0, "confirmations": 2, "window_s": 20, **kw})
+    return Autoscaler([MIXED, SPLIT], lambda c, r: goodput.get(c.label, 0.0), cfg,
+                      itl=lambda c, r: itl[c.label])  # another (moving): serves nothing
+
+
+def test_equal_goodput_and_a_much_lower_itl_moves_the_workers():
+    """The chat headline's case: the split predicted 2% less goodput and 0.4x the ITL p99
+    of two mixed workers; it wins on ITL, confirmed twice, and says so."""
+    goodput, itl = {MIXED.label: 1.0, SPLIT.label: 0.98}, {MIXED.label: 500, SPLIT.label: 200}
+    s = _itl_scaler(goodput, itl)
+    first = s.decide(0.0, MIXED, RECORDS, proven=())
+    assert (first.target, first.reason) == (None, "confirming")
+    assert first.itl_p99_ms == {MIXED.roles_label: 500, SPLIT.roles_label: 200}
+    d = s.decide(5.0, MIXED, RECORDS, proven=())
+    assert (d.target, d.reason, d.action) == (SPLIT, "lower_itl", "switch")
+    # There, the same figures keep it: it is the near-best of lowest ITL, and mixed's
+    # 2% more goodput is under the goodput rule's margin.
+    assert s.decide(10.0, SPLIT, RECORDS).reason == "gain_below_threshold"
+    assert s.decide(15.0, SPLIT, RECORDS).target is None
+
+
+def test_no_move_for_itl_without_a_large_gain_or_near_equal_goodput():
+    s = _itl_scaler({MIXED.label: 1.0, SPLIT.label: 0.98}, {MIXED.label: 500, SPLIT.label: 400})
+    assert all(s.decide(t, MIXED, RECORDS).reason == "current_best" for t in (0.0, 5.0, 10.0))
+    # 0.6x the ITL: past the proven margin, not the unproven one.
+    s = _itl_scaler({MIXED.label: 1.0, SPLIT.label: 0.98}, {MIXED.label: 500, SPLIT.label: 300})
+    assert s.decide(0.0, MIXED, RECORDS, proven={MIXED.roles_label}).reason == "unproven"
+    assert s.decide(5.0, MIXED, RECORDS, proven=None).reason == "confirming"
+    # 8% less goodput is not near-equal: goodput decides, and stays.
+    s = _itl_scaler({MIXED.label: 1.0, SPLIT.label: 0.92}, {MIXED.label: 500, SPLIT.label: 100})
+    d = s.decide(0.0, MIXED, RECORDS)
+    assert (d.reason, d.itl_p99_ms) == ("current_best", {})
+
+
+def test_entered_for_itl_left_only_for_a_goodput_margin():
+    """The band between the rules: in the split for its ITL, two mixed workers predicted
+    7% more goodput do not bring the workers back (under min_gain 10%), 15% do."""
+    itl = {MIXED.label: 500, SPLIT.label: 200}
+    s = _itl_scaler({MIXED.label: 1.07, SPLIT.label: 1.0}, itl, confirmations=1)
+    assert s.decide(0.0, SPLIT, RECORDS).reason == "gain_below_threshold"
+    s = _itl_scaler({MIXED.label: 1.15, SPLIT.label: 1.0}, itl, confirmations=1)
+    d = s.decide(0.0, SPLIT, RECORDS)
+    assert (d.target, d.reason) == (MIXED, "switch")
+
+
+def test_an_itl_move_is_not_made_overloaded_unproven_or_at_a_goodput_cost():
+    itl = {MIXED.label: 900, SPLIT.label: 100}
+    # 20 requests in a 20 s window, both predicted to serve 0.5/s: overloaded.
+    s = _itl_scaler({MIXED.label: 0.5, SPLIT.label: 0.5}, itl, confirmations=1)
+    assert s.decide(0.0, MIXED, RECORDS, proven=()).reason == "overloaded"
+    assert s.decide(1.0, MIXED, RECORDS, proven=None).target == SPLIT
+    # Two 5 s changes during which nothing is served, over a 20 s horizon: half lost.
+    s = _itl_scaler({MIXED.label: 1.0, SPLIT.label: 1.0}, itl, confirmations=1)
+    d = s.decide(0.0, MIXED, RECORDS, move_s={"mixed": 5.0})
+    assert (d.target, d.reason) == (None, "switch_cost")
+    assert (d.net_gain, d.switch_s) == (-0.5, 10.0)
+
+
+def test_steady_load_with_itl_never_flaps():
+    """Goodputs that wobble around a tie and ITLs around a 2x gap, for 100 decisions:
+    one move to the quicker split, none back."""
+    wobble = iter([1.0, 1.04, 0.98, 0.97, 1.02, 1.03] * 40)
+    cfg = AutoscaleConfig(min_dwell_s=0, confirmations=2, window_s=20)
+    s = Autoscaler([MIXED, SPLIT], lambda c, r: next(wobble) if c == SPLIT else 1.0, cfg,
+                   itl=lambda c, r: 200.0 if c == SPLIT else 450.0)
+    current, moved = MIXED, []
+    for t in range(100):
+        d = s.decide(float(t), current, RECORDS)
+        if d.target is not None:
+            moved.append(d.target)
+            current = d.target
+    assert moved == [SPLIT]
