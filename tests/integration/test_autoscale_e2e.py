@@ -21,7 +21,7 @@ from cluster.autoscale import KEEP_FIT_WINDOWS, AutoscaleLoop
 from common import served_fit
 from common.cost_model import save_profile
 from common.stream_log import StreamLog
-from planner.autoscale import AutoscaleConfig, simulated_goodput
+from planner.autoscale import AutoscaleConfig, simulated, simulated_goodput
 from planner.synthetic import synthetic_profile
 
 MAX_TOKENS = 6
@@ -175,6 +175,10 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert scored(mixed, records) != on_profile(mixed, records)  # its own fit
         assert loop.recalibrate(later) is None and loop.autoscaler.score is not scored
         assert loop.autoscaler.score(mixed, records) == on_profile(mixed, records)
+        # Rule 2b's ITL score (--autoscale-itl, on by default) reads the same simulation.
+        figures = simulated(loop.profile, 1, *loop._slo)(mixed, records)
+        assert loop.autoscaler.itl is not None
+        assert loop.autoscaler.itl(mixed, records) == figures["itl_p99_ms"] > 0
     finally:
         load.finish()
         loop.stop()
