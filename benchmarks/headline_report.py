@@ -2,8 +2,10 @@
 ``--report-only`` re-tabulates a run without serving anything).
 
 Per workload and seed, one row per rate: goodput (requests/s meeting both SLOs), ITL
-p99, TTFT p90 of colocated (C), static 1P+1D (S) and adaptive (A), and the adaptive
-cluster's roles when the point ended. Then the issue's targets, each row marked:
+p99, TTFT p90 of colocated (C), static 1P+1D (S), and where they ran, the split with
+live placement (P) and capped (K) (:data:`benchmarks.headline.CLUSTERS`), and adaptive
+(A), and the adaptive cluster's roles when the point ended. Then the issue's targets,
+each row marked:
 
 - goodput(A) >= max(C, S) - 5%, at every rate;
 - where colocated saturates (its goodput below 80% of the offered rate: the capacity
@@ -26,6 +28,9 @@ from loadtest.metrics import percentile
 from loadtest.plots import plot_sweeps
 
 HIGH, LOW = 0.85, 0.25
+ORDER = ("colocated", "static", "split", "capped", "adaptive")
+"""The clusters a run may have swept, in the table's column order."""
+LETTERS = {"colocated": "C", "static": "S", "split": "P", "capped": "K", "adaptive": "A"}
 TURNS = {"mixed": 1, "chat": 3}
 """Requests per session of each workload (a chat session is a 3-turn conversation)."""
 
@@ -80,42 +85,54 @@ def report(out: Path, workloads: tuple[str, ...], seeds: tuple[int, ...],
               f"({cal['capacity_sessions_s']:.3f} sessions/s); SLOs TTFT <= "
               f"{cal['slo_ttft_ms']:.0f} ms, TPOT <= {cal['slo_tpot_ms']:.1f} ms")
         for seed in seeds:
-            sweeps = {n: _load(out, workload, seed, n) for n in ("colocated", "static",
-                                                                  "adaptive")}
-            if any(v is None for v in sweeps.values()):
-                print(f"seed {seed}: missing sweeps "
-                      f"({', '.join(n for n, v in sweeps.items() if v is None)})")
+            sweeps = {n: pts for n in ORDER
+                      if (pts := _load(out, workload, seed, n)) is not None}
+            if "colocated" not in sweeps:
+                print(f"seed {seed}: no colocated sweep, nothing to compare with")
                 continue
-            print(f"\nseed {seed}\n{'load':>5} {'rate/s':>7} | {'goodput C / S / A':>20} | "
-                  f"{'ITL p99 ms C / S / A':>22} | {'TTFT p90 ms C / S / A':>24} | "
+            missing = [n for n in ("static", "adaptive") if n not in sweeps]
+            if missing:
+                print(f"seed {seed}: missing sweeps ({', '.join(missing)}): "
+                      + ("no targets checked" if "adaptive" in missing else
+                         "the better baseline is colocated's"))
+            names = list(sweeps)
+            letters = " / ".join(LETTERS[n] for n in names)
+            k = len(names)
+            print(f"\nseed {seed}\n{'load':>5} {'rate/s':>7} | "
+                  f"{'goodput ' + letters:>{7 * k - 1}} | "
+                  f"{'ITL p99 ms ' + letters:>{7 * k + 1}} | "
+                  f"{'TTFT p90 ms ' + letters:>{8 * k}} | "
                   f"{'A roles':>16} | targets")
-            for c, s, a in zip(sweeps["colocated"], sweeps["static"], sweeps["adaptive"],
-                               strict=True):
-                verdicts = checks(c, s, a, TURNS[workload])
+            for points in zip(*sweeps.values(), strict=True):
+                at = dict(zip(names, points, strict=True))
+                c, a = at["colocated"], at.get("adaptive")
+                verdicts = checks(c, at.get("static", c), a, TURNS[workload]) if a else {}
                 applicable = {k: v for k, v in verdicts.items() if v is not None}
                 met += sum(applicable.values())
                 total += len(applicable)
                 marks = " ".join("ok" if v else "MISS" for v in applicable.values())
                 roles = "+".join(sorted(a.get("roles_after", []))) + (
-                    f" c{a['prefill_cap_after']}" if a.get("prefill_cap_after") else "")
+                    f" c{a['prefill_cap_after']}" if a.get("prefill_cap_after") else ""
+                ) if a else "-"
+                last = len(points) - 1
                 print(f"{c['fraction']:>5.0%} {c['rate']:>7.3f} | "
-                      f"{c['request_goodput']:>6.3f} {s['request_goodput']:>6.3f} "
-                      f"{a['request_goodput']:>6.3f} | {c['p99_itl_ms']:>6.0f} "
-                      f"{s['p99_itl_ms']:>6.0f} {a['p99_itl_ms']:>7.0f} | "
-                      f"{c['p90_ttft_ms']:>7.0f} {s['p90_ttft_ms']:>7.0f} "
-                      f"{a['p90_ttft_ms']:>8.0f} | {roles:>16} | {marks}")
-                gaps = {n: first_gap_ms(out, workload, seed, n, c["fraction"])
-                        for n in ("colocated", "static", "adaptive")}
+                      + " ".join(f"{p['request_goodput']:>6.3f}" for p in points) + " | "
+                      + " ".join(f"{p['p99_itl_ms']:>{6 + (i == last)}.0f}"
+                                 for i, p in enumerate(points)) + " | "
+                      + " ".join(f"{p['p90_ttft_ms']:>{7 + (i == last)}.0f}"
+                                 for i, p in enumerate(points))
+                      + f" | {roles:>16} | {marks}")
+                gaps = {n: first_gap_ms(out, workload, seed, n, c["fraction"]) for n in names}
                 if all(g is not None for g in gaps.values()):
                     print(f"{'':>14}first->second token gap p50/p99 ms: " + ", ".join(
                         f"{n} {g[0]:.0f}/{g[1]:.0f}" for n, g in gaps.items()))
                 rows.append({"workload": workload, "seed": seed, "fraction": c["fraction"],
                              "rate": c["rate"], "first_gap_ms_p50_p99": gaps,
-                             **{f"{k}_{n}": p[k] for n, p in
-                                (("colocated", c), ("static", s), ("adaptive", a))
+                             **{f"{k}_{n}": p[k] for n, p in at.items()
                                 for k in ("request_goodput", "p99_itl_ms", "p90_ttft_ms",
                                           "failed")},
-                             "adaptive_roles": a.get("roles_after"), "checks": verdicts})
+                             "adaptive_roles": a.get("roles_after") if a else None,
+                             "checks": verdicts})
             for pts in sweeps.values():
                 for p in pts:
                     p["request_rate"] = p["rate"]

@@ -113,3 +113,24 @@ def test_the_split_cluster_is_the_split_the_adaptive_planner_would_switch_to(tmp
     assert (split.local_prefill_threshold, split.itl_budget_ms, split.kv_offer) == (
         adaptive.local_prefill_threshold, adaptive.itl_budget_ms, adaptive.kv_offer)
     assert "split" not in o.clusters  # only when named
+
+
+def test_report_only_tabulates_whichever_clusters_ran(root, tmp_path, capsys):
+    """A run of colocated, split and adaptive (``--clusters colocated,split,adaptive``):
+    a column per cluster, in the table's order, and the targets checked against
+    colocated alone, said so."""
+    for f in root.glob("*.json"):
+        if "-static-" not in f.name:
+            shutil.copy(f, tmp_path)
+    static = json.loads((root / "mixed-s1-static-sweep.json").read_text())
+    (tmp_path / "mixed-s1-split-sweep.json").write_text(json.dumps(
+        [{**p, "cluster": "split", "request_goodput": 2 * p["request_goodput"]}
+         for p in static]))
+    summary = report(tmp_path, ("mixed",), (1,))
+    printed = capsys.readouterr().out
+    assert "missing sweeps (static): the better baseline is colocated's" in printed
+    assert "goodput C / P / A" in printed and "ITL p99 ms C / P / A" in printed
+    row = summary["rows"][0]
+    assert row["request_goodput_split"] == 2 * static[0]["request_goodput"]
+    assert "request_goodput_static" not in row
+    assert summary["targets"] == 7  # the adaptive cluster's, as with static
