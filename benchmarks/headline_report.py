@@ -103,7 +103,14 @@ def report(out: Path, workloads: tuple[str, ...], seeds: tuple[int, ...],
                   f"{'ITL p99 ms ' + letters:>{7 * k + 1}} | "
                   f"{'TTFT p90 ms ' + letters:>{8 * k}} | "
                   f"{'A roles':>16} | targets")
-            for points in zip(*sweeps.values(), strict=True):
+            fractions = [p["fraction"] for p in sweeps["colocated"]]
+            by = {n: {p["fraction"]: p for p in pts} for n, pts in sweeps.items()}
+            for f in fractions:
+                if any(f not in by[n] for n in names):
+                    print(f"{f:>5.0%} not swept by "
+                          + ", ".join(n for n in names if f not in by[n]))
+                    continue
+                points = [by[n][f] for n in names]
                 at = dict(zip(names, points, strict=True))
                 c, a = at["colocated"], at.get("adaptive")
                 verdicts = checks(c, at.get("static", c), a, TURNS[workload]) if a else {}

@@ -107,7 +107,8 @@ HISTORY_WINDOWS = 4
 """How many windows of ended requests give an in-flight one its expected output."""
 
 CAP_WINDOWS = 2
-"""How many windows of traffic the stall-free cap is decided on. One 15 s window's
+"""How many windows of traffic ITL p99 is predicted on: the stall-free cap's, and rule
+2b's (:mod:`planner.autoscale`). One 15 s window's
 predicted ITL p99 without a cap swung between ~60 and 480-790 ms at 120% load in a
 2-core Xeon's headline run; four (60 s) held steady but took ~460 ms of the planner's CPU
 a decision there, and reacted 20-25 s into a 30 s point."""
@@ -225,10 +226,14 @@ class AutoscaleLoop:
         seen = self.traffic.recent(now - HISTORY_WINDOWS * self.config.window_s)
         window = [r for r in seen if r.arrival >= since]
         records = expected_outputs(window, [r for r in seen if r.arrival < since])
+        # A p99 of one window's gaps swings with whether a long prompt landed among many
+        # decodes in it: ITL (rule 2b, and the cap) is predicted on a longer span.
+        span = [r for r in seen if r.arrival >= now - CAP_WINDOWS * self.config.window_s]
+        longer = expected_outputs(span)
         self.recalibrate(now)
         proven = set(self._scored[1])  # the candidates the score runs on their own fit
         d = self.autoscaler.decide(now, current, records, self.move_estimates(records),
-                                   proven)
+                                   proven, longer)
         self.decisions.append(d)
         self.step_models.append(self._describe(proven))
         self.metrics.inc("planner_decisions_total", action=d.action, reason=d.reason)
@@ -259,10 +264,7 @@ class AutoscaleLoop:
             self.cap_decisions.append(None)
             return d
         try:
-            # A p99 of one window's gaps swings with whether a long prompt landed among
-            # many decodes in it: the cap is decided on a longer span.
-            span = [r for r in seen if r.arrival >= now - CAP_WINDOWS * self.config.window_s]
-            cd = self.caps.decide(now, current, expected_outputs(span))
+            cd = self.caps.decide(now, current, longer)
         except BaseException:
             self.cap_decisions.append(None)  # still one beside each decision
             raise

@@ -136,6 +136,15 @@ class AutoscaleConfig:
         return self.remember_s or 10 * self.window_s
 
     @property
+    def itl_band(self) -> bool:
+        """Whether ``itl_tolerance`` leaves a band below ``min_gain`` where neither rule
+        2b nor the goodput rule moves: a candidate within the tolerance of the best can
+        trail it by up to ``tol / (1 - tol)``, which must stay under ``min_gain`` (else
+        the two rules can undo each other's moves)."""
+        tol = self.itl_tolerance
+        return tol == 0 or tol / (1 - tol) < self.min_gain
+
+    @property
     def horizon_s(self) -> float:
         return self.payback_s or max(self.window_s, self.min_dwell_s)
 
@@ -144,9 +153,7 @@ class AutoscaleConfig:
                   "min_requests": self.min_requests >= 1, "min_gain": self.min_gain >= 0,
                   "min_gain_unproven": self.min_gain_unproven >= self.min_gain,
                   "min_served_unproven": 0 <= self.min_served_unproven <= 1,
-                  # Below min_gain: a band where neither rule moves (no flapping).
-                  "itl_tolerance": self.itl_tolerance == 0
-                  or 0 < self.itl_tolerance < self.min_gain,
+                  "itl_tolerance": 0 <= self.itl_tolerance < 1,
                   "min_itl_gain": 0 < self.min_itl_gain < 1,
                   "min_itl_gain_unproven": (self.min_itl_gain <= self.min_itl_gain_unproven
                                             < 1),
@@ -197,17 +204,25 @@ class Autoscaler:
         self.candidates = list(candidates)
         self.score, self.refine, self.itl = score, refine, itl
         self.config = config or AutoscaleConfig()
+        if itl is not None and not self.config.itl_band:
+            raise ValueError(
+                f"AutoscaleConfig.itl_tolerance {self.config.itl_tolerance} leaves no band "
+                f"under min_gain {self.config.min_gain} (tolerance / (1 - tolerance) must "
+                "be below it): the ITL rule and the goodput rule would undo each other")
         self.last_change: float | None = None
         self._leader: PoolConfig | None = None
         self._wins = 0
 
     def decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
                move_s: Mapping[str, float] | None = None,
-               proven: Collection[str] | None = None) -> Decision:
+               proven: Collection[str] | None = None,
+               itl_records: Sequence[TrafficRecord] | None = None) -> Decision:
         """``move_s``: seconds a worker leaving each role (``mixed``, ``prefill``,
         ``decode``) takes to change; a role not named: free. ``proven``: the
         ``roles_label`` s of the configurations scored with their own calibration (None:
-        every one)."""
+        every one). ``itl_records``: the traffic rule 2b's ITL p99 is predicted on
+        (default ``records``; the live loop hands it a longer span: one window's p99
+        swings with whether a long prompt landed among many decodes in it)."""
         c = self.config
         if len(records) < c.min_requests:
             self._leader, self._wins = None, 0
@@ -215,14 +230,15 @@ class Autoscaler:
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
         scores = {cand: self.score(cand, records) for cand in pool}
         labels = {cand.roles_label: s for cand, s in scores.items()}
-        quicker = self._lower_itl(now, current, pool, scores, labels, records, move_s,
-                                  proven)
+        quicker, itl = self._lower_itl(now, current, pool, scores, labels, records, move_s,
+                                       proven, itl_records or records)
         if quicker is not None:
             return quicker
+        shown = {"itl_p99_ms": itl}  # compared, and no move for it
         best = max(pool, key=lambda cand: (scores[cand], cand == current))
         if best == current:
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "current_best", labels)
+            return Decision(now, current, None, "current_best", labels, **shown)
         base = scores[current]
         gain = (scores[best] - base) / base if base > 0 else float("inf")
         if self.refine is not None and gain >= c.min_gain:
@@ -232,7 +248,7 @@ class Autoscaler:
             gain = (scores[best] - base) / base if base > 0 else float("inf")
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "gain_below_threshold", labels)
+            return Decision(now, current, None, "gain_below_threshold", labels, **shown)
         both = proven is None or {best.roles_label, current.roles_label} <= set(proven)
         bar = c.min_gain if both else c.min_gain_unproven
         if gain < bar:
@@ -241,20 +257,22 @@ class Autoscaler:
         if not both and self._overloaded(base, records):
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "overloaded", labels)
-        busy, net = self._net(current, best, scores, records, move_s)
+        busy, net = self._net(current, best, scores, records, move_s,
+                              self.refine or self.score)
         return self._commit(now, current, best, labels, busy, net, net >= bar, "switch")
 
     def _net(self, current: PoolConfig, best: PoolConfig, scores: Mapping[PoolConfig, float],
-             records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None
-             ) -> tuple[float, float]:
-        """The switch's role changes' seconds and its net gain over the horizon (rule 4)."""
+             records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
+             score: Score) -> tuple[float, float]:
+        """The switch's role changes' seconds and its net gain over the horizon (rule 4),
+        what serves while they run scored by ``score`` (as ``scores`` were)."""
         base = scores[current]
         busy = sum((move_s or {}).get(role, 0.0) for role in moves(current, best))
         if busy <= 0:
             return 0.0, (scores[best] - base) / base if base > 0 else float("inf")
         h = self.config.horizon_s
         during = serving_while_moving(current, best)
-        g_during = (self.refine or self.score)(during, records) if during is not None else 0.0
+        g_during = score(during, records) if during is not None else 0.0
         served = g_during * min(busy, h) + scores[best] * max(0.0, h - busy)
         return busy, (served / (base * h) - 1 if base > 0 else (
             float("inf") if served > 0 else -1.0))
@@ -283,36 +301,38 @@ class Autoscaler:
     def _lower_itl(self, now: float, current: PoolConfig, pool: Sequence[PoolConfig],
                    scores: Mapping[PoolConfig, float], labels: dict[str, float],
                    records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
-                   proven: Collection[str] | None) -> Decision | None:
+                   proven: Collection[str] | None, itl_records: Sequence[TrafficRecord]
+                   ) -> tuple[Decision | None, dict[str, float]]:
         """Rule 2b: among the candidates within ``itl_tolerance`` of the best predicted
         goodput, the current one among them, the one of lowest predicted ITL p99, when
         that is ``min_itl_gain`` (unproven: ``min_itl_gain_unproven``) below the current
         one's. Rules 4-6 follow, rule 4 asking only that the switch lose at most
-        ``itl_tolerance`` of the goodput over the horizon. None: the rule does not apply
-        (no ITL score, the current configuration is not among the near-best, or no one
-        is enough quicker), and goodput decides."""
+        ``itl_tolerance`` of the goodput over the horizon. No decision (None): the rule
+        does not apply (no ITL score, no candidate serves anything, the current
+        configuration is not among the near-best, or none is enough quicker), and
+        goodput decides; beside it, the ITLs compared (empty: none)."""
         c = self.config
-        if self.itl is None:
-            return None
         top = max(scores.values())
+        if self.itl is None or top <= 0:
+            return None, {}
         near = [cand for cand in pool if scores[cand] >= (1 - c.itl_tolerance) * top]
         if current not in near or len(near) < 2:
-            return None
-        itl = {cand: self.itl(cand, records) for cand in near}
+            return None, {}
+        itl = {cand: self.itl(cand, itl_records) for cand in near}
+        shown = {cand.roles_label: ms for cand, ms in itl.items()}
         quick = min(near, key=lambda cand: (itl[cand], cand != current))
         if quick == current or not itl[quick] <= (1 - c.min_itl_gain) * itl[current]:
-            return None
-        shown = {cand.roles_label: ms for cand, ms in itl.items()}
+            return None, shown
         both = proven is None or {quick.roles_label, current.roles_label} <= set(proven)
         if not both and not itl[quick] <= (1 - c.min_itl_gain_unproven) * itl[current]:
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "unproven", labels, itl_p99_ms=shown)
+            return Decision(now, current, None, "unproven", labels, itl_p99_ms=shown), shown
         if not both and self._overloaded(scores[current], records):
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "overloaded", labels, itl_p99_ms=shown)
-        busy, net = self._net(current, quick, scores, records, move_s)
+            return Decision(now, current, None, "overloaded", labels, itl_p99_ms=shown), shown
+        busy, net = self._net(current, quick, scores, records, move_s, self.score)
         return self._commit(now, current, quick, labels, busy, net,
-                            net >= -c.itl_tolerance, "lower_itl", shown)
+                            net >= -c.itl_tolerance, "lower_itl", shown), shown
 
     def _overloaded(self, served: float, records: Sequence[TrafficRecord]) -> bool:
         """The current configuration predicted to serve under ``min_served_unproven`` of
@@ -558,18 +578,22 @@ def itl_of(figures: Predict) -> Score:
     return lambda config, records: float(figures(config, records)["itl_p99_ms"])
 
 
-def per_window(figures: Predict) -> Predict:
-    """``figures`` simulating each configuration once per window of records (the same
-    list object, held so its id stays its own), however many scores read it: goodput
-    and ITL p99 come from one run."""
-    last: list = [None, {}]  # the records, and each configuration's figures on them
+def per_window(figures: Predict, windows: int = 2) -> Predict:
+    """``figures`` simulating each configuration once per list of records (the same
+    list object, held so that its id stays its own) for the last ``windows`` lists,
+    however many scores read it: a decision's goodput, ITL p99 (on a longer span) and
+    the cap's come from one run each."""
+    last: list[tuple[Sequence[TrafficRecord], dict]] = []  # newest last
 
     def remembered(config: PoolConfig, records: Sequence[TrafficRecord]) -> Mapping:
-        if last[0] is not records:
-            last[:] = [records, {}]
-        if config not in last[1]:
-            last[1][config] = figures(config, records)
-        return last[1][config]
+        held = next((out for seen, out in last if seen is records), None)
+        if held is None:
+            held = {}
+            last.append((records, held))
+            del last[:-windows]
+        if config not in held:
+            held[config] = figures(config, records)
+        return held[config]
 
     return remembered
 

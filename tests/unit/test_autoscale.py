@@ -348,9 +348,9 @@ def test_window_prompts_share_what_the_routers_saw_cached():
     p = window_prompts(records, random.Random(1))
     assert [len(x) for x in p] == [100, 40, 300, 50, 500, 64]
     assert p[2][:96] == p[0][:96]  # the latest earlier prompt of 96+ tokens
-    assert p[2][96:] != p[0][96:100]
+    assert p[2][96:100] != p[0][96:100]
     assert p[3][:49] == p[2][:49]  # at most all but one of its own 50 tokens
-    assert p[4][:400] != p[2][:400]  # nothing earlier that long: fresh
+    assert len(p[2]) == 300 and p[4][:300] != p[2]  # nothing earlier that long: fresh
     assert p[5][:63] == p[4][:63] and len(p[5]) == 64
     plain = [TrafficRecord(r.arrival, r.prompt_tokens, 0, 8) for r in records]
     rng = random.Random(1)
@@ -412,6 +412,14 @@ def test_no_move_for_itl_without_a_large_gain_or_near_equal_goodput():
     s = _itl_scaler({MIXED.label: 1.0, SPLIT.label: 0.92}, {MIXED.label: 500, SPLIT.label: 100})
     d = s.decide(0.0, MIXED, RECORDS)
     assert (d.reason, d.itl_p99_ms) == ("current_best", {})
+    # Nothing served anywhere: ITL does not decide among equal zeros.
+    s = _itl_scaler({MIXED.label: 0.0, SPLIT.label: 0.0}, {MIXED.label: 500, SPLIT.label: 100})
+    assert s.decide(0.0, MIXED, RECORDS, proven=None).itl_p99_ms == {}
+    # Compared and no move (the current one is the quickest): the figures still shown.
+    s = _itl_scaler({MIXED.label: 1.0, SPLIT.label: 1.0}, {MIXED.label: 100, SPLIT.label: 500})
+    d = s.decide(0.0, MIXED, RECORDS)
+    assert (d.reason, d.itl_p99_ms) == ("current_best", {MIXED.roles_label: 100,
+                                                         SPLIT.roles_label: 500})
 
 
 def test_entered_for_itl_left_only_for_a_goodput_margin():
@@ -452,3 +460,66 @@ def test_steady_load_with_itl_never_flaps():
             moved.append(d.target)
             current = d.target
     assert moved == [SPLIT]
+
+
+def test_itl_noise_inside_the_margin_or_swapping_each_window_never_moves():
+    """Rule 2b against itself: predicted ITLs that trade places by less than the margin,
+    or swap by 3x from one window to the next (a long prompt landing in one window's
+    decodes), never confirm a move."""
+    near = iter([(450.0, 400.0), (400.0, 450.0)] * 50)
+    swap = iter([(600.0, 200.0), (200.0, 600.0)] * 50)
+    for pairs in (near, swap):
+        cfg = AutoscaleConfig(min_dwell_s=0, confirmations=2, window_s=20)
+        now: dict = {}
+
+        def itl(c, r, now=now):
+            return now["pair"][0 if c == MIXED else 1]
+
+        s = Autoscaler([MIXED, SPLIT], lambda c, r: 1.0, cfg, itl=itl)
+        current = MIXED
+        for t in range(100):
+            now["pair"] = next(pairs)
+            assert s.decide(float(t), current, RECORDS).target is None
+
+
+def test_itl_is_predicted_on_the_span_it_is_handed():
+    longer = RECORDS + [TrafficRecord(20.0 + i, 1536, 0, 16) for i in range(5)]
+    seen = []
+
+    def itl(c, r):
+        seen.append(len(r))
+        return 500.0 if c == MIXED else 100.0
+
+    s = Autoscaler([MIXED, SPLIT], lambda c, r: 1.0, AutoscaleConfig(confirmations=1,
+                                                                     min_dwell_s=0), itl=itl)
+    assert s.decide(0.0, MIXED, RECORDS, itl_records=longer).target == SPLIT
+    assert seen == [len(longer)] * 2
+
+
+def test_an_itl_tolerance_without_a_band_under_min_gain_is_refused_with_an_itl_score():
+    loose = AutoscaleConfig(min_gain=0.05)  # 5% / 95% = 5.3%: not under 5%
+    Autoscaler([MIXED, SPLIT], lambda c, r: 1.0, loose)  # goodput alone: fine
+    with pytest.raises(ValueError, match="no band"):
+        Autoscaler([MIXED, SPLIT], lambda c, r: 1.0, loose, itl=lambda c, r: 1.0)
+    assert AutoscaleConfig(min_gain=0.06).itl_band
+    assert AutoscaleConfig(min_gain=0.0, itl_tolerance=0.0).itl_band
+
+
+def test_per_window_simulates_each_configuration_once_a_window():
+    from planner.autoscale import goodput_of, itl_of, per_window
+
+    runs = []
+
+    def figures(c, r):
+        runs.append((c.label, len(r)))
+        return {"goodput": 1.0, "itl_p99_ms": 50.0}
+
+    f = per_window(figures)
+    other = list(RECORDS[:5])
+    for _ in range(3):
+        goodput_of(f)(MIXED, RECORDS), itl_of(f)(MIXED, RECORDS), itl_of(f)(SPLIT, other)
+    assert runs == [(MIXED.label, 20), (SPLIT.label, 5)]
+    third = list(RECORDS[:7])
+    f(MIXED, third)  # a third list: the oldest is forgotten
+    f(MIXED, RECORDS)
+    assert runs[-2:] == [(MIXED.label, 7), (MIXED.label, 20)]

@@ -98,39 +98,19 @@ def test_the_capped_cluster_is_colocated_with_the_planners_smallest_cap(tmp_path
 
 
 def test_the_split_cluster_is_the_split_the_adaptive_planner_would_switch_to(tmp_path) -> None:
+    """Its pools are the planner's split's, and it has the profile: its router places
+    each prompt live, as the adaptive cluster's does once split (without the profile
+    the router would place by the static threshold: another configuration)."""
     from benchmarks.headline import HeadlineOptions, _config
     from planner.autoscale import current_config, reachable
 
     o = HeadlineOptions(model="m", profile=str(PROFILE), out=str(tmp_path))
     split, adaptive = (_config(o, name, tmp_path, None) for name in ("split", "adaptive"))
     assert split.pool_sizes() == {"prefill": 1, "decode": 1, "mixed": 0}
-    assert split.profile == adaptive.profile == str(PROFILE)  # prompts placed live
+    assert split.profile == adaptive.profile == str(PROFILE)
     assert not split.autoscale and adaptive.autoscale
-    candidates = reachable(2, 1, adaptive.local_prefill_threshold, adaptive.itl_budget_ms,
-                           adaptive.kv_offer)
-    held = current_config({"a": "prefill", "b": "decode"}, candidates)
-    assert held is not None and held.kind != "mixed"
-    assert (split.local_prefill_threshold, split.itl_budget_ms, split.kv_offer) == (
-        adaptive.local_prefill_threshold, adaptive.itl_budget_ms, adaptive.kv_offer)
+    planned = reachable(2, 1, adaptive.local_prefill_threshold, adaptive.itl_budget_ms,
+                        adaptive.kv_offer)
+    held = current_config({"a": "prefill", "b": "decode"}, planned)
+    assert held is not None and held.kind == "adaptive"  # live placement, as the split's
     assert "split" not in o.clusters  # only when named
-
-
-def test_report_only_tabulates_whichever_clusters_ran(root, tmp_path, capsys):
-    """A run of colocated, split and adaptive (``--clusters colocated,split,adaptive``):
-    a column per cluster, in the table's order, and the targets checked against
-    colocated alone, said so."""
-    for f in root.glob("*.json"):
-        if "-static-" not in f.name:
-            shutil.copy(f, tmp_path)
-    static = json.loads((root / "mixed-s1-static-sweep.json").read_text())
-    (tmp_path / "mixed-s1-split-sweep.json").write_text(json.dumps(
-        [{**p, "cluster": "split", "request_goodput": 2 * p["request_goodput"]}
-         for p in static]))
-    summary = report(tmp_path, ("mixed",), (1,))
-    printed = capsys.readouterr().out
-    assert "missing sweeps (static): the better baseline is colocated's" in printed
-    assert "goodput C / P / A" in printed and "ITL p99 ms C / P / A" in printed
-    row = summary["rows"][0]
-    assert row["request_goodput_split"] == 2 * static[0]["request_goodput"]
-    assert "request_goodput_static" not in row
-    assert summary["targets"] == 7  # the adaptive cluster's, as with static
