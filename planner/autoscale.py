@@ -654,9 +654,9 @@ def window_prompts(records: Sequence[TrafficRecord], rng: random.Random,
     hold that many tokens for some worker, where the candidate's routing may or may not
     find them (a multi-turn chat's later turns extend an earlier one; which earlier
     prompt they extend is what the window cannot tell). With fresh prompts throughout,
-    every candidate paid every prompt in full: on a 2-core Xeon's chat headline the
-    split, whose one prefill worker computes every prompt, was predicted 5-15% less
-    goodput than two mixed workers at 85-120% load and served 0.98-1.02x."""
+    every candidate paid every prompt in full, where a chat's later turns compute only
+    their new ~256 tokens: all latencies too high, and a split, whose one prefill
+    worker computes every prompt, the more so."""
     prompts: list[list[int]] = []
     for r in records:
         n = max(1, r.prompt_tokens)
