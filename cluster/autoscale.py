@@ -158,8 +158,8 @@ class AutoscaleLoop:
         self.choose_cap = c.autoscale_prefill_cap
         """``--autoscale-prefill-cap``: decide the cap, and refine a winner at its best."""
         self.itl = c.autoscale_itl
-        """``--autoscale-itl`` (default on): rule 2b of :mod:`planner.autoscale`, a move
-        to a configuration of equal predicted goodput and much lower ITL p99."""
+        """``--autoscale-itl`` (opt-in): rule 2b of :mod:`planner.autoscale`, a move to a
+        configuration of equal predicted goodput and much lower ITL p99."""
         figures = per_window(figures)
         self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
                                      goodput_of(figures), self.config, self._refine(figures),

@@ -35,7 +35,7 @@ def scaled(tiny_checkpoints, tmp_path_factory):
     save_profile(synthetic_profile("cpu"), profile)
     c = start(tiny_checkpoints["llama"], logs, mixed=2, threads_per_worker=1, block_size=4,
               profile=str(profile), autoscale=True,  # the workers publish their steps
-              autoscale_prefill_cap=True)
+              autoscale_prefill_cap=True, autoscale_itl=True)
     yield c
     c.stop()
 
@@ -175,7 +175,7 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert scored(mixed, records) != on_profile(mixed, records)  # its own fit
         assert loop.recalibrate(later) is None and loop.autoscaler.score is not scored
         assert loop.autoscaler.score(mixed, records) == on_profile(mixed, records)
-        # Rule 2b's ITL score (--autoscale-itl, on by default) reads the same simulation.
+        # Rule 2b's ITL score (--autoscale-itl) reads the same simulation.
         figures = simulated(loop.profile, 1, *loop._slo)(mixed, records)
         assert loop.autoscaler.itl is not None
         assert loop.autoscaler.itl(mixed, records) == figures["itl_p99_ms"] > 0
