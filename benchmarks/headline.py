@@ -37,7 +37,7 @@ import math
 import multiprocessing
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cluster.autoscale import AutoscaleLoop
@@ -222,6 +222,10 @@ def _cap_decision(cd: CapDecision | None) -> dict | None:
 def run_headline(o: HeadlineOptions, report_only: bool = False) -> dict:
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
+    saved = out / "options.json"
+    if report_only and saved.exists():  # the run's clusters, not the command line's
+        o = replace(o, clusters=tuple(json.loads(saved.read_text()).get("clusters",
+                                                                        o.clusters)))
     print(f"pdserve bench-headline: {Path(o.model).name} ({o.dtype}); "
           f"{', '.join(o.clusters)}; 2 workers x 1 thread each; workloads "
           f"{', '.join(o.workloads)}; seeds {o.seeds}; rates {o.fractions} x capacity; "

@@ -8,8 +8,10 @@ live placement (P) and capped (K) (:data:`benchmarks.headline.CLUSTERS`), and ad
 each row marked:
 
 - goodput(A) >= max(C, S) - 5%, at every rate;
-- where colocated saturates (its goodput below 80% of the offered rate: the capacity
-  measured in a closed loop is a floor, so a fraction above 1 need not saturate it):
+- where colocated saturates (a high load, fraction >= 0.85, where its goodput is below
+  80% of the offered rate: the capacity measured in a closed loop is a floor, so a
+  fraction above 1 need not saturate it; and at a low load a few long prompts past the
+  TTFT SLO among 20 requests put goodput below 80% of a rate nothing saturates at):
   goodput(A) >= 1.5 x C;
 - decode ITL p99 of A <= 0.5 x C at high load (fraction >= 0.85) and <= 1.1 x C at low
   load (fraction <= 0.25).
@@ -62,7 +64,7 @@ def checks(c: dict, s: dict, a: dict, turns: int = 1) -> dict[str, bool | None]:
         "goodput >= best - 5%": a["request_goodput"] >= 0.95 * best,
         "goodput >= 1.5 x colocated (saturated)": (
             a["request_goodput"] >= 1.5 * c["request_goodput"])
-        if c["request_goodput"] < 0.8 * offered else None,
+        if f >= HIGH and c["request_goodput"] < 0.8 * offered else None,
         "ITL p99 <= 0.5 x colocated (high load)": (
             a["p99_itl_ms"] <= 0.5 * c["p99_itl_ms"]) if f >= HIGH else None,
         "ITL p99 <= 1.1 x colocated (low load)": (

@@ -114,3 +114,52 @@ def test_the_split_cluster_is_the_split_the_adaptive_planner_would_switch_to(tmp
     held = current_config({"a": "prefill", "b": "decode"}, planned)
     assert held is not None and held.kind == "adaptive"  # live placement, as the split's
     assert "split" not in o.clusters  # only when named
+
+
+def test_saturation_is_judged_at_high_load_only():
+    """A 25% point whose goodput is under 80% of the offered rate (a few long prompts
+    past the TTFT SLO among 20 requests) is not a saturated one; an 85% point is."""
+    def point(fraction, goodput):
+        return {"fraction": fraction, "rate": 1.0, "request_goodput": goodput,
+                "p99_itl_ms": 50.0}
+
+    key = "goodput >= 1.5 x colocated (saturated)"
+    low, high = point(0.25, 0.7), point(0.85, 0.7)
+    assert checks(low, low, low)[key] is None
+    assert checks(high, high, high)[key] is False
+    assert checks(high, high, point(0.85, 1.1))[key] is True
+    assert checks(point(0.85, 0.9), high, high)[key] is None  # served: not saturated
+
+
+def test_report_only_names_the_clusters_the_run_swept(root, tmp_path, capsys):
+    from benchmarks.headline import HeadlineOptions, run_headline
+
+    for f in root.glob("*.json"):
+        shutil.copy(f, tmp_path)
+    options = json.loads((tmp_path / "options.json").read_text())
+    (tmp_path / "options.json").write_text(json.dumps(
+        {**options, "clusters": ["colocated", "static", "adaptive", "capped"]}))
+    run_headline(HeadlineOptions(model="m", profile="", workloads=("mixed",), seeds=(1,),
+                                 out=str(tmp_path)), report_only=True)
+    assert "colocated, static, adaptive, capped; 2 workers" in capsys.readouterr().out
+
+
+def test_report_only_tabulates_whichever_clusters_ran(root, tmp_path, capsys):
+    """A run of colocated, split and adaptive (``--clusters colocated,split,adaptive``):
+    a column per cluster, in the table's order, and the targets checked against
+    colocated alone, said so."""
+    for f in root.glob("*.json"):
+        if "-static-" not in f.name:
+            shutil.copy(f, tmp_path)
+    static = json.loads((root / "mixed-s1-static-sweep.json").read_text())
+    (tmp_path / "mixed-s1-split-sweep.json").write_text(json.dumps(
+        [{**p, "cluster": "split", "request_goodput": 2 * p["request_goodput"]}
+         for p in static]))
+    summary = report(tmp_path, ("mixed",), (1,))
+    printed = capsys.readouterr().out
+    assert "missing sweeps (static): the better baseline is colocated's" in printed
+    assert "goodput C / P / A" in printed and "ITL p99 ms C / P / A" in printed
+    row = summary["rows"][0]
+    assert row["request_goodput_split"] == 2 * static[0]["request_goodput"]
+    assert "request_goodput_static" not in row
+    assert summary["targets"] == 7  # the adaptive cluster's, as with static
