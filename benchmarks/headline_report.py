@@ -30,9 +30,9 @@ from loadtest.metrics import percentile
 from loadtest.plots import plot_sweeps
 
 HIGH, LOW = 0.85, 0.25
-ORDER = ("colocated", "static", "split", "capped", "adaptive")
-"""The clusters a run may have swept, in the table's column order."""
 LETTERS = {"colocated": "C", "static": "S", "split": "P", "capped": "K", "adaptive": "A"}
+"""The clusters a run may have swept, in the table's column order, and their columns'
+letters."""
 TURNS = {"mixed": 1, "chat": 3}
 """Requests per session of each workload (a chat session is a 3-turn conversation)."""
 
@@ -87,7 +87,7 @@ def report(out: Path, workloads: tuple[str, ...], seeds: tuple[int, ...],
               f"({cal['capacity_sessions_s']:.3f} sessions/s); SLOs TTFT <= "
               f"{cal['slo_ttft_ms']:.0f} ms, TPOT <= {cal['slo_tpot_ms']:.1f} ms")
         for seed in seeds:
-            sweeps = {n: pts for n in ORDER
+            sweeps = {n: pts for n in LETTERS
                       if (pts := _load(out, workload, seed, n)) is not None}
             if "colocated" not in sweeps:
                 print(f"seed {seed}: no colocated sweep, nothing to compare with")
@@ -99,11 +99,11 @@ def report(out: Path, workloads: tuple[str, ...], seeds: tuple[int, ...],
                          "the better baseline is colocated's"))
             names = list(sweeps)
             letters = " / ".join(LETTERS[n] for n in names)
-            k = len(names)
+            width = len(names)
             print(f"\nseed {seed}\n{'load':>5} {'rate/s':>7} | "
-                  f"{'goodput ' + letters:>{7 * k - 1}} | "
-                  f"{'ITL p99 ms ' + letters:>{7 * k + 1}} | "
-                  f"{'TTFT p90 ms ' + letters:>{8 * k}} | "
+                  f"{'goodput ' + letters:>{7 * width - 1}} | "
+                  f"{'ITL p99 ms ' + letters:>{7 * width + 1}} | "
+                  f"{'TTFT p90 ms ' + letters:>{8 * width}} | "
                   f"{'A roles':>16} | targets")
             fractions = [p["fraction"] for p in sweeps["colocated"]]
             by = {n: {p["fraction"]: p for p in pts} for n, pts in sweeps.items()}

@@ -149,7 +149,7 @@ class AutoscaleLoop:
         self._reachable = reachable(len(cluster.workers), cluster.threads,
                                     c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer)
         self.profile, self._slo = profile, (c.slo_ttft_ms, c.slo_tpot_ms)
-        figures = simulated(profile, cluster.threads, *self._slo)
+        figures = per_window(simulated(profile, cluster.threads, *self._slo))
         self.caps = PrefillCapChooser(prefill_caps(profile, cluster.threads), figures,
                                       min_requests=self.config.min_requests,
                                       confirmations=self.config.confirmations)
@@ -160,7 +160,6 @@ class AutoscaleLoop:
         self.itl = c.autoscale_itl
         """``--autoscale-itl`` (opt-in): rule 2b of :mod:`planner.autoscale`, a move to a
         configuration of equal predicted goodput and much lower ITL p99."""
-        figures = per_window(figures)
         self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
                                      goodput_of(figures), self.config, self._refine(figures),
                                      itl_of(figures) if self.itl else None)

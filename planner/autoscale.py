@@ -18,9 +18,8 @@ did not (its ``reason``):
    candidate predicted within ``itl_tolerance`` of the best goodput, where the current
    one is too, has a predicted ITL p99 ``min_itl_gain`` below the current one's
    (``min_itl_gain_unproven`` unless both are proven): the lowest of those is the
-   target, rule 4 asks
-   only that the switch lose at most ``itl_tolerance`` of the goodput, and a switch
-   says ``lower_itl``;
+   target, rule 4 asks only that the switch lose at most ``itl_tolerance`` of the
+   goodput, and a switch says ``lower_itl``;
 3. ``gain_below_threshold``: it beats the current one by at least ``min_gain``
    (relative; against a current goodput of 0, any positive one counts); ``unproven``:
    and by ``min_gain_unproven`` unless both it and the current one are among the
@@ -257,7 +256,7 @@ class Autoscaler:
         if gain < bar:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "unproven", labels)
-        if not both and self._overloaded(base, records):
+        if not both and base < c.min_served_unproven * len(records) / c.window_s:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "overloaded", labels)
         busy, net = self._net(current, best, scores, records, move_s,
@@ -315,10 +314,10 @@ class Autoscaler:
         would have entered, predicted 0.1x the ITL p99 at equal goodput, served 0.94-1.09x
         colocated's goodput at 0.13x its ITL p99). Rules 4-6 follow, rule 4
         asking only that the switch lose at most ``itl_tolerance`` of the goodput over
-        the horizon. No decision (None): the rule
-        does not apply (no ITL score, no candidate serves anything, the current
-        configuration is not among the near-best, or none is enough quicker), and
-        goodput decides; beside it, the ITLs compared (empty: none)."""
+        the horizon. No decision (None): the rule does not apply (no ITL score, no
+        candidate serves anything, the current configuration is not among the
+        near-best, or none is enough quicker), and goodput decides; beside it, the ITLs
+        compared (empty: none)."""
         c = self.config
         top = max(scores.values())
         if self.itl is None or top <= 0:
@@ -338,11 +337,6 @@ class Autoscaler:
         busy, net = self._net(current, quick, scores, records, move_s, self.score)
         return self._commit(now, current, quick, labels, busy, net,
                             net >= -c.itl_tolerance, "lower_itl", shown), shown
-
-    def _overloaded(self, served: float, records: Sequence[TrafficRecord]) -> bool:
-        """The current configuration predicted to serve under ``min_served_unproven`` of
-        the window's requests within the SLOs (rule 3's ``overloaded``)."""
-        return served < self.config.min_served_unproven * len(records) / self.config.window_s
 
 
 Predict = Callable[[PoolConfig, Sequence[TrafficRecord]], Mapping[str, float]]
