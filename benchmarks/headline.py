@@ -114,8 +114,8 @@ def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None,
         extra["block_size"] = profile.block_size
         if name == "capped":
             extra["prefill_tokens_while_decoding"] = prefill_caps(profile, 1)[1]
-        if name == "split":
-            extra["profile"] = o.profile
+        if name == "split":  # placing prompts as the adaptive cluster's router does
+            extra |= {"profile": o.profile, "slo_ttft_ms": slo.ttft_ms if slo else None}
     return LocalClusterConfig(model=o.model, port=free_port(), http_port=0, metrics_port=None,
                               kv_cache_gb=1.0, threads_per_worker=1, dtype=o.dtype,
                               launcher="process", log_dir=str(out / f"{name}-logs"), **extra)

@@ -90,7 +90,9 @@ from planner.autoscale import (
     prefill_caps,
     reachable,
     role_changes,
+    served_goodput,
     simulated,
+    window_slo,
 )
 from planner.config import PoolConfig
 from workers.engine.params import resolve_block_size
@@ -147,7 +149,8 @@ class AutoscaleLoop:
         self.config = config or AutoscaleConfig(
             interval_s=interval, window_s=3 * interval, min_dwell_s=3 * interval)
         self._reachable = reachable(len(cluster.workers), cluster.threads,
-                                    c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer)
+                                    c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer,
+                                    c.slo_ttft_ms)  # the router's own (cluster.deployment)
         self.profile, self._slo = profile, (c.slo_ttft_ms, c.slo_tpot_ms)
         figures = per_window(simulated(profile, cluster.threads, *self._slo))
         self.caps = PrefillCapChooser(prefill_caps(profile, cluster.threads), figures,
@@ -232,7 +235,7 @@ class AutoscaleLoop:
         self.recalibrate(now)
         proven = set(self._scored[1])  # the candidates the score runs on their own fit
         d = self.autoscaler.decide(now, current, records, self.move_estimates(records),
-                                   proven, longer)
+                                   proven, longer, self.served(now, seen))
         self.decisions.append(d)
         self.step_models.append(self._describe(proven))
         self.metrics.inc("planner_decisions_total", action=d.action, reason=d.reason)
@@ -240,6 +243,8 @@ class AutoscaleLoop:
             self.metrics.set("planner_predicted_goodput", goodput, config=label)
         for label, itl in d.itl_p99_ms.items():
             self.metrics.set("planner_predicted_config_itl_p99_ms", itl, config=label)
+        if d.served is not None:
+            self.metrics.set("planner_served_goodput", d.served)
         if d.net_gain is not None:
             self.metrics.set("planner_switch_seconds", d.switch_s)
         cost = (f"; switching takes ~{d.switch_s:.1f} s of role changes, net gain "
@@ -247,10 +252,11 @@ class AutoscaleLoop:
         itl = ("; predicted ITL p99 " + ", ".join(f"{k}: {v:.0f} ms"
                                                   for k, v in d.itl_p99_ms.items())
                if d.itl_p99_ms else "")
+        served = f" (served {d.served:.3f}/s)" if d.served is not None else ""
         log.info("autoscale: %s (%s) at %s with %d requests in the window; predicted goodput "
-                 "%s%s%s; step model: %s", d.action, d.reason, current.label, len(records),
-                 ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", itl, cost,
-                 self.step_models[-1])
+                 "%s%s%s%s; step model: %s", d.action, d.reason, current.label, len(records),
+                 ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", served,
+                 itl, cost, self.step_models[-1])
         if d.target is not None:
             self.caps.reset()
             self.cap_decisions.append(None)
@@ -337,6 +343,26 @@ class AutoscaleLoop:
             self._moved(roles[address], time.monotonic() - started)
             self.metrics.inc("planner_role_changes_total", role=role)
             log.info("autoscale: %s is now %s", address, role)
+
+    def served(self, now: float, seen: Sequence[TrafficRecord]) -> float | None:
+        """The goodput the running configuration measurably served
+        (:func:`planner.autoscale.served_goodput`, the floor of its score): over one
+        window of arrivals that ended a lag ago, the lag the 90th percentile of the
+        ended requests' latency (at most a window), so that few of them are still in
+        flight. None: no request has ended, or that span began before the last switch
+        settled."""
+        latencies = sorted(r.e2e_s for r in seen if r.e2e_s is not None)
+        if not latencies:
+            return None
+        w = self.config.window_s
+        end = now - min(w, latencies[int(0.9 * (len(latencies) - 1))])
+        if end - w < self._settled_at:
+            return None
+        span = [r for r in seen if end - w <= r.arrival < end]
+        if not span:
+            return 0.0
+        slo = window_slo(self.profile.step(self.cluster.threads), span, *self._slo)
+        return served_goodput(span, slo, w)
 
     def move_estimates(self, records: Sequence[TrafficRecord]) -> dict[str, float]:
         """Seconds a worker leaving each role takes to change, for the switch's cost:

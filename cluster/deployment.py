@@ -198,7 +198,9 @@ class DeploymentConfig:
         "target at some loads and, entering a split that later had to be left at "
         "overload, cost goodput there)"))
     slo_ttft_ms: float | None = field(default=None, metadata=setting(
-        "--autoscale: the TTFT target goodput counts against",
+        "the TTFT target: with --profile the router computes a prompt on the prefill "
+        "workers, not on its decode worker, while they would serve it within half of it "
+        "(router/adaptive.py); --autoscale's goodput counts against it",
         shown="5x the profile's unloaded TTFT of the traffic's mean prompt"))
     slo_tpot_ms: float | None = field(default=None, metadata=setting(
         "--autoscale: the TPOT target goodput counts against",
@@ -450,6 +452,8 @@ class DeploymentConfig:
             args += ["--profile", self.profile, "--itl-budget-ms", str(self.itl_budget_ms),
                      "--prefill-threads", str(t), "--decode-threads", str(t),
                      "--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+            if self.slo_ttft_ms:
+                args += ["--slo-ttft-ms", str(self.slo_ttft_ms)]
         if self.kv_offer != "layers":  # when the prefill workers' KV lands (placement)
             args += ["--kv-offer", self.kv_offer]
         if self.metrics_port is not None:

@@ -3,16 +3,18 @@
 Every router notes each request twice (:meth:`TrafficLog.note`: when it arrived, its
 prompt, cached and output tokens; never its tokens or text): once admitted, ``done``
 False, with the output its ``max_tokens`` allows, and once it ends (finished, failed
-or cancelled) with the output it had. The reader keeps a request's ended record where
-there is one, else the admitted one (:meth:`TrafficLog.recent`): a window holds the
-requests still in flight too. Noted only when finished, a 15 s window of a 2-core
-Xeon's headline run held 38-89% of the requests that had arrived in it (38% at 120%
-load, where e2e latency p50 was 9 s), so the planner saw a fraction of the load it was
-sizing for. The records are kept in memory, and a
-periodic task of the router writes them (:meth:`TrafficLog.flush`, one pipelined round
-trip, from a thread) to one capped Redis stream per model, ``<prefix>traffic``, shared by
-every router of the model. The autoscaler (``pdserve up --autoscale``,
-:mod:`cluster.autoscale`) reads a window of it back (:meth:`TrafficLog.recent`).
+or cancelled) with the output it had and, finished, its first and last token's
+latencies (what the planner measures the running configuration's goodput from). The
+reader keeps a request's ended record where there is one, else the admitted one
+(:meth:`TrafficLog.recent`): a window holds the requests still in flight too. Noted
+only when finished, a 15 s window of a 2-core Xeon's headline run held 38-89% of the
+requests that had arrived in it (38% at 120% load, where e2e latency p50 was 9 s), so
+the planner saw a fraction of the load it was sizing for. The records are kept in
+memory, and a periodic task of the router writes them (:meth:`TrafficLog.flush`, one
+pipelined round trip, from a thread) to one capped Redis stream per model,
+``<prefix>traffic``, shared by every router of the model. The autoscaler (``pdserve up
+--autoscale``, :mod:`cluster.autoscale`) reads a window of it back
+(:meth:`TrafficLog.recent`).
 
 The stream's bounds and its trust in entries are :class:`common.stream_log.StreamLog`'s.
 """
@@ -47,6 +49,10 @@ class TrafficRecord:
     that stands alone)."""
     done: bool = True
     """False: noted when admitted; a finished record of the same key replaces it."""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    """A finished request's first and last token, seconds after it arrived (None: not
+    finished, or failed)."""
 
 
 class TrafficLog(StreamLog[TrafficRecord]):
@@ -60,8 +66,11 @@ class TrafficLog(StreamLog[TrafficRecord]):
         super().__init__(client, model, maxlen)
 
     def _fields(self, r: TrafficRecord) -> dict:
-        return {"a": f"{r.arrival:.6f}", "p": r.prompt_tokens, "c": r.cached_tokens,
-                "o": r.output_tokens, "k": r.key[:MAX_KEY], "d": int(r.done)}
+        out = {"a": f"{r.arrival:.6f}", "p": r.prompt_tokens, "c": r.cached_tokens,
+               "o": r.output_tokens, "k": r.key[:MAX_KEY], "d": int(r.done)}
+        if r.ttft_s is not None and r.e2e_s is not None:
+            out |= {"t": f"{r.ttft_s:.4f}", "e": f"{r.e2e_s:.4f}"}
+        return out
 
     def recent(self, since: float) -> list[TrafficRecord]:
         """The requests that arrived at ``since`` or later, oldest first: each finished
@@ -84,10 +93,25 @@ class TrafficLog(StreamLog[TrafficRecord]):
         if not isinstance(key, bytes) or len(key) > MAX_KEY or done not in (b"0", b"1"):
             return None
         return TrafficRecord(arrival, p, min(c, p), o, key.decode("ascii", "replace"),
-                             done == b"1")
+                             done == b"1", *_latencies(fields))
 
     def _time(self, r: TrafficRecord) -> float:
         return r.arrival
+
+
+MAX_LATENCY_S = 1e6
+"""No request of ours took longer than this (a larger latency is not ours)."""
+
+
+def _latencies(fields: dict) -> tuple[float | None, float | None]:
+    """A finished record's ``(ttft_s, e2e_s)``; ``(None, None)`` when absent or not ours."""
+    try:
+        ttft, e2e = float(fields[b"t"]), float(fields[b"e"])
+    except (KeyError, ValueError, TypeError):
+        return None, None
+    if not 0 <= ttft <= e2e <= MAX_LATENCY_S:
+        return None, None
+    return ttft, e2e
 
 
 def expected_outputs(records: Sequence[TrafficRecord],

@@ -10,8 +10,10 @@ by ``score(config, records)``, in production the simulator's predicted goodput
 (:func:`simulated_goodput`); where one beats the current configuration by ``min_gain``
 there, both are scored again with their best stall-free cap (``refine``,
 :func:`best_cap_goodput`: the cap changes at no cost, :class:`PrefillCapChooser`). The
-current configuration is left only when all of these hold, else the decision says which
-did not (its ``reason``):
+current configuration's score is at least the goodput it measurably served (``served``,
+:func:`served_goodput`, when the caller measured it): a prediction is not trusted below
+a measurement. The current configuration is left only when all of these hold, else the
+decision says which did not (its ``reason``):
 
 1. ``few_requests``: the window has at least ``min_requests`` requests;
 2. ``current_best``: another candidate scores best; or (2b, with an ITL score) a
@@ -36,6 +38,12 @@ from flapping: a candidate must win by a margin, twice, and not too soon after t
 last change. Rules 2b and 3 leave a band between them: a configuration entered for its
 ITL is left for goodput only when another serves ``min_gain`` more, and
 ``itl_tolerance`` is below that.
+
+Why the served floor. On a 2-core Xeon's chat headline at 120% load, the split's own
+calibration predicted it 1.27 req/s against two mixed workers' 3.14, while held
+through the sweep it served 3.75: the goodput rule left it 23 s into the point, and the
+point served 0.43x colocated (``loadtest/results/headline-xeon-1206-chat-itl2/``). What
+the running configuration served is known; only the others' goodput must be predicted.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
@@ -83,7 +91,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
-from common.cost_model import Profile
+from common.cost_model import Profile, StepModel
 from common.traffic import TrafficRecord
 from loadtest.metrics import SLO
 from loadtest.workloads import DEFAULT_TOKEN_IDS, Request
@@ -184,6 +192,9 @@ class Decision:
     itl_p99_ms: dict[str, float] = field(default_factory=dict)
     """Predicted ITL p99 of the candidates rule 2b compared, by ``roles_label`` (empty:
     it did not apply)."""
+    served: float | None = None
+    """The goodput the current configuration measurably served (None: not measured);
+    its score is at least this."""
 
     @property
     def action(self) -> str:
@@ -218,25 +229,30 @@ class Autoscaler:
     def decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
                move_s: Mapping[str, float] | None = None,
                proven: Collection[str] | None = None,
-               itl_records: Sequence[TrafficRecord] | None = None) -> Decision:
+               itl_records: Sequence[TrafficRecord] | None = None,
+               served: float | None = None) -> Decision:
         """``move_s``: seconds a worker leaving each role (``mixed``, ``prefill``,
         ``decode``) takes to change; a role not named: free. ``proven``: the
         ``roles_label`` s of the configurations scored with their own calibration (None:
         every one). ``itl_records``: the traffic rule 2b's ITL p99 is predicted on
         (default ``records``; the live loop hands it a longer span: one window's p99
-        swings with whether a long prompt landed among many decodes in it)."""
+        swings with whether a long prompt landed among many decodes in it). ``served``:
+        the goodput the current configuration measurably served lately (None: not
+        measured), the floor of its score."""
         c = self.config
         if len(records) < c.min_requests:
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "few_requests")
+            return Decision(now, current, None, "few_requests", served=served)
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
         scores = {cand: self.score(cand, records) for cand in pool}
+        floor = served or 0.0
+        scores[current] = max(scores[current], floor)
         labels = {cand.roles_label: s for cand, s in scores.items()}
         quicker, itl = self._lower_itl(now, current, pool, scores, labels, records, move_s,
                                        proven, itl_records or records)
         if quicker is not None:
-            return quicker
-        shown = {"itl_p99_ms": itl}  # compared, and no move for it
+            return replace(quicker, served=served)
+        shown = {"itl_p99_ms": itl, "served": served}  # compared, and no move for it
         best = max(pool, key=lambda cand: (scores[cand], cand == current))
         if best == current:
             self._leader, self._wins = None, 0
@@ -246,6 +262,7 @@ class Autoscaler:
         if self.refine is not None and gain >= c.min_gain:
             for cand in (current, best):
                 scores[cand] = labels[cand.roles_label] = self.refine(cand, records)
+            scores[current] = labels[current.roles_label] = max(scores[current], floor)
             base = scores[current]
             gain = (scores[best] - base) / base if base > 0 else float("inf")
         if gain < c.min_gain:
@@ -255,13 +272,14 @@ class Autoscaler:
         bar = c.min_gain if both else c.min_gain_unproven
         if gain < bar:
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "unproven", labels)
+            return Decision(now, current, None, "unproven", labels, served=served)
         if not both and base < c.min_served_unproven * len(records) / c.window_s:
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "overloaded", labels)
+            return Decision(now, current, None, "overloaded", labels, served=served)
         busy, net = self._net(current, best, scores, records, move_s,
                               self.refine or self.score)
-        return self._commit(now, current, best, labels, busy, net, net >= bar, "switch")
+        return replace(self._commit(now, current, best, labels, busy, net, net >= bar,
+                                    "switch"), served=served)
 
     def _net(self, current: PoolConfig, best: PoolConfig, scores: Mapping[PoolConfig, float],
              records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
@@ -487,17 +505,20 @@ class FitMemory(Generic[Fit]):
 
 def reachable(workers: int, threads: int, static_threshold: int,
               adaptive_itl_budget_ms: float | None = None,
-              kv_offer: str = "layers") -> list[PoolConfig]:
+              kv_offer: str = "layers",
+              ttft_slo_ms: float | None = None) -> list[PoolConfig]:
     """The configurations ``workers`` workers of ``threads`` threads each reach by
     changing roles: all mixed, or every P:D split (adaptive instead of static when the
-    router places prompts live; the prefill workers offering KV by ``kv_offer``)."""
+    router places prompts live, to ``ttft_slo_ms`` when it has that target; the prefill
+    workers offering KV by ``kv_offer``)."""
     out = [PoolConfig("mixed", mixed_workers=workers, mixed_threads=threads)]
     kind = "adaptive" if adaptive_itl_budget_ms else "disaggregated"
     for p in range(1, workers):
         out.append(PoolConfig(kind, prefill_workers=p, decode_workers=workers - p,
                               prefill_threads=threads, decode_threads=threads,
                               local_prefill_threshold=static_threshold,
-                              itl_budget_ms=adaptive_itl_budget_ms, kv_offer=kv_offer))
+                              itl_budget_ms=adaptive_itl_budget_ms, kv_offer=kv_offer,
+                              ttft_slo_ms=ttft_slo_ms if adaptive_itl_budget_ms else None))
     return out
 
 
@@ -630,13 +651,34 @@ def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
         t0 = records[0].arrival
         requests = [Request(prompt, max(1, r.output_tokens)) for r, prompt in
                     zip(records, window_prompts(records, random.Random(seed)), strict=True)]
-        mean_prompt = sum(len(r.prompt) for r in requests) // len(requests)
-        ttft = slo_ttft_ms or 5000 * step.prefill_seconds(mean_prompt)
-        tpot = slo_tpot_ms or 2000 * step.decode_seconds(1, mean_prompt)
         return simulate(profile, config, requests, [r.arrival - t0 for r in records],
-                        SLO(ttft, tpot))
+                        window_slo(step, records, slo_ttft_ms, slo_tpot_ms))
 
     return figures
+
+
+def window_slo(step: StepModel, records: Sequence[TrafficRecord],
+               slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> SLO:
+    """The SLOs a window's goodput counts against (:func:`simulated`): those given, else
+    5x the unloaded prefill of its mean prompt and 2x an unloaded decode step there."""
+    mean_prompt = sum(max(1, r.prompt_tokens) for r in records) // max(1, len(records))
+    return SLO(slo_ttft_ms or 5000 * step.prefill_seconds(mean_prompt),
+               slo_tpot_ms or 2000 * step.decode_seconds(1, mean_prompt))
+
+
+def served_goodput(records: Sequence[TrafficRecord], slo: SLO, span_s: float) -> float:
+    """Requests/s the running configuration measurably served within ``slo``: of the
+    requests that arrived over ``span_s`` seconds (``records``), those that finished in
+    time, by the latencies their router logged. A floor: a request still in flight, or
+    one that failed, counts as a miss (the live loop measures a span that ended a few
+    latencies ago, so that few are still in flight)."""
+    def met(r: TrafficRecord) -> bool:
+        if not r.done or r.ttft_s is None or r.e2e_s is None:
+            return False
+        tpot = (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens >= 2 else None
+        return slo.met(r.ttft_s, tpot, r.e2e_s)
+
+    return sum(map(met, records)) / span_s
 
 
 def window_prompts(records: Sequence[TrafficRecord], rng: random.Random,

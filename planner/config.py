@@ -39,6 +39,9 @@ class PoolConfig:
     policy: str = "cache_aware"
     itl_budget_ms: float | None = None
     """``adaptive`` only: the longest step a local prefill may make decodes wait."""
+    ttft_slo_ms: float | None = None
+    """``adaptive`` only: the router's TTFT target (``pdserve router --slo-ttft-ms``), below
+    which a prompt goes remote though local would be sooner (None: none)."""
     kv_offer: str = "layers"
     """Disaggregated only: the prefill workers' ``--kv-offer``."""
     prefill_tokens_while_decoding: int = 0
@@ -70,6 +73,9 @@ class PoolConfig:
         if self.kind == "adaptive" and not (self.itl_budget_ms or 0) > 0:
             raise ValueError(f"an adaptive configuration needs itl_budget_ms > 0, got "
                              f"{self.itl_budget_ms}")
+        if self.ttft_slo_ms is not None and (self.kind != "adaptive" or self.ttft_slo_ms <= 0):
+            raise ValueError(f"ttft_slo_ms is an adaptive configuration's, > 0, got "
+                             f"{self.ttft_slo_ms} for a {self.kind} one")
 
     @property
     def disaggregated(self) -> bool:
@@ -110,6 +116,8 @@ class PoolConfig:
         d = asdict(self)
         if self.kind != "adaptive":
             del d["itl_budget_ms"]
+        if self.ttft_slo_ms is None:
+            del d["ttft_slo_ms"]
         if self.kind == "mixed":
             del d["kv_offer"]
         if not self.prefill_tokens_while_decoding:

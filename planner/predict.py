@@ -45,7 +45,8 @@ def placement_for(profile: Profile, config: PoolConfig) -> Placement | None:
     """The router's per-request placement rule of ``config``: None (static threshold
     alone) except for ``adaptive``, which runs :class:`router.adaptive.PrefillPlacement`
     as the router builds it (``router.core``: the profile, the pools' threads, the ITL
-    budget, and no static threshold of its own: the decode workers apply theirs)."""
+    budget, the TTFT target, and no static threshold of its own: the decode workers
+    apply theirs)."""
     if config.kind != "adaptive":
         return None
     try:
@@ -55,7 +56,8 @@ def placement_for(profile: Profile, config: PoolConfig) -> Placement | None:
     assert config.itl_budget_ms is not None
     rule = PrefillPlacement(profile, config.decode_threads, config.prefill_threads,
                             config.itl_budget_ms / 1000, static_threshold=0,
-                            kv_offer=config.kv_offer)
+                            kv_offer=config.kv_offer,
+                            ttft_slo_s=config.ttft_slo_ms / 1000 if config.ttft_slo_ms else None)
 
     def place(**inputs: int) -> bool:
         return rule.decide(PlacementInputs(**inputs))[0]

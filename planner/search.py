@@ -123,10 +123,10 @@ def candidates(profile: Profile, resources: Resources,
                itl_budget_ms: float = DEFAULT_ITL_BUDGET_MS,
                max_slice_workers: int = MAX_SLICE_WORKERS,
                kv_offer: str = "layers",
-               prefill_caps: Callable[[int], tuple[int, ...]] | None = None
-               ) -> list[PoolConfig]:
+               prefill_caps: Callable[[int], tuple[int, ...]] | None = None,
+               ttft_slo_ms: float | None = None) -> list[PoolConfig]:
     """``prefill_caps(threads)``: the stall-free caps to try for workers of ``threads``
-    threads (None: none)."""
+    threads (None: none); ``ttft_slo_ms``: the adaptive router's TTFT target."""
     n = resources.units
     threads = sorted(profile.steps) if resources.kind == "cores" else [1]
     if resources.kind == "gpus" and 1 not in profile.steps:
@@ -144,7 +144,8 @@ def candidates(profile: Profile, resources: Resources,
                 if adaptive:
                     out.append(replace(base, kind="adaptive",
                                        local_prefill_threshold=ADAPTIVE_STATIC_THRESHOLD,
-                                       itl_budget_ms=itl_budget_ms))
+                                       itl_budget_ms=itl_budget_ms,
+                                       ttft_slo_ms=ttft_slo_ms))
     out = [replace(c, policy=policy) for c in out]
     if prefill_caps is not None:
         out = [replace(c, prefill_tokens_while_decoding=cap) for c in out
@@ -235,7 +236,8 @@ def plan_workload(profile: Profile, workload: Workload, resources: Resources,
     if configs is None:
         configs = candidates(profile, resources, thresholds, policy=policy, adaptive=adaptive,
                              itl_budget_ms=itl_budget_ms, max_slice_workers=max_slice_workers,
-                             kv_offer=kv_offer, prefill_caps=prefill_caps)
+                             kv_offer=kv_offer, prefill_caps=prefill_caps,
+                             ttft_slo_ms=slo.ttft_ms if slo is not None else None)
     if not configs:
         raise ValueError(f"no configuration fits {resources.units} {resources.kind} with the "
                          f"profile's thread counts {sorted(profile.steps)}")

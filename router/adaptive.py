@@ -20,12 +20,18 @@ blocks and said how much of the prompt it already caches:
 Local wins when it brings the first token at least ``local_gain`` sooner (a prompt
 computed locally takes the decode worker's next steps, which remote keeps free for the
 requests arriving after it) *and* the step it makes the running decodes wait through
-stays within ``itl_budget_s`` (with nothing running, nobody waits).
+stays within ``itl_budget_s`` (with nothing running, nobody waits) *and*, given the
+TTFT target ``ttft_slo_s``, remote would not bring the first token within
+``ttft_share`` of it: a prompt the prefill workers serve in time is not worth a stall of
+every running decode (the multi-turn chat of ``pdserve bench-headline``, whose prompts
+each stall a 1-thread decode worker 150-250 ms, otherwise pays it in ITL p99 at no gain
+in goodput); below the target, local is for the prompts remote would make late.
 
 Reasons, for the ``prefill_placement_total`` metric (and, when local, the response's
 routing block): ``short`` (below the static threshold), ``idle`` / ``spare`` (local: an
 idle decode worker / a step within the budget), ``queue`` (remote, though local would
-be sooner: the stall would break the budget), ``remote`` (remote is sooner).
+be sooner: the stall would break the budget), ``slo`` (remote, though local would be
+sooner: remote meets the TTFT target), ``remote`` (remote is sooner).
 
 The planner's simulator (:mod:`planner.sim`) runs this same rule for its ``adaptive``
 candidate, so what ``pdserve plan`` predicts is what the router does.
@@ -37,6 +43,12 @@ import math
 from dataclasses import dataclass
 
 from common.cost_model import KV_OFFERS, Profile
+
+TTFT_SHARE = 0.5
+"""The share of the TTFT target a remote prompt's estimated TTFT may take and still go
+remote when local would be sooner: the estimate is the model's time alone (tokenizing,
+the reservation's round trip, the router's queue and the step times' spread are not in
+it), and half of the target is left for them."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +81,8 @@ class PrefillPlacement:
     def __init__(self, profile: Profile | None, decode_threads: int = 1,
                  prefill_threads: int = 1, itl_budget_s: float = 0.2,
                  static_threshold: int = 32, local_gain: float = 0.2,
-                 kv_offer: str = "layers") -> None:
+                 kv_offer: str = "layers", ttft_slo_s: float | None = None,
+                 ttft_share: float = TTFT_SHARE) -> None:
         if kv_offer not in KV_OFFERS:
             raise ValueError(f"unknown kv_offer {kv_offer!r}: one of {', '.join(KV_OFFERS)}")
         if not 0 <= local_gain < 1:
@@ -78,11 +91,18 @@ class PrefillPlacement:
             raise ValueError(f"itl_budget_s must be > 0, got {itl_budget_s}")
         if static_threshold < 0:
             raise ValueError(f"static_threshold must be >= 0, got {static_threshold}")
+        if ttft_slo_s is not None and ttft_slo_s <= 0:
+            raise ValueError(f"ttft_slo_s must be > 0 (None: no target), got {ttft_slo_s}")
+        if not 0 < ttft_share <= 1:
+            raise ValueError(f"ttft_share must be in (0, 1], got {ttft_share}")
         self.profile = profile
         self.itl_budget_s = itl_budget_s
         self.static_threshold = static_threshold
         self.local_gain = local_gain
         self.kv_offer = kv_offer
+        self.remote_within_s = ttft_slo_s * ttft_share if ttft_slo_s else None
+        """Remote's estimate at most this: remote (the TTFT target, less a margin for
+        what the estimate leaves out: the router, the reservation, queueing jitter)."""
         self._decode = profile.step(decode_threads) if profile else None
         self._prefill = profile.step(prefill_threads) if profile else None
 
@@ -125,6 +145,8 @@ class PrefillPlacement:
             return False, "remote"
         if x.decode_running == 0:
             return True, "idle"
+        if self.remote_within_s is not None and e.remote_s <= self.remote_within_s:
+            return False, "slo"
         if e.stall_s <= self.itl_budget_s:
             return True, "spare"
         return False, "queue"

@@ -69,6 +69,10 @@ class RouterConfig:
     """Threads per worker of each pool: which of the profile's step models applies."""
     itl_budget_ms: float = 200.0
     """The longest step a local prefill may make running decodes wait through."""
+    ttft_slo_ms: float | None = None
+    """The TTFT target: a prompt the prefill workers are estimated to serve within
+    :data:`router.adaptive.TTFT_SHARE` of it goes remote even where local would be
+    sooner (None: the sooner of the two, within the ITL budget)."""
     max_num_batched_tokens: int = 2048
     """The workers' step token budget (``pdserve worker --max-num-batched-tokens``): the
     chunks the placement rule expects a prompt to be computed in."""
@@ -92,6 +96,8 @@ class RouterConfig:
                              f"{self.prefill_queue_limit}")
         if self.itl_budget_ms <= 0:
             raise ValueError(f"itl_budget_ms must be > 0, got {self.itl_budget_ms}")
+        if self.ttft_slo_ms is not None and self.ttft_slo_ms <= 0:
+            raise ValueError(f"ttft_slo_ms must be > 0 (None: none), got {self.ttft_slo_ms}")
         if self.kv_offer not in KV_OFFERS:
             raise ValueError(f"kv_offer must be one of {', '.join(KV_OFFERS)}, got "
                              f"{self.kv_offer!r}")

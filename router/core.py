@@ -105,10 +105,12 @@ def _status_of(e: BaseException) -> str:
 
 @dataclasses.dataclass
 class _Choice:
-    """One choice's tokens so far (what a migration continues) and its last token's time."""
+    """One choice's tokens so far (what a migration continues), its first and last
+    token's times (monotonic)."""
 
     last_token_at: float
     generated: list[int] = dataclasses.field(default_factory=list)
+    first_token_at: float | None = None
 
 
 @dataclasses.dataclass
@@ -121,6 +123,16 @@ class _Noted:
     """Unix time, once for both records."""
     cached: int = 0
     """The prompt tokens its last choice found cached (set when that choice finishes)."""
+
+
+def _latencies(choices: list[_Choice], received: float,
+               status: str) -> tuple[float | None, float | None]:
+    """A finished request's ``(ttft_s, e2e_s)`` for the traffic log: its first token
+    (any choice's) and its last; ``(None, None)`` unless it finished with tokens."""
+    firsts = [c.first_token_at for c in choices if c.first_token_at is not None]
+    if status != "OK" or not firsts:
+        return None, None
+    return min(firsts) - received, max(c.last_token_at for c in choices) - received
 
 
 class _Relay:
@@ -436,7 +448,8 @@ class Router:
             lease.settle(len(ids) + output)
             if noted is not None and self.traffic is not None:  # finished, failed or gone
                 self.traffic.note(TrafficRecord(noted.arrival, len(ids), noted.cached,
-                                                output, noted.key))
+                                                output, noted.key,
+                                                *_latencies(choices, received, status)))
             self._in_flight -= 1
             self.metrics.set("requests_in_flight", self._in_flight)
             self.metrics.inc("requests_total", status=status)
@@ -527,6 +540,8 @@ class Router:
                 self.metrics.observe("inter_token_latency_seconds", gap)
         elif not any(c.generated for c in choices):
             self.metrics.observe("time_to_first_token_seconds", now - received)
+        if choice.first_token_at is None:
+            choice.first_token_at = now
         choice.last_token_at = now
         choice.generated.extend(msg.token_ids)
 
@@ -574,4 +589,5 @@ def _placement(config: RouterConfig) -> PrefillPlacement | None:
                                   max_num_batched_tokens=config.max_num_batched_tokens)
     return PrefillPlacement(profile, config.decode_threads, config.prefill_threads,
                             config.itl_budget_ms / 1000, static_threshold=0,
-                            kv_offer=config.kv_offer)
+                            kv_offer=config.kv_offer,
+                            ttft_slo_s=config.ttft_slo_ms / 1000 if config.ttft_slo_ms else None)

@@ -85,6 +85,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_setting(r, "tool_call_parser")
     add_setting(r, "profile")
     add_setting(r, "itl_budget_ms")
+    add_setting(r, "slo_ttft_ms")
     add_setting(r, "max_num_batched_tokens")
     add_setting(r, "kv_offer")
     add_setting(r, "stall_probe_s")
@@ -207,6 +208,7 @@ def router_config(args: argparse.Namespace,  # noqa: ANN201 - ServerConfig
                             tenant_max_concurrency=args.tenant_max_concurrency,
                             tenant_tokens_per_minute=args.tenant_tokens_per_minute,
                             placement_profile=args.profile, itl_budget_ms=args.itl_budget_ms,
+                            ttft_slo_ms=args.slo_ttft_ms,
                             kv_offer=args.kv_offer, prefill_threads=args.prefill_threads,
                             stall_probe_after_s=args.stall_probe_s,
                             prefill_queue_limit=args.prefill_queue_limit,

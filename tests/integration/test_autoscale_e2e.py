@@ -123,6 +123,8 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert all((r.arrival, r.prompt_tokens, r.output_tokens) == (
             admitted[k].arrival, admitted[k].prompt_tokens, MAX_TOKENS)
             for k, r in ended.items())
+        # ... the ended one with its first and last token's latencies (measured goodput)
+        assert all(0 < r.ttft_s <= r.e2e_s < 300 for r in ended.values())
         assert loop.traffic.recent(time.time() - 300) == sorted(ended.values(),
                                                                 key=lambda r: r.arrival)
         steps = loop.steps.recent(time.time() - 300)

@@ -61,6 +61,24 @@ def test_a_request_in_flight_is_read_by_its_admitted_record_then_its_finished_on
                                                ("", 0, 32, True)]
 
 
+def test_a_finished_requests_latencies_go_with_it_and_bad_ones_are_dropped(client):
+    """The ended record carries the first and last token's latencies (the planner's
+    measured goodput); latencies that cannot be (last before first, negative, absurd)
+    are read as none, the record kept."""
+    client.flushall()
+    log = TrafficLog(client, "m")
+    now = time.time()
+    log.note(TrafficRecord(now - 3, 128, 0, 96, "r-1", ttft_s=0.25, e2e_s=3.5))
+    log.note(TrafficRecord(now - 2, 64, 0, 0, "r-2"))  # failed: no latencies
+    log.flush(log.take())
+    for bad in ({"t": "2", "e": "1"}, {"t": "-1", "e": "1"}, {"t": "0", "e": "1e9"},
+                {"t": "x", "e": "1"}):
+        client.xadd(log.key, {"a": f"{now - 1:.6f}", "p": 7, "c": 0, "o": 1, **bad})
+    got = log.recent(now - 10)
+    assert [(r.ttft_s, r.e2e_s) for r in got] == [(0.25, 3.5)] + [(None, None)] * 5
+    assert [r.prompt_tokens for r in got] == [128, 64, 7, 7, 7, 7]
+
+
 def test_malformed_entries_are_skipped_and_the_stream_is_capped(client):
     client.flushall()
     log = TrafficLog(client, "m", maxlen=100)

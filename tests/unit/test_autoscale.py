@@ -4,6 +4,7 @@ margin, a dwell time, confirmations) and the role moves it asks for. Pure."""
 import pytest
 
 from common.traffic import TrafficRecord
+from loadtest.metrics import SLO
 from loadtest.workloads import DEFAULT_TOKEN_IDS as DEFAULT_IDS
 from planner.autoscale import (
     AutoscaleConfig,
@@ -15,9 +16,12 @@ from planner.autoscale import (
     prefill_caps,
     reachable,
     role_changes,
+    served_goodput,
     serving_while_moving,
+    window_slo,
 )
 from planner.config import PoolConfig
+from planner.synthetic import synthetic_profile
 
 MIXED, SPLIT = reachable(2, 1, 32)
 RECORDS = [TrafficRecord(float(i), 128, 0, 64) for i in range(20)]
@@ -34,6 +38,45 @@ def test_reachable_configurations_of_two_one_thread_workers():
     adaptive = reachable(3, 1, 0, adaptive_itl_budget_ms=150)
     assert [c.kind for c in adaptive] == ["mixed", "adaptive", "adaptive"]
     assert [(c.prefill_workers, c.decode_workers) for c in adaptive[1:]] == [(1, 2), (2, 1)]
+    assert {c.ttft_slo_ms for c in adaptive} == {None}
+    targeted = reachable(2, 1, 0, adaptive_itl_budget_ms=150, ttft_slo_ms=400)
+    assert [c.ttft_slo_ms for c in targeted] == [None, 400]  # the router's, where it places
+    assert reachable(2, 1, 0, ttft_slo_ms=400)[1].ttft_slo_ms is None  # static: no rule
+
+
+def test_a_measured_goodput_is_the_floor_of_the_current_configurations_score():
+    """The split's calibration predicts it far below two mixed workers, while it
+    measurably serves more than they are predicted to: it stays (a prediction is not
+    trusted below a measurement); without the measurement it would move."""
+    scores = {MIXED.roles_label: 3.14, SPLIT.roles_label: 1.27}
+    moves = _scaler(scores, confirmations=1, min_dwell_s=0)
+    assert moves.decide(0.0, SPLIT, RECORDS).target == MIXED
+    stays = _scaler(scores, confirmations=1, min_dwell_s=0)
+    d = stays.decide(0.0, SPLIT, RECORDS, served=3.0)  # 3.14 is < 10% more
+    assert (d.target, d.reason, d.served) == (None, "gain_below_threshold", 3.0)
+    assert d.scores[SPLIT.roles_label] == 3.0
+    # a floor, never a ceiling: measured below the prediction, the prediction stands
+    d = _scaler(scores).decide(0.0, MIXED, RECORDS, served=1.0)
+    assert d.scores[MIXED.roles_label] == 3.14 and d.reason == "current_best"
+
+
+def test_served_goodput_counts_the_requests_that_finished_within_the_slos():
+    slo = SLO(ttft_ms=500, tpot_ms=50)
+    t = 1000.0
+    records = [
+        TrafficRecord(t, 100, 0, 11, "a", ttft_s=0.4, e2e_s=0.4 + 10 * 0.04),  # met
+        TrafficRecord(t, 100, 0, 11, "b", ttft_s=0.6, e2e_s=1.0),  # TTFT missed
+        TrafficRecord(t, 100, 0, 11, "c", ttft_s=0.1, e2e_s=0.1 + 10 * 0.06),  # TPOT missed
+        TrafficRecord(t, 100, 0, 1, "d", ttft_s=0.3, e2e_s=0.3),  # one token: TTFT alone
+        TrafficRecord(t, 100, 0, 0, "e"),  # failed
+        TrafficRecord(t, 100, 0, 64, "f", done=False),  # still in flight: a miss
+    ]
+    assert served_goodput(records, slo, 10.0) == pytest.approx(0.2)
+    # the SLOs not given are the simulator's, relative to the machine
+    step = synthetic_profile("cpu").step(1)
+    derived = window_slo(step, records)
+    assert derived.ttft_ms == pytest.approx(5000 * step.prefill_seconds(100))
+    assert window_slo(step, records, 450.0, 60.0) == SLO(450.0, 60.0)
 
 
 def test_steady_load_never_flaps():

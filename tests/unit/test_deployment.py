@@ -82,6 +82,16 @@ def test_the_step_token_budget_reaches_every_worker_and_the_placement_rule() -> 
         DeploymentConfig(max_num_batched_tokens=0)
 
 
+def test_the_ttft_target_reaches_the_placement_rule() -> None:
+    """``--slo-ttft-ms`` is the router's too: its placement rule keeps a prompt remote
+    while the prefill workers would serve it in time (router/adaptive.py)."""
+    parser = build_parser()
+    targeted = DeploymentConfig(prefill=1, decode=1, profile="/p.json", slo_ttft_ms=450.0)
+    assert parser.parse_args(targeted.router_args(["a:1"], None)).slo_ttft_ms == 450.0
+    plain = DeploymentConfig(prefill=1, decode=1, profile="/p.json")
+    assert parser.parse_args(plain.router_args(["a:1"], None)).slo_ttft_ms is None
+
+
 def test_the_stall_free_cap_reaches_every_worker_and_survives_a_restart() -> None:
     from cluster.local import LocalCluster
 
@@ -252,7 +262,8 @@ ENGINE = ["model", "dtype", "kv_cache_gb", "block_size", "max_num_batched_tokens
     ("worker", [*ENGINE, "local_prefill_threshold", "transfer_timeout_s", "drain_timeout_s",
                 "drain_grace_s", "cluster_tls_dir", "cluster_secret_file"]),
     ("router", ["policy", "port", "http_port", "max_in_flight", "cluster_tls_dir", "tls_cert",
-                "tls_key", "profile", "itl_budget_ms", "max_num_batched_tokens"]),
+                "tls_key", "profile", "itl_budget_ms", "slo_ttft_ms",
+                "max_num_batched_tokens"]),
     ("generate", ENGINE),
 ])
 def test_components_share_the_deployment_defaults_and_help(command: str,

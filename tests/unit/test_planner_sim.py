@@ -231,6 +231,24 @@ def test_the_adaptive_candidate_runs_the_routers_rule() -> None:
     assert_no_leak(r)
 
 
+@pytest.mark.skipif(not adaptive_available(), reason="router.adaptive not installed")
+def test_the_adaptive_candidates_ttft_target_sends_prompts_remote() -> None:
+    """The router's TTFT target is the simulated rule's too: a target every remote
+    estimate meets leaves local only the prompts an idle decode worker takes."""
+    cfg = PoolConfig("adaptive", prefill_workers=1, decode_workers=1, prefill_threads=1,
+                     decode_threads=1, local_prefill_threshold=0, itl_budget_ms=1000.0)
+    reqs = random_workload(40, 300, 16, seed=8)
+    arrivals = arrival_times(40, 6.0, seed=8)
+    plain = run(PROFILE, cfg, reqs, arrivals)
+    targeted = run(PROFILE, dataclasses.replace(cfg, ttft_slo_ms=600_000.0), reqs, arrivals)
+    assert plain.local_prefills > targeted.local_prefills
+    assert targeted.local_prefills + targeted.remote_prefills == 40
+    assert_no_leak(plain)
+    assert_no_leak(targeted)
+    with pytest.raises(ValueError, match="ttft_slo_ms"):
+        dataclasses.replace(MIXED, ttft_slo_ms=500.0)
+
+
 def test_a_leak_is_reported_as_a_simulator_bug() -> None:
     sim = Simulation(PROFILE, MIXED)
     w = sim.workers[0]

@@ -52,6 +52,28 @@ def test_running_decodes_keep_a_long_prompt_off_the_decode_worker_beyond_the_bud
     assert rule.decide(PlacementInputs(uncached_tokens=40, **busy)) == (True, "spare")
 
 
+def test_a_ttft_target_keeps_a_prompt_remote_that_the_prefill_pool_serves_in_time():
+    """Local would be sooner (a 256-token queue on the prefill worker), and its stall
+    fits the budget; with a TTFT target whose share remote's estimate meets, the prompt
+    still goes remote and spares the running decodes that stall."""
+    busy = dict(decode_running=4, decode_context_tokens=4 * 300, prefill_queued_tokens=256)
+    x = PlacementInputs(uncached_tokens=200, **busy)
+    rule = PrefillPlacement(_profile(), static_threshold=0, itl_budget_s=0.5)
+    e = rule.estimate(x)  # remote ~0.50 s (queue 0.28 + prefill 0.22), local ~0.25 s
+    assert e.local_s < 0.8 * e.remote_s and e.stall_s <= 0.5
+    assert rule.decide(x) == (True, "spare")
+    lenient = PrefillPlacement(_profile(), static_threshold=0, itl_budget_s=0.5,
+                               ttft_slo_s=2 * e.remote_s)  # remote within half of it
+    assert lenient.decide(x) == (False, "slo")
+    # a target remote would miss (by its share): local, as without one
+    tight = PrefillPlacement(_profile(), static_threshold=0, itl_budget_s=0.5,
+                             ttft_slo_s=1.5 * e.remote_s)
+    assert tight.decide(x) == (True, "spare")
+    # an idle decode worker delays nobody: still local, whatever the target
+    idle = PlacementInputs(uncached_tokens=200, prefill_queued_tokens=256)
+    assert lenient.decide(idle) == (True, "idle")
+
+
 def test_the_remote_estimate_follows_when_the_prefill_workers_send_the_kv():
     """Under ``layers`` (the default) the KV moves while the prefill computes it: remote
     pays the longer of the two; offered after the step, it pays both."""
@@ -95,5 +117,9 @@ def test_bad_settings_are_refused():
         PrefillPlacement(_profile(), itl_budget_s=0)
     with pytest.raises(ValueError, match="local_gain"):
         PrefillPlacement(_profile(), local_gain=1.0)
+    with pytest.raises(ValueError, match="ttft_slo_s"):
+        PrefillPlacement(_profile(), ttft_slo_s=0)
+    with pytest.raises(ValueError, match="ttft_share"):
+        PrefillPlacement(_profile(), ttft_slo_s=1.0, ttft_share=0)
     with pytest.raises(KeyError, match="thread"):
         PrefillPlacement(_profile(), decode_threads=4)
