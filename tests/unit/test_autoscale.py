@@ -382,13 +382,15 @@ def test_no_unproven_leap_while_the_current_configuration_is_overloaded():
 
 def test_an_unproven_leap_is_made_where_the_current_configuration_measurably_fails():
     """Two mixed workers predicted to serve 0.2 of 1 req/s and measured serving 0.1
-    (under half of it): little is left to lose, the split predicted 0.5 is entered to be
-    measured. Measured serving 0.6, the guard stands."""
+    (under half of it): little is left to lose, the split predicted 0.24 (20% more, not
+    the unproven 30%) is entered to be measured. Measured serving 0.6, the guard
+    stands."""
     busy = [TrafficRecord(float(i), 1536, 0, 16) for i in range(60)]
-    s = _scaler({MIXED.label: 0.2, SPLIT.label: 0.5}, window_s=60, min_dwell_s=0,
+    s = _scaler({MIXED.label: 0.2, SPLIT.label: 0.24}, window_s=60, min_dwell_s=0,
                 confirmations=1)
+    assert s.decide(0.0, MIXED, busy, proven={MIXED.label}).reason == "unproven"
     d = s.decide(0.0, MIXED, busy, proven={MIXED.label}, served=0.1)
-    assert (d.reason, d.target, d.served) == ("switch", SPLIT, 0.1)
+    assert (d.reason, d.target, d.served) == ("rescue", SPLIT, 0.1)
     guarded = _scaler({MIXED.label: 0.2, SPLIT.label: 1.0}, window_s=60, confirmations=1)
     assert guarded.decide(0.0, MIXED, busy, proven=(), served=0.6).reason == "overloaded"
     assert guarded.decide(0.0, MIXED, busy, proven=()).reason == "overloaded"  # unmeasured
