@@ -47,7 +47,8 @@ simulated with, ``term`` one of memory, compute, per_seq_ms, decode_min, decode_
 steps: the profile's; ``planner_move_seconds{role}``: a change leaving ``role`` measured,
 ``planner_switch_seconds``: the last weighed switch's changes; for the cap
 ``planner_prefill_cap``, ``planner_cap_decisions_total{action,reason}`` and
-``planner_predicted_itl_p99_ms{cap}``), served
+``planner_predicted_itl_p99_ms{cap}``; ``planner_served_share``: the share of recent
+requests the running configuration served within the SLOs), served
 beside the router's when the cluster has a metrics port. :meth:`AutoscaleLoop.stop`
 ends the thread between decisions.
 """
@@ -90,7 +91,7 @@ from planner.autoscale import (
     prefill_caps,
     reachable,
     role_changes,
-    served_goodput,
+    served_share,
     simulated,
     window_slo,
 )
@@ -244,7 +245,7 @@ class AutoscaleLoop:
         for label, itl in d.itl_p99_ms.items():
             self.metrics.set("planner_predicted_config_itl_p99_ms", itl, config=label)
         if d.served is not None:
-            self.metrics.set("planner_served_goodput", d.served)
+            self.metrics.set("planner_served_share", d.served)
         if d.net_gain is not None:
             self.metrics.set("planner_switch_seconds", d.switch_s)
         cost = (f"; switching takes ~{d.switch_s:.1f} s of role changes, net gain "
@@ -252,7 +253,7 @@ class AutoscaleLoop:
         itl = ("; predicted ITL p99 " + ", ".join(f"{k}: {v:.0f} ms"
                                                   for k, v in d.itl_p99_ms.items())
                if d.itl_p99_ms else "")
-        served = f" (served {d.served:.3f}/s)" if d.served is not None else ""
+        served = f" (served {d.served:.0%} within the SLOs)" if d.served is not None else ""
         log.info("autoscale: %s (%s) at %s with %d requests in the window; predicted goodput "
                  "%s%s%s%s; step model: %s", d.action, d.reason, current.label, len(records),
                  ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", served,
@@ -345,12 +346,12 @@ class AutoscaleLoop:
             log.info("autoscale: %s is now %s", address, role)
 
     def served(self, now: float, seen: Sequence[TrafficRecord]) -> float | None:
-        """The goodput the running configuration measurably served
-        (:func:`planner.autoscale.served_goodput`, the floor of its score): over one
-        window of arrivals that ended a lag ago, the lag the 90th percentile of the
-        ended requests' latency (at most a window), so that few of them are still in
-        flight. None: no request has ended, or that span began before the last switch
-        settled."""
+        """The share of its requests the running configuration measurably served within
+        the SLOs (:func:`planner.autoscale.served_share`: its score's floor, and the
+        rescue's test): of one window of arrivals that ended a lag ago, the lag the 90th
+        percentile of the ended requests' latency (at most a window), so that few of
+        them are still in flight. None: no request has ended, the span holds fewer
+        than ``min_requests``, or it began before the last switch settled."""
         latencies = sorted(r.e2e_s for r in seen if r.e2e_s is not None)
         if not latencies:
             return None
@@ -359,10 +360,10 @@ class AutoscaleLoop:
         if end - w < self._settled_at:
             return None
         span = [r for r in seen if end - w <= r.arrival < end]
-        if not span:
-            return 0.0
+        if len(span) < self.config.min_requests:
+            return None
         slo = window_slo(self.profile.step(self.cluster.threads), span, *self._slo)
-        return served_goodput(span, slo, w)
+        return served_share(span, slo)
 
     def move_estimates(self, records: Sequence[TrafficRecord]) -> dict[str, float]:
         """Seconds a worker leaving each role takes to change, for the switch's cost:

@@ -200,10 +200,11 @@ class DeploymentConfig:
     slo_ttft_ms: float | None = field(default=None, metadata=setting(
         "the TTFT target: with --profile the router computes a prompt on the prefill "
         "workers, not on its decode worker, while they would serve it within half of it "
-        "(router/adaptive.py); --autoscale's goodput counts against it",
-        shown="5x the profile's unloaded TTFT of the traffic's mean prompt"))
+        "(router/adaptive.py); `pdserve up --autoscale` counts goodput against it",
+        shown="none: no placement target; --autoscale counts against 5x the profile's "
+              "unloaded TTFT of the traffic's mean prompt"))
     slo_tpot_ms: float | None = field(default=None, metadata=setting(
-        "--autoscale: the TPOT target goodput counts against",
+        "`pdserve up --autoscale`: the TPOT target goodput counts against",
         shown="2x the profile's unloaded decode step"))
     max_in_flight: int = field(default=256, metadata=setting(
         "requests the router admits at once; beyond it they are refused with "
@@ -327,6 +328,10 @@ class DeploymentConfig:
                                   f"{self.stall_probe_s}")
         if self.itl_budget_ms <= 0 or self.autoscale_interval_s <= 0:
             raise DeploymentError("itl_budget_ms and autoscale_interval_s must be > 0")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise DeploymentError(f"{name} must be > 0 (unset: none given), got {value}")
         for role in (*ROLES, "router"):
             node_labels(getattr(self, f"{role}_node_labels"), f"{role}_node_labels")
         if self.tenant_max_concurrency < 0 or self.tenant_tokens_per_minute < 0:

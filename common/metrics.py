@@ -70,9 +70,9 @@ CATALOG: tuple[Spec, ...] = (
          "stay or switch, and why", ("action", "reason")),
     Spec("planner_predicted_goodput", "gauge", "Requests/s meeting the SLOs the planner "
          "predicts for each configuration on the last window of traffic", ("config",)),
-    Spec("planner_served_goodput", "gauge", "Requests/s the running configuration served "
-         "within the SLOs over a recent window, from the routers' logged latencies: the "
-         "floor of its predicted goodput"),
+    Spec("planner_served_share", "gauge", "The share of a recent window's requests the "
+         "running configuration served within the SLOs, from the routers' logged "
+         "latencies: times the arrival rate, the floor of its predicted goodput"),
     Spec("planner_role_changes_total", "counter", "Role changes the planner made, by new role",
          ("role",)),
     Spec("planner_served_factor", "gauge", "The serving calibration the planner simulates "

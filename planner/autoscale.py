@@ -10,8 +10,9 @@ by ``score(config, records)``, in production the simulator's predicted goodput
 (:func:`simulated_goodput`); where one beats the current configuration by ``min_gain``
 there, both are scored again with their best stall-free cap (``refine``,
 :func:`best_cap_goodput`: the cap changes at no cost, :class:`PrefillCapChooser`). The
-current configuration's score is at least the goodput it measurably served (``served``,
-:func:`served_goodput`, when the caller measured it): a prediction is not trusted below
+current configuration's score is at least the goodput it measurably serves: the share
+of its recent requests that met the SLOs (``served``, :func:`served_share`, when the
+caller measured it) times the window's arrival rate; a prediction is not trusted below
 a measurement. The current configuration is left only when all of these hold, else the
 decision says which did not (its ``reason``):
 
@@ -30,8 +31,8 @@ decision says which did not (its ``reason``):
    not made at all while the current configuration is predicted to serve less than
    ``min_served_unproven`` of the window's requests within the SLOs. Neither holds
    where the current configuration measurably serves less than ``max_served_rescue``
-   of them (``served``): little is left to lose, a gain of ``min_gain`` will do, and
-   the switch (reason ``rescue``) is made to be measured;
+   of its requests within them (``served``): little is left to lose, a gain of
+   ``min_gain`` will do, and the switch (reason ``rescue``) is made to be measured;
 4. ``switch_cost``: it still does once the switch's role changes are paid for (below);
 5. ``dwell``: the last change is at least ``min_dwell_s`` old;
 6. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
@@ -125,8 +126,8 @@ class AutoscaleConfig:
     colocated there (0.90x once more on the chat workload)."""
     max_served_rescue: float = 0.3
     """Neither margin (``min_gain_unproven``) nor guard (``min_served_unproven``) holds
-    where the current configuration measurably serves less than this share of the
-    window's requests within the SLOs (``Autoscaler.decide(served=...)``): a switch
+    where the current configuration measurably serves less than this share of its
+    requests within the SLOs (``Autoscaler.decide(served=...)``): a switch
     then needs ``min_gain`` (reason ``rescue``). On a 2-core AMD EPYC (prefill ~1.5 ms a
     token, a decode step ~12 ms) two mixed workers served 8-17% of the chat headline's
     requests at 120% load, and a split 2-7x their goodput, while ``overloaded`` held
@@ -208,8 +209,8 @@ class Decision:
     """Predicted ITL p99 of the candidates rule 2b compared, by ``roles_label`` (empty:
     it did not apply)."""
     served: float | None = None
-    """The goodput the current configuration measurably served (None: not measured);
-    its score is at least this."""
+    """The share of the current configuration's recent requests that met the SLOs
+    (None: not measured); its score is at least this share of the window's arrivals."""
 
     @property
     def action(self) -> str:
@@ -252,15 +253,18 @@ class Autoscaler:
         every one). ``itl_records``: the traffic rule 2b's ITL p99 is predicted on
         (default ``records``; the live loop hands it a longer span: one window's p99
         swings with whether a long prompt landed among many decodes in it). ``served``:
-        the goodput the current configuration measurably served lately (None: not
-        measured), the floor of its score."""
+        the share of the current configuration's recent requests that met the SLOs
+        (:func:`served_share`; None: not measured): its score's floor is that share of
+        the window's arrivals per second, and below ``max_served_rescue`` a switch is a
+        rescue."""
         c = self.config
         if len(records) < c.min_requests:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "few_requests", served=served)
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
         scores = {cand: self.score(cand, records) for cand in pool}
-        floor = served or 0.0
+        arriving = len(records) / c.window_s
+        floor = (served or 0.0) * arriving
         scores[current] = max(scores[current], floor)
         labels = {cand.roles_label: s for cand, s in scores.items()}
         quicker, itl = self._lower_itl(now, current, pool, scores, labels, records, move_s,
@@ -284,8 +288,7 @@ class Autoscaler:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels, **shown)
         both = proven is None or {best.roles_label, current.roles_label} <= set(proven)
-        arriving = len(records) / c.window_s
-        rescue = not both and served is not None and served < c.max_served_rescue * arriving
+        rescue = not both and served is not None and served < c.max_served_rescue
         bar = c.min_gain if both or rescue else c.min_gain_unproven
         if gain < bar:
             self._leader, self._wins = None, 0
@@ -683,19 +686,19 @@ def window_slo(step: StepModel, records: Sequence[TrafficRecord],
                slo_tpot_ms or 2000 * step.decode_seconds(1, mean_prompt))
 
 
-def served_goodput(records: Sequence[TrafficRecord], slo: SLO, span_s: float) -> float:
-    """Requests/s the running configuration measurably served within ``slo``: of the
-    requests that arrived over ``span_s`` seconds (``records``), those that finished in
-    time, by the latencies their router logged. A floor: a request still in flight, or
-    one that failed, counts as a miss (the live loop measures a span that ended a few
-    latencies ago, so that few are still in flight)."""
+def served_share(records: Sequence[TrafficRecord], slo: SLO) -> float:
+    """The share of ``records`` (requests the running configuration served) that
+    finished within ``slo``, by the latencies their router logged. A floor: a request
+    still in flight, or one that failed, counts as a miss (the live loop measures a span
+    that ended a few latencies ago, so that few are still in flight). A request of
+    several choices is judged on their tokens together."""
     def met(r: TrafficRecord) -> bool:
         if not r.done or r.ttft_s is None or r.e2e_s is None:
             return False
         tpot = (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens >= 2 else None
         return slo.met(r.ttft_s, tpot, r.e2e_s)
 
-    return sum(map(met, records)) / span_s
+    return sum(map(met, records)) / len(records) if records else 0.0
 
 
 def window_prompts(records: Sequence[TrafficRecord], rng: random.Random,

@@ -74,8 +74,8 @@ class PoolConfig:
             raise ValueError(f"an adaptive configuration needs itl_budget_ms > 0, got "
                              f"{self.itl_budget_ms}")
         if self.ttft_slo_ms is not None and (self.kind != "adaptive" or self.ttft_slo_ms <= 0):
-            raise ValueError(f"ttft_slo_ms is an adaptive configuration's, > 0, got "
-                             f"{self.ttft_slo_ms} for a {self.kind} one")
+            raise ValueError(f"ttft_slo_ms must be > 0 and only an adaptive configuration "
+                             f"has one; got {self.ttft_slo_ms} on kind {self.kind!r}")
 
     @property
     def disaggregated(self) -> bool:

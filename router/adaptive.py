@@ -20,12 +20,13 @@ blocks and said how much of the prompt it already caches:
 Local wins when it brings the first token at least ``local_gain`` sooner (a prompt
 computed locally takes the decode worker's next steps, which remote keeps free for the
 requests arriving after it) *and* the step it makes the running decodes wait through
-stays within ``itl_budget_s`` (with nothing running, nobody waits) *and*, given the
-TTFT target ``ttft_slo_s``, remote would not bring the first token within
-``ttft_share`` of it: a prompt the prefill workers serve in time is not worth a stall of
-every running decode (the multi-turn chat of ``pdserve bench-headline``, whose prompts
-each stall a 1-thread decode worker 150-250 ms, otherwise pays it in ITL p99 at no gain
-in goodput); below the target, local is for the prompts remote would make late.
+stays within ``itl_budget_s`` (with nothing running, nobody waits, and the rest does
+not apply) *and*, given the TTFT target ``ttft_slo_s``, remote would not bring the
+first token within ``ttft_share`` of it: a prompt the prefill workers serve in time is
+not worth a stall of every running decode (the multi-turn chat of ``pdserve
+bench-headline``, whose prompts each stall a 1-thread Xeon decode worker 150-250 ms,
+otherwise pays it in ITL p99 at no gain in goodput); below the target, local is for
+the prompts remote would make late.
 
 Reasons, for the ``prefill_placement_total`` metric (and, when local, the response's
 routing block): ``short`` (below the static threshold), ``idle`` / ``spare`` (local: an

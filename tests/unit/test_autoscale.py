@@ -16,7 +16,7 @@ from planner.autoscale import (
     prefill_caps,
     reachable,
     role_changes,
-    served_goodput,
+    served_share,
     serving_while_moving,
     window_slo,
 )
@@ -45,22 +45,22 @@ def test_reachable_configurations_of_two_one_thread_workers():
 
 
 def test_a_measured_goodput_is_the_floor_of_the_current_configurations_score():
-    """The split's calibration predicts it far below two mixed workers, while it
-    measurably serves more than they are predicted to: it stays (a prediction is not
-    trusted below a measurement); without the measurement it would move."""
-    scores = {MIXED.roles_label: 3.14, SPLIT.roles_label: 1.27}
-    moves = _scaler(scores, confirmations=1, min_dwell_s=0)
-    assert moves.decide(0.0, SPLIT, RECORDS).target == MIXED
-    stays = _scaler(scores, confirmations=1, min_dwell_s=0)
-    d = stays.decide(0.0, SPLIT, RECORDS, served=3.0)  # 3.14 is < 10% more
-    assert (d.target, d.reason, d.served) == (None, "gain_below_threshold", 3.0)
-    assert d.scores[SPLIT.roles_label] == 3.0
+    """20 requests in a 20 s window: 1 req/s. The split's calibration predicts it far
+    below two mixed workers, while it measurably serves 85% of its requests within the
+    SLOs (0.85 req/s): it stays (a prediction is not trusted below a measurement);
+    without the measurement it would move."""
+    scores = {MIXED.roles_label: 0.9, SPLIT.roles_label: 0.3}
+    kw = {"confirmations": 1, "min_dwell_s": 0, "window_s": 20}
+    assert _scaler(scores, **kw).decide(0.0, SPLIT, RECORDS).target == MIXED
+    d = _scaler(scores, **kw).decide(0.0, SPLIT, RECORDS, served=0.85)  # 0.9: < 10% more
+    assert (d.target, d.reason, d.served) == (None, "gain_below_threshold", 0.85)
+    assert d.scores[SPLIT.roles_label] == pytest.approx(0.85)
     # a floor, never a ceiling: measured below the prediction, the prediction stands
-    d = _scaler(scores).decide(0.0, MIXED, RECORDS, served=1.0)
-    assert d.scores[MIXED.roles_label] == 3.14 and d.reason == "current_best"
+    d = _scaler(scores, **kw).decide(0.0, MIXED, RECORDS, served=0.2)
+    assert d.scores[MIXED.roles_label] == 0.9 and d.reason == "current_best"
 
 
-def test_served_goodput_counts_the_requests_that_finished_within_the_slos():
+def test_served_share_counts_the_requests_that_finished_within_the_slos():
     slo = SLO(ttft_ms=500, tpot_ms=50)
     t = 1000.0
     records = [
@@ -71,7 +71,8 @@ def test_served_goodput_counts_the_requests_that_finished_within_the_slos():
         TrafficRecord(t, 100, 0, 0, "e"),  # failed
         TrafficRecord(t, 100, 0, 64, "f", done=False),  # still in flight: a miss
     ]
-    assert served_goodput(records, slo, 10.0) == pytest.approx(0.2)
+    assert served_share(records, slo) == pytest.approx(2 / 6)
+    assert served_share([], slo) == 0.0
     # the SLOs not given are the simulator's, relative to the machine
     step = synthetic_profile("cpu").step(1)
     derived = window_slo(step, records)
@@ -381,14 +382,16 @@ def test_no_unproven_leap_while_the_current_configuration_is_overloaded():
 
 
 def test_an_unproven_leap_is_made_where_the_current_configuration_measurably_fails():
-    """Two mixed workers predicted to serve 0.2 of 1 req/s and measured serving 0.1
-    (under half of it): little is left to lose, the split predicted 0.24 (20% more, not
-    the unproven 30%) is entered to be measured. Measured serving 0.6, the guard
-    stands."""
-    busy = [TrafficRecord(float(i), 1536, 0, 16) for i in range(60)]
+    """20 requests in a 60 s window (1/3 req/s). Two mixed workers predicted to serve
+    0.2 req/s and measured serving 10% of their requests within the SLOs (under 30%):
+    little is left to lose, the split predicted 0.24 (20% more, not the unproven 30%) is
+    entered to be measured. Measured serving 40% or 60%, the margin and the guard
+    stand."""
+    busy = [TrafficRecord(float(i), 1536, 0, 16) for i in range(0, 60, 3)]
     s = _scaler({MIXED.label: 0.2, SPLIT.label: 0.24}, window_s=60, min_dwell_s=0,
                 confirmations=1)
     assert s.decide(0.0, MIXED, busy, proven={MIXED.label}).reason == "unproven"
+    assert s.decide(0.0, MIXED, busy, proven={MIXED.label}, served=0.4).reason == "unproven"
     d = s.decide(0.0, MIXED, busy, proven={MIXED.label}, served=0.1)
     assert (d.reason, d.target, d.served) == ("rescue", SPLIT, 0.1)
     guarded = _scaler({MIXED.label: 0.2, SPLIT.label: 1.0}, window_s=60, confirmations=1)
