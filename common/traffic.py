@@ -92,8 +92,9 @@ class TrafficLog(StreamLog[TrafficRecord]):
         done = fields.get(b"d", b"1")
         if not isinstance(key, bytes) or len(key) > MAX_KEY or done not in (b"0", b"1"):
             return None
+        ttft_s, e2e_s = _latencies(fields)
         return TrafficRecord(arrival, p, min(c, p), o, key.decode("ascii", "replace"),
-                             done == b"1", *_latencies(fields))
+                             done == b"1", ttft_s=ttft_s, e2e_s=e2e_s)
 
     def _time(self, r: TrafficRecord) -> float:
         return r.arrival

@@ -447,9 +447,10 @@ class Router:
             output = sum(len(c.generated) for c in choices)
             lease.settle(len(ids) + output)
             if noted is not None and self.traffic is not None:  # finished, failed or gone
+                ttft_s, e2e_s = _latencies(choices, received, status)
                 self.traffic.note(TrafficRecord(noted.arrival, len(ids), noted.cached,
-                                                output, noted.key,
-                                                *_latencies(choices, received, status)))
+                                                output, noted.key, ttft_s=ttft_s,
+                                                e2e_s=e2e_s))
             self._in_flight -= 1
             self.metrics.set("requests_in_flight", self._in_flight)
             self.metrics.inc("requests_total", status=status)
