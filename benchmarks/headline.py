@@ -224,9 +224,10 @@ def run_headline(o: HeadlineOptions, report_only: bool = False) -> dict:
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "options.json"
-    if report_only and saved.exists():  # the run's clusters, not the command line's
-        o = replace(o, clusters=tuple(json.loads(saved.read_text()).get("clusters",
-                                                                        o.clusters)))
+    if report_only and saved.exists():  # the run's clusters and workloads, not the
+        ran = json.loads(saved.read_text())  # command line's defaults
+        o = replace(o, clusters=tuple(ran.get("clusters", o.clusters)),
+                    workloads=tuple(ran.get("workloads", o.workloads)))
     print(f"pdserve bench-headline: {Path(o.model).name} ({o.dtype}); "
           f"{', '.join(o.clusters)}; 2 workers x 1 thread each; workloads "
           f"{', '.join(o.workloads)}; seeds {o.seeds}; rates {o.fractions} x capacity; "

@@ -131,17 +131,20 @@ def test_saturation_is_judged_at_high_load_only():
     assert checks(point(0.85, 0.9), high, high)[key] is None  # served: not saturated
 
 
-def test_report_only_names_the_clusters_the_run_swept(root, tmp_path, capsys):
+def test_report_only_names_the_clusters_and_workloads_the_run_swept(root, tmp_path, capsys):
     from benchmarks.headline import HeadlineOptions, run_headline
 
     for f in root.glob("*.json"):
         shutil.copy(f, tmp_path)
     options = json.loads((tmp_path / "options.json").read_text())
     (tmp_path / "options.json").write_text(json.dumps(
-        {**options, "clusters": ["colocated", "static", "adaptive", "capped"]}))
-    run_headline(HeadlineOptions(model="m", profile="", workloads=("mixed",), seeds=(1,),
+        {**options, "clusters": ["colocated", "static", "adaptive", "capped"],
+         "workloads": ["mixed"]}))
+    run_headline(HeadlineOptions(model="m", profile="", seeds=(1,),  # default workloads
                                  out=str(tmp_path)), report_only=True)
-    assert "colocated, static, adaptive, capped; 2 workers" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "colocated, static, adaptive, capped; 2 workers" in printed
+    assert "workloads mixed;" in printed and "chat: no calibration" not in printed
 
 
 def test_report_only_tabulates_whichever_clusters_ran(root, tmp_path, capsys):
