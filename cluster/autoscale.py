@@ -74,6 +74,7 @@ from common.served_fit import ServedFitError, ServedFits, fit_served_roles
 from common.served_steps import StepLog
 from common.threads import lower_thread_priority
 from common.traffic import TrafficLog, TrafficRecord, expected_outputs
+from loadtest.metrics import percentile
 from planner.autoscale import (
     AutoscaleConfig,
     Autoscaler,
@@ -352,11 +353,11 @@ class AutoscaleLoop:
         percentile of the ended requests' latency (at most a window), so that few of
         them are still in flight. None: no request has ended, the span holds fewer
         than ``min_requests``, or it began before the last switch settled."""
-        latencies = sorted(r.e2e_s for r in seen if r.e2e_s is not None)
+        latencies = [r.e2e_s for r in seen if r.e2e_s is not None]
         if not latencies:
             return None
         w = self.config.window_s
-        end = now - min(w, latencies[int(0.9 * (len(latencies) - 1))])
+        end = now - min(w, percentile(latencies, 90))
         if end - w < self._settled_at:
             return None
         span = [r for r in seen if end - w <= r.arrival < end]

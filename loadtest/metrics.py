@@ -47,9 +47,7 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+        return tpot_s(self.ttft, self.e2el, self.output_tokens)
 
     @property
     def itls(self) -> list[float]:
@@ -74,6 +72,13 @@ class SLO:
         if self.tpot_ms is not None and tpot_s is not None and tpot_s * 1e3 > self.tpot_ms:
             return False
         return not (self.e2el_ms is not None and e2el_s * 1e3 > self.e2el_ms)
+
+
+def tpot_s(ttft_s: float, e2el_s: float, output_tokens: int) -> float | None:
+    """Time per output token after the first (None: fewer than two tokens)."""
+    if output_tokens < 2:
+        return None
+    return (e2el_s - ttft_s) / (output_tokens - 1)
 
 
 def percentile(values: list[float], p: float) -> float:

@@ -100,7 +100,7 @@ from typing import Generic, TypeVar
 
 from common.cost_model import Profile, StepModel
 from common.traffic import TrafficRecord
-from loadtest.metrics import SLO
+from loadtest.metrics import SLO, tpot_s
 from loadtest.workloads import DEFAULT_TOKEN_IDS, Request
 
 from .config import PoolConfig
@@ -260,10 +260,17 @@ class Autoscaler:
         (:func:`served_share`; None: not measured): its score's floor is that share of
         the window's arrivals per second, and below ``max_served_rescue`` a switch is a
         rescue."""
+        return replace(self._decide(now, current, records, move_s, proven,
+                                    itl_records or records, served), served=served)
+
+    def _decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
+                move_s: Mapping[str, float] | None, proven: Collection[str] | None,
+                itl_records: Sequence[TrafficRecord], served: float | None) -> Decision:
+        """:meth:`decide`, its decision without ``served``."""
         c = self.config
         if len(records) < c.min_requests:
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "few_requests", served=served)
+            return Decision(now, current, None, "few_requests")
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
         scores = {cand: self.score(cand, records) for cand in pool}
         arriving = len(records) / c.window_s
@@ -271,10 +278,10 @@ class Autoscaler:
         scores[current] = max(scores[current], floor)
         labels = {cand.roles_label: s for cand, s in scores.items()}
         quicker, itl = self._lower_itl(now, current, pool, scores, labels, records, move_s,
-                                       proven, itl_records or records)
+                                       proven, itl_records)
         if quicker is not None:
-            return replace(quicker, served=served)
-        shown = {"itl_p99_ms": itl, "served": served}  # compared, and no move for it
+            return quicker
+        shown = {"itl_p99_ms": itl}  # compared, and no move for it
         best = max(pool, key=lambda cand: (scores[cand], cand == current))
         if best == current:
             self._leader, self._wins = None, 0
@@ -295,14 +302,14 @@ class Autoscaler:
         bar = c.min_gain if both or rescue else c.min_gain_unproven
         if gain < bar:
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "unproven", labels, served=served)
+            return Decision(now, current, None, "unproven", labels)
         if not both and not rescue and base < c.min_served_unproven * arriving:
             self._leader, self._wins = None, 0
-            return Decision(now, current, None, "overloaded", labels, served=served)
+            return Decision(now, current, None, "overloaded", labels)
         busy, net = self._net(current, best, scores, records, move_s,
                               self.refine or self.score)
-        return replace(self._commit(now, current, best, labels, busy, net, net >= bar,
-                                    "rescue" if rescue else "switch"), served=served)
+        return self._commit(now, current, best, labels, busy, net, net >= bar,
+                            "rescue" if rescue else "switch")
 
     def _net(self, current: PoolConfig, best: PoolConfig, scores: Mapping[PoolConfig, float],
              records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
@@ -698,8 +705,7 @@ def served_share(records: Sequence[TrafficRecord], slo: SLO) -> float:
     def met(r: TrafficRecord) -> bool:
         if not r.done or r.ttft_s is None or r.e2e_s is None:
             return False
-        tpot = (r.e2e_s - r.ttft_s) / (r.output_tokens - 1) if r.output_tokens >= 2 else None
-        return slo.met(r.ttft_s, tpot, r.e2e_s)
+        return slo.met(r.ttft_s, tpot_s(r.ttft_s, r.e2e_s, r.output_tokens), r.e2e_s)
 
     return sum(map(met, records)) / len(records) if records else 0.0
 

@@ -105,12 +105,10 @@ def _status_of(e: BaseException) -> str:
 
 @dataclasses.dataclass
 class _Choice:
-    """One choice's tokens so far (what a migration continues), its first and last
-    token's times (monotonic)."""
+    """One choice's tokens so far (what a migration continues) and its last token's time."""
 
     last_token_at: float
     generated: list[int] = dataclasses.field(default_factory=list)
-    first_token_at: float | None = None
 
 
 @dataclasses.dataclass
@@ -123,16 +121,6 @@ class _Noted:
     """Unix time, once for both records."""
     cached: int = 0
     """The prompt tokens its last choice found cached (set when that choice finishes)."""
-
-
-def _latencies(choices: list[_Choice], received: float,
-               status: str) -> tuple[float | None, float | None]:
-    """A finished request's ``(ttft_s, e2e_s)`` for the traffic log: its first token
-    (any choice's) and its last; ``(None, None)`` unless it finished with tokens."""
-    firsts = [c.first_token_at for c in choices if c.first_token_at is not None]
-    if status != "OK" or not firsts:
-        return None, None
-    return min(firsts) - received, max(c.last_token_at for c in choices) - received
 
 
 class _Relay:
@@ -163,6 +151,17 @@ class _Relay:
                 ttft_s=(self.first_token_at or now) - self.received, e2e_s=now - self.received,
                 queue_s=msg.queue_s))
         return out
+
+
+def _latencies(relay: _Relay, choices: list[_Choice],
+               status: str) -> tuple[float | None, float | None]:
+    """A finished request's ``(ttft_s, e2e_s)`` for the traffic log: its first token
+    (any choice's, as its relay timed it) and its last; ``(None, None)`` unless it
+    finished with tokens."""
+    if status != "OK" or relay.first_token_at is None:
+        return None, None
+    return (relay.first_token_at - relay.received,
+            max(c.last_token_at for c in choices) - relay.received)
 
 
 class Router:
@@ -447,7 +446,7 @@ class Router:
             output = sum(len(c.generated) for c in choices)
             lease.settle(len(ids) + output)
             if noted is not None and self.traffic is not None:  # finished, failed or gone
-                ttft_s, e2e_s = _latencies(choices, received, status)
+                ttft_s, e2e_s = _latencies(relay, choices, status)
                 self.traffic.note(TrafficRecord(noted.arrival, len(ids), noted.cached,
                                                 output, noted.key, ttft_s=ttft_s,
                                                 e2e_s=e2e_s))
@@ -541,8 +540,6 @@ class Router:
                 self.metrics.observe("inter_token_latency_seconds", gap)
         elif not any(c.generated for c in choices):
             self.metrics.observe("time_to_first_token_seconds", now - received)
-        if choice.first_token_at is None:
-            choice.first_token_at = now
         choice.last_token_at = now
         choice.generated.extend(msg.token_ids)
 
