@@ -154,11 +154,13 @@ class _Relay:
 
 
 def _latencies(relay: _Relay, choices: list[_Choice],
-               status: str) -> tuple[float | None, float | None]:
+               finished: bool) -> tuple[float | None, float | None]:
     """A finished request's ``(ttft_s, e2e_s)`` for the traffic log: its first token
-    (any choice's, as its relay timed it) and its last; ``(None, None)`` unless it
-    finished with tokens."""
-    if status != "OK" or relay.first_token_at is None:
+    (any choice's, as its relay timed it) and its last; ``(None, None)`` unless every
+    choice finished with tokens. Finished is what the client saw: a stream closed or
+    cancelled after its last message (a client that stops reading at the finish) was
+    served all the same."""
+    if not finished or relay.first_token_at is None:
         return None, None
     return (relay.first_token_at - relay.received,
             max(c.last_token_at for c in choices) - relay.received)
@@ -437,7 +439,7 @@ class Router:
             status = e.code.name
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            status = "CANCELLED"
+            status = "CANCELLED" if open_ else "OK"  # closed after its last message: served
             raise
         except Exception:
             status = "INTERNAL"
@@ -446,7 +448,7 @@ class Router:
             output = sum(len(c.generated) for c in choices)
             lease.settle(len(ids) + output)
             if noted is not None and self.traffic is not None:  # finished, failed or gone
-                ttft_s, e2e_s = _latencies(relay, choices, status)
+                ttft_s, e2e_s = _latencies(relay, choices, finished=not open_)
                 self.traffic.note(TrafficRecord(noted.arrival, len(ids), noted.cached,
                                                 output, noted.key, ttft_s=ttft_s,
                                                 e2e_s=e2e_s))

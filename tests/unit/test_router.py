@@ -31,6 +31,7 @@ from fake_workers import (
 )
 
 from common import hashing
+from common.traffic import TrafficRecord
 from protos.pdserve.v1 import api_pb2, common_pb2, worker_pb2
 from router import edge
 from router.auth import Principal, tenant_salt
@@ -570,6 +571,45 @@ def test_closing_the_stream_cancels_the_worker_call(roles: list[str]) -> None:
             await stream.aclose()
             assert c.router.in_flight == 0
             await wait_for(lambda: worker.cancelled == 1)
+            assert metric(c, "requests_total", status="CANCELLED") == 1
+
+    run(body)
+
+
+class Notes:
+    """The traffic log's writer side, in memory (the router only calls ``note``)."""
+
+    def __init__(self) -> None:
+        self.records: list[TrafficRecord] = []
+
+    def note(self, record: TrafficRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("roles", [["mixed"], ["prefill", "decode"]], ids=["mixed", "disagg"])
+def test_the_traffic_log_times_a_request_whose_client_stops_at_the_finish(
+        roles: list[str]) -> None:
+    """A client that closes its stream on the last message (no read past the finish)
+    was served: its ended record has latencies, as the planner's served share needs.
+    One closed mid-stream was not."""
+    async def body() -> None:
+        async with Cluster(roles) as c:
+            c.router.traffic = notes = Notes()  # type: ignore[assignment]
+            stream = c.router.generate(req(max_tokens=4))
+            async for msg in stream:
+                if msg.finish_reason:
+                    break
+            await stream.aclose()
+            c.workers[-1].endless = True
+            cut = c.router.generate(req())
+            await anext(cut)
+            await cut.aclose()
+            await wait_for(lambda: c.router.in_flight == 0)
+            served, cancelled = [r for r in notes.records if r.done]
+            assert served.output_tokens == 4 and 0 < served.ttft_s <= served.e2e_s
+            assert cancelled.output_tokens >= 1
+            assert (cancelled.ttft_s, cancelled.e2e_s) == (None, None)
+            assert metric(c, "requests_total", status="OK") == 1
             assert metric(c, "requests_total", status="CANCELLED") == 1
 
     run(body)
