@@ -80,6 +80,8 @@ class HeadlineOptions:
     tpot_x: float = 2.0
     calibration_requests: int = 8
     autoscale_interval_s: float = 5.0
+    autoscale_itl: bool = False
+    """The adaptive cluster's planner with rule 2b (``pdserve up --autoscale-itl``)."""
     clusters: tuple[str, ...] = ("colocated", "static", "adaptive")
     dtype: str = "auto"
     out: str = "bench-results/headline"
@@ -107,6 +109,7 @@ def _config(o: HeadlineOptions, name: str, out: Path, slo: SLO | None,
     if name == "adaptive":
         extra |= {"profile": o.profile, "autoscale": True,
                   "autoscale_interval_s": o.autoscale_interval_s,
+                  "autoscale_itl": o.autoscale_itl,
                   "slo_ttft_ms": slo.ttft_ms if slo else None,
                   "slo_tpot_ms": slo.tpot_ms if slo else None}
     if o.profile:  # every cluster at the profile's block size, which the planner simulates

@@ -287,7 +287,10 @@ class AutoscaleLoop:
                      ", ".join(f"{cap or 'no cap'}: {g:.3f}/s, {itl:.0f} ms"
                                for cap, (g, itl) in cd.predicted.items()))
         if cd.target is not None:
-            self._set_cap(roles, current, cd.target, cd.reason)
+            try:
+                self._set_cap(roles, current, cd.target, cd.reason)
+            finally:  # what it serves from now on is the new cap's (the served floor)
+                self._settled_at = now + (time.monotonic() - began)
         return d
 
     def _refine(self, figures: Predict) -> Score | None:
@@ -352,7 +355,8 @@ class AutoscaleLoop:
         rescue's test): of one window of arrivals that ended a lag ago, the lag the 90th
         percentile of the ended requests' latency (at most a window), so that few of
         them are still in flight. None: no request has ended, the span holds fewer
-        than ``min_requests``, or it began before the last switch settled."""
+        than ``min_requests``, or it began before the last switch (of roles, or of the
+        stall-free cap) settled."""
         latencies = [r.e2e_s for r in seen if r.e2e_s is not None]
         if not latencies:
             return None

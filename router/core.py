@@ -160,10 +160,13 @@ def _latencies(relay: _Relay, choices: list[_Choice],
     choice finished with tokens. Finished is what the client saw: a stream closed or
     cancelled after its last message (a client that stops reading at the finish) was
     served all the same."""
-    if not finished or relay.first_token_at is None:
+    first = relay.first_token_at
+    if not finished or first is None:
         return None, None
-    return (relay.first_token_at - relay.received,
-            max(c.last_token_at for c in choices) - relay.received)
+    # One message may carry every token: its relay time is then a hair after the
+    # choice's last-token time, and a TTFT past the E2E is refused by the log's reader.
+    last = max(first, *(c.last_token_at for c in choices))
+    return first - relay.received, last - relay.received
 
 
 class Router:

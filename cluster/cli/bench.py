@@ -85,6 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="TPOT SLO: this many times the unloaded TPOT p50")
     bh.add_argument("--clusters", default="colocated,static,adaptive")
     bh.add_argument("--dtype", default="auto")
+    bh.add_argument("--autoscale-itl", action="store_true",
+                    help="the adaptive cluster's planner also moves for a much lower "
+                         "predicted ITL p99 at equal goodput (pdserve up --autoscale-itl)")
     bh.add_argument("--out", default="bench-results/headline")
     bh.add_argument("--report-only", action="store_true",
                     help="no runs: tabulate and plot the results already in --out")
@@ -655,7 +658,8 @@ def cmd_bench_headline(args: argparse.Namespace) -> int:
     run_headline(HeadlineOptions(
         model=str(path), profile=args.profile, workloads=workloads, seeds=seeds,
         fractions=fractions, duration_s=args.duration_s, ttft_x=args.ttft_x,
-        tpot_x=args.tpot_x, clusters=clusters, dtype=args.dtype, out=args.out),
+        tpot_x=args.tpot_x, clusters=clusters, dtype=args.dtype, out=args.out,
+        autoscale_itl=args.autoscale_itl),
         report_only=args.report_only)
     return 0
 

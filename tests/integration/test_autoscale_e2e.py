@@ -94,10 +94,14 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         # Now a cap of 64 halves ITL p99 at the same goodput: after two decisions in a
         # row every worker has it (SetRole to the role it has), and so do the candidates.
         itl[64] = 40.0
+        before_cap = time.time()
         assert [loop.tick(time.time()).reason for _ in range(2)] == ["current_best"] * 2
         assert [(d.reason, d.target) for d in loop.cap_decisions[-2:]] == [
             ("confirming", None), ("switch", 64)]
         assert loop.autoscaler.candidates[0].prefill_tokens_while_decoding == 64
+        # What the workers served before the cap is not the new cap's: the served floor
+        # waits a window from the cap's change, as from a role change.
+        assert loop._settled_at >= before_cap
         assert all(c.set_role(w, "mixed").prefill_tokens_while_decoding == 64
                    for w in c.worker_addresses)  # the workers' own answer
         assert 'planner_prefill_cap{component="planner"} 64.0' in loop.metrics.text(

@@ -590,8 +590,9 @@ class Notes:
 def test_the_traffic_log_times_a_request_whose_client_stops_at_the_finish(
         roles: list[str]) -> None:
     """A client that closes its stream on the last message (no read past the finish)
-    was served: its ended record has latencies, as the planner's served share needs.
-    One closed mid-stream was not."""
+    was served: its ended record has latencies, as the planner's served share needs,
+    and so has one whose only message was its first token and its last (the log's
+    reader refuses a TTFT past the E2E). One closed mid-stream was not."""
     async def body() -> None:
         async with Cluster(roles) as c:
             c.router.traffic = notes = Notes()  # type: ignore[assignment]
@@ -600,16 +601,18 @@ def test_the_traffic_log_times_a_request_whose_client_stops_at_the_finish(
                 if msg.finish_reason:
                     break
             await stream.aclose()
+            await collect(c, req(max_tokens=1))  # one message: first token, last, finish
             c.workers[-1].endless = True
             cut = c.router.generate(req())
             await anext(cut)
             await cut.aclose()
             await wait_for(lambda: c.router.in_flight == 0)
-            served, cancelled = [r for r in notes.records if r.done]
-            assert served.output_tokens == 4 and 0 < served.ttft_s <= served.e2e_s
+            served, single, cancelled = [r for r in notes.records if r.done]
+            assert served.output_tokens == 4 and 0 < served.ttft_s < served.e2e_s
+            assert single.output_tokens == 1 and 0 < single.ttft_s == single.e2e_s
             assert cancelled.output_tokens >= 1
             assert (cancelled.ttft_s, cancelled.e2e_s) == (None, None)
-            assert metric(c, "requests_total", status="OK") == 1
+            assert metric(c, "requests_total", status="OK") == 2
             assert metric(c, "requests_total", status="CANCELLED") == 1
 
     run(body)
