@@ -154,7 +154,8 @@ class AutoscaleLoop:
                                     c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer,
                                     c.slo_ttft_ms)  # the router's own (cluster.deployment)
         self.profile, self._slo = profile, (c.slo_ttft_ms, c.slo_tpot_ms)
-        figures = per_window(simulated(profile, cluster.threads, *self._slo))
+        figures = per_window(simulated(profile, cluster.threads, *self._slo,
+                                       window_s=self.config.window_s))
         self.caps = PrefillCapChooser(prefill_caps(profile, cluster.threads), figures,
                                       min_requests=self.config.min_requests,
                                       confirmations=self.config.confirmations)
@@ -177,6 +178,9 @@ class AutoscaleLoop:
         the profile's own); a candidate with its own in :attr:`memory` took that."""
         self.memory: FitMemory[ServedFits] = FitMemory(self.config.memory_s)
         self._settled_at = -math.inf  # when the last switch's role changes ended
+        self._cap_set_at = -math.inf  # when the stall-free cap last changed (the served
+        # floor waits a window after it; a role's own calibration does not: a cap does not
+        # change what a step of given sums takes)
         self._scored: tuple = (None, {})  # the window's fit and each own fit, by label:
         # what the autoscaler's score simulates with
         self._refused: tuple[str, bool] | None = None  # the last refusal's kind and if kept
@@ -290,7 +294,7 @@ class AutoscaleLoop:
             try:
                 self._set_cap(roles, current, cd.target, cd.reason)
             finally:  # what it serves from now on is the new cap's (the served floor)
-                self._settled_at = now + (time.monotonic() - began)
+                self._cap_set_at = now + (time.monotonic() - began)
         return d
 
     def _refine(self, figures: Predict) -> Score | None:
@@ -362,7 +366,7 @@ class AutoscaleLoop:
             return None
         w = self.config.window_s
         end = now - min(w, percentile(latencies, 90))
-        if end - w < self._settled_at:
+        if end - w < max(self._settled_at, self._cap_set_at):
             return None
         span = [r for r in seen if end - w <= r.arrival < end]
         if len(span) < self.config.min_requests:
@@ -462,7 +466,8 @@ class AutoscaleLoop:
             if id(f) not in predicts:
                 profile = self.profile if f is None else f.apply(self.profile)
                 predicts[id(f)] = simulated(profile, self.cluster.threads, *self._slo,
-                                            slo_profile=self.profile)
+                                            slo_profile=self.profile,
+                                            window_s=self.config.window_s)
             return predicts[id(f)]
 
         def figures(config: PoolConfig, records: Sequence[TrafficRecord]) -> dict:

@@ -273,7 +273,7 @@ class Autoscaler:
             return Decision(now, current, None, "few_requests")
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
         scores = {cand: self.score(cand, records) for cand in pool}
-        arriving = len(records) / (arrival_span(records) or c.window_s)
+        arriving = len(records) / c.window_s
         floor = (served or 0.0) * arriving
         scores[current] = max(scores[current], floor)
         labels = {cand.roles_label: s for cand, s in scores.items()}
@@ -611,11 +611,12 @@ def current_config(roles: dict[str, str],
 
 def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
                       slo_tpot_ms: float | None = None, seed: int = 0,
-                      slo_profile: Profile | None = None) -> Score:
+                      slo_profile: Profile | None = None,
+                      window_s: float | None = None) -> Score:
     """The production score: :func:`simulated`'s predicted goodput (requests/s meeting
     the SLOs)."""
     return goodput_of(simulated(profile, threads, slo_ttft_ms, slo_tpot_ms, seed,
-                                slo_profile))
+                                slo_profile, window_s))
 
 
 def goodput_of(figures: Predict) -> Score:
@@ -664,7 +665,7 @@ def best_cap_goodput(figures: Predict, caps: Sequence[int]) -> Score:
 
 def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
               slo_tpot_ms: float | None = None, seed: int = 0,
-              slo_profile: Profile | None = None) -> Predict:
+              slo_profile: Profile | None = None, window_s: float | None = None) -> Predict:
     """The simulator's predicted figures (:func:`planner.predict.predicted`: goodput,
     latency percentiles) of a configuration on the window's requests, replayed at their
     arrival times with their prompt and output lengths, and prompts that share what the
@@ -674,7 +675,15 @@ def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
     SLOs not given are relative to the machine: TTFT 5x the unloaded prefill of the
     window's mean prompt, TPOT 2x an unloaded decode step at that context, both on
     ``slo_profile`` (default: ``profile``; a profile refitted from served steps keeps
-    the saved one's SLOs, so that targets do not move with the machine's speed)."""
+    the saved one's SLOs, so that targets do not move with the machine's speed).
+
+    ``window_s``: goodput is the requests served within the SLOs per second of it, the
+    window the records arrived in (the live planner's, whose served floor is the share it
+    measured of the window's requests over the same seconds); None: per second of the
+    simulated run, as a benchmark reports it, whose drain tail differs by configuration.
+    On that basis a configuration measured to serve a whole window scored 1-7% above the
+    same one simulated to serve it whole (synthetic 15 s chat windows, a 2-core EPYC's
+    profile): up to past rule 2b's 5% tolerance, for nothing."""
     step = (slo_profile or profile).step(threads)
 
     def figures(config: PoolConfig, records: Sequence[TrafficRecord]) -> dict:
@@ -683,29 +692,9 @@ def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
                     zip(records, window_prompts(records, random.Random(seed)), strict=True)]
         result = run(profile, config, requests, [r.arrival - t0 for r in records])
         return predicted(result, window_slo(step, records, slo_ttft_ms, slo_tpot_ms),
-                         units=config.units(), window_s=arrival_span(records))
+                         units=config.units(), window_s=window_s)
 
     return figures
-
-
-def arrival_span(records: Sequence[TrafficRecord]) -> float | None:
-    """The seconds of arrivals ``records`` stand for: first to last and one mean gap
-    more (``n`` arrivals at a steady rate span ``n`` gaps); None for fewer than two,
-    or all at one instant.
-
-    The live planner's goodput is per second of it: the requests a configuration serves
-    (predicted, or measured: the served floor) within the SLOs over the window's
-    arrivals, never over a run's duration, whose drain tail differs by configuration.
-    Over the duration (as a benchmark reports goodput), a configuration measured to
-    serve a whole window (the floor: its requests over ``window_s``) scored 1-7% above
-    the same one simulated to serve it whole, on synthetic 15 s chat windows and a
-    2-core EPYC's profile: up to past rule 2b's 5% tolerance, for nothing."""
-    if len(records) < 2:
-        return None
-    first, last = min(r.arrival for r in records), max(r.arrival for r in records)
-    if last <= first:
-        return None
-    return (last - first) * len(records) / (len(records) - 1)
 
 
 def window_slo(step: StepModel, records: Sequence[TrafficRecord],

@@ -157,9 +157,9 @@ def _latencies(relay: _Relay, choices: list[_Choice],
                finished: bool) -> tuple[float | None, float | None]:
     """A finished request's ``(ttft_s, e2e_s)`` for the traffic log: its first token
     (any choice's, as its relay timed it) and its last; ``(None, None)`` unless every
-    choice finished with tokens. Finished is what the client saw: a stream closed or
-    cancelled after its last message (a client that stops reading at the finish) was
-    served all the same."""
+    choice finished and some token came. Finished is what the router handed on: a
+    stream closed or cancelled after its last message (a client that stops reading at
+    the finish, as the OpenAI front does) was served all the same."""
     first = relay.first_token_at
     if not finished or first is None:
         return None, None
@@ -425,6 +425,8 @@ class Router:
                                            "unfinished")
                     solo = min(open_, default=None)  # the next choice to move, if any
                 except WorkerFailed as e:
+                    if not open_:  # every choice finished: only the stream's end was lost
+                        break
                     generated = choices[solo if solo is not None else min(open_)].generated
                     if (migrations >= self.config.migration_limit
                             or len(generated) >= request.sampling.max_tokens):
@@ -439,6 +441,8 @@ class Router:
                 finally:
                     await source.aclose()
         except RouterError as e:
+            if not open_:  # every choice finished (the client has it all), and then the
+                return     # deadline passed while the worker's stream was ending: served
             status = e.code.name
             raise
         except (asyncio.CancelledError, GeneratorExit):

@@ -168,6 +168,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.die_after: int | None = None
         self.fail_reserve: grpc.StatusCode | None = None
         self.fail_prefill: grpc.StatusCode | None = None
+        self.fail_at_end: grpc.StatusCode | None = None  # after the last token's finish
         self.local = False
         self.cached_tokens = 0
         self.gate: asyncio.Event | None = None
@@ -237,6 +238,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                         prompt_tokens=len(req.prompt_token_ids), completion_tokens=done,
                         cached_tokens=0))
                 yield out
+        if self.fail_at_end is not None:
+            await context.abort(self.fail_at_end, f"fake worker {self.address} failed "
+                                "after the finish on purpose")
 
     def _enter(self) -> None:
         self.open_calls += 1

@@ -85,9 +85,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="TPOT SLO: this many times the unloaded TPOT p50")
     bh.add_argument("--clusters", default="colocated,static,adaptive")
     bh.add_argument("--dtype", default="auto")
-    bh.add_argument("--autoscale-itl", action="store_true",
+    bh.add_argument("--autoscale-itl", action=argparse.BooleanOptionalAction, default=True,
                     help="the adaptive cluster's planner also moves for a much lower "
-                         "predicted ITL p99 at equal goodput (pdserve up --autoscale-itl)")
+                         "predicted ITL p99 at equal goodput (pdserve up --autoscale-itl; "
+                         "--no-autoscale-itl: goodput alone)")
     bh.add_argument("--out", default="bench-results/headline")
     bh.add_argument("--report-only", action="store_true",
                     help="no runs: tabulate and plot the results already in --out")

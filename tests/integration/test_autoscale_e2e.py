@@ -101,7 +101,7 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         assert loop.autoscaler.candidates[0].prefill_tokens_while_decoding == 64
         # What the workers served before the cap is not the new cap's: the served floor
         # waits a window from the cap's change, as from a role change.
-        assert loop._settled_at >= before_cap
+        assert loop._cap_set_at >= before_cap > loop._settled_at
         assert all(c.set_role(w, "mixed").prefill_tokens_while_decoding == 64
                    for w in c.worker_addresses)  # the workers' own answer
         assert 'planner_prefill_cap{component="planner"} 64.0' in loop.metrics.text(
@@ -176,7 +176,8 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
         monkeypatch.setattr(served_fit, "FACTOR_RANGE", (1e3, 1e4))
         assert loop.recalibrate(time.time()) is fit and loop.autoscaler.score is scored
         later = time.time() + KEEP_FIT_WINDOWS * loop.config.window_s + 1
-        on_profile = simulated_goodput(loop.profile, 1, *loop._slo)
+        on_profile = simulated_goodput(loop.profile, 1, *loop._slo,
+                                       window_s=loop.config.window_s)
         mixed = loop.autoscaler.candidates[0]
         assert scored(mixed, records) != on_profile(mixed, records)  # its own fit
         assert loop.recalibrate(later) is None and loop.autoscaler.score is not scored

@@ -7,6 +7,7 @@ configuration served whole. Pure: files and the simulator."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tarfile
@@ -114,6 +115,10 @@ def test_the_split_cluster_is_the_split_the_adaptive_planner_would_switch_to(tmp
     held = current_config({"a": "prefill", "b": "decode"}, planned)
     assert held is not None and held.kind == "adaptive"  # live placement, as the split's
     assert "split" not in o.clusters  # only when named
+    # The adaptive cluster's planner runs rule 2b unless told not to; no other cluster plans.
+    assert adaptive.autoscale_itl and not split.autoscale_itl
+    goodput_only = dataclasses.replace(o, autoscale_itl=False)
+    assert not _config(goodput_only, "adaptive", tmp_path, None).autoscale_itl
 
 
 def test_saturation_is_judged_at_high_load_only():

@@ -618,6 +618,23 @@ def test_the_traffic_log_times_a_request_whose_client_stops_at_the_finish(
     run(body)
 
 
+def test_a_worker_that_fails_after_the_finish_fails_no_request() -> None:
+    """Every token and the finish came; the worker's stream then fails: the request
+    was served (no migration, no error, counted OK, its latencies logged)."""
+    async def body() -> None:
+        async with Cluster(["mixed"]) as c:
+            c.router.traffic = notes = Notes()  # type: ignore[assignment]
+            c.workers[0].fail_at_end = grpc.StatusCode.UNAVAILABLE
+            msgs = await collect(c, req(max_tokens=3))
+            assert tokens(msgs) == expected_tokens(P, 3) and msgs[-1].finish_reason
+            assert metric(c, "requests_total", status="OK") == 1
+            assert metric(c, "request_migrations_total") == 0
+            (ended,) = [r for r in notes.records if r.done]
+            assert 0 < ended.ttft_s < ended.e2e_s
+
+    run(body)
+
+
 def test_requests_beyond_max_in_flight_are_resource_exhausted() -> None:
     async def body() -> None:
         async with Cluster(["mixed"], max_in_flight=1) as c:
