@@ -154,8 +154,7 @@ class AutoscaleLoop:
                                     c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer,
                                     c.slo_ttft_ms)  # the router's own (cluster.deployment)
         self.profile, self._slo = profile, (c.slo_ttft_ms, c.slo_tpot_ms)
-        figures = per_window(simulated(profile, cluster.threads, *self._slo,
-                                       window_s=self.config.window_s))
+        figures = self._figures(None, {})  # the profile's, until a window's fit
         self.caps = PrefillCapChooser(prefill_caps(profile, cluster.threads), figures,
                                       min_requests=self.config.min_requests,
                                       confirmations=self.config.confirmations)

@@ -132,7 +132,10 @@ class _Relay:
         self.prompt_logprobs_sent = False
         self.first_token_at: float | None = None
 
-    def convert(self, msg: worker_pb2.WorkerGenerateResponse) -> api_pb2.GenerateResponse:
+    def convert(self, msg: worker_pb2.WorkerGenerateResponse,
+                now: float) -> api_pb2.GenerateResponse:
+        """``msg`` as the client's message; ``now``: when it came (monotonic), the same
+        reading the router times the choice's tokens with."""
         out = api_pb2.GenerateResponse(request_id=self.request_id, token_ids=msg.token_ids,
                                        text=msg.text, logprobs=msg.logprobs)
         if self.first:
@@ -142,9 +145,8 @@ class _Relay:
             out.prompt_logprobs.extend(msg.prompt_logprobs)       # sends them again)
             self.prompt_logprobs_sent = True
         if self.first_token_at is None and msg.token_ids:
-            self.first_token_at = time.monotonic()
+            self.first_token_at = now
         if msg.finish_reason:
-            now = time.monotonic()
             out.finish_reason = msg.finish_reason
             out.usage.CopyFrom(msg.usage)
             out.timings.CopyFrom(common_pb2.Timings(
@@ -160,13 +162,13 @@ def _latencies(relay: _Relay, choices: list[_Choice],
     choice finished and some token came. Finished is what the router handed on: a
     stream closed or cancelled after its last message (a client that stops reading at
     the finish, as the OpenAI front does) was served all the same."""
-    first = relay.first_token_at
-    if not finished or first is None:
+    if not finished or relay.first_token_at is None:
         return None, None
-    # One message may carry every token: its relay time is then a hair after the
-    # choice's last-token time, and a TTFT past the E2E is refused by the log's reader.
-    last = max(first, *(c.last_token_at for c in choices))
-    return first - relay.received, last - relay.received
+    # One clock reading a message (Router.generate): the first token's time is some
+    # choice's last-token time then, so never past the last (the log's reader refuses
+    # a TTFT past the E2E).
+    return (relay.first_token_at - relay.received,
+            max(c.last_token_at for c in choices) - relay.received)
 
 
 class Router:
@@ -410,8 +412,9 @@ class Router:
                         if index not in open_:
                             continue
                         self.count_sent("worker", msg.ByteSize())
-                        self._observe_tokens(choices, index, msg, received)
-                        out = relay.convert(msg)
+                        now = time.monotonic()
+                        self._observe_tokens(choices, index, msg, received, now)
+                        out = relay.convert(msg, now)
                         out.index = index
                         if msg.finish_reason:
                             open_.discard(index)
@@ -537,12 +540,13 @@ class Router:
             generated, f"{request.request_id}#{self._nonce}-{next(self._ids)}")
 
     def _observe_tokens(self, choices: list[_Choice], index: int,
-                        msg: worker_pb2.WorkerGenerateResponse, received: float) -> None:
+                        msg: worker_pb2.WorkerGenerateResponse, received: float,
+                        now: float) -> None:
         """TTFT (the request's first token, whichever choice) and inter-token latency
-        (within each choice) of one message's tokens."""
+        (within each choice) of one message's tokens, which came at ``now``."""
         if not msg.token_ids:
             return
-        now, choice = time.monotonic(), choices[index]
+        choice = choices[index]
         if choice.generated:
             gap = (now - choice.last_token_at) / len(msg.token_ids)
             for _ in msg.token_ids:
