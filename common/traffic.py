@@ -1,7 +1,8 @@
 """Recent traffic's shapes, in Redis: what the live planner re-plans from.
 
 Every router notes each request twice (:meth:`TrafficLog.note`: when it arrived, its
-prompt, cached and output tokens; never its tokens or text): once admitted, ``done``
+prompt, cached and output tokens, and the key of the earlier request whose prompt its
+own begins with (:mod:`router.lineage`); never its tokens or text): once admitted, ``done``
 False, with the output its ``max_tokens`` allows, and once it ends (finished, failed
 or cancelled) with the output it had and, finished, its first and last token's
 latencies (what the planner measures the running configuration's goodput from). The
@@ -53,6 +54,9 @@ class TrafficRecord:
     e2e_s: float | None = None
     """A finished request's first and last token, seconds after it arrived (None: not
     finished, or failed)."""
+    parent: str = ""
+    """The key of the earlier request of the same router whose prompt this one's begins
+    with (:mod:`router.lineage`: a conversation's previous turn; "": none)."""
 
 
 class TrafficLog(StreamLog[TrafficRecord]):
@@ -70,6 +74,8 @@ class TrafficLog(StreamLog[TrafficRecord]):
                "o": r.output_tokens, "k": r.key[:MAX_KEY], "d": int(r.done)}
         if r.ttft_s is not None and r.e2e_s is not None:
             out |= {"t": f"{r.ttft_s:.4f}", "e": f"{r.e2e_s:.4f}"}
+        if r.parent:
+            out["pa"] = r.parent[:MAX_KEY]
         return out
 
     def recent(self, since: float) -> list[TrafficRecord]:
@@ -88,13 +94,15 @@ class TrafficLog(StreamLog[TrafficRecord]):
         if not all(0 <= n <= MAX_TOKENS for n in counts) or not 0 < arrival < 1e11:
             return None
         p, c, o = counts
-        key = fields.get(b"k", b"")
+        key, parent = fields.get(b"k", b""), fields.get(b"pa", b"")
         done = fields.get(b"d", b"1")
-        if not isinstance(key, bytes) or len(key) > MAX_KEY or done not in (b"0", b"1"):
+        if (not all(isinstance(k, bytes) and len(k) <= MAX_KEY for k in (key, parent))
+                or done not in (b"0", b"1")):
             return None
         ttft_s, e2e_s = _latencies(fields)
         return TrafficRecord(arrival, p, min(c, p), o, key.decode("ascii", "replace"),
-                             done == b"1", ttft_s=ttft_s, e2e_s=e2e_s)
+                             done == b"1", ttft_s=ttft_s, e2e_s=e2e_s,
+                             parent=parent.decode("ascii", "replace"))
 
     def _time(self, r: TrafficRecord) -> float:
         return r.arrival

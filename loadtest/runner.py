@@ -89,8 +89,8 @@ class Trace:
 
 async def drive(opts: RunOptions) -> Trace:
     """Run the schedule: each session starts at its send time; a conversation's turns
-    follow one another (after ``think_time_s``); at most ``max_concurrency`` requests
-    are in flight."""
+    follow one another (after ``think_time_s``, or a turn's own ``think_s``); at most
+    ``max_concurrency`` requests are in flight."""
     sessions = group_sessions(opts.requests)
     if len(sessions) != len(opts.send_times):
         raise ValueError(f"{len(sessions)} sessions but {len(opts.send_times)} send times")
@@ -114,8 +114,9 @@ async def drive(opts: RunOptions) -> Trace:
         async def session(turns: list[Request], at: float) -> None:
             await asyncio.sleep(max(0.0, start + at - time.monotonic()))
             for i, req in enumerate(turns):
-                if i and opts.think_time_s:
-                    await asyncio.sleep(opts.think_time_s)
+                pause = opts.think_time_s if req.think_s is None else req.think_s
+                if i and pause > 0:
+                    await asyncio.sleep(pause)
                 await one(req)
 
         async def sample_queue() -> None:

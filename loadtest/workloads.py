@@ -44,6 +44,9 @@ class Request:
     at: float | None = None  # seconds from the start (trace replay); None: arrivals decide
     conversation: int | None = None
     """Multi-turn: the turns of a conversation are sent one after another, in order."""
+    think_s: float | None = None
+    """Multi-turn: the pause between the previous turn's reply and this turn (None: the
+    run's ``think_time_s``); a replay of logged turns keeps each turn's own."""
 
 
 def _ids(rng: random.Random, n: int, token_ids: Sequence[int]) -> list[int]:

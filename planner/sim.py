@@ -204,7 +204,8 @@ class Simulation:
 
     def _next_turn(self, turns: list[Request], turn: int) -> None:
         if turn + 1 < len(turns):
-            self.loop.at(self.loop.now + self.think_time_s,
+            think = turns[turn + 1].think_s
+            self.loop.at(self.loop.now + (self.think_time_s if think is None else think),
                          lambda: self._send(turns, turn + 1))
 
     def _params_of(self, req: Request) -> SamplingParams:

@@ -82,6 +82,7 @@ from .config import RouterConfig
 from .dispatch import Dispatcher
 from .errors import RouterError, WorkerFailed
 from .limits import TenantLimiter
+from .lineage import Lineage
 from .policies import make_policy
 from .pool import Connect, RegistryLike, Worker, WorkerPool, grpc_connect
 from .prefix_lookup import PrefixLookup
@@ -121,6 +122,9 @@ class _Noted:
     """Unix time, once for both records."""
     cached: int = 0
     """The prompt tokens its last choice found cached (set when that choice finishes)."""
+    parent: str = ""
+    """The key of the earlier request whose prompt this one's begins with
+    (:mod:`router.lineage`; "": none)."""
 
 
 class _Relay:
@@ -215,6 +219,8 @@ class Router:
         self.prefixes = PrefixLookup(index, self.metrics, budget_s=config.prefix_lookup_budget_s)
         self.traffic = TrafficLog(self._redis, self.model_name) if self._redis else None
         """Requests' shapes, admitted and finished, for the live planner (common/traffic.py)."""
+        self.lineage = Lineage(self.model_name)
+        """Which earlier request each prompt continues, for its traffic records."""
         self._traffic_task: asyncio.Task | None = None
         self.workers = WorkerPool(config, self.metrics, connect=connect, registry=registry,
                                   on_redis=self.prefixes.note_redis)
@@ -461,7 +467,7 @@ class Router:
                 ttft_s, e2e_s = _latencies(relay, choices, finished=not open_)
                 self.traffic.note(TrafficRecord(noted.arrival, len(ids), noted.cached,
                                                 output, noted.key, ttft_s=ttft_s,
-                                                e2e_s=e2e_s))
+                                                e2e_s=e2e_s, parent=noted.parent))
             self._in_flight -= 1
             self.metrics.set("requests_in_flight", self._in_flight)
             self.metrics.inc("requests_total", status=status)
@@ -524,12 +530,14 @@ class Router:
         the request ends, finished or not, with the output it had."""
         if self.traffic is None:
             return None
-        noted = _Noted(f"{self._nonce}-{next(self._ids)}",
-                       time.time() - (time.monotonic() - received))
+        key = f"{self._nonce}-{next(self._ids)}"
+        noted = _Noted(key, time.time() - (time.monotonic() - received),
+                       parent=self.lineage.link(request.prompt_token_ids, key,
+                                                request.cache_salt))
         prompt = len(request.prompt_token_ids)
         self.traffic.note(TrafficRecord(noted.arrival, prompt, 0,
                                         self._reserve(request) - prompt, noted.key,
-                                        done=False))
+                                        done=False, parent=noted.parent))
         return noted
 
     def _worker_request(self, request: Request, generated: list[int]) -> Request:

@@ -79,6 +79,26 @@ def test_a_finished_requests_latencies_go_with_it_and_bad_ones_are_dropped(clien
     assert [r.prompt_tokens for r in got] == [128, 64, 7, 7, 7, 7]
 
 
+def test_a_turns_link_to_the_one_before_goes_with_both_its_records(client):
+    """``parent`` (router.lineage: the request whose prompt this one's begins with) is
+    read back on the admitted record and the finished one; an entry whose parent is
+    longer than a key is not ours."""
+    client.flushall()
+    log = TrafficLog(client, "m")
+    now = time.time()
+    log.note(TrafficRecord(now - 3, 192, 0, 64, "r-1", ttft_s=0.3, e2e_s=1.2))
+    log.note(TrafficRecord(now - 1.7, 448, 0, 64, "r-2", done=False, parent="r-1"))
+    log.flush(log.take())
+    assert [(r.key, r.parent, r.done) for r in log.recent(now - 10)] == [
+        ("r-1", "", True), ("r-2", "r-1", False)]
+    log.note(TrafficRecord(now - 1.7, 448, 192, 64, "r-2", ttft_s=0.2, e2e_s=1.1,
+                           parent="r-1"))
+    log.flush(log.take())
+    client.xadd(log.key, {"a": f"{now - 1:.6f}", "p": 7, "c": 0, "o": 1, "pa": "x" * 65})
+    assert [(r.key, r.parent, r.cached_tokens) for r in log.recent(now - 10)] == [
+        ("r-1", "", 0), ("r-2", "r-1", 192)]
+
+
 def test_malformed_entries_are_skipped_and_the_stream_is_capped(client):
     client.flushall()
     log = TrafficLog(client, "m", maxlen=100)

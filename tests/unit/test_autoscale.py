@@ -469,6 +469,77 @@ def test_a_window_with_cached_prefixes_predicts_the_cache_hits():
                                                                     plain)
 
 
+def _chat_window(served_x: float, linked: bool = True) -> list[TrafficRecord]:
+    """Eight 3-turn conversations 12 s apart, each turn sent the moment the one before
+    it ended, as the routers log them: with the parent's key (``linked``), latencies
+    ``served_x`` those of an unloaded synthetic-CPU worker."""
+    step = synthetic_profile("cpu").step(1)
+    records = []
+    for c in range(8):
+        t, parent = 12.0 * c, ""
+        for turn in range(3):
+            n = 192 + 256 * turn
+            cached = n - 256 if turn else 0
+            ttft = step.prefill_seconds(n - cached, cached)
+            e2e = served_x * (ttft + 63 * step.decode_seconds(1, n))
+            key = f"c{c}t{turn}"
+            records.append(TrafficRecord(t, n, cached, 64, key, ttft_s=served_x * ttft,
+                                         e2e_s=e2e, parent=parent if linked else ""))
+            parent, t = key, t + e2e
+    return records
+
+
+def test_a_window_replays_a_conversations_turns_one_after_another():
+    """window_requests: a turn whose parent ended in the window follows it by the pause
+    it had, its prompt beginning with the parent's; anything else starts a session at
+    its arrival: a parent still running or with no latencies, one that ended after the
+    request came, a parent's second continuation, a parent outside the window."""
+    import random
+
+    from planner.autoscale import window_requests
+
+    records = [
+        TrafficRecord(10.0, 192, 0, 64, "a", ttft_s=0.2, e2e_s=1.0),
+        TrafficRecord(11.3, 448, 192, 64, "b", ttft_s=0.2, e2e_s=1.0, parent="a"),
+        TrafficRecord(11.5, 448, 192, 64, "c", ttft_s=0.2, e2e_s=1.0, parent="a"),  # 2nd
+        TrafficRecord(12.0, 100, 0, 64, "d", done=False),  # in flight
+        TrafficRecord(12.5, 300, 96, 64, "e", parent="d"),
+        TrafficRecord(13.0, 100, 0, 64, "f", ttft_s=0.2, e2e_s=4.0),
+        TrafficRecord(14.0, 300, 96, 64, "g", parent="f"),  # came before f ended
+        TrafficRecord(15.0, 300, 0, 64, "h", parent="gone"),  # before the window
+    ]
+    requests, starts = window_requests(records[::-1], random.Random(3))  # any order in
+    assert [r.conversation for r in requests] == [0, 0, 1, 2, 3, 4, 5, 6]
+    assert starts == pytest.approx([0.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0])
+    assert requests[1].think_s == pytest.approx(0.3)
+    assert all(r.think_s is None for i, r in enumerate(requests) if i != 1)
+    assert requests[1].prompt[:192] == requests[0].prompt
+    assert requests[2].prompt[:191] == requests[0].prompt[:191]  # linked, own session
+    assert requests[4].prompt[:100] == requests[3].prompt  # its parent's, not a guess
+    assert [len(r.prompt) for r in requests] == [192, 448, 448, 100, 300, 100, 300, 300]
+
+
+def test_linked_turns_do_not_predict_the_stalls_of_turns_replayed_each_at_its_arrival():
+    """A 2-core EPYC's chat headline: turn k+1 comes the moment turn k's reply ended,
+    served 10% faster than the simulated worker steps. Replayed each at its arrival,
+    turn k+1 reached the worker caching its prefix while turn k still decoded there in
+    the simulation, and its prefill stalled turn k's last token: ITL p99 the prefill's
+    length (the planner then split two mixed workers at 25% load for an ITL they never
+    had). Linked, each turn follows its parent's simulated end: no stall."""
+    from planner.autoscale import simulated
+
+    figures = simulated(synthetic_profile("cpu"), 1, slo_ttft_ms=3000, slo_tpot_ms=150)
+    decode_ms = 1000 * synthetic_profile("cpu").step(1).decode_seconds(1, 704)
+    linked = figures(MIXED, _chat_window(0.9))
+    apart = figures(MIXED, _chat_window(0.9, linked=False))
+    assert linked["itl_p99_ms"] < 1.5 * decode_ms < 4 * decode_ms < apart["itl_p99_ms"]
+    assert linked["goodput_fraction"] == 1.0
+    # served slower than simulated, each turn came after its simulated parent ended
+    # anyway: the same either way
+    assert (figures(MIXED, _chat_window(1.2))["itl_p99_ms"]
+            == figures(MIXED, _chat_window(1.2, linked=False))["itl_p99_ms"])
+
+
 def _itl_scaler(goodput, itl, **kw):
     cfg = AutoscaleConfig(**{"min_dwell_s": 0, "confirmations": 2, "window_s": 20, **kw})
     return Autoscaler([MIXED, SPLIT], lambda c, r: goodput.get(c.label, 0.0), cfg,

@@ -198,6 +198,19 @@ def test_multi_turn_sends_a_turn_after_the_reply_and_reuses_the_history() -> Non
     assert_no_leak(r)
 
 
+def test_a_turns_own_think_time_replaces_the_runs() -> None:
+    """A replay of logged turns (planner.autoscale.window_requests) gives each turn the
+    pause it had: turn 2 leaves 0.3 s after turn 1's reply, turn 3 at once after turn
+    2's, whatever the run's think time."""
+    a, b, c = multi_turn_workload(1, 3, 64, 16, seed=5)
+    reqs = [a, dataclasses.replace(b, think_s=0.3), dataclasses.replace(c, think_s=0.0)]
+    r = run(PROFILE, TWO_MIXED, reqs, [0.0], think_time_s=5.0)
+    first, second, third = r.records
+    assert second.sent == pytest.approx(first.token_times[-1] + 0.3)
+    assert third.sent == pytest.approx(second.token_times[-1])
+    assert_no_leak(r)
+
+
 def test_a_prompt_longer_than_the_context_fails_alone() -> None:
     reqs = [Request(list(range(PROFILE.max_model_len + 5)), 4), *lone()]
     r = run(PROFILE, MIXED, reqs, [0.0, 0.0])

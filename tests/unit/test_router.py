@@ -618,6 +618,25 @@ def test_the_traffic_log_times_a_request_whose_client_stops_at_the_finish(
     run(body)
 
 
+def test_a_turn_that_continues_an_earlier_prompt_is_logged_with_its_key() -> None:
+    """router.lineage in the router: a prompt that begins with an earlier one's (a chat's
+    next turn) carries that request's key on both its records, as the planner needs to
+    send it after that one ends; an unrelated prompt carries none."""
+    async def body() -> None:
+        async with Cluster(["mixed"]) as c:
+            c.router.traffic = notes = Notes()  # type: ignore[assignment]
+            first = list(range(100, 124))  # a block of 16 and some (max_model_len 64)
+            await collect(c, req(first, max_tokens=2))
+            await collect(c, req(first + list(range(300, 324)), max_tokens=2))
+            await collect(c, req(list(range(500, 540)), max_tokens=2))
+            a1, a2, b1, b2, c1, c2 = notes.records
+            assert (a1.parent, a2.parent) == ("", "")
+            assert b1.parent == b2.parent == a1.key != b1.key
+            assert c1.parent == c2.parent == ""
+
+    run(body)
+
+
 def test_a_worker_that_fails_after_the_finish_fails_no_request() -> None:
     """Every token and the finish came; the worker's stream then fails: the request
     was served (no migration, no error, counted OK, its latencies logged)."""
