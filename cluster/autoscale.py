@@ -149,7 +149,8 @@ class AutoscaleLoop:
                         profile.block_size, blocks, profile.block_size)
         interval = c.autoscale_interval_s
         self.config = config or AutoscaleConfig(
-            interval_s=interval, window_s=3 * interval, min_dwell_s=3 * interval)
+            interval_s=interval, window_s=3 * interval, min_dwell_s=3 * interval,
+            headroom=c.autoscale_headroom)
         self._reachable = reachable(len(cluster.workers), cluster.threads,
                                     c.local_prefill_threshold, c.itl_budget_ms, c.kv_offer,
                                     c.slo_ttft_ms)  # the router's own (cluster.deployment)
@@ -167,7 +168,8 @@ class AutoscaleLoop:
         configuration of equal predicted goodput and much lower ITL p99."""
         self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
                                      goodput_of(figures), self.config, self._refine(figures),
-                                     itl_of(figures) if self.itl else None)
+                                     itl_of(figures) if self.itl else None,
+                                     self._headroom(None, {}))
         self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
@@ -441,6 +443,7 @@ class AutoscaleLoop:
             self.autoscaler.score = goodput_of(figures)
             self.autoscaler.itl = itl_of(figures) if self.itl else None
             self.autoscaler.refine = self._refine(figures)
+            self.autoscaler.headroom = self._headroom(fit, owns)
             self.caps.predict = figures
             self._scored = (fit, owns)
         self.calibration = fit
@@ -455,10 +458,18 @@ class AutoscaleLoop:
         self.metrics.set("planner_served_steps", pooled.steps if pooled else 0)
         return fit
 
-    def _figures(self, fit: ServedFits | None, owns: dict[str, ServedFits | None]
-                 ) -> Predict:
+    def _headroom(self, fit: ServedFits | None, owns: dict[str, ServedFits | None]
+                  ) -> Score | None:
+        """Rule 2c's score: goodput at ``1 + headroom`` times the window's load (None:
+        headroom 0, no rule 2c)."""
+        h = self.config.headroom
+        return goodput_of(self._figures(fit, owns, load=1 + h)) if h > 0 else None
+
+    def _figures(self, fit: ServedFits | None, owns: dict[str, ServedFits | None],
+                 load: float = 1.0) -> Predict:
         """The simulator's figures of a candidate on its own calibration (``owns``, by
-        roles label) if it has one, else on the window's ``fit`` (None: the profile's)."""
+        roles label) if it has one, else on the window's ``fit`` (None: the profile's),
+        at ``load`` times the window's (:func:`planner.autoscale.simulated`)."""
         predicts: dict[int, Predict] = {}
 
         def on(f: ServedFits | None) -> Predict:
@@ -466,7 +477,7 @@ class AutoscaleLoop:
                 profile = self.profile if f is None else f.apply(self.profile)
                 predicts[id(f)] = simulated(profile, self.cluster.threads, *self._slo,
                                             slo_profile=self.profile,
-                                            window_s=self.config.window_s)
+                                            window_s=self.config.window_s, load=load)
             return predicts[id(f)]
 
         def figures(config: PoolConfig, records: Sequence[TrafficRecord]) -> dict:

@@ -22,7 +22,11 @@ decision says which did not (its ``reason``):
    one is too, has a predicted ITL p99 ``min_itl_gain`` below the current one's
    (``min_itl_gain_unproven`` unless both are proven): the lowest of those is the
    target, rule 4 asks only that the switch lose at most ``itl_tolerance`` of the
-   goodput, and a switch says ``lower_itl``;
+   goodput, and a switch says ``lower_itl``; or (2c, with a headroom score) among the
+   same candidates, one predicted to serve ``min_gain`` more (``min_gain_unproven``
+   unless both are proven) than the current one at ``1 + headroom`` times the
+   window's load, and that rule 2b would not leave, is the target on the same terms,
+   and a switch says ``headroom``;
 3. ``gain_below_threshold``: it beats the current one by at least ``min_gain``
    (relative; against a current goodput of 0, any positive one counts); ``unproven``:
    and by ``min_gain_unproven`` unless both it and the current one are among the
@@ -51,6 +55,18 @@ calibration predicted it 1.27 req/s against two mixed workers' 3.14, while held
 through the sweep it served 3.75: the goodput rule left it 23 s into the point, and the
 point served 0.43x colocated (``loadtest/results/headline-xeon-1206-chat-itl2/``). What
 the running configuration served is known; only the others' goodput must be predicted.
+
+Why 2c. Two configurations that serve a window whole are tied on goodput however
+close to its limit either runs. A 15 s window is too short to show the backlog a
+multi-turn chat builds past that limit (each turn waits for the reply before it), and
+the simulation starts with the window's first request, where the real workers were
+already busy: on a 2-core EPYC's chat headline, two mixed workers were predicted to
+serve the first windows of the 85% load point as well as the split, then served
+65-38% of their requests within the SLOs while the planner waited for a calibration
+of the split (``overloaded``), and entered it at the rescue, 0.75-1.16x colocated's
+goodput (``loadtest/results/headline-epyc-1206-chat-linked/``). At 1.5 times the
+load the same windows told them apart at 50% load already (1.1 against 1.7 req/s),
+and not at 25%. A tie is broken toward the configuration with room to grow.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
@@ -154,6 +170,10 @@ class AutoscaleConfig:
     colocated's goodput there at 0.94x its ITL p99 (30% was the margin then)."""
     min_itl_gain_unproven: float = 0.5
     """... and this much, where either side is scored without its own calibration."""
+    headroom: float = 0.5
+    """Rule 2c's extra load: near-tied candidates are told apart by their predicted
+    goodput at ``1 + headroom`` times the window's (sessions that start so much more
+    often); 0: no rule 2c. The live loop scores it only where this is above 0."""
     remember_s: float | None = None
     """How long a configuration's own calibration is remembered (:class:`FitMemory`);
     None: ten windows. The machine's speed drifts (a VM's halved within an hour), so
@@ -184,6 +204,7 @@ class AutoscaleConfig:
                   "max_served_rescue": 0 <= self.max_served_rescue <= 1,
                   "itl_tolerance": 0 <= self.itl_tolerance < 1,
                   "min_itl_gain": 0 < self.min_itl_gain < 1,
+                  "headroom": self.headroom >= 0,
                   "min_itl_gain_unproven": (self.min_itl_gain <= self.min_itl_gain_unproven
                                             < 1),
                   "remember_s": self.remember_s is None or self.remember_s > 0,
@@ -225,16 +246,17 @@ class Autoscaler:
 
     def __init__(self, candidates: Sequence[PoolConfig], score: Score,
                  config: AutoscaleConfig | None = None, refine: Score | None = None,
-                 itl: Score | None = None) -> None:
+                 itl: Score | None = None, headroom: Score | None = None) -> None:
         """``refine``: a costlier score (the live loop's: with the best stall-free cap,
         :func:`best_cap_goodput`) taken only where a candidate beats the current one by
         ``min_gain`` on ``score``, for those two, before the rules that follow (3-6).
         ``itl``: a configuration's predicted ITL p99 (ms) on the window, for rule 2b
-        (None: goodput alone decides)."""
+        (None: goodput alone decides). ``headroom``: its predicted goodput at the
+        heavier load of rule 2c (None: no rule 2c)."""
         if not candidates:
             raise ValueError("the autoscaler needs at least one candidate configuration")
         self.candidates = list(candidates)
-        self.score, self.refine, self.itl = score, refine, itl
+        self.score, self.refine, self.itl, self.headroom = score, refine, itl, headroom
         self.config = config or AutoscaleConfig()
         if itl is not None and not self.config.itl_band:
             raise ValueError(
@@ -281,6 +303,10 @@ class Autoscaler:
                                        proven, itl_records)
         if quicker is not None:
             return quicker
+        roomier = self._roomier(now, current, pool, scores, labels, records, move_s,
+                                proven, itl)
+        if roomier is not None:
+            return roomier
         shown = {"itl_p99_ms": itl}  # compared, and no move for it
         best = max(pool, key=lambda cand: (scores[cand], cand == current))
         if best == current:
@@ -348,6 +374,48 @@ class Autoscaler:
         self.last_change, self._leader, self._wins = now, None, 0
         return Decision(now, current, best, why, labels, **cost)
 
+    def _near(self, current: PoolConfig, pool: Sequence[PoolConfig],
+              scores: Mapping[PoolConfig, float]) -> list[PoolConfig]:
+        """The candidates within ``itl_tolerance`` of the best predicted goodput when the
+        current one is among them and is not alone there (else none): rules 2b and 2c
+        choose among these."""
+        top = max(scores.values())
+        if top <= 0:
+            return []
+        near = [cand for cand in pool if scores[cand] >= (1 - self.config.itl_tolerance) * top]
+        return near if current in near and len(near) >= 2 else []
+
+    def _roomier(self, now: float, current: PoolConfig, pool: Sequence[PoolConfig],
+                 scores: Mapping[PoolConfig, float], labels: dict[str, float],
+                 records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
+                 proven: Collection[str] | None, itl: Mapping[str, float]
+                 ) -> Decision | None:
+        """Rule 2c: among rule 2b's near-best candidates, the one of most predicted
+        goodput at the heavier load (``headroom``), when that beats the current one's
+        there by ``min_gain`` (``min_gain_unproven`` unless both are proven) and rule 2b
+        would not leave it (no near candidate's predicted ITL p99, where 2b compared
+        them, is ``min_itl_gain`` below its). Rules 4-6 follow as for 2b. None: the rule
+        does not apply, and goodput decides."""
+        c = self.config
+        near = self._near(current, pool, scores)
+        if self.headroom is None or not near:
+            return None
+        heavy = {cand: self.headroom(cand, records) for cand in near}
+        roomy = max(near, key=lambda cand: (heavy[cand], cand == current))
+        if roomy == current:
+            return None
+        base = heavy[current]
+        gain = (heavy[roomy] - base) / base if base > 0 else float("inf")
+        both = proven is None or {roomy.roles_label, current.roles_label} <= set(proven)
+        if gain < (c.min_gain if both else c.min_gain_unproven):
+            return None
+        mine = itl.get(roomy.roles_label)
+        if mine is not None and any(ms <= (1 - c.min_itl_gain) * mine for ms in itl.values()):
+            return None  # rule 2b would leave it for a quicker one
+        busy, net = self._net(current, roomy, scores, records, move_s, self.score)
+        return self._commit(now, current, roomy, labels, busy, net,
+                            net >= -c.itl_tolerance, "headroom", dict(itl))
+
     def _lower_itl(self, now: float, current: PoolConfig, pool: Sequence[PoolConfig],
                    scores: Mapping[PoolConfig, float], labels: dict[str, float],
                    records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
@@ -367,11 +435,8 @@ class Autoscaler:
         near-best, or none is enough quicker), and goodput decides; beside it, the ITLs
         compared (empty: none)."""
         c = self.config
-        top = max(scores.values())
-        if self.itl is None or top <= 0:
-            return None, {}
-        near = [cand for cand in pool if scores[cand] >= (1 - c.itl_tolerance) * top]
-        if current not in near or len(near) < 2:
+        near = self._near(current, pool, scores)
+        if self.itl is None or not near:
             return None, {}
         itl = {cand: self.itl(cand, itl_records) for cand in near}
         shown = {cand.roles_label: ms for cand, ms in itl.items()}
@@ -665,7 +730,8 @@ def best_cap_goodput(figures: Predict, caps: Sequence[int]) -> Score:
 
 def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
               slo_tpot_ms: float | None = None, seed: int = 0,
-              slo_profile: Profile | None = None, window_s: float | None = None) -> Predict:
+              slo_profile: Profile | None = None, window_s: float | None = None,
+              load: float = 1.0) -> Predict:
     """The simulator's predicted figures (:func:`planner.predict.predicted`: goodput,
     latency percentiles) of a configuration on the window's requests, replayed at their
     arrival times with their prompt and output lengths, and prompts that share what the
@@ -684,14 +750,19 @@ def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
     simulated run, as a benchmark reports it, whose drain tail differs by configuration.
     On that basis a configuration measured to serve a whole window scored 1-7% above the
     same one simulated to serve it whole (synthetic 15 s chat windows, a 2-core EPYC's
-    profile): up to past rule 2b's 5% tolerance, for nothing."""
+    profile): up to past rule 2b's 5% tolerance, for nothing.
+
+    ``load``: the window's sessions start that many times as often (its seconds
+    shrunk by it: :func:`window_requests`), for rule 2c's heavier load."""
+    if load <= 0:
+        raise ValueError(f"load must be > 0, got {load}")
     step = (slo_profile or profile).step(threads)
 
     def figures(config: PoolConfig, records: Sequence[TrafficRecord]) -> dict:
-        requests, starts = window_requests(records, random.Random(seed))
+        requests, starts = window_requests(records, random.Random(seed), load=load)
         result = run(profile, config, requests, starts)
         return predicted(result, window_slo(step, records, slo_ttft_ms, slo_tpot_ms),
-                         units=config.units(), window_s=window_s)
+                         units=config.units(), window_s=window_s and window_s / load)
 
     return figures
 
@@ -756,10 +827,11 @@ follow it: the log keeps latencies to 0.1 ms."""
 
 
 def window_requests(records: Sequence[TrafficRecord], rng: random.Random,
-                    ids: Sequence[int] = DEFAULT_TOKEN_IDS
+                    ids: Sequence[int] = DEFAULT_TOKEN_IDS, load: float = 1.0
                     ) -> tuple[list[Request], list[float]]:
     """The window as the simulator's workload: requests grouped into sessions, and each
-    session's start (seconds after the window's first arrival).
+    session's start (seconds after the window's first arrival, divided by ``load``: at
+    ``load`` 1.5 the sessions come 1.5 times as often, each turn's pause kept).
 
     A request that arrived after its parent (:func:`window_prompts`) had ended, in the
     window, is that session's next turn: the simulator sends it the same pause after
@@ -791,7 +863,7 @@ def window_requests(records: Sequence[TrafficRecord], rng: random.Random,
         else:
             session.append(len(starts))
             think.append(None)
-            starts.append(r.arrival - t0)
+            starts.append((r.arrival - t0) / load)
     requests = [Request(prompt, max(1, r.output_tokens), conversation=s, think_s=w)
                 for r, prompt, s, w in zip(records, prompts, session, think, strict=True)]
     return requests, starts

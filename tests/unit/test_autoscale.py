@@ -624,6 +624,86 @@ def test_steady_load_with_itl_never_flaps():
     assert moved == [SPLIT]
 
 
+def _roomy_scaler(goodput, heavy, itl=None, **kw):
+    cfg = AutoscaleConfig(**{"min_dwell_s": 0, "confirmations": 2, "window_s": 20, **kw})
+    return Autoscaler([MIXED, SPLIT], lambda c, r: goodput[c.label], cfg,
+                      itl=(lambda c, r: itl[c.label]) if itl else None,
+                      headroom=lambda c, r: heavy[c.label])
+
+
+def test_a_tie_is_broken_toward_the_configuration_with_room_to_grow():
+    """Rule 2c, the chat headline's case on a 2-core EPYC: both serve the window whole
+    (a tie), and at 1.5x its load the split is predicted 1.7 req/s against 1.1; the
+    workers move, confirmed twice, and there the same figures keep them."""
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 0.98},
+                      {MIXED.label: 1.1, SPLIT.label: 1.7})
+    first = s.decide(0.0, MIXED, RECORDS, proven=())
+    assert (first.target, first.reason) == (None, "confirming")
+    d = s.decide(5.0, MIXED, RECORDS, proven=())
+    assert (d.target, d.reason, d.action) == (SPLIT, "headroom", "switch")
+    assert all(s.decide(t, SPLIT, RECORDS, proven=()).target is None for t in (10.0, 15.0))
+
+
+def test_no_move_for_headroom_without_a_tie_a_margin_or_against_rule_2b():
+    # 8% more room: under min_gain. 20% more, unproven: under min_gain_unproven.
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.0}, {MIXED.label: 1.0, SPLIT.label: 1.08})
+    assert all(s.decide(t, MIXED, RECORDS).target is None for t in (0.0, 5.0, 10.0))
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.0}, {MIXED.label: 1.0, SPLIT.label: 1.2})
+    assert s.decide(0.0, MIXED, RECORDS, proven={MIXED.roles_label}).reason == "current_best"
+    assert s.decide(5.0, MIXED, RECORDS, proven=None).reason == "confirming"
+    # Not tied at the window's load (8% less): goodput decides.
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 0.92}, {MIXED.label: 1.0, SPLIT.label: 2.0})
+    assert s.decide(0.0, MIXED, RECORDS).reason == "current_best"
+    # Roomier but 2.5x the ITL p99: rule 2b would bring the workers back. No move.
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.0}, {MIXED.label: 1.0, SPLIT.label: 2.0},
+                      itl={MIXED.label: 200.0, SPLIT.label: 500.0})
+    assert all(s.decide(t, MIXED, RECORDS).target is None for t in (0.0, 5.0, 10.0))
+    # Rule 2b first: a much quicker split moves for its ITL, not for its room.
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.0}, {MIXED.label: 1.0, SPLIT.label: 2.0},
+                      itl={MIXED.label: 500.0, SPLIT.label: 100.0}, confirmations=1)
+    assert s.decide(0.0, MIXED, RECORDS).reason == "lower_itl"
+    with pytest.raises(ValueError, match="headroom"):
+        AutoscaleConfig(headroom=-0.5)
+
+
+def test_steady_load_with_headroom_never_flaps():
+    """Goodputs that wobble around a tie, room around a 1.5x gap and ITLs within rule
+    2b's margin, for 100 decisions: one move to the roomier split, none back."""
+    wobble = iter([1.0, 1.04, 0.98, 0.97, 1.02, 1.03] * 40)
+    room = iter([1.4, 1.6, 1.5, 1.45, 1.55] * 40)
+    cfg = AutoscaleConfig(min_dwell_s=0, confirmations=2, window_s=20)
+    s = Autoscaler([MIXED, SPLIT], lambda c, r: next(wobble) if c == SPLIT else 1.0, cfg,
+                   itl=lambda c, r: 30.0 if c == SPLIT else 25.0,
+                   headroom=lambda c, r: next(room) if c == SPLIT else 1.0)
+    current, moved = MIXED, []
+    for t in range(100):
+        d = s.decide(float(t), current, RECORDS)
+        if d.target is not None:
+            moved.append(d.target)
+            current = d.target
+    assert moved == [SPLIT]
+
+
+def test_a_heavier_load_starts_sessions_sooner_and_keeps_each_turns_pause():
+    import random
+
+    from planner.autoscale import simulated, window_requests
+
+    window = _chat_window(0.9)
+    at1, starts1 = window_requests(window, random.Random(0))
+    at2, starts2 = window_requests(window, random.Random(0), load=2.0)
+    assert starts2 == pytest.approx([x / 2 for x in starts1]) and len(starts1) == 8
+    assert [r.think_s for r in at2] == [r.think_s for r in at1]
+    assert [r.prompt for r in at2] == [r.prompt for r in at1]
+    # per second of the window at its load: twice the load, twice the goodput, all served
+    f1 = simulated(synthetic_profile("cpu"), 1, 3000, 150, window_s=96.0)(MIXED, window)
+    f2 = simulated(synthetic_profile("cpu"), 1, 3000, 150, window_s=96.0, load=2.0)(
+        MIXED, window)
+    assert f2["goodput"] == pytest.approx(2 * f1["goodput"]) and f1["goodput_fraction"] == 1
+    with pytest.raises(ValueError, match="load"):
+        simulated(synthetic_profile("cpu"), 1, load=0)
+
+
 def test_itl_noise_inside_the_margin_or_swapping_each_window_never_moves():
     """Rule 2b against itself: predicted ITLs that trade places by less than the margin,
     or swap by 3x from one window to the next (a long prompt landing in one window's
