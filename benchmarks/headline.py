@@ -197,6 +197,7 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
                               "net_gain": d.net_gain if d.net_gain is None
                               or math.isfinite(d.net_gain) else None,
                               "step_model": model, "itl_p99_ms": d.itl_p99_ms,
+                              "headroom_goodput": d.headroom_goodput,
                               "served": d.served,
                               "prefill_cap": _cap_decision(cd)}
                              for d, model, cd in zip(planner.decisions, planner.step_models,

@@ -250,6 +250,8 @@ class AutoscaleLoop:
             self.metrics.set("planner_predicted_goodput", goodput, config=label)
         for label, itl in d.itl_p99_ms.items():
             self.metrics.set("planner_predicted_config_itl_p99_ms", itl, config=label)
+        for label, goodput in d.headroom_goodput.items():
+            self.metrics.set("planner_predicted_headroom_goodput", goodput, config=label)
         if d.served is not None:
             self.metrics.set("planner_served_share", d.served)
         if d.net_gain is not None:
@@ -260,6 +262,9 @@ class AutoscaleLoop:
                                                   for k, v in d.itl_p99_ms.items())
                if d.itl_p99_ms else "")
         served = f" (served {d.served:.0%} within the SLOs)" if d.served is not None else ""
+        itl += (f"; at {1 + self.config.headroom:g}x the load: " + ", ".join(
+            f"{k}: {v:.3f}/s" for k, v in d.headroom_goodput.items())
+            if d.headroom_goodput else "")
         log.info("autoscale: %s (%s) at %s with %d requests in the window; predicted goodput "
                  "%s%s%s%s; step model: %s", d.action, d.reason, current.label, len(records),
                  ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", served,

@@ -197,10 +197,10 @@ class DeploymentConfig:
         "much lower predicted ITL p99 (on a 2-core machine's chat headline it met the ITL "
         "target at some loads and, entering a split that later had to be left at "
         "overload, cost goodput there)"))
-    autoscale_headroom: float = field(default=0.5, metadata=setting(
+    autoscale_headroom: float = field(default=1.0, metadata=setting(
         "--autoscale: configurations tied on predicted goodput are told apart by it at "
-        "1 + this times the traffic's load, so that the pools are split (or not) before "
-        "a growing load needs it; 0: no such tie-break"))
+        "1 + this times the traffic's load (1: twice the load), so that the pools are "
+        "split (or not) before a growing load needs it; 0: no such tie-break"))
     slo_ttft_ms: float | None = field(default=None, metadata=setting(
         "the TTFT target: with --profile the router computes a prompt on the prefill "
         "workers, not on its decode worker, while they would serve it within half of it "

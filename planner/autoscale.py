@@ -22,11 +22,12 @@ decision says which did not (its ``reason``):
    one is too, has a predicted ITL p99 ``min_itl_gain`` below the current one's
    (``min_itl_gain_unproven`` unless both are proven): the lowest of those is the
    target, rule 4 asks only that the switch lose at most ``itl_tolerance`` of the
-   goodput, and a switch says ``lower_itl``; or (2c, with a headroom score) among the
-   same candidates, one predicted to serve ``min_gain`` more (``min_gain_unproven``
-   unless both are proven) than the current one at ``1 + headroom`` times the
-   window's load, and that rule 2b would not leave, is the target on the same terms,
-   and a switch says ``headroom``;
+   goodput, and a switch says ``lower_itl``; or (2c, with a headroom score, where no
+   candidate beats the current one by ``min_gain``) among those predicted at least
+   ``1 - itl_tolerance`` of its goodput, one predicted to serve ``min_gain`` more
+   (``min_gain_unproven`` unless both are proven) than the current one at ``1 +
+   headroom`` times the window's load, and that rule 2b would not leave, is the
+   target on 2b's terms, and a switch says ``headroom``;
 3. ``gain_below_threshold``: it beats the current one by at least ``min_gain``
    (relative; against a current goodput of 0, any positive one counts); ``unproven``:
    and by ``min_gain_unproven`` unless both it and the current one are among the
@@ -64,9 +65,10 @@ already busy: on a 2-core EPYC's chat headline, two mixed workers were predicted
 serve the first windows of the 85% load point as well as the split, then served
 65-38% of their requests within the SLOs while the planner waited for a calibration
 of the split (``overloaded``), and entered it at the rescue, 0.75-1.16x colocated's
-goodput (``loadtest/results/headline-epyc-1206-chat-linked/``). At 1.5 times the
-load the same windows told them apart at 50% load already (1.1 against 1.7 req/s),
-and not at 25%. A tie is broken toward the configuration with room to grow.
+goodput (``loadtest/results/headline-epyc-1206-chat-linked/``). At twice the load
+the same windows told them apart at 50% load already (1.1-1.5 against 2.1-2.8 req/s
+on one seed), and at 25% by at most 17%, under the 30% an unproven candidate needs.
+A tie is broken toward the configuration with room to grow.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
@@ -170,10 +172,11 @@ class AutoscaleConfig:
     colocated's goodput there at 0.94x its ITL p99 (30% was the margin then)."""
     min_itl_gain_unproven: float = 0.5
     """... and this much, where either side is scored without its own calibration."""
-    headroom: float = 0.5
+    headroom: float = 1.0
     """Rule 2c's extra load: near-tied candidates are told apart by their predicted
     goodput at ``1 + headroom`` times the window's (sessions that start so much more
-    often); 0: no rule 2c. The live loop scores it only where this is above 0."""
+    often: by default, would it serve twice the load?); 0: no rule 2c. The live loop
+    scores it only where this is above 0."""
     remember_s: float | None = None
     """How long a configuration's own calibration is remembered (:class:`FitMemory`);
     None: ten windows. The machine's speed drifts (a VM's halved within an hour), so
@@ -235,6 +238,9 @@ class Decision:
     served: float | None = None
     """The share of the current configuration's recent requests that met the SLOs
     (None: not measured); its score is at least this share of the window's arrivals."""
+    headroom_goodput: dict[str, float] = field(default_factory=dict)
+    """Predicted goodput at rule 2c's heavier load of the candidates it compared, by
+    ``roles_label`` (empty: it did not apply)."""
 
     @property
     def action(self) -> str:
@@ -266,6 +272,7 @@ class Autoscaler:
         self.last_change: float | None = None
         self._leader: PoolConfig | None = None
         self._wins = 0
+        self._heavy: dict[str, float] = {}  # rule 2c's figures of the decision under way
 
     def decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
                move_s: Mapping[str, float] | None = None,
@@ -282,8 +289,10 @@ class Autoscaler:
         (:func:`served_share`; None: not measured): its score's floor is that share of
         the window's arrivals per second, and below ``max_served_rescue`` a switch is a
         rescue."""
+        self._heavy = {}
         return replace(self._decide(now, current, records, move_s, proven,
-                                    itl_records or records, served), served=served)
+                                    itl_records or records, served), served=served,
+                       headroom_goodput=self._heavy)
 
     def _decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
                 move_s: Mapping[str, float] | None, proven: Collection[str] | None,
@@ -390,17 +399,25 @@ class Autoscaler:
                  records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
                  proven: Collection[str] | None, itl: Mapping[str, float]
                  ) -> Decision | None:
-        """Rule 2c: among rule 2b's near-best candidates, the one of most predicted
-        goodput at the heavier load (``headroom``), when that beats the current one's
-        there by ``min_gain`` (``min_gain_unproven`` unless both are proven) and rule 2b
-        would not leave it (no near candidate's predicted ITL p99, where 2b compared
-        them, is ``min_itl_gain`` below its). Rules 4-6 follow as for 2b. None: the rule
-        does not apply, and goodput decides."""
+        """Rule 2c: where no candidate beats the current one by ``min_gain`` (the
+        goodput rule would not move), among those predicted at least ``1 -
+        itl_tolerance`` of its goodput, the one of most predicted goodput at the heavier
+        load (``headroom``), when that beats the current one's there by ``min_gain``
+        (``min_gain_unproven`` unless both are proven) and rule 2b would not leave it
+        (no candidate's predicted ITL p99, where 2b compared them, is ``min_itl_gain``
+        below its). Rules 4-6 follow as for 2b. None: the rule does not apply, and
+        goodput decides. The goodput rule does not undo it: the target was predicted at
+        least ``1 - itl_tolerance`` of the current goodput, under ``min_gain`` less."""
         c = self.config
-        near = self._near(current, pool, scores)
-        if self.headroom is None or not near:
+        now_ = scores[current]
+        if (self.headroom is None or now_ <= 0
+                or max(scores.values()) >= (1 + c.min_gain) * now_):
+            return None
+        near = [cand for cand in pool if scores[cand] >= (1 - c.itl_tolerance) * now_]
+        if len(near) < 2:
             return None
         heavy = {cand: self.headroom(cand, records) for cand in near}
+        self._heavy = {cand.roles_label: g for cand, g in heavy.items()}
         roomy = max(near, key=lambda cand: (heavy[cand], cand == current))
         if roomy == current:
             return None

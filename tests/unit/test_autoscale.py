@@ -639,9 +639,19 @@ def test_a_tie_is_broken_toward_the_configuration_with_room_to_grow():
                       {MIXED.label: 1.1, SPLIT.label: 1.7})
     first = s.decide(0.0, MIXED, RECORDS, proven=())
     assert (first.target, first.reason) == (None, "confirming")
+    assert first.headroom_goodput == {MIXED.roles_label: 1.1, SPLIT.roles_label: 1.7}
     d = s.decide(5.0, MIXED, RECORDS, proven=())
     assert (d.target, d.reason, d.action) == (SPLIT, "headroom", "switch")
     assert all(s.decide(t, SPLIT, RECORDS, proven=()).target is None for t in (10.0, 15.0))
+    # Between the rules' margins (7% more now: the goodput rule waits for 10%), room
+    # decides too; 12% more now, the goodput rule does (no figures of room taken).
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.07},
+                      {MIXED.label: 1.1, SPLIT.label: 1.7}, confirmations=1)
+    assert (s.decide(0.0, MIXED, RECORDS).reason) == "headroom"
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.12},
+                      {MIXED.label: 1.1, SPLIT.label: 1.7}, confirmations=1)
+    d = s.decide(0.0, MIXED, RECORDS)
+    assert (d.reason, d.headroom_goodput) == ("switch", {})
 
 
 def test_no_move_for_headroom_without_a_tie_a_margin_or_against_rule_2b():
