@@ -299,6 +299,10 @@ class DeploymentConfig:
             raise DeploymentError(f"--prefill-tokens-while-decoding "
                                   f"{self.prefill_tokens_while_decoding}: want 0 (no cap) or "
                                   "a positive token count")
+        if not 0 <= self.autoscale_headroom <= 100:
+            raise DeploymentError(f"--autoscale-headroom {self.autoscale_headroom}: the "
+                                  "extra load rule 2c scores at (1: twice the traffic's), "
+                                  "0 to 100; 0 turns the rule off")
         if self.max_num_batched_tokens < 1:
             raise DeploymentError(f"--max-num-batched-tokens {self.max_num_batched_tokens}: "
                                   "a step's token budget must be >= 1")

@@ -240,7 +240,7 @@ class Decision:
     (None: not measured); its score is at least this share of the window's arrivals."""
     headroom_goodput: dict[str, float] = field(default_factory=dict)
     """Predicted goodput at rule 2c's heavier load of the candidates it compared, by
-    ``roles_label`` (empty: it did not apply)."""
+    ``roles_label``, whether it moved or not (empty: it compared none)."""
 
     @property
     def action(self) -> str:
@@ -264,11 +264,12 @@ class Autoscaler:
         self.candidates = list(candidates)
         self.score, self.refine, self.itl, self.headroom = score, refine, itl, headroom
         self.config = config or AutoscaleConfig()
-        if itl is not None and not self.config.itl_band:
+        if (itl is not None or headroom is not None) and not self.config.itl_band:
             raise ValueError(
                 f"AutoscaleConfig.itl_tolerance {self.config.itl_tolerance} leaves no band "
                 f"under min_gain {self.config.min_gain} (tolerance / (1 - tolerance) must "
-                "be below it): the ITL rule and the goodput rule would undo each other")
+                "be below it): the ITL or headroom rule and the goodput rule would undo "
+                "each other")
         self.last_change: float | None = None
         self._leader: PoolConfig | None = None
         self._wins = 0
@@ -406,15 +407,18 @@ class Autoscaler:
         (``min_gain_unproven`` unless both are proven) and rule 2b would not leave it
         (no candidate's predicted ITL p99, where 2b compared them, is ``min_itl_gain``
         below its). Rules 4-6 follow as for 2b. None: the rule does not apply, and
-        goodput decides. The goodput rule does not undo it: the target was predicted at
-        least ``1 - itl_tolerance`` of the current goodput, under ``min_gain`` less."""
+        goodput decides. The goodput rule does not undo it: no candidate, the one left
+        among them, is predicted ``min_gain`` more than the target (with three or more,
+        one that is leaves the target out)."""
         c = self.config
         now_ = scores[current]
         if (self.headroom is None or now_ <= 0
                 or max(scores.values()) >= (1 + c.min_gain) * now_):
             return None
-        near = [cand for cand in pool if scores[cand] >= (1 - c.itl_tolerance) * now_]
-        if len(near) < 2:
+        top = max(scores.values())
+        near = [cand for cand in pool if scores[cand] >= (1 - c.itl_tolerance) * now_
+                and (1 + c.min_gain) * scores[cand] > top]  # the goodput rule stays there
+        if current not in near or len(near) < 2:
             return None
         heavy = {cand: self.headroom(cand, records) for cand in near}
         self._heavy = {cand.roles_label: g for cand, g in heavy.items()}

@@ -13,11 +13,16 @@ the simulator sends turn k+1 a measured pause after turn k's end, as the client 
 
 :class:`Lineage` keeps, for the last ``capacity`` prompts this router admitted, the
 chained hash (:func:`common.hashing.block_hashes`) of each prompt's last full block,
-with its request's key. A new prompt's chain holds that hash exactly when its tokens
-begin with that prompt's full blocks (and, the first block carrying the cache salt, it
-has the same salt); the deepest such earlier prompt is its parent. One router sees only
-its own requests: a conversation whose turns reach different routers is not linked,
-and the planner replays those turns as it did before (each at its arrival).
+with its request's key and length. A new prompt's chain holds that hash exactly when
+its tokens begin with that prompt's full blocks (and, the first block carrying the
+cache salt, it has the same salt); the deepest such earlier prompt that is shorter than
+the new one is its parent. What the check cannot see: the earlier prompt's tokens past
+its last full block (fewer than a block), so a prompt that shares an earlier one's full
+blocks and then differs within a block's length of tokens is linked to it as well. The
+same prompt again (a retry, or one template sent twice) is not a continuation and is not
+linked. One router sees only its own requests: a conversation whose turns reach
+different routers is not linked, and the planner replays those turns as it did before
+(each at its arrival).
 """
 
 from __future__ import annotations
@@ -46,17 +51,18 @@ class Lineage:
             raise ValueError(f"block_size and capacity must be > 0, got {block_size}, "
                              f"{capacity}")
         self.model_id, self.block_size, self.capacity = model_id, block_size, capacity
-        self._ends: OrderedDict[int, str] = OrderedDict()
+        self._ends: OrderedDict[int, tuple[str, int]] = OrderedDict()  # -> key, length
 
     def link(self, prompt: Sequence[int], key: str, cache_salt: str | None = None) -> str:
         """The key of the latest remembered prompt this one continues (the deepest, when
-        several: its full blocks are this prompt's first ones; "" when none), then this
-        prompt remembered under ``key``. A prompt shorter than a block links to nothing
-        and is not remembered."""
+        several: its full blocks are this prompt's first ones, and it is shorter; ""
+        when none), then this prompt remembered under ``key``. A prompt shorter than a
+        block links to nothing and is not remembered."""
         chain = block_hashes(list(prompt), self.block_size, self.model_id, cache_salt)
-        parent = next((self._ends[h] for h in reversed(chain) if h in self._ends), "")
+        parent = next((k for k, n in (self._ends.get(h, ("", len(prompt)))
+                                      for h in reversed(chain)) if n < len(prompt)), "")
         if chain:
-            self._ends[chain[-1]] = key
+            self._ends[chain[-1]] = (key, len(prompt))
             self._ends.move_to_end(chain[-1])
             while len(self._ends) > self.capacity:
                 self._ends.popitem(last=False)

@@ -633,7 +633,7 @@ def _roomy_scaler(goodput, heavy, itl=None, **kw):
 
 def test_a_tie_is_broken_toward_the_configuration_with_room_to_grow():
     """Rule 2c, the chat headline's case on a 2-core EPYC: both serve the window whole
-    (a tie), and at 1.5x its load the split is predicted 1.7 req/s against 1.1; the
+    (a tie), and at twice its load the split is predicted 1.7 req/s against 1.1; the
     workers move, confirmed twice, and there the same figures keep them."""
     s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 0.98},
                       {MIXED.label: 1.1, SPLIT.label: 1.7})
@@ -674,6 +674,23 @@ def test_no_move_for_headroom_without_a_tie_a_margin_or_against_rule_2b():
     assert s.decide(0.0, MIXED, RECORDS).reason == "lower_itl"
     with pytest.raises(ValueError, match="headroom"):
         AutoscaleConfig(headroom=-0.5)
+
+
+def test_headroom_never_picks_a_configuration_the_goodput_rule_would_leave():
+    """Three candidates (the review's case): the current one, X predicted 9% more, R 4%
+    less but twice the room. Moving to R, X would then beat it by 14% and the goodput
+    rule would move again: two paid switches. R is left out; X has less room than the
+    current one, so nothing moves on room."""
+    three = reachable(3, 1, 32)
+    current, x, r = three
+    goodput = {current.label: 1.0, x.label: 1.09, r.label: 0.96}
+    heavy = {current.label: 1.0, x.label: 0.9, r.label: 2.0}
+    cfg = AutoscaleConfig(min_dwell_s=0, confirmations=1, window_s=20)
+    s = Autoscaler(three, lambda c, _: goodput[c.label], cfg,
+                   headroom=lambda c, _: heavy[c.label])
+    d = s.decide(0.0, current, RECORDS, proven=None)
+    assert d.target is None and d.headroom_goodput == {current.roles_label: 1.0,
+                                                       x.roles_label: 0.9}
 
 
 def test_steady_load_with_headroom_never_flaps():

@@ -32,6 +32,7 @@ def test_a_prompt_ending_mid_block_links_on_its_full_blocks() -> None:
     links.link(t1, "a")
     assert links.link(t1[:192] + ids(100), "b") == "a"  # its full blocks, not its tail
     assert links.link(t1[:191] + ids(100), "c") == ""
+    assert links.link(t1[:192] + ids(4), "d") == ""  # not longer: no continuation
 
 
 def test_unrelated_prompts_and_a_shared_system_prompt_alone_do_not_link() -> None:
@@ -58,12 +59,12 @@ def test_a_prompt_shorter_than_a_block_is_neither_linked_nor_remembered() -> Non
     assert links.link(short + ids(40), "b") == ""
 
 
-def test_the_same_prompt_again_links_to_the_latest_and_old_prompts_are_forgotten() -> None:
+def test_the_same_prompt_again_is_no_continuation_and_old_prompts_are_forgotten() -> None:
     links = Lineage("m", block_size=16, capacity=2)
     p, q, r = ids(32), ids(32), ids(32)
     links.link(p, "a")
-    assert links.link(p, "a2") == "a"  # a retry: the latest such prompt
-    assert links.link(p + ids(16), "b") == "a2"
+    assert links.link(p, "a2") == ""  # a retry, or a template sent twice
+    assert links.link(p + ids(16), "b") == "a2"  # the latest such prompt
     links.link(q, "c")
     links.link(r, "d")  # capacity 2: p's entries go first
     assert links.link(p + ids(16), "e") == ""
