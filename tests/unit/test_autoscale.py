@@ -608,6 +608,17 @@ def test_an_itl_move_is_made_overloaded_but_not_at_a_goodput_cost():
     assert (d.net_gain, d.switch_s) == (-0.5, 10.0)
 
 
+def _moves(s: Autoscaler, current: PoolConfig, decisions: int) -> list[PoolConfig]:
+    """The moves ``s`` makes in ``decisions`` decisions a second apart, from ``current``."""
+    moved = []
+    for t in range(decisions):
+        d = s.decide(float(t), current, RECORDS)
+        if d.target is not None:
+            moved.append(d.target)
+            current = d.target
+    return moved
+
+
 def test_steady_load_with_itl_never_flaps():
     """Goodputs that wobble around a tie and ITLs around a 2x gap, for 100 decisions:
     one move to the quicker split, none back."""
@@ -615,13 +626,7 @@ def test_steady_load_with_itl_never_flaps():
     cfg = AutoscaleConfig(min_dwell_s=0, confirmations=2, window_s=20)
     s = Autoscaler([MIXED, SPLIT], lambda c, r: next(wobble) if c == SPLIT else 1.0, cfg,
                    itl=lambda c, r: 200.0 if c == SPLIT else 450.0)
-    current, moved = MIXED, []
-    for t in range(100):
-        d = s.decide(float(t), current, RECORDS)
-        if d.target is not None:
-            moved.append(d.target)
-            current = d.target
-    assert moved == [SPLIT]
+    assert _moves(s, MIXED, 100) == [SPLIT]
 
 
 def _roomy_scaler(goodput, heavy, itl=None, **kw):
@@ -702,13 +707,7 @@ def test_steady_load_with_headroom_never_flaps():
     s = Autoscaler([MIXED, SPLIT], lambda c, r: next(wobble) if c == SPLIT else 1.0, cfg,
                    itl=lambda c, r: 30.0 if c == SPLIT else 25.0,
                    headroom=lambda c, r: next(room) if c == SPLIT else 1.0)
-    current, moved = MIXED, []
-    for t in range(100):
-        d = s.decide(float(t), current, RECORDS)
-        if d.target is not None:
-            moved.append(d.target)
-            current = d.target
-    assert moved == [SPLIT]
+    assert _moves(s, MIXED, 100) == [SPLIT]
 
 
 def test_a_heavier_load_starts_sessions_sooner_and_keeps_each_turns_pause():
