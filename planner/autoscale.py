@@ -64,11 +64,16 @@ the simulation starts with the window's first request, where the real workers we
 already busy: on a 2-core EPYC's chat headline, two mixed workers were predicted to
 serve the first windows of the 85% load point as well as the split, then served
 65-38% of their requests within the SLOs while the planner waited for a calibration
-of the split (``overloaded``), and entered it at the rescue, 0.75-1.16x colocated's
-goodput (``loadtest/results/headline-epyc-1206-chat-linked/``). At twice the load
-the same windows told them apart at 50% load already (1.1-1.5 against 2.1-2.8 req/s
-on one seed), and at 25% by at most 17%, under the 30% an unproven candidate needs.
-A tie is broken toward the configuration with room to grow.
+of the split (``overloaded``), and split only at the rescue (85% load: 0.75x and
+1.16x colocated's goodput; ``loadtest/results/headline-epyc-1206-chat-linked/``).
+Replayed offline on the colocated cluster's steps, the windows of that run told the
+two apart at twice the load at 50% load already (1.1-1.5 against 2.1-2.8 req/s on
+one seed), and at 25% by at most 17%, under the 30% an unproven candidate needs. A
+tie is broken toward the configuration with room to grow. Live, on the next run
+(``-chat-headroom/``), it split one seed 27 s into the 25% point, which then served
+1.50x colocated at 85%; the other seed's windows stayed tied at twice the load (the
+simulation starts each window with idle workers, and a calibration fitted at one
+load carries none of a heavier one's contention), and the rescue came at 85%.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
