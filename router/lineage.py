@@ -37,8 +37,14 @@ BLOCK_SIZE = 16
 the shorter the block, the less of a short prompt is left out of its last full one."""
 
 CAPACITY = 8192
-"""Prompts remembered (a hash and a key each, about 200 bytes): a minute of a busy
+"""Last full blocks remembered (a hash, and a key and a length for each of up to
+:data:`PER_BLOCK` prompts ending there; some 200 bytes a prompt): a minute of a busy
 router's requests, several planner windows."""
+
+
+PER_BLOCK = 4
+"""Prompts of different lengths remembered under one last full block (a turn and the
+next one can end in the same block when it adds less than a block)."""
 
 
 class Lineage:
@@ -51,19 +57,22 @@ class Lineage:
             raise ValueError(f"block_size and capacity must be > 0, got {block_size}, "
                              f"{capacity}")
         self.model_id, self.block_size, self.capacity = model_id, block_size, capacity
-        self._ends: OrderedDict[int, tuple[str, int]] = OrderedDict()  # -> key, length
+        # the hash of a prompt's last full block -> the latest prompts that end there
+        # (key, length), newest last, one per length
+        self._ends: OrderedDict[int, list[tuple[str, int]]] = OrderedDict()
 
     def link(self, prompt: Sequence[int], key: str, cache_salt: str | None = None) -> str:
         """The key of the latest remembered prompt this one continues (the deepest, when
         several: its full blocks are this prompt's first ones, and it is shorter; ""
         when none), then this prompt remembered under ``key``. A prompt shorter than a
         block links to nothing and is not remembered."""
+        n = len(prompt)
         chain = block_hashes(list(prompt), self.block_size, self.model_id, cache_salt)
-        parent = next((k for k, n in (self._ends.get(h, ("", len(prompt)))
-                                      for h in reversed(chain)) if n < len(prompt)), "")
+        parent = next((k for h in reversed(chain) for k, m in reversed(self._ends.get(h, ()))
+                       if m < n), "")
         if chain:
-            self._ends[chain[-1]] = (key, len(prompt))
-            self._ends.move_to_end(chain[-1])
+            ends = [e for e in self._ends.pop(chain[-1], ()) if e[1] != n]
+            self._ends[chain[-1]] = [*ends[-(PER_BLOCK - 1):], (key, n)]
             while len(self._ends) > self.capacity:
                 self._ends.popitem(last=False)
         return parent

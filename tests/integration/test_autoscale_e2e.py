@@ -26,6 +26,7 @@ from planner.synthetic import synthetic_profile
 
 MAX_TOKENS = 6
 PROMPTS = [[(11 * i + j) % 240 + 5 for j in range(10 + 4 * i)] for i in range(6)]
+PROMPTS[5] = PROMPTS[3] + PROMPTS[5][:8]  # a conversation's next turn (router/lineage.py)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,12 @@ def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_check
             for k, r in ended.items())
         # ... the ended one with its first and last token's latencies (measured goodput)
         assert all(0 < r.ttft_s <= r.e2e_s < 300 for r in ended.values())
+        # ... and a prompt that begins with another (a next turn) with the key of the
+        # latest one before it (router/lineage.py): the planner replays it after that.
+        turns = [r for r in ended.values() if r.prompt_tokens == len(PROMPTS[5])]
+        assert sum(bool(r.parent) for r in turns) >= len(turns) - 1 > 0
+        assert all(ended[r.parent].prompt_tokens == len(PROMPTS[3]) for r in turns if r.parent)
+        assert not any(r.parent for r in ended.values() if r.prompt_tokens != len(PROMPTS[5]))
         assert loop.traffic.recent(time.time() - 300) == sorted(ended.values(),
                                                                 key=lambda r: r.arrival)
         steps = loop.steps.recent(time.time() - 300)

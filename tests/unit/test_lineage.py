@@ -35,6 +35,16 @@ def test_a_prompt_ending_mid_block_links_on_its_full_blocks() -> None:
     assert links.link(t1[:192] + ids(4), "d") == ""  # not longer: no continuation
 
 
+def test_turns_that_end_in_the_same_block_each_link_to_the_one_before() -> None:
+    """A next turn shorter than a block past its parent ends in the parent's last full
+    block: each keeps its own entry there, so the one after still finds its parent."""
+    links = Lineage("m", block_size=16)
+    t1 = ids(22)
+    t2 = t1 + ids(8)  # 30 tokens: the same one full block
+    assert [links.link(p, k) for p, k in ((t1, "a"), (t2, "b"), (t2, "c"), (t1, "d"),
+                                          (t2, "e"))] == ["", "a", "a", "", "d"]
+
+
 def test_unrelated_prompts_and_a_shared_system_prompt_alone_do_not_link() -> None:
     links = Lineage("m", block_size=16)
     system = ids(64)
