@@ -416,14 +416,13 @@ class Autoscaler:
         among them, is predicted ``min_gain`` more than the target (with three or more,
         one that is leaves the target out)."""
         c = self.config
-        now_ = scores[current]
-        if (self.headroom is None or now_ <= 0
-                or max(scores.values()) >= (1 + c.min_gain) * now_):
+        mine, top = scores[current], max(scores.values())
+        if self.headroom is None or mine <= 0 or top >= (1 + c.min_gain) * mine:
             return None
-        top = max(scores.values())
-        near = [cand for cand in pool if scores[cand] >= (1 - c.itl_tolerance) * now_
+        # (the current one is among these, by the line above)
+        near = [cand for cand in pool if scores[cand] >= (1 - c.itl_tolerance) * mine
                 and (1 + c.min_gain) * scores[cand] > top]  # the goodput rule stays there
-        if current not in near or len(near) < 2:
+        if len(near) < 2:
             return None
         heavy = {cand: self.headroom(cand, records) for cand in near}
         self._heavy = {cand.roles_label: g for cand, g in heavy.items()}
@@ -435,8 +434,8 @@ class Autoscaler:
         both = proven is None or {roomy.roles_label, current.roles_label} <= set(proven)
         if gain < (c.min_gain if both else c.min_gain_unproven):
             return None
-        mine = itl.get(roomy.roles_label)
-        if mine is not None and any(ms <= (1 - c.min_itl_gain) * mine for ms in itl.values()):
+        its = itl.get(roomy.roles_label)
+        if its is not None and any(ms <= (1 - c.min_itl_gain) * its for ms in itl.values()):
             return None  # rule 2b would leave it for a quicker one
         busy, net = self._net(current, roomy, scores, records, move_s, self.score)
         return self._commit(now, current, roomy, labels, busy, net,
@@ -832,11 +831,9 @@ def window_prompts(records: Sequence[TrafficRecord], rng: random.Random,
     in full, where a chat's later turns compute only their new ~256 tokens: all
     latencies too high, and a split, whose one prefill worker computes every prompt, the
     more so."""
-    at = {r.key: i for i, r in enumerate(records) if r.key}
     prompts: list[list[int]] = []
-    for i, r in enumerate(records):
+    for i, (r, parent) in enumerate(zip(records, _parents(records), strict=True)):
         n = max(1, r.prompt_tokens)
-        parent = at.get(r.parent, i) if r.parent else i
         if parent < i:
             head = prompts[parent][:n - 1]
         else:
@@ -870,17 +867,14 @@ def window_requests(records: Sequence[TrafficRecord], rng: random.Random,
     than the real ones) on the worker caching its prefix, and predicted two mixed
     workers an ITL p99 of 458 ms where they served 21 ms (25% load; closed-loop turns
     predicted 29 ms)."""
-    order = sorted(range(len(records)), key=lambda i: records[i].arrival)
-    records = [records[i] for i in order]
+    records = sorted(records, key=lambda r: r.arrival)
     prompts = window_prompts(records, rng, ids)
-    at = {r.key: i for i, r in enumerate(records) if r.key}
     t0 = records[0].arrival if records else 0.0
     session: list[int] = []
     think: list[float | None] = []
     starts: list[float] = []
     followed: set[int] = set()
-    for i, r in enumerate(records):
-        p = at.get(r.parent, i) if r.parent else i
+    for i, (r, p) in enumerate(zip(records, _parents(records), strict=True)):
         end = _ended_at(records[p]) if p < i and p not in followed else None
         if end is not None and r.arrival >= end - LOG_SLACK_S:
             followed.add(p)
@@ -893,6 +887,13 @@ def window_requests(records: Sequence[TrafficRecord], rng: random.Random,
     requests = [Request(prompt, max(1, r.output_tokens), conversation=s, think_s=w)
                 for r, prompt, s, w in zip(records, prompts, session, think, strict=True)]
     return requests, starts
+
+
+def _parents(records: Sequence[TrafficRecord]) -> list[int]:
+    """Each record's parent's index in ``records`` (:mod:`router.lineage`), or its own
+    where it has none there."""
+    at = {r.key: i for i, r in enumerate(records) if r.key}
+    return [at.get(r.parent, i) if r.parent else i for i, r in enumerate(records)]
 
 
 def _ended_at(r: TrafficRecord) -> float | None:

@@ -67,7 +67,7 @@ class Lineage:
         when none), then this prompt remembered under ``key``. A prompt shorter than a
         block links to nothing and is not remembered."""
         n = len(prompt)
-        chain = block_hashes(list(prompt), self.block_size, self.model_id, cache_salt)
+        chain = block_hashes(prompt, self.block_size, self.model_id, cache_salt)
         parent = next((k for h in reversed(chain) for k, m in reversed(self._ends.get(h, ()))
                        if m < n), "")
         if chain:
