@@ -402,8 +402,9 @@ class Router:
         migrations = 0
         self._in_flight += 1
         self.metrics.set("requests_in_flight", self._in_flight)
-        noted = self._note_admitted(request, received)
+        noted: _Noted | None = None
         try:
+            noted = self._note_admitted(request, received)  # a failure here is this one's
             while open_:
                 routing = api_pb2.Routing()
                 if solo is None:

@@ -637,6 +637,28 @@ def test_a_turn_that_continues_an_earlier_prompt_is_logged_with_its_key() -> Non
     run(body)
 
 
+def test_a_traffic_note_that_fails_fails_its_request_alone() -> None:
+    """Noting a request for the planner (its lineage hashes the prompt) runs inside the
+    request's own error handling: a failure there is INTERNAL for that request, the
+    in-flight count comes back, and the next request is served."""
+    async def body() -> None:
+        async with Cluster(["mixed"]) as c:
+            c.router.traffic = Notes()  # type: ignore[assignment]
+
+            def explode(*args: object, **kw: object) -> str:
+                raise ValueError("cannot hash block")
+
+            real, c.router.lineage.link = c.router.lineage.link, explode  # type: ignore[method-assign]
+            with pytest.raises(ValueError):
+                await collect(c, req(max_tokens=2))
+            assert c.router.in_flight == 0
+            assert metric(c, "requests_total", status="INTERNAL") == 1
+            c.router.lineage.link = real  # type: ignore[method-assign]
+            assert_one_stream(await collect(c, req(max_tokens=2)), 2)
+
+    run(body)
+
+
 def test_a_worker_that_fails_after_the_finish_fails_no_request() -> None:
     """Every token and the finish came; the worker's stream then fails: the request
     was served (no migration, no error, counted OK, its latencies logged)."""
