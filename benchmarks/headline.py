@@ -198,6 +198,7 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
                               or math.isfinite(d.net_gain) else None,
                               "step_model": model, "itl_p99_ms": d.itl_p99_ms,
                               "headroom_goodput": d.headroom_goodput,
+                              "headroom_itl_p99_ms": d.headroom_itl_p99_ms,
                               "served": d.served,
                               "prefill_cap": _cap_decision(cd)}
                              for d, model, cd in zip(planner.decisions, planner.step_models,

@@ -169,7 +169,7 @@ class AutoscaleLoop:
         self.autoscaler = Autoscaler(self._with_cap(c.prefill_tokens_while_decoding),
                                      goodput_of(figures), self.config, self._refine(figures),
                                      itl_of(figures) if self.itl else None,
-                                     self._headroom(None, {}))
+                                     *self._headroom(None, {}))
         self._redis = connect_redis(cluster.redis_url, socket_timeout=5,
                                     socket_connect_timeout=5)
         self.traffic = TrafficLog(self._redis, Path(c.model).name)
@@ -252,6 +252,8 @@ class AutoscaleLoop:
             self.metrics.set("planner_predicted_config_itl_p99_ms", itl, config=label)
         for label, goodput in d.headroom_goodput.items():
             self.metrics.set("planner_predicted_headroom_goodput", goodput, config=label)
+        for label, itl in d.headroom_itl_p99_ms.items():
+            self.metrics.set("planner_predicted_headroom_itl_p99_ms", itl, config=label)
         if d.served is not None:
             self.metrics.set("planner_served_share", d.served)
         if d.net_gain is not None:
@@ -263,8 +265,9 @@ class AutoscaleLoop:
                if d.itl_p99_ms else "")
         served = f" (served {d.served:.0%} within the SLOs)" if d.served is not None else ""
         itl += (f"; at {1 + self.config.headroom:g}x the load: " + ", ".join(
-            f"{k}: {v:.3f}/s" for k, v in d.headroom_goodput.items())
-            if d.headroom_goodput else "")
+            f"{k}: {v:.3f}/s" + (f", {d.headroom_itl_p99_ms[k]:.0f} ms"
+                                 if k in d.headroom_itl_p99_ms else "")
+            for k, v in d.headroom_goodput.items()) if d.headroom_goodput else "")
         log.info("autoscale: %s (%s) at %s with %d requests in the window; predicted goodput "
                  "%s%s%s%s; step model: %s", d.action, d.reason, current.label, len(records),
                  ", ".join(f"{k}: {v:.3f}/s" for k, v in d.scores.items()) or "-", served,
@@ -448,7 +451,7 @@ class AutoscaleLoop:
             self.autoscaler.score = goodput_of(figures)
             self.autoscaler.itl = itl_of(figures) if self.itl else None
             self.autoscaler.refine = self._refine(figures)
-            self.autoscaler.headroom = self._headroom(fit, owns)
+            self.autoscaler.headroom, self.autoscaler.headroom_itl = self._headroom(fit, owns)
             self.caps.predict = figures
             self._scored = (fit, owns)
         self.calibration = fit
@@ -464,11 +467,15 @@ class AutoscaleLoop:
         return fit
 
     def _headroom(self, fit: ServedFits | None, owns: dict[str, ServedFits | None]
-                  ) -> Score | None:
-        """Rule 2c's score: goodput at ``1 + headroom`` times the window's load (None:
-        headroom 0, no rule 2c)."""
+                  ) -> tuple[Score | None, Score | None]:
+        """Rule 2c's scores at ``1 + headroom`` times the window's load, from one
+        simulation each: goodput, and (with ``--autoscale-itl``) ITL p99. None: headroom
+        0, no rule 2c (no ITL score: 2c compares goodput alone)."""
         h = self.config.headroom
-        return goodput_of(self._figures(fit, owns, load=1 + h)) if h > 0 else None
+        if h <= 0:
+            return None, None
+        heavy = self._figures(fit, owns, load=1 + h)
+        return goodput_of(heavy), itl_of(heavy) if self.itl else None
 
     def _figures(self, fit: ServedFits | None, owns: dict[str, ServedFits | None],
                  load: float = 1.0) -> Predict:

@@ -199,8 +199,9 @@ class DeploymentConfig:
         "overload, cost goodput there)"))
     autoscale_headroom: float = field(default=1.0, metadata=setting(
         "--autoscale: configurations tied on predicted goodput are told apart by it at "
-        "1 + this times the traffic's load (1: twice the load), so that the pools are "
-        "split (or not) before a growing load needs it; 0: no such tie-break"))
+        "1 + this times the traffic's load (1: twice the load), and with --autoscale-itl "
+        "a tie there by their ITL p99 there, so that the pools are split (or not) before "
+        "a growing load needs it; 0: no such tie-break"))
     slo_ttft_ms: float | None = field(default=None, metadata=setting(
         "the TTFT target: with --profile the router computes a prompt on the prefill "
         "workers, not on its decode worker, while they would serve it within half of it "

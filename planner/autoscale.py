@@ -27,7 +27,11 @@ decision says which did not (its ``reason``):
    ``1 - itl_tolerance`` of its goodput, one predicted to serve ``min_gain`` more
    (``min_gain_unproven`` unless both are proven) than the current one at ``1 +
    headroom`` times the window's load, and that rule 2b would not leave, is the
-   target on 2b's terms, and a switch says ``headroom``;
+   target on 2b's terms, and a switch says ``headroom``; failing that (with a headroom
+   ITL score), among those predicted at least ``1 - itl_tolerance`` of its goodput at
+   that load too, the one of lowest predicted ITL p99 there, when that is
+   ``min_itl_gain`` (unproven: ``min_itl_gain_unproven``) below the current one's
+   there: rule 2b at the heavier load;
 3. ``gain_below_threshold``: it beats the current one by at least ``min_gain``
    (relative; against a current goodput of 0, any positive one counts); ``unproven``:
    and by ``min_gain_unproven`` unless both it and the current one are among the
@@ -74,6 +78,13 @@ tie is broken toward the configuration with room to grow. Live, on the next run
 1.50x colocated at 85%; the other seed's windows stayed tied at twice the load (the
 simulation starts each window with idle workers, and a calibration fitted at one
 load carries none of a heavier one's contention), and the rescue came at 85%.
+Replayed offline, that seed's 50%-load windows at twice the load predicted the two
+tied on goodput (2.00 and 1.33 req/s each) while two mixed workers' ITL p99 came to
+276-522 ms and the split's to 37-50 ms: a prompt computed beside running decodes
+stalls them, and at the real 85% load those stalls became the TPOT misses. The mixed
+workload's windows (one prefill worker computing every 1,536-token prompt) showed no
+such gap at equal goodput (164-186 ms against 178-224 where tied). So a tie at the
+heavier load is broken on its ITL p99, as rule 2b breaks one at the window's.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
@@ -246,6 +257,9 @@ class Decision:
     headroom_goodput: dict[str, float] = field(default_factory=dict)
     """Predicted goodput at rule 2c's heavier load of the candidates it compared, by
     ``roles_label``, whether it moved or not (empty: it compared none)."""
+    headroom_itl_p99_ms: dict[str, float] = field(default_factory=dict)
+    """Predicted ITL p99 at that load of the candidates rule 2c compared on it (those
+    serving as much there), by ``roles_label`` (empty: it compared none)."""
 
     @property
     def action(self) -> str:
@@ -257,17 +271,20 @@ class Autoscaler:
 
     def __init__(self, candidates: Sequence[PoolConfig], score: Score,
                  config: AutoscaleConfig | None = None, refine: Score | None = None,
-                 itl: Score | None = None, headroom: Score | None = None) -> None:
+                 itl: Score | None = None, headroom: Score | None = None,
+                 headroom_itl: Score | None = None) -> None:
         """``refine``: a costlier score (the live loop's: with the best stall-free cap,
         :func:`best_cap_goodput`) taken only where a candidate beats the current one by
         ``min_gain`` on ``score``, for those two, before the rules that follow (3-6).
         ``itl``: a configuration's predicted ITL p99 (ms) on the window, for rule 2b
         (None: goodput alone decides). ``headroom``: its predicted goodput at the
-        heavier load of rule 2c (None: no rule 2c)."""
+        heavier load of rule 2c (None: no rule 2c); ``headroom_itl``: its predicted ITL
+        p99 there (None: 2c compares goodput alone)."""
         if not candidates:
             raise ValueError("the autoscaler needs at least one candidate configuration")
         self.candidates = list(candidates)
         self.score, self.refine, self.itl, self.headroom = score, refine, itl, headroom
+        self.headroom_itl = headroom_itl
         self.config = config or AutoscaleConfig()
         if (itl is not None or headroom is not None) and not self.config.itl_band:
             raise ValueError(
@@ -279,6 +296,7 @@ class Autoscaler:
         self._leader: PoolConfig | None = None
         self._wins = 0
         self._heavy: dict[str, float] = {}  # rule 2c's figures of the decision under way
+        self._heavy_itl: dict[str, float] = {}
 
     def decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
                move_s: Mapping[str, float] | None = None,
@@ -295,10 +313,10 @@ class Autoscaler:
         (:func:`served_share`; None: not measured): its score's floor is that share of
         the window's arrivals per second, and below ``max_served_rescue`` a switch is a
         rescue."""
-        self._heavy = {}
+        self._heavy, self._heavy_itl = {}, {}
         return replace(self._decide(now, current, records, move_s, proven,
                                     itl_records or records, served), served=served,
-                       headroom_goodput=self._heavy)
+                       headroom_goodput=self._heavy, headroom_itl_p99_ms=self._heavy_itl)
 
     def _decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
                 move_s: Mapping[str, float] | None, proven: Collection[str] | None,
@@ -338,7 +356,7 @@ class Autoscaler:
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels, **shown)
-        both = proven is None or {best.roles_label, current.roles_label} <= set(proven)
+        both = _proven(proven, best, current)
         rescue = not both and served is not None and served < c.max_served_rescue
         bar = c.min_gain if both or rescue else c.min_gain_unproven
         if gain < bar:
@@ -409,9 +427,10 @@ class Autoscaler:
         goodput rule would not move), among those predicted at least ``1 -
         itl_tolerance`` of its goodput, the one of most predicted goodput at the heavier
         load (``headroom``), when that beats the current one's there by ``min_gain``
-        (``min_gain_unproven`` unless both are proven) and rule 2b would not leave it
-        (no candidate's predicted ITL p99, where 2b compared them, is ``min_itl_gain``
-        below its). Rules 4-6 follow as for 2b. None: the rule does not apply, and
+        (``min_gain_unproven`` unless both are proven); else (:meth:`_quicker_heavier`)
+        the one quickest there, on 2b's terms. Either only where rule 2b would not leave
+        it (no candidate's predicted ITL p99, where 2b compared them, is
+        ``min_itl_gain`` below its). Rules 4-6 follow as for 2b. None: the rule does not apply, and
         goodput decides. The goodput rule does not undo it: no candidate, the one left
         among them, is predicted ``min_gain`` more than the target (with three or more,
         one that is leaves the target out)."""
@@ -427,19 +446,40 @@ class Autoscaler:
         heavy = {cand: self.headroom(cand, records) for cand in near}
         self._heavy = {cand.roles_label: g for cand, g in heavy.items()}
         roomy = max(near, key=lambda cand: (heavy[cand], cand == current))
-        if roomy == current:
-            return None
         base = heavy[current]
         gain = (heavy[roomy] - base) / base if base > 0 else float("inf")
-        both = proven is None or {roomy.roles_label, current.roles_label} <= set(proven)
-        if gain < (c.min_gain if both else c.min_gain_unproven):
-            return None
+        if roomy == current or gain < (c.min_gain if _proven(proven, roomy, current)
+                                       else c.min_gain_unproven):
+            roomy = self._quicker_heavier(current, near, heavy, records, proven)
+            if roomy is None:
+                return None
         its = itl.get(roomy.roles_label)
         if its is not None and any(ms <= (1 - c.min_itl_gain) * its for ms in itl.values()):
             return None  # rule 2b would leave it for a quicker one
         busy, net = self._net(current, roomy, scores, records, move_s, self.score)
         return self._commit(now, current, roomy, labels, busy, net,
                             net >= -c.itl_tolerance, "headroom", dict(itl))
+
+    def _quicker_heavier(self, current: PoolConfig, near: Sequence[PoolConfig],
+                         heavy: Mapping[PoolConfig, float], records: Sequence[TrafficRecord],
+                         proven: Collection[str] | None) -> PoolConfig | None:
+        """Rule 2c on ITL: among ``near``, those predicted at least ``1 -
+        itl_tolerance`` of the current one's goodput at the heavier load (``heavy``),
+        the one of lowest predicted ITL p99 there, when that is ``min_itl_gain``
+        (``min_itl_gain_unproven`` unless both are proven) below the current one's
+        there. None: no headroom ITL score, or none is enough quicker."""
+        c = self.config
+        if self.headroom_itl is None:
+            return None
+        able = [cand for cand in near
+                if heavy[cand] >= (1 - c.itl_tolerance) * heavy[current]]
+        its = {cand: self.headroom_itl(cand, records) for cand in able}
+        self._heavy_itl = {cand.roles_label: ms for cand, ms in its.items()}
+        quick = min(able, key=lambda cand: (its[cand], cand != current))
+        margin = (c.min_itl_gain if _proven(proven, quick, current)
+                  else c.min_itl_gain_unproven)
+        return quick if quick != current and its[quick] <= (1 - margin) * its[current] \
+            else None
 
     def _lower_itl(self, now: float, current: PoolConfig, pool: Sequence[PoolConfig],
                    scores: Mapping[PoolConfig, float], labels: dict[str, float],
@@ -468,13 +508,19 @@ class Autoscaler:
         quick = min(near, key=lambda cand: (itl[cand], cand != current))
         if quick == current or not itl[quick] <= (1 - c.min_itl_gain) * itl[current]:
             return None, shown
-        both = proven is None or {quick.roles_label, current.roles_label} <= set(proven)
+        both = _proven(proven, quick, current)
         if not both and not itl[quick] <= (1 - c.min_itl_gain_unproven) * itl[current]:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "unproven", labels, itl_p99_ms=shown), shown
         busy, net = self._net(current, quick, scores, records, move_s, self.score)
         return self._commit(now, current, quick, labels, busy, net,
                             net >= -c.itl_tolerance, "lower_itl", shown), shown
+
+
+def _proven(proven: Collection[str] | None, *configs: PoolConfig) -> bool:
+    """Whether every one of ``configs`` is scored on its own calibration (``proven``
+    None: every configuration is)."""
+    return proven is None or {cand.roles_label for cand in configs} <= set(proven)
 
 
 Predict = Callable[[PoolConfig, Sequence[TrafficRecord]], Mapping[str, float]]

@@ -629,11 +629,12 @@ def test_steady_load_with_itl_never_flaps():
     assert _moves(s, MIXED, 100) == [SPLIT]
 
 
-def _roomy_scaler(goodput, heavy, itl=None, **kw):
+def _roomy_scaler(goodput, heavy, itl=None, heavy_itl=None, **kw):
     cfg = AutoscaleConfig(**{"min_dwell_s": 0, "confirmations": 2, "window_s": 20, **kw})
     return Autoscaler([MIXED, SPLIT], lambda c, r: goodput[c.label], cfg,
                       itl=(lambda c, r: itl[c.label]) if itl else None,
-                      headroom=lambda c, r: heavy[c.label])
+                      headroom=lambda c, r: heavy[c.label],
+                      headroom_itl=(lambda c, r: heavy_itl[c.label]) if heavy_itl else None)
 
 
 def test_a_tie_is_broken_toward_the_configuration_with_room_to_grow():
@@ -679,6 +680,45 @@ def test_no_move_for_headroom_without_a_tie_a_margin_or_against_rule_2b():
     assert s.decide(0.0, MIXED, RECORDS).reason == "lower_itl"
     with pytest.raises(ValueError, match="headroom"):
         AutoscaleConfig(headroom=-0.5)
+
+
+def test_a_tie_at_the_heavier_load_too_is_broken_on_its_itl():
+    """Rule 2c on ITL, the chat headline's seed 0 on a 2-core EPYC: tied at the window's
+    load and at twice it (1.33 req/s each), two mixed workers predicted an ITL p99 of
+    500 ms there and the split 45 ms. The workers move, confirmed twice; there, nothing
+    moves them back."""
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.0}, {MIXED.label: 1.33, SPLIT.label: 1.33},
+                      itl={MIXED.label: 30.0, SPLIT.label: 35.0},
+                      heavy_itl={MIXED.label: 500.0, SPLIT.label: 45.0})
+    first = s.decide(0.0, MIXED, RECORDS, proven=())
+    assert (first.target, first.reason) == (None, "confirming")
+    assert first.headroom_itl_p99_ms == {MIXED.roles_label: 500.0, SPLIT.roles_label: 45.0}
+    d = s.decide(5.0, MIXED, RECORDS, proven=())
+    assert (d.target, d.reason) == (SPLIT, "headroom")
+    assert all(s.decide(t, SPLIT, RECORDS, proven=()).target is None for t in (10.0, 15.0))
+
+
+def test_no_move_for_itl_at_the_heavier_load_without_its_goodput_or_a_margin():
+    """The mixed workload's windows: the split quicker at twice the load but serving
+    less there (0.67 against 1.2 req/s; one prefill worker computes every long prompt);
+    or as much, 0.6x the ITL p99 unproven (0.5x asked), or 0.7x proven (0.6x asked)."""
+    quick = {MIXED.label: 88.0, SPLIT.label: 44.0}
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.0}, {MIXED.label: 1.2, SPLIT.label: 0.67},
+                      heavy_itl=quick)
+    d = s.decide(0.0, MIXED, RECORDS, proven=())
+    assert (d.target, d.reason, d.headroom_itl_p99_ms) == (None, "current_best",
+                                                           {MIXED.roles_label: 88.0})
+    tied = {MIXED.label: 1.0, SPLIT.label: 1.0}
+    s = _roomy_scaler(tied, tied, heavy_itl={MIXED.label: 100.0, SPLIT.label: 60.0})
+    assert s.decide(0.0, MIXED, RECORDS, proven=()).reason == "current_best"
+    assert s.decide(1.0, MIXED, RECORDS, proven=None).reason == "confirming"
+    s = _roomy_scaler(tied, tied, heavy_itl={MIXED.label: 100.0, SPLIT.label: 70.0})
+    assert s.decide(0.0, MIXED, RECORDS, proven=None).reason == "current_best"
+    # Quicker at the heavier load but 2.5x the ITL p99 at the window's: rule 2b would
+    # bring the workers back. No move.
+    s = _roomy_scaler(tied, tied, itl={MIXED.label: 20.0, SPLIT.label: 50.0},
+                      heavy_itl={MIXED.label: 500.0, SPLIT.label: 45.0})
+    assert all(s.decide(t, MIXED, RECORDS).target is None for t in (0.0, 5.0, 10.0))
 
 
 def test_headroom_never_picks_a_configuration_the_goodput_rule_would_leave():
