@@ -427,13 +427,12 @@ class Autoscaler:
         goodput rule would not move), among those predicted at least ``1 -
         itl_tolerance`` of its goodput, the one of most predicted goodput at the heavier
         load (``headroom``), when that beats the current one's there by ``min_gain``
-        (``min_gain_unproven`` unless both are proven); else (:meth:`_quicker_heavier`)
-        the one quickest there, on 2b's terms. Either only where rule 2b would not leave
-        it (no candidate's predicted ITL p99, where 2b compared them, is
-        ``min_itl_gain`` below its). Rules 4-6 follow as for 2b. None: the rule does not apply, and
-        goodput decides. The goodput rule does not undo it: no candidate, the one left
-        among them, is predicted ``min_gain`` more than the target (with three or more,
-        one that is leaves the target out)."""
+        (``min_gain_unproven`` unless both are proven) and rule 2b would not leave it
+        (:meth:`_left_by_2b`); else (:meth:`_quicker_heavier`) the one quickest there,
+        on 2b's terms, where 2b would not leave it either. Rules 4-6 follow as for 2b.
+        None: the rule does not apply, and goodput decides. The goodput rule does not
+        undo it: no candidate, the one left among them, is predicted ``min_gain`` more
+        than the target (with three or more, one that is leaves the target out)."""
         c = self.config
         mine, top = scores[current], max(scores.values())
         if self.headroom is None or mine <= 0 or top >= (1 + c.min_gain) * mine:
@@ -449,30 +448,39 @@ class Autoscaler:
         base = heavy[current]
         gain = (heavy[roomy] - base) / base if base > 0 else float("inf")
         if roomy == current or gain < (c.min_gain if _proven(proven, roomy, current)
-                                       else c.min_gain_unproven):
+                                       else c.min_gain_unproven) or self._left_by_2b(roomy, itl):
             roomy = self._quicker_heavier(current, near, heavy, records, proven)
-            if roomy is None:
+            if roomy is None or self._left_by_2b(roomy, itl):
                 return None
-        its = itl.get(roomy.roles_label)
-        if its is not None and any(ms <= (1 - c.min_itl_gain) * its for ms in itl.values()):
-            return None  # rule 2b would leave it for a quicker one
         busy, net = self._net(current, roomy, scores, records, move_s, self.score)
         return self._commit(now, current, roomy, labels, busy, net,
                             net >= -c.itl_tolerance, "headroom", dict(itl))
+
+    def _left_by_2b(self, target: PoolConfig, itl: Mapping[str, float]) -> bool:
+        """Whether rule 2b would leave ``target`` for a quicker candidate: one's
+        predicted ITL p99, where 2b compared them (``itl``), is ``min_itl_gain`` below
+        its."""
+        its = itl.get(target.roles_label)
+        return its is not None and any(ms <= (1 - self.config.min_itl_gain) * its
+                                       for ms in itl.values())
 
     def _quicker_heavier(self, current: PoolConfig, near: Sequence[PoolConfig],
                          heavy: Mapping[PoolConfig, float], records: Sequence[TrafficRecord],
                          proven: Collection[str] | None) -> PoolConfig | None:
         """Rule 2c on ITL: among ``near``, those predicted at least ``1 -
-        itl_tolerance`` of the current one's goodput at the heavier load (``heavy``),
-        the one of lowest predicted ITL p99 there, when that is ``min_itl_gain``
+        itl_tolerance`` of the current one's goodput at the heavier load (``heavy``)
+        and not ``min_gain`` less than any's there (else 2c's goodput branch would
+        leave it: with three candidates, two paid switches), the one of lowest
+        predicted ITL p99 there, when that is ``min_itl_gain``
         (``min_itl_gain_unproven`` unless both are proven) below the current one's
         there. None: no headroom ITL score, or none is enough quicker."""
         c = self.config
         if self.headroom_itl is None:
             return None
-        able = [cand for cand in near
-                if heavy[cand] >= (1 - c.itl_tolerance) * heavy[current]]
+        top = max(heavy.values())
+        able = [current] + [cand for cand in near if cand != current
+                            and heavy[cand] >= (1 - c.itl_tolerance) * heavy[current]
+                            and (1 + c.min_gain) * heavy[cand] > top]
         its = {cand: self.headroom_itl(cand, records) for cand in able}
         self._heavy_itl = {cand.roles_label: ms for cand, ms in its.items()}
         quick = min(able, key=lambda cand: (its[cand], cand != current))

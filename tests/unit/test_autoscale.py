@@ -721,6 +721,29 @@ def test_no_move_for_itl_at_the_heavier_load_without_its_goodput_or_a_margin():
     assert all(s.decide(t, MIXED, RECORDS).target is None for t in (0.0, 5.0, 10.0))
 
 
+def test_itl_at_the_heavier_load_decides_where_room_misses_its_margin():
+    """The split 20% roomier, unproven (30% asked), and a tenth the ITL p99 there:
+    it moves on ITL. Among three, one just under the current one's room there but
+    10% under another's (which 2c's goodput branch would then move to) is left out."""
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.0}, {MIXED.label: 1.0, SPLIT.label: 1.2},
+                      heavy_itl={MIXED.label: 500.0, SPLIT.label: 50.0}, confirmations=1)
+    assert (s.decide(0.0, MIXED, RECORDS, proven=()).target) == SPLIT
+    three = reachable(3, 1, 32)
+    a, b, c = three
+    heavy = {a.label: 1.0, b.label: 0.955, c.label: 1.051}
+    quick = {a.label: 100.0, b.label: 50.0, c.label: 200.0}
+    cfg = AutoscaleConfig(min_dwell_s=0, confirmations=1, window_s=20)
+    s = Autoscaler(three, lambda cand, _: 1.0, cfg, headroom=lambda cand, _: heavy[cand.label],
+                   headroom_itl=lambda cand, _: quick[cand.label])
+    d = s.decide(0.0, a, RECORDS, proven=None)
+    assert d.target is None and d.headroom_itl_p99_ms == {a.roles_label: 100.0,
+                                                          c.roles_label: 200.0}
+    # From the roomiest, one 5% less roomy at half its ITL p99 is a move, and final.
+    d = s.decide(1.0, c, RECORDS, proven=None)
+    assert (d.target, d.reason) == (a, "headroom")
+    assert s.decide(2.0, a, RECORDS, proven=None).target is None
+
+
 def test_headroom_never_picks_a_configuration_the_goodput_rule_would_leave():
     """Three candidates (the review's case): the current one, X predicted 9% more, R 4%
     less but twice the room. Moving to R, X would then beat it by 14% and the goodput
