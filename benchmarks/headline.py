@@ -199,10 +199,12 @@ def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
                               "step_model": model, "itl_p99_ms": d.itl_p99_ms,
                               "headroom_goodput": d.headroom_goodput,
                               "headroom_itl_p99_ms": d.headroom_itl_p99_ms,
-                              "served": d.served,
+                              "served": d.served, "cpu_s": cpu,
                               "prefill_cap": _cap_decision(cd)}
-                             for d, model, cd in zip(planner.decisions, planner.step_models,
-                                                     planner.cap_decisions, strict=True)]
+                             for d, model, cd, cpu in zip(planner.decisions,
+                                                          planner.step_models,
+                                                          planner.cap_decisions,
+                                                          planner.cpu_seconds, strict=True)]
                 (out / f"{workload}-s{seed}-adaptive-decisions.json").write_text(
                     json.dumps(decisions, indent=1))
     (out / f"{workload}-s{seed}-{name}-sweep.json").write_text(json.dumps(points, indent=1))

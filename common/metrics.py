@@ -102,6 +102,9 @@ CATALOG: tuple[Spec, ...] = (
     Spec("planner_predicted_headroom_goodput", "gauge", "The goodput the planner predicts "
          "for each configuration it compared at the heavier load of --autoscale-headroom "
          "(requests/s within the SLOs)", ("config",)),
+    Spec("planner_decision_cpu_seconds", "gauge", "The CPU seconds the planner's thread "
+         "spent on its last decision (recalibration and simulations; role changes not "
+         "counted)"),
     Spec("planner_predicted_headroom_itl_p99_ms", "gauge", "The inter-token latency p99 the "
          "planner predicts for each configuration serving as much at the heavier load of "
          "--autoscale-headroom, where it compared them (--autoscale-itl)", ("config",)),
