@@ -38,7 +38,12 @@ decision says which did not (its ``reason``):
    ``proven`` configurations the caller names (those scored with a serving calibration
    fitted while they ran, see below); ``overloaded``: such an unproven comparison is
    not made at all while the current configuration is predicted to serve less than
-   ``min_served_unproven`` of the window's requests within the SLOs. Neither holds
+   ``min_served_unproven`` of the window's requests within the SLOs. ``min_gain``
+   will do for ``min_gain_unproven`` (the guard stands; a switch then says
+   ``seconded``) where rule 2c's heavier load seconds it:
+   there, on its own, the candidate is predicted ``min_gain_unproven`` more goodput,
+   or (with a headroom ITL score) as much within ``itl_tolerance`` at
+   ``min_itl_gain_unproven`` less ITL p99 (see below). Neither margin nor guard holds
    where the current configuration measurably serves less than ``max_served_rescue``
    of its requests within them (``served``): little is left to lose, a gain of
    ``min_gain`` will do, and the switch (reason ``rescue``) is made to be measured,
@@ -85,6 +90,18 @@ stalls them, and at the real 85% load those stalls became the TPOT misses. The m
 workload's windows (one prefill worker computing every 1,536-token prompt) showed no
 such gap at equal goodput (164-186 ms against 178-224 where tied). So a tie at the
 heavier load is broken on its ITL p99, as rule 2b breaks one at the window's.
+
+Why ``seconded``. Where the split led at the window's load by more than ``min_gain`` but
+less than ``min_gain_unproven`` (reason ``unproven``), rule 2c was not asked, since
+the goodput rule's margin was past: a hole between them. On a 2-core EPYC's chat
+headline runs, 10 of 13 such windows at 50-85% load (replayed offline on the runs'
+own traffic and steps) predicted the split, at twice the load, 0.09-0.16x two mixed
+workers' ITL p99 at 0.95x their goodput or more (9), or 1.4x their goodput (1); the one
+such window of the mixed workload (85% load) predicted the split half their goodput
+there (0.27 against 0.53 req/s), and its windows at 120% 3x, where the split served
+0.067 req/s against none. A lead seen at the window's load (``min_gain``) and at the
+heavier one (by the margins an unproven comparison asks for) is taken; confirmed
+twice, as any.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
@@ -359,6 +376,9 @@ class Autoscaler:
         both = _proven(proven, best, current)
         rescue = not both and served is not None and served < c.max_served_rescue
         bar = c.min_gain if both or rescue else c.min_gain_unproven
+        why = "rescue" if rescue else "switch"
+        if gain < bar and self._seconded(current, best, records):
+            bar, why = c.min_gain, "seconded"
         if gain < bar:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "unproven", labels)
@@ -367,8 +387,31 @@ class Autoscaler:
             return Decision(now, current, None, "overloaded", labels)
         busy, net = self._net(current, best, scores, records, move_s,
                               self.refine or self.score)
-        return self._commit(now, current, best, labels, busy, net, net >= bar,
-                            "rescue" if rescue else "switch")
+        return self._commit(now, current, best, labels, busy, net, net >= bar, why)
+
+    def _seconded(self, current: PoolConfig, best: PoolConfig,
+                  records: Sequence[TrafficRecord]) -> bool:
+        """Rule 3's second witness (with a headroom score): an unproven gain between
+        ``min_gain`` and ``min_gain_unproven`` is enough where, at rule 2c's heavier
+        load, ``best`` is predicted on its own an unproven-sized lead over the current
+        one: ``min_gain_unproven`` more goodput, or (with a headroom ITL score) at least
+        ``1 - itl_tolerance`` of its goodput at ``min_itl_gain_unproven`` less ITL p99.
+        The figures compared land in the decision (``headroom_goodput``,
+        ``headroom_itl_p99_ms``)."""
+        c = self.config
+        if self.headroom is None:
+            return False
+        heavy = {cand: self.headroom(cand, records) for cand in (current, best)}
+        self._heavy = {cand.roles_label: g for cand, g in heavy.items()}
+        if heavy[best] <= 0:
+            return False
+        if heavy[best] >= (1 + c.min_gain_unproven) * heavy[current]:
+            return True
+        if self.headroom_itl is None or heavy[best] < (1 - c.itl_tolerance) * heavy[current]:
+            return False
+        its = {cand: self.headroom_itl(cand, records) for cand in (current, best)}
+        self._heavy_itl = {cand.roles_label: ms for cand, ms in its.items()}
+        return its[best] <= (1 - c.min_itl_gain_unproven) * its[current]
 
     def _net(self, current: PoolConfig, best: PoolConfig, scores: Mapping[PoolConfig, float],
              records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,

@@ -744,6 +744,49 @@ def test_itl_at_the_heavier_load_decides_where_room_misses_its_margin():
     assert s.decide(2.0, a, RECORDS, proven=None).target is None
 
 
+def test_an_unproven_gain_between_the_margins_is_seconded_by_the_heavier_load():
+    """The chat headline's 50%-load windows on a 2-core EPYC: the split 20% ahead at the
+    window's load, unproven (30% asked), and at twice it as much goodput at a tenth of
+    the ITL p99. The heavier load seconds the gain: the workers move, confirmed twice,
+    and nothing moves them back."""
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.2}, {MIXED.label: 1.33, SPLIT.label: 1.33},
+                      heavy_itl={MIXED.label: 500.0, SPLIT.label: 45.0})
+    first = s.decide(0.0, MIXED, RECORDS, proven=())
+    assert (first.target, first.reason) == (None, "confirming")
+    assert first.headroom_goodput == {MIXED.roles_label: 1.33, SPLIT.roles_label: 1.33}
+    assert first.headroom_itl_p99_ms == {MIXED.roles_label: 500.0, SPLIT.roles_label: 45.0}
+    d = s.decide(5.0, MIXED, RECORDS, proven=())
+    assert (d.target, d.reason) == (SPLIT, "seconded")
+    assert all(s.decide(t, SPLIT, RECORDS, proven=()).target is None for t in (10.0, 15.0))
+    # On goodput there: 30% more seconds it, 25% does not (no ITL score).
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.2}, {MIXED.label: 1.0, SPLIT.label: 1.3},
+                      confirmations=1)
+    assert s.decide(0.0, MIXED, RECORDS, proven=()).reason == "seconded"
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.2}, {MIXED.label: 1.0, SPLIT.label: 1.25},
+                      confirmations=1)
+    assert s.decide(0.0, MIXED, RECORDS, proven=()).reason == "unproven"
+
+
+def test_no_second_witness_without_goodput_there_a_margin_or_past_the_guard():
+    """The mixed workload's 85%-load window: the split 14% ahead at the window's load,
+    quicker at twice it but serving half as much there (0.27 against 0.53 req/s): no
+    move. As much there at 0.6x the ITL p99 (0.5x asked): no move. Seconded but the
+    current configuration predicted to serve half the window: ``overloaded`` stands.
+    Both proven, the goodput rule's margin is enough and no heavier load is asked."""
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.14}, {MIXED.label: 0.53, SPLIT.label: 0.27},
+                      heavy_itl={MIXED.label: 194.0, SPLIT.label: 44.0}, confirmations=1)
+    d = s.decide(0.0, MIXED, RECORDS, proven=())
+    assert (d.reason, d.headroom_itl_p99_ms) == ("unproven", {})
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.14}, {MIXED.label: 1.0, SPLIT.label: 1.0},
+                      heavy_itl={MIXED.label: 100.0, SPLIT.label: 60.0}, confirmations=1)
+    assert s.decide(0.0, MIXED, RECORDS, proven=()).reason == "unproven"
+    s = _roomy_scaler({MIXED.label: 0.5, SPLIT.label: 0.6}, {MIXED.label: 0.5, SPLIT.label: 1.0},
+                      confirmations=1)
+    assert s.decide(0.0, MIXED, RECORDS, proven=()).reason == "overloaded"
+    d = s.decide(0.0, MIXED, RECORDS, proven=None)
+    assert (d.reason, d.headroom_goodput) == ("switch", {})
+
+
 def test_headroom_never_picks_a_configuration_the_goodput_rule_would_leave():
     """Three candidates (the review's case): the current one, X predicted 9% more, R 4%
     less but twice the room. Moving to R, X would then beat it by 14% and the goodput
