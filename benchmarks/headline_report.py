@@ -18,13 +18,18 @@ each row marked:
 
 And the first -> second token gap (median and p99 over the point's requests; a
 disaggregated request's includes its KV transfer and its admission into the decode
-worker's batch) of each cluster, beside the colocated one's.
+worker's batch) of each cluster, beside the colocated one's; and the ITL p99 ratio
+A/C with a bootstrap interval (:func:`itl_p99_ratio`): a target is checked on the
+ratio itself, the interval says how far one run can be trusted.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+
+import numpy as np
 
 from loadtest.metrics import percentile
 from loadtest.plots import plot_sweeps
@@ -33,6 +38,8 @@ HIGH, LOW = 0.85, 0.25
 LETTERS = {"colocated": "C", "static": "S", "split": "P", "capped": "K", "adaptive": "A"}
 """The clusters a run may have swept, in the table's column order, and their columns'
 letters."""
+ITL_RATIOS = "ITL p99 A/C, 90% interval (requests resampled)"
+"""The line after each seed's table that gives the ratios and their intervals."""
 TURNS = {"mixed": 1, "chat": 3}
 """Requests per session of each workload (a chat session is a 3-turn conversation)."""
 
@@ -52,6 +59,47 @@ def first_gap_ms(out: Path, workload: str, seed: int, name: str, fraction: float
     times = json.loads(path.read_text())["details"]["token_times"]
     gaps = [(t[1] - t[0]) * 1e3 for t in times if len(t) >= 2]
     return percentile(gaps, 50), percentile(gaps, 99)
+
+
+def _gaps(out: Path, workload: str, seed: int, name: str, fraction: float
+          ) -> list[np.ndarray] | None:
+    """Each request's inter-token gaps (ms) at one point; None: no per-request file."""
+    path = out / f"{workload}-s{seed}-{name}-f{fraction:g}.json"
+    if not path.exists():
+        return None
+    times = json.loads(path.read_text())["details"]["token_times"]
+    return [np.diff(np.asarray(t, dtype=float)) * 1e3 for t in times if len(t) >= 2]
+
+
+def itl_p99_ratio(out: Path, workload: str, seed: int, name: str, fraction: float,
+                  base: str = "colocated", draws: int = 1000, level: float = 0.9,
+                  rng_seed: int = 0) -> tuple[float, float, float] | None:
+    """``name``'s decode ITL p99 over ``base``'s at one point, and a ``level`` bootstrap
+    interval of that ratio: each draw resamples each cluster's requests with
+    replacement (a request's gaps stay together) and takes the p99 of the gaps drawn.
+    One run per point cannot tell a ratio from run-to-run spread otherwise: on a 2-core
+    EPYC, two mixed workers alone served the chat headline's 25% point at 23-29 ms ITL
+    p99 in turn (``loadtest/results/planner-priority-ab-epyc-1206/``). It is narrower
+    than that spread, as requests that overlap in time share their stalls and a
+    request-level draw treats them as independent: a floor on the uncertainty, not its
+    measure. None: a point's per-request file is missing, or it has no gaps."""
+    ours, theirs = (_gaps(out, workload, seed, n, fraction) for n in (name, base))
+    if not ours or not theirs:
+        return None
+
+    def p99(reqs: list[np.ndarray], pick: np.ndarray | None = None) -> float:
+        chosen = reqs if pick is None else [reqs[i] for i in pick]
+        return float(np.percentile(np.concatenate(chosen), 99))
+
+    rng = np.random.default_rng(rng_seed)
+    ratios = []
+    for _ in range(draws):
+        below = p99(theirs, rng.integers(0, len(theirs), len(theirs)))
+        ratios.append(p99(ours, rng.integers(0, len(ours), len(ours))) / below
+                      if below > 0 else math.inf)
+    lo, hi = np.percentile(ratios, [50 * (1 - level), 50 * (1 + level)])
+    mid = p99(theirs)
+    return (p99(ours) / mid if mid > 0 else math.inf), float(lo), float(hi)
 
 
 def checks(c: dict, s: dict, a: dict, turns: int = 1) -> dict[str, bool | None]:
@@ -106,6 +154,7 @@ def report(out: Path, workloads: tuple[str, ...], seeds: tuple[int, ...],
                   f"{'TTFT p90 ms ' + letters:>{8 * width}} | "
                   f"{'A roles':>16} | targets")
             fractions = [p["fraction"] for p in sweeps["colocated"]]
+            ratios: list[str] = []
             by = {n: {p["fraction"]: p for p in pts} for n, pts in sweeps.items()}
             for f in fractions:
                 if any(f not in by[n] for n in names):
@@ -135,13 +184,21 @@ def report(out: Path, workloads: tuple[str, ...], seeds: tuple[int, ...],
                 if all(g is not None for g in gaps.values()):
                     print(f"{'':>14}first->second token gap p50/p99 ms: " + ", ".join(
                         f"{n} {g[0]:.0f}/{g[1]:.0f}" for n, g in gaps.items()))
+                ratio = (itl_p99_ratio(out, workload, seed, "adaptive", c["fraction"])
+                         if a else None)
+                if ratio is not None:
+                    ratios.append(f"{c['fraction']:.0%} {ratio[0]:.2f}x "
+                                  f"({ratio[1]:.2f}-{ratio[2]:.2f})")
                 rows.append({"workload": workload, "seed": seed, "fraction": c["fraction"],
                              "rate": c["rate"], "first_gap_ms_p50_p99": gaps,
                              **{f"{k}_{n}": p[k] for n, p in at.items()
                                 for k in ("request_goodput", "p99_itl_ms", "p90_ttft_ms",
                                           "failed")},
                              "adaptive_roles": a.get("roles_after") if a else None,
+                             "itl_p99_ratio_interval": list(ratio[1:]) if ratio else None,
                              "checks": verdicts})
+            if ratios:
+                print(f"{ITL_RATIOS}: " + ", ".join(ratios))
             for pts in sweeps.values():
                 for p in pts:
                     p["request_rate"] = p["rate"]

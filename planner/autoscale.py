@@ -98,10 +98,10 @@ headline runs, 10 of 13 such windows at 50-85% load (replayed offline on the run
 own traffic and steps) predicted the split, at twice the load, 0.09-0.16x two mixed
 workers' ITL p99 at 0.95x their goodput or more (9), or 1.4x their goodput (1); the one
 such window of the mixed workload (85% load) predicted the split half their goodput
-there (0.27 against 0.53 req/s), and its windows at 120% 3x, where the split served
-0.067 req/s against none. A lead seen at the window's load (``min_gain``) and at the
-heavier one (by the margins an unproven comparison asks for) is taken; confirmed
-twice, as any.
+there (0.27 against 0.53 req/s); one at 120% load, 3x at twice it, would have been
+seconded, where the split served 0.067 req/s against none. A lead seen at the
+window's load (``min_gain``) and at the heavier one (by the margins an unproven
+comparison asks for) is taken; confirmed twice, as any.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
@@ -272,11 +272,13 @@ class Decision:
     """The share of the current configuration's recent requests that met the SLOs
     (None: not measured); its score is at least this share of the window's arrivals."""
     headroom_goodput: dict[str, float] = field(default_factory=dict)
-    """Predicted goodput at rule 2c's heavier load of the candidates it compared, by
+    """Predicted goodput at rule 2c's heavier load of the candidates it compared (or
+    rule 3's second witness, ``seconded``: the current one and the best), by
     ``roles_label``, whether it moved or not (empty: it compared none)."""
     headroom_itl_p99_ms: dict[str, float] = field(default_factory=dict)
-    """Predicted ITL p99 at that load of the candidates rule 2c compared on it (those
-    serving as much there), by ``roles_label`` (empty: it compared none)."""
+    """Predicted ITL p99 at that load of the candidates rule 2c (or the second witness)
+    compared on it (those serving as much there), by ``roles_label`` (empty: it
+    compared none)."""
 
     @property
     def action(self) -> str:
@@ -377,12 +379,13 @@ class Autoscaler:
         rescue = not both and served is not None and served < c.max_served_rescue
         bar = c.min_gain if both or rescue else c.min_gain_unproven
         why = "rescue" if rescue else "switch"
-        if gain < bar and self._seconded(current, best, records):
-            bar, why = c.min_gain, "seconded"
+        overloaded = not both and not rescue and base < c.min_served_unproven * arriving
+        if gain < bar and not overloaded and self._seconded(current, best, records):
+            bar, why = c.min_gain, "seconded"  # (its simulations spared where refused)
         if gain < bar:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "unproven", labels)
-        if not both and not rescue and base < c.min_served_unproven * arriving:
+        if overloaded:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "overloaded", labels)
         busy, net = self._net(current, best, scores, records, move_s,
@@ -411,7 +414,7 @@ class Autoscaler:
             return False
         its = {cand: self.headroom_itl(cand, records) for cand in (current, best)}
         self._heavy_itl = {cand.roles_label: ms for cand, ms in its.items()}
-        return its[best] <= (1 - c.min_itl_gain_unproven) * its[current]
+        return its[current] > 0 and its[best] <= (1 - c.min_itl_gain_unproven) * its[current]
 
     def _net(self, current: PoolConfig, best: PoolConfig, scores: Mapping[PoolConfig, float],
              records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
@@ -432,8 +435,9 @@ class Autoscaler:
     def _commit(self, now: float, current: PoolConfig, best: PoolConfig,
                 labels: dict[str, float], busy: float, net: float, paid: bool, why: str,
                 itl: dict[str, float] | None = None) -> Decision:
-        """Rules 4-6 for a candidate that won on goodput (``why`` ``switch``) or on ITL
-        (``lower_itl``); ``paid``: its net gain passed rule 4's bar."""
+        """Rules 4-6 for a candidate that won on goodput (``why``: ``switch``, ``rescue``,
+        ``seconded``), on ITL (``lower_itl``) or on room (``headroom``); ``paid``: its
+        net gain passed rule 4's bar."""
         c = self.config
         cost = {"switch_s": busy, "net_gain": net, "itl_p99_ms": itl or {}}
         if not paid:

@@ -770,9 +770,10 @@ def test_an_unproven_gain_between_the_margins_is_seconded_by_the_heavier_load():
 def test_no_second_witness_without_goodput_there_a_margin_or_past_the_guard():
     """The mixed workload's 85%-load window: the split 14% ahead at the window's load,
     quicker at twice it but serving half as much there (0.27 against 0.53 req/s): no
-    move. As much there at 0.6x the ITL p99 (0.5x asked): no move. Seconded but the
-    current configuration predicted to serve half the window: ``overloaded`` stands.
-    Both proven, the goodput rule's margin is enough and no heavier load is asked."""
+    move. As much there at 0.6x the ITL p99 (0.5x asked), or a tie at no ITL at all
+    (one-token outputs): no move. With the current configuration predicted to serve
+    half the window (``overloaded``), or measured failing (a rescue), the heavier load
+    is not even simulated. Both proven, the goodput rule's margin is enough."""
     s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.14}, {MIXED.label: 0.53, SPLIT.label: 0.27},
                       heavy_itl={MIXED.label: 194.0, SPLIT.label: 44.0}, confirmations=1)
     d = s.decide(0.0, MIXED, RECORDS, proven=())
@@ -780,11 +781,32 @@ def test_no_second_witness_without_goodput_there_a_margin_or_past_the_guard():
     s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.14}, {MIXED.label: 1.0, SPLIT.label: 1.0},
                       heavy_itl={MIXED.label: 100.0, SPLIT.label: 60.0}, confirmations=1)
     assert s.decide(0.0, MIXED, RECORDS, proven=()).reason == "unproven"
+    tied = {MIXED.label: 1.0, SPLIT.label: 1.0}  # one-token outputs: no ITL at all
+    s = _roomy_scaler({MIXED.label: 1.0, SPLIT.label: 1.14}, tied,
+                      heavy_itl={MIXED.label: 0.0, SPLIT.label: 0.0}, confirmations=1)
+    assert s.decide(0.0, MIXED, RECORDS, proven=()).reason == "unproven"
+    asked = []
     s = _roomy_scaler({MIXED.label: 0.5, SPLIT.label: 0.6}, {MIXED.label: 0.5, SPLIT.label: 1.0},
                       confirmations=1)
-    assert s.decide(0.0, MIXED, RECORDS, proven=()).reason == "overloaded"
+    s.headroom = lambda c, r: asked.append(c) or 1.0  # not even simulated
+    d = s.decide(0.0, MIXED, RECORDS, proven=())
+    assert (d.reason, d.headroom_goodput, asked) == ("unproven", {}, [])
     d = s.decide(0.0, MIXED, RECORDS, proven=None)
     assert (d.reason, d.headroom_goodput) == ("switch", {})
+    # A measured failure is a rescue, on min_gain already: no witness asked either.
+    assert s.decide(0.0, MIXED, RECORDS, proven=(), served=0.1).reason == "rescue"
+    assert asked == []
+
+
+def test_a_seconded_switch_pays_for_its_role_changes_at_the_smaller_margin():
+    """Seconded, the switch's role changes are weighed against ``min_gain``: 20% more
+    for the 20 s horizon, one worker serving half as much for 2 s of changes is +13%,
+    a switch; for 4 s, +6%: ``switch_cost``."""
+    goodput = {MIXED.label: 1.0, SPLIT.label: 1.2, "1 mixed x1t": 0.5}
+    for secs, reason in ((2.0, "seconded"), (4.0, "switch_cost")):
+        s = _roomy_scaler(goodput, {MIXED.label: 1.0, SPLIT.label: 1.5}, confirmations=1)
+        d = s.decide(0.0, MIXED, RECORDS, {"mixed": secs}, proven=())
+        assert (d.reason, d.switch_s) == (reason, secs)
 
 
 def test_headroom_never_picks_a_configuration_the_goodput_rule_would_leave():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import planner_replay
-from benchmarks.headline_report import checks, report
+from benchmarks.headline_report import ITL_RATIOS, checks, itl_p99_ratio, report
 from common.cost_model import load_profile
 
 RUN = Path(__file__).resolve().parents[2] / "loadtest/results/headline-xeon-1206-remembered"
@@ -46,7 +46,8 @@ def test_report_only_reproduces_the_runs_table(root, capsys):
     from the per-point details), and its targets: 4 of 4 goodput points within 5% of
     the better baseline, the high-load ITL p99 targets missed."""
     summary = report(root, ("mixed",), (1,))
-    printed = capsys.readouterr().out
+    out = capsys.readouterr().out
+    printed = "\n".join(line for line in out.splitlines() if not line.startswith(ITL_RATIOS))
     saved = (RUN / "report.txt").read_text()
     table = saved[saved.index("seed 1"):saved.index("targets met")].strip()
     assert table in printed
@@ -61,6 +62,37 @@ def test_report_only_reproduces_the_runs_table(root, capsys):
     # offered at 120%), so the 1.5x check applies nowhere: 5 of 7.
     assert (summary["targets_met"], summary["targets"]) == (5, 7)
     assert printed.rstrip().endswith("headline-*.png") and "targets met: 5 of 7" in printed
+
+
+def test_the_itl_p99_ratio_comes_with_a_bootstrap_interval(root, tmp_path, capsys):
+    """The run's own points: the ratio is A's ITL p99 over C's as the sweep reports them,
+    inside its interval, and the line is printed after the table. A point whose gaps
+    are all twice colocated's is 2x, its interval excluding 1x; the same run against
+    itself is 1x, the interval around it; no per-request file: None."""
+    summary = report(root, ("mixed",), (1,))
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith(ITL_RATIOS))
+    assert line.count("%") == 5  # four points, and the 90%
+    for f in (0.25, 0.5, 0.85, 1.2):
+        ratio, lo, hi = itl_p99_ratio(root, "mixed", 1, "adaptive", f)
+        sweep = {c: next(p for p in json.loads((
+            root / f"mixed-s1-{c}-sweep.json").read_text()) if p["fraction"] == f)
+            for c in ("colocated", "adaptive")}
+        assert ratio == pytest.approx(sweep["adaptive"]["p99_itl_ms"]
+                                      / sweep["colocated"]["p99_itl_ms"], rel=1e-6)
+        assert lo <= ratio <= hi and f"{f:.0%} {ratio:.2f}x ({lo:.2f}-{hi:.2f})" in line
+        assert next(r for r in summary["rows"] if r["fraction"] == f)[
+            "itl_p99_ratio_interval"] == [lo, hi]
+    run = json.loads((root / "mixed-s1-colocated-f0.5.json").read_text())
+    times = run["details"]["token_times"]
+    slow = {**run, "details": {**run["details"], "token_times": [
+        [t[0] + 2 * (x - t[0]) for x in t] for t in times]}}
+    for name, data in (("colocated", run), ("adaptive", slow), ("same", run)):
+        (tmp_path / f"mixed-s1-{name}-f0.5.json").write_text(json.dumps(data))
+    ratio, lo, hi = itl_p99_ratio(tmp_path, "mixed", 1, "adaptive", 0.5)
+    assert ratio == pytest.approx(2.0) and 1.0 < lo <= 2.0 <= hi
+    ratio, lo, hi = itl_p99_ratio(tmp_path, "mixed", 1, "same", 0.5)
+    assert ratio == pytest.approx(1.0) and lo < 1.0 < hi
+    assert itl_p99_ratio(tmp_path, "mixed", 1, "adaptive", 0.85) is None
 
 
 def test_every_view_of_every_point_is_replayed(rows):
