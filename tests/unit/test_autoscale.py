@@ -800,13 +800,13 @@ def test_no_second_witness_without_goodput_there_a_margin_or_past_the_guard():
 
 def test_a_seconded_switch_pays_for_its_role_changes_at_the_smaller_margin():
     """Seconded, the switch's role changes are weighed against ``min_gain``: 20% more
-    for the 20 s horizon, one worker serving half as much for 2 s of changes is +13%,
-    a switch; for 4 s, +6%: ``switch_cost``."""
+    for the 20 s horizon, one worker serving half as much while both change roles, 1 s
+    each, is +13%, a switch; 2 s each, +6%: ``switch_cost``."""
     goodput = {MIXED.label: 1.0, SPLIT.label: 1.2, "1 mixed x1t": 0.5}
-    for secs, reason in ((2.0, "seconded"), (4.0, "switch_cost")):
+    for secs, reason in ((1.0, "seconded"), (2.0, "switch_cost")):
         s = _roomy_scaler(goodput, {MIXED.label: 1.0, SPLIT.label: 1.5}, confirmations=1)
         d = s.decide(0.0, MIXED, RECORDS, {"mixed": secs}, proven=())
-        assert (d.reason, d.switch_s) == (reason, secs)
+        assert (d.reason, d.switch_s) == (reason, 2 * secs)
 
 
 def test_headroom_never_picks_a_configuration_the_goodput_rule_would_leave():
