@@ -153,6 +153,15 @@ def test_the_split_cluster_is_the_split_the_adaptive_planner_would_switch_to(tmp
     assert not _config(goodput_only, "adaptive", tmp_path, None).autoscale_itl
 
 
+def test_the_clusters_sweep_in_turn_reversed_every_other_seed():
+    from benchmarks.headline import sweep_order
+
+    clusters = ("colocated", "static", "adaptive")
+    assert [sweep_order(clusters, k) for k in range(3)] == [
+        clusters, ("adaptive", "static", "colocated"), clusters]
+    assert sweep_order(("colocated",), 1) == ("colocated",)
+
+
 def test_saturation_is_judged_at_high_load_only():
     """A 25% point whose goodput is under 80% of the offered rate (a few long prompts
     past the TTFT SLO among 20 requests) is not a saturated one; an 85% point is."""
