@@ -53,12 +53,11 @@ def first_gap_ms(out: Path, workload: str, seed: int, name: str, fraction: float
                  ) -> tuple[float, float] | None:
     """Median and p99 of the first -> second token gap at one point (ms); None when the
     point's per-request file is not kept (only sweeps were saved)."""
-    path = out / f"{workload}-s{seed}-{name}-f{fraction:g}.json"
-    if not path.exists():
+    per_request = _gaps(out, workload, seed, name, fraction)
+    if per_request is None:
         return None
-    times = json.loads(path.read_text())["details"]["token_times"]
-    gaps = [(t[1] - t[0]) * 1e3 for t in times if len(t) >= 2]
-    return percentile(gaps, 50), percentile(gaps, 99)
+    firsts = [float(g[0]) for g in per_request]
+    return percentile(firsts, 50), percentile(firsts, 99)
 
 
 def _gaps(out: Path, workload: str, seed: int, name: str, fraction: float
