@@ -21,13 +21,19 @@ conversations whose turns extend the previous prompt), once, on the colocated cl
 2. **capacity**: the workload in a closed loop (``4 x workers`` in flight): requests/s.
 
 The sweep's rates are ``fractions`` of that capacity (conversations/s for ``chat``);
-each rate point has ``duration_s`` of Poisson arrivals with fresh prompts, the same
-requests for every cluster; every seed repeats the sweep with other prompts and
-arrivals. Everything absolute that was used (capacity, SLOs, rates) is printed and
-saved. :mod:`benchmarks.headline_report` tabulates, checks the targets and plots. Each
-sweep's workers trace their engine steps (``WORKLOAD-sSEED-CLUSTER-steps/``, unix
-times; each point's ``started_unix_s`` in the sweep file), so what the planner would
-have fitted and predicted at any moment can be replayed offline.
+each rate point has ``duration_s`` of Poisson arrivals (at least ``min_sessions``) with
+fresh prompts, the same requests for every cluster; every seed repeats the sweep with
+other prompts and arrivals. A seed's clusters are all up at once and take each point in
+turn, one at a time, in alternating order (colocated, adaptive; adaptive, colocated;
+...), so that the machine's drift through a run falls on them alike and each point's
+comparison is minutes apart at most; the adaptive cluster's planner runs throughout
+(idle clusters' workers wait on their queues; its planner sees no traffic while the
+others run and stays as it is). Everything absolute that was used (capacity, SLOs,
+rates) is printed and saved. :mod:`benchmarks.headline_report` tabulates, checks the
+targets and plots. Each sweep's workers trace their engine steps
+(``WORKLOAD-sSEED-CLUSTER-steps/``, unix times; each point's ``started_unix_s`` in the
+sweep file), so what the planner would have fitted and predicted at any moment can be
+replayed offline.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import math
 import multiprocessing
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from cluster.autoscale import AutoscaleLoop
@@ -76,6 +83,11 @@ class HeadlineOptions:
     seeds: tuple[int, ...] = (0, 1)
     fractions: tuple[float, ...] = (0.25, 0.5, 0.85, 1.2)
     duration_s: float = 30.0
+    min_sessions: int = 16
+    """A point has at least this many sessions, however low its rate (25% of a 2-core
+    EPYC's chat capacity: ~85 s of arrivals, not 30): with 8, one request past its SLO
+    moved a 25% point's goodput by 4-6% and its ITL p99 rested on a handful of stalls
+    (both clusters on two mixed workers read 0.81-1.39x each other)."""
     ttft_x: float = 3.0
     tpot_x: float = 2.0
     calibration_requests: int = 8
@@ -154,61 +166,94 @@ def calibrate(o: HeadlineOptions, workload: str, out: Path) -> dict:
     return cal
 
 
-def _sweep(o: HeadlineOptions, name: str, workload: str, seed: int, cal: dict,
-           out: Path) -> list[dict]:
+@dataclass
+class _Arm:
+    """One cluster of a seed's sweep: up for the whole sweep, its points in turn with the
+    others'."""
+    name: str
+    cluster: LocalCluster
+    planner: AutoscaleLoop | None
+    points: list[dict] = field(default_factory=list)
+
+
+def point_sessions(o: HeadlineOptions, rate: float) -> int:
+    """Sessions of a point at ``rate`` sessions/s: ``duration_s`` of arrivals, and at
+    least ``min_sessions`` (a low-load point runs longer)."""
+    return max(o.min_sessions, math.ceil(rate * o.duration_s))
+
+
+def _sweeps(o: HeadlineOptions, names: tuple[str, ...], workload: str, seed: int, k: int,
+            cal: dict, out: Path) -> dict[str, list[dict]]:
+    """Seed ``seed`` (the ``k``-th) of ``workload`` on every cluster in ``names``: all up
+    at once, each point run on each cluster in turn (:func:`sweep_order`), one at a
+    time, the others idle. Writes each cluster's sweep (and the adaptive planner's
+    decisions) and returns the points by cluster."""
     slo = SLO(cal["slo_ttft_ms"], cal["slo_tpot_ms"])
-    points = []
-    steps = out / f"{workload}-s{seed}-{name}-steps"
-    with LocalCluster(_config(o, name, out, slo, steps)) as cluster:
-        cluster.wait_ready()
-        cluster.warm()
-        planner = None
-        if name == "adaptive":
-            i = o.autoscale_interval_s
-            planner = AutoscaleLoop(cluster, AutoscaleConfig(
-                interval_s=i, window_s=3 * i, min_dwell_s=3 * i, min_requests=6)).start()
-        try:
-            for k, fraction in enumerate(sorted(o.fractions)):
-                rate = fraction * cal["capacity_sessions_s"]
-                n = max(8, math.ceil(rate * o.duration_s))
-                point_seed = seed * 1000 + k
-                reqs = requests_of(workload, n, point_seed)
-                times = arrival_times(n, rate, 1.0, point_seed)
-                print(f"\n== {name}, {workload}, seed {seed}: {n} sessions at {rate:.3f}/s "
-                      f"({fraction:.0%} of capacity) ==", flush=True)
-                started = time.time()  # the step traces' clock
-                m = _run_apart(RunOptions(cluster.target, tuple(reqs), tuple(times), slo=slo,
-                                          progress=True),
-                               str(out / f"{workload}-s{seed}-{name}-f{fraction:g}.json"),
-                               {"cluster": name, "fraction": fraction, "rate": rate})
-                roles = [role for _, role in cluster.workers]
-                cap = (planner.autoscaler.candidates[0].prefill_tokens_while_decoding
-                       if planner is not None else cluster.config.prefill_tokens_while_decoding)
-                points.append({"cluster": name, "fraction": fraction, "rate": rate,
-                               "started_unix_s": started, "roles_after": roles,
-                               "prefill_cap_after": cap, **m})
-        finally:
-            if planner is not None:
-                planner.stop()
-                decisions = [{"at": d.at, "action": d.action, "reason": d.reason,
-                              "current": d.current.roles_label, "scores": d.scores,
-                              "target": d.target.roles_label if d.target else None,
-                              "switch_s": d.switch_s,  # inf (from 0): null
-                              "net_gain": d.net_gain if d.net_gain is None
-                              or math.isfinite(d.net_gain) else None,
-                              "step_model": model, "itl_p99_ms": d.itl_p99_ms,
-                              "headroom_goodput": d.headroom_goodput,
-                              "headroom_itl_p99_ms": d.headroom_itl_p99_ms,
-                              "served": d.served, "cpu_s": cpu,
-                              "prefill_cap": _cap_decision(cd)}
-                             for d, model, cd, cpu in zip(planner.decisions,
-                                                          planner.step_models,
-                                                          planner.cap_decisions,
-                                                          planner.cpu_seconds, strict=True)]
-                (out / f"{workload}-s{seed}-adaptive-decisions.json").write_text(
-                    json.dumps(decisions, indent=1))
-    (out / f"{workload}-s{seed}-{name}-sweep.json").write_text(json.dumps(points, indent=1))
-    return points
+    with ExitStack() as stack:
+        arms = {}
+        for name in names:
+            steps = out / f"{workload}-s{seed}-{name}-steps"
+            cluster = stack.enter_context(LocalCluster(_config(o, name, out, slo, steps)))
+            cluster.wait_ready()
+            cluster.warm()
+            arms[name] = _Arm(name, cluster, None)
+        for arm in arms.values():  # planning only once every cluster is warm
+            if arm.name == "adaptive":
+                i = o.autoscale_interval_s
+                arm.planner = AutoscaleLoop(arm.cluster, AutoscaleConfig(
+                    interval_s=i, window_s=3 * i, min_dwell_s=3 * i, min_requests=6)).start()
+                stack.callback(_stop_planner, arm.planner,
+                               out / f"{workload}-s{seed}-adaptive-decisions.json")
+        for j, fraction in enumerate(sorted(o.fractions)):
+            rate = fraction * cal["capacity_sessions_s"]
+            n = point_sessions(o, rate)
+            point_seed = seed * 1000 + j
+            reqs = requests_of(workload, n, point_seed)
+            times = arrival_times(n, rate, 1.0, point_seed)
+            for name in sweep_order(names, k + j):
+                _point(arms[name], workload, seed, fraction, rate, reqs, times, slo, out)
+    for arm in arms.values():
+        (out / f"{workload}-s{seed}-{arm.name}-sweep.json").write_text(
+            json.dumps(arm.points, indent=1))
+    return {name: arm.points for name, arm in arms.items()}
+
+
+def _point(arm: _Arm, workload: str, seed: int, fraction: float, rate: float,
+           reqs: list[Request], times: list[float], slo: SLO, out: Path) -> None:
+    """One rate point on one cluster, appended to its points."""
+    print(f"\n== {arm.name}, {workload}, seed {seed}: {_sessions(reqs)} sessions at "
+          f"{rate:.3f}/s ({fraction:.0%} of capacity) ==", flush=True)
+    started = time.time()  # the step traces' clock
+    m = _run_apart(RunOptions(arm.cluster.target, tuple(reqs), tuple(times), slo=slo,
+                              progress=True),
+                   str(out / f"{workload}-s{seed}-{arm.name}-f{fraction:g}.json"),
+                   {"cluster": arm.name, "fraction": fraction, "rate": rate})
+    roles = [role for _, role in arm.cluster.workers]
+    cap = (arm.planner.autoscaler.candidates[0].prefill_tokens_while_decoding
+           if arm.planner is not None else arm.cluster.config.prefill_tokens_while_decoding)
+    arm.points.append({"cluster": arm.name, "fraction": fraction, "rate": rate,
+                       "started_unix_s": started, "roles_after": roles,
+                       "prefill_cap_after": cap, **m})
+
+
+def _stop_planner(planner: AutoscaleLoop, path: Path) -> None:
+    """Stops the adaptive cluster's planner and writes its decisions to ``path``."""
+    planner.stop()
+    decisions = [{"at": d.at, "action": d.action, "reason": d.reason,
+                  "current": d.current.roles_label, "scores": d.scores,
+                  "target": d.target.roles_label if d.target else None,
+                  "switch_s": d.switch_s,  # inf (from 0): null
+                  "net_gain": d.net_gain if d.net_gain is None
+                  or math.isfinite(d.net_gain) else None,
+                  "step_model": model, "itl_p99_ms": d.itl_p99_ms,
+                  "headroom_goodput": d.headroom_goodput,
+                  "headroom_itl_p99_ms": d.headroom_itl_p99_ms,
+                  "served": d.served, "cpu_s": cpu,
+                  "prefill_cap": _cap_decision(cd)}
+                 for d, model, cd, cpu in zip(planner.decisions, planner.step_models,
+                                              planner.cap_decisions, planner.cpu_seconds,
+                                              strict=True)]
+    path.write_text(json.dumps(decisions, indent=1))
 
 
 def _run_apart(opts: RunOptions, out: str, extra: dict) -> dict:
@@ -231,12 +276,13 @@ def _cap_decision(cd: CapDecision | None) -> dict | None:
 
 
 def sweep_order(clusters: tuple[str, ...], k: int) -> tuple[str, ...]:
-    """The order the clusters sweep in for the ``k``-th seed: as given for even ``k``,
-    reversed for odd, so that a drift of the machine's speed through a run does not
-    fall on one cluster alone. In twelve EPYC chat runs with colocated always first,
-    the adaptive cluster's ITL p99 at 25% load read above 1.1x colocated's eight times
-    (median ~1.16x, both running two mixed workers); with fresh clusters interleaved
-    C A A C C A, 1.03-1.04x (``loadtest/results/lowload-ab-epyc-1206/``)."""
+    """The order the clusters run the ``k``-th turn in (seed index + point index): as
+    given for even ``k``, reversed for odd (A B, B A, A B, ...), so that a drift of the
+    machine's speed does not fall on one cluster alone. In twelve EPYC chat runs that
+    swept one cluster whole and then the other, colocated first, the adaptive cluster's
+    ITL p99 at 25% load read above 1.1x colocated's eight times (median ~1.16x, both
+    running two mixed workers); with fresh clusters interleaved C A A C C A, 1.03-1.04x
+    (``loadtest/results/lowload-ab-epyc-1206/``)."""
     return clusters if k % 2 == 0 else clusters[::-1]
 
 
@@ -244,15 +290,21 @@ def run_headline(o: HeadlineOptions, report_only: bool = False) -> dict:
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     saved = out / "options.json"
-    if report_only and saved.exists():  # the run's clusters and workloads, not the
-        ran = json.loads(saved.read_text())  # command line's defaults
+    # The run's clusters and workloads, not the command line's defaults.
+    ran = json.loads(saved.read_text()) if report_only and saved.exists() else {}
+    if ran:
         o = replace(o, clusters=tuple(ran.get("clusters", o.clusters)),
                     workloads=tuple(ran.get("workloads", o.workloads)),
-                    autoscale_itl=bool(ran.get("autoscale_itl", o.autoscale_itl)))
+                    autoscale_itl=bool(ran.get("autoscale_itl", o.autoscale_itl)),
+                    min_sessions=int(ran.get("min_sessions", 8)))  # 8 before it was named
+    # Runs before min_sessions was named swept one cluster whole, then the next.
+    turns = ("the clusters in turn" if not report_only or "min_sessions" in ran
+             else "one cluster's sweep after another")
     print(f"pdserve bench-headline: {Path(o.model).name} ({o.dtype}); "
           f"{', '.join(o.clusters)}; 2 workers x 1 thread each; workloads "
           f"{', '.join(o.workloads)}; seeds {o.seeds}; rates {o.fractions} x capacity; "
-          f"~{o.duration_s:g} s of arrivals per point; SLOs: TTFT <= {o.ttft_x:g} x unloaded "
+          f"~{o.duration_s:g} s of arrivals per point (at least {o.min_sessions} sessions), "
+          f"{turns}; SLOs: TTFT <= {o.ttft_x:g} x unloaded "
           f"TTFT p90, TPOT <= {o.tpot_x:g} x unloaded TPOT p50")
     print(f"machine: {machine_line()}, loadavg {os.getloadavg()[0]:.2f}", flush=True)
     if not report_only:
@@ -265,6 +317,5 @@ def run_headline(o: HeadlineOptions, report_only: bool = False) -> dict:
                   f"{cal['slo_ttft_ms']:.0f} ms, TPOT <= {cal['slo_tpot_ms']:.1f} ms",
                   flush=True)
             for k, seed in enumerate(o.seeds):
-                for name in sweep_order(o.clusters, k):
-                    _sweep(o, name, workload, seed, cal, out)
+                _sweeps(o, o.clusters, workload, seed, k, cal, out)
     return report(out, o.workloads, o.seeds, asdict(o))

@@ -79,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="request rates, as fractions of the measured capacity")
     bh.add_argument("--duration-s", type=float, default=30.0,
                     help="seconds of arrivals per rate")
+    bh.add_argument("--min-sessions", type=int, default=16,
+                    help="sessions per rate at least (a low rate's point runs longer)")
     bh.add_argument("--ttft-x", type=float, default=3.0,
                     help="TTFT SLO: this many times the unloaded TTFT p90")
     bh.add_argument("--tpot-x", type=float, default=2.0,
@@ -658,7 +660,8 @@ def cmd_bench_headline(args: argparse.Namespace) -> int:
     path = resolve_model(args.model, cache_dir(args))
     run_headline(HeadlineOptions(
         model=str(path), profile=args.profile, workloads=workloads, seeds=seeds,
-        fractions=fractions, duration_s=args.duration_s, ttft_x=args.ttft_x,
+        fractions=fractions, duration_s=args.duration_s,
+        min_sessions=args.min_sessions, ttft_x=args.ttft_x,
         tpot_x=args.tpot_x, clusters=clusters, dtype=args.dtype, out=args.out,
         autoscale_itl=args.autoscale_itl),
         report_only=args.report_only)

@@ -153,13 +153,27 @@ def test_the_split_cluster_is_the_split_the_adaptive_planner_would_switch_to(tmp
     assert not _config(goodput_only, "adaptive", tmp_path, None).autoscale_itl
 
 
-def test_the_clusters_sweep_in_turn_reversed_every_other_seed():
+def test_the_clusters_take_each_point_in_turn_the_order_alternating():
+    """Seed k's point j runs the clusters in sweep_order(names, k + j): A B, B A, A B, B A
+    through a seed, and the next seed starts where the last one's second point did."""
     from benchmarks.headline import sweep_order
 
     clusters = ("colocated", "static", "adaptive")
     assert [sweep_order(clusters, k) for k in range(3)] == [
         clusters, ("adaptive", "static", "colocated"), clusters]
     assert sweep_order(("colocated",), 1) == ("colocated",)
+    pair = ("colocated", "adaptive")
+    firsts = [[sweep_order(pair, k + j)[0] for j in range(4)] for k in range(2)]
+    assert firsts == [["colocated", "adaptive"] * 2, ["adaptive", "colocated"] * 2]
+
+
+def test_a_low_rate_point_runs_at_least_min_sessions():
+    from benchmarks.headline import HeadlineOptions, point_sessions
+
+    o = HeadlineOptions(model="m", profile="")
+    assert point_sessions(o, 0.188) == 16  # 25% of an EPYC's chat: ~85 s, not 6 sessions
+    assert point_sessions(o, 0.9) == 27  # 120%: 30 s of arrivals
+    assert point_sessions(dataclasses.replace(o, min_sessions=8), 0.188) == 8
 
 
 def test_saturation_is_judged_at_high_load_only():
