@@ -49,7 +49,11 @@ decision says which did not (its ``reason``):
    ``min_gain`` will do, and the switch (reason ``rescue``) is made to be measured,
    at the first decision past the dwell time (6 does not apply: the simulator's
    prediction of an overloaded split swung 0.07-1.24 req/s between consecutive 15 s
-   windows of one point on a 2-core EPYC, and two in a row rarely agreed);
+   windows of one point on a 2-core EPYC, and two in a row rarely agreed). There, with
+   an ITL score, where another candidate is predicted at most ``1 -
+   min_itl_gain_unproven`` of the current one's ITL p99, the current one is scored at
+   what it measurably serves alone, its prediction not held above it (a switch then
+   says ``stalled``; see below);
 4. ``switch_cost``: it still does once the switch's role changes are paid for (below);
 5. ``dwell``: the last change is at least ``min_dwell_s`` old;
 6. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
@@ -102,6 +106,19 @@ there (0.27 against 0.53 req/s); one at 120% load, 3x at twice it, would have be
 seconded, where the split served 0.067 req/s against none. A lead seen at the
 window's load (``min_gain``) and at the heavier one (by the margins an unproven
 comparison asks for) is taken; confirmed twice, as any.
+
+Why ``stalled``. The served floor keeps a prediction from being trusted below a
+measurement; above one it was kept, since the simulator is as optimistic about the
+others (each window starts on idle workers). Where the running configuration fails
+the simulator's own ITL prediction tells why: on a 2-core EPYC's chat headline at
+85% load (``loadtest/results/headline-epyc-1207-chat-interleaved/``, seed 1), two mixed
+workers served 12-38% of their requests within the SLOs while predicted 0.67-0.8 req/s
+(the split 0.53-0.6, so no rescue) and, on replay, an ITL p99 of 490-535 ms (they served
+520) against the split's 40-48: the simulator saw every prompt stall the running
+decodes, not what the stalls cost a request's TPOT. The point served 0.86x colocated,
+and the planner split only 10 s into the 120% point (``lower_itl``). Where the split
+fails at overload instead, two mixed workers are predicted the stalls (~500 ms against
+40-50), so no such rescue leads back to them.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
@@ -349,7 +366,12 @@ class Autoscaler:
         scores = {cand: self.score(cand, records) for cand in pool}
         arriving = len(records) / c.window_s
         floor = (served or 0.0) * arriving
-        scores[current] = max(scores[current], floor)
+        stalled = self._stalled(current, pool, served, itl_records)
+
+        def held(predicted: float) -> float:  # the current one's score
+            return floor if stalled else max(predicted, floor)
+
+        scores[current] = held(scores[current])
         labels = {cand.roles_label: s for cand, s in scores.items()}
         quicker, itl = self._lower_itl(now, current, pool, scores, labels, records, move_s,
                                        proven, itl_records)
@@ -369,7 +391,7 @@ class Autoscaler:
         if self.refine is not None and gain >= c.min_gain:
             for cand in (current, best):
                 scores[cand] = labels[cand.roles_label] = self.refine(cand, records)
-            scores[current] = labels[current.roles_label] = max(scores[current], floor)
+            scores[current] = labels[current.roles_label] = held(scores[current])
             base = scores[current]
             gain = (scores[best] - base) / base if base > 0 else float("inf")
         if gain < c.min_gain:
@@ -378,7 +400,7 @@ class Autoscaler:
         both = _proven(proven, best, current)
         rescue = not both and served is not None and served < c.max_served_rescue
         bar = c.min_gain if both or rescue else c.min_gain_unproven
-        why = "rescue" if rescue else "switch"
+        why = "stalled" if stalled else "rescue" if rescue else "switch"
         overloaded = not both and not rescue and base < c.min_served_unproven * arriving
         if gain < bar and not overloaded and self._seconded(current, best, records):
             bar, why = c.min_gain, "seconded"  # (its simulations spared where refused)
@@ -391,6 +413,20 @@ class Autoscaler:
         busy, net = self._net(current, best, scores, records, move_s,
                               self.refine or self.score)
         return self._commit(now, current, best, labels, busy, net, net >= bar, why)
+
+    def _stalled(self, current: PoolConfig, pool: Sequence[PoolConfig], served: float | None,
+                 itl_records: Sequence[TrafficRecord]) -> bool:
+        """Rule 3's stalled rescue (with an ITL score): the current configuration
+        measurably serves less than ``max_served_rescue`` of its requests within the
+        SLOs, and another is predicted at most ``1 - min_itl_gain_unproven`` of its ITL
+        p99 (on ``itl_records``): the simulator sees the stalls that fail it, so its
+        predicted goodput is not held above what it measurably serves."""
+        c = self.config
+        if self.itl is None or served is None or served >= c.max_served_rescue:
+            return False
+        mine = self.itl(current, itl_records)
+        return mine > 0 and any(self.itl(cand, itl_records) <= (1 - c.min_itl_gain_unproven)
+                                * mine for cand in pool if cand != current)
 
     def _seconded(self, current: PoolConfig, best: PoolConfig,
                   records: Sequence[TrafficRecord]) -> bool:
@@ -436,7 +472,7 @@ class Autoscaler:
                 labels: dict[str, float], busy: float, net: float, paid: bool, why: str,
                 itl: dict[str, float] | None = None) -> Decision:
         """Rules 4-6 for a candidate that won on goodput (``why``: ``switch``, ``rescue``,
-        ``seconded``), on ITL (``lower_itl``) or on room (``headroom``); ``paid``: its
+        ``stalled``, ``seconded``), on ITL (``lower_itl``) or on room (``headroom``); ``paid``: its
         net gain passed rule 4's bar."""
         c = self.config
         cost = {"switch_s": busy, "net_gain": net, "itl_p99_ms": itl or {}}
@@ -449,7 +485,7 @@ class Autoscaler:
         self._leader = best
         if self.last_change is not None and now - self.last_change < c.min_dwell_s:
             return Decision(now, current, None, "dwell", labels, **cost)
-        if self._wins < c.confirmations and why != "rescue":
+        if self._wins < c.confirmations and why not in ("rescue", "stalled"):
             return Decision(now, current, None, "confirming", labels, **cost)
         self.last_change, self._leader, self._wins = now, None, 0
         return Decision(now, current, best, why, labels, **cost)
