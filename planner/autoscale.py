@@ -53,7 +53,8 @@ decision says which did not (its ``reason``):
    an ITL score, where another candidate is predicted at most ``1 -
    min_itl_gain_unproven`` of the current one's ITL p99, the current one is scored at
    what it measurably serves alone, its prediction not held above it (a switch then
-   says ``stalled``; see below);
+   says ``stalled``; see below); and no switch goes to a candidate predicted at least
+   ``1 / (1 - min_itl_gain_unproven)`` times its ITL p99 (``stalling``: its mirror);
 4. ``switch_cost``: it still does once the switch's role changes are paid for (below);
 5. ``dwell``: the last change is at least ``min_dwell_s`` old;
 6. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
@@ -118,7 +119,12 @@ workers served 12-38% of their requests within the SLOs while predicted 0.67-0.8
 decodes, not what the stalls cost a request's TPOT. The point served 0.86x colocated,
 and the planner split only 10 s into the 120% point (``lower_itl``). Where the split
 fails at overload instead, two mixed workers are predicted the stalls (~500 ms against
-40-50), so no such rescue leads back to them.
+40-50), so no such rescue leads back to them; nor, for the same reason, any switch
+while the split measurably fails (``stalling``): on a seed of the same machine's chat
+headline at 120% load (``-chat-stalled/``) the split served 7-32% of its requests, two
+mixed workers were predicted 0.73 req/s against its 0.2 (and, 29 s before in the same
+point, an ITL p99 of 264 ms against its 39), and the planner began moving back to them
+34 s into the point (``rescue``), where the split served 1.77x colocated.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
@@ -397,6 +403,9 @@ class Autoscaler:
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels, **shown)
+        if self._failing(served) and self._quicker(best, current, itl_records):
+            self._leader, self._wins = None, 0  # the stalled rescue's mirror
+            return Decision(now, current, None, "stalling", labels, **shown)
         both = _proven(proven, best, current)
         rescue = not both and served is not None and served < c.max_served_rescue
         bar = c.min_gain if both or rescue else c.min_gain_unproven
@@ -421,12 +430,23 @@ class Autoscaler:
         SLOs, and another is predicted at most ``1 - min_itl_gain_unproven`` of its ITL
         p99 (on ``itl_records``): the simulator sees the stalls that fail it, so its
         predicted goodput is not held above what it measurably serves."""
-        c = self.config
-        if self.itl is None or served is None or served >= c.max_served_rescue:
+        return self._failing(served) and any(
+            self._quicker(current, cand, itl_records) for cand in pool if cand != current)
+
+    def _failing(self, served: float | None) -> bool:
+        """Whether the current configuration measurably serves less than
+        ``max_served_rescue`` of its requests within the SLOs."""
+        return served is not None and served < self.config.max_served_rescue
+
+    def _quicker(self, slow: PoolConfig, quick: PoolConfig,
+                 itl_records: Sequence[TrafficRecord]) -> bool:
+        """Whether ``quick`` is predicted at most ``1 - min_itl_gain_unproven`` of
+        ``slow``'s ITL p99 (False without an ITL score)."""
+        if self.itl is None:
             return False
-        mine = self.itl(current, itl_records)
-        return mine > 0 and any(self.itl(cand, itl_records) <= (1 - c.min_itl_gain_unproven)
-                                * mine for cand in pool if cand != current)
+        its = self.itl(slow, itl_records)
+        return its > 0 and (self.itl(quick, itl_records)
+                            <= (1 - self.config.min_itl_gain_unproven) * its)
 
     def _seconded(self, current: PoolConfig, best: PoolConfig,
                   records: Sequence[TrafficRecord]) -> bool:

@@ -582,15 +582,28 @@ def test_a_configuration_that_fails_where_its_stalls_are_predicted_is_scored_as_
         assert (d.target, d.reason) == (None, "current_best"), (itl, served)
 
 
-def test_no_stalled_rescue_leads_back_to_the_configuration_predicted_to_stall():
+def test_no_rescue_leads_back_to_the_configuration_predicted_to_stall():
     """The split failing at overload (5% served), two mixed workers predicted 4% more
     goodput than the split's prediction and 10x its ITL p99: the split's prediction
-    stands (the stalls are mixed's), and 4% moves nothing."""
-    goodput = {MIXED.label: 0.26, SPLIT.label: 0.25}
-    s = _itl_scaler(goodput, {MIXED.label: 500, SPLIT.label: 45}, confirmations=1)
+    stands (the stalls are mixed's), and 4% moves nothing. Predicted 60% more, the
+    rescue is refused (``stalling``: the same stalls, the mirror of ``stalled``); it is
+    made without an ITL score, or where mixed is predicted under twice the split's ITL
+    p99, or (no rescue then, a switch) where the split serves 30% of its requests."""
+    itl = {MIXED.label: 500, SPLIT.label: 45}
+    s = _itl_scaler({MIXED.label: 0.26, SPLIT.label: 0.25}, itl, confirmations=1)
     d = s.decide(0.0, SPLIT, RECORDS, proven=(), served=0.05)
     assert (d.target, d.reason) == (None, "gain_below_threshold")
     assert d.scores[SPLIT.roles_label] == 0.25
+    goodput = {MIXED.label: 0.4, SPLIT.label: 0.25}
+    s = _itl_scaler(goodput, itl, confirmations=1)
+    assert s.decide(0.0, SPLIT, RECORDS, proven=(), served=0.05).reason == "stalling"
+    blind = _scaler(goodput, window_s=20, min_dwell_s=0, confirmations=1)
+    close = _itl_scaler(goodput, {MIXED.label: 80, SPLIT.label: 45}, confirmations=1)
+    for scaler in (blind, close):
+        d = scaler.decide(0.0, SPLIT, RECORDS, proven=(), served=0.05)
+        assert (d.target, d.reason) == (MIXED, "rescue")
+    d = _itl_scaler(goodput, itl, confirmations=1).decide(0.0, SPLIT, RECORDS, served=0.3)
+    assert (d.target, d.reason) == (MIXED, "switch")  # both proven, not failing
 
 
 def test_no_move_for_itl_without_a_large_gain_or_near_equal_goodput():
