@@ -124,7 +124,7 @@ while the split measurably fails (``stalling``): on a seed of the same machine's
 headline at 120% load (``-chat-stalled/``) the split served 7-32% of its requests, two
 mixed workers were predicted 0.73 req/s against its 0.2 (and, 29 s before in the same
 point, an ITL p99 of 264 ms against its 39), and the planner began moving back to them
-34 s into the point (``rescue``), where the split served 1.77x colocated.
+34 s into the point (``rescue``), where the split served 1.76x colocated.
 
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
