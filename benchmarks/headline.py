@@ -186,8 +186,9 @@ def _sweeps(o: HeadlineOptions, names: tuple[str, ...], workload: str, seed: int
             cal: dict, out: Path) -> dict[str, list[dict]]:
     """Seed ``seed`` (the ``k``-th) of ``workload`` on every cluster in ``names``: all up
     at once, each point run on each cluster in turn (:func:`sweep_order`), one at a
-    time, the others idle. Writes each cluster's sweep (and the adaptive planner's
-    decisions) and returns the points by cluster."""
+    time, the others idle. Writes each cluster's sweep after each of its points (and the
+    adaptive planner's decisions when it stops) and returns the points by cluster.
+    With three clusters the middle one keeps its place (C S A, A S C, ...)."""
     slo = SLO(cal["slo_ttft_ms"], cal["slo_tpot_ms"])
     with ExitStack() as stack:
         arms = {}
@@ -204,17 +205,14 @@ def _sweeps(o: HeadlineOptions, names: tuple[str, ...], workload: str, seed: int
                     interval_s=i, window_s=3 * i, min_dwell_s=3 * i, min_requests=6)).start()
                 stack.callback(_stop_planner, arm.planner,
                                out / f"{workload}-s{seed}-adaptive-decisions.json")
-        for j, fraction in enumerate(sorted(o.fractions)):
+        for j, fraction, turn in schedule(names, k, o.fractions):
             rate = fraction * cal["capacity_sessions_s"]
             n = point_sessions(o, rate)
             point_seed = seed * 1000 + j
             reqs = requests_of(workload, n, point_seed)
             times = arrival_times(n, rate, 1.0, point_seed)
-            for name in sweep_order(names, k + j):
+            for name in turn:
                 _point(arms[name], workload, seed, fraction, rate, reqs, times, slo, out)
-    for arm in arms.values():
-        (out / f"{workload}-s{seed}-{arm.name}-sweep.json").write_text(
-            json.dumps(arm.points, indent=1))
     return {name: arm.points for name, arm in arms.items()}
 
 
@@ -234,6 +232,9 @@ def _point(arm: _Arm, workload: str, seed: int, fraction: float, rate: float,
     arm.points.append({"cluster": arm.name, "fraction": fraction, "rate": rate,
                        "started_unix_s": started, "roles_after": roles,
                        "prefill_cap_after": cap, **m})
+    # after every point: what ran stays on disk if a later point or cluster fails
+    (out / f"{workload}-s{seed}-{arm.name}-sweep.json").write_text(
+        json.dumps(arm.points, indent=1))
 
 
 def _stop_planner(planner: AutoscaleLoop, path: Path) -> None:
@@ -275,6 +276,14 @@ def _cap_decision(cd: CapDecision | None) -> dict | None:
                           for cap, (g, itl) in cd.predicted.items()}}
 
 
+def schedule(clusters: tuple[str, ...], k: int, fractions: tuple[float, ...]
+             ) -> list[tuple[int, float, tuple[str, ...]]]:
+    """The ``k``-th seed's points in the order they run, lowest load first: each
+    point's index, fraction and the clusters in the order they take it
+    (:func:`sweep_order` of ``k`` + the index)."""
+    return [(j, f, sweep_order(clusters, k + j)) for j, f in enumerate(sorted(fractions))]
+
+
 def sweep_order(clusters: tuple[str, ...], k: int) -> tuple[str, ...]:
     """The order the clusters run the ``k``-th turn in (seed index + point index): as
     given for even ``k``, reversed for odd (A B, B A, A B, ...), so that a drift of the
@@ -299,7 +308,8 @@ def run_headline(o: HeadlineOptions, report_only: bool = False) -> dict:
                     min_sessions=int(ran.get("min_sessions", 8)))  # 8 before it was named
     # Runs before min_sessions was named swept one cluster whole, then the next.
     turns = ("the clusters in turn" if not report_only or "min_sessions" in ran
-             else "one cluster's sweep after another")
+             else "one cluster's sweep after another" if ran
+             else "the clusters' order as run (no options.json)")
     print(f"pdserve bench-headline: {Path(o.model).name} ({o.dtype}); "
           f"{', '.join(o.clusters)}; 2 workers x 1 thread each; workloads "
           f"{', '.join(o.workloads)}; seeds {o.seeds}; rates {o.fractions} x capacity; "

@@ -50,11 +50,13 @@ decision says which did not (its ``reason``):
    at the first decision past the dwell time (6 does not apply: the simulator's
    prediction of an overloaded split swung 0.07-1.24 req/s between consecutive 15 s
    windows of one point on a 2-core EPYC, and two in a row rarely agreed). There, with
-   an ITL score, where another candidate is predicted at most ``1 -
-   min_itl_gain_unproven`` of the current one's ITL p99, the current one is scored at
-   what it measurably serves alone, its prediction not held above it (a switch then
-   says ``stalled``; see below); and no switch goes to a candidate predicted at least
-   ``1 / (1 - min_itl_gain_unproven)`` times its ITL p99 (``stalling``: its mirror);
+   an ITL score, where other candidates are predicted at most ``1 -
+   min_itl_gain_unproven`` of the current one's ITL p99, only those are weighed, and
+   the current one at what it measurably serves alone, its prediction not held above
+   it (a switch then says ``stalled``, and the configuration left is scored at most at
+   what it served then for ``memory_s``; see below); and no switch, by any rule, goes
+   to a candidate predicted at least ``1 / (1 - min_itl_gain_unproven)`` times its ITL
+   p99 (``stalling``: the mirror);
 4. ``switch_cost``: it still does once the switch's role changes are paid for (below);
 5. ``dwell``: the last change is at least ``min_dwell_s`` old;
 6. ``confirming``: the same candidate won ``confirmations`` decisions in a row.
@@ -167,6 +169,7 @@ since the switch to it) must show the larger ``min_gain_unproven``.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -339,6 +342,9 @@ class Autoscaler:
         self._wins = 0
         self._heavy: dict[str, float] = {}  # rule 2c's figures of the decision under way
         self._heavy_itl: dict[str, float] = {}
+        self._failing_now = False  # the decision under way: the current one fails ...
+        self._itl_records: Sequence[TrafficRecord] = []  # ... and ITL is predicted on these
+        self._left_stalled: dict[str, tuple[float, float]] = {}  # label: (when, served)
 
     def decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
                move_s: Mapping[str, float] | None = None,
@@ -369,15 +375,23 @@ class Autoscaler:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "few_requests")
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
+        self._failing_now, self._itl_records = self._failing(served), itl_records
+        quick = [cand for cand in pool if cand != current and self._failing_now
+                 and self._quicker(current, cand, itl_records)]
+        stalled = bool(quick)  # then only those are weighed, the current one as served
+        if stalled:
+            pool = [current, *quick]
         scores = {cand: self.score(cand, records) for cand in pool}
         arriving = len(records) / c.window_s
         floor = (served or 0.0) * arriving
-        stalled = self._stalled(current, pool, served, itl_records)
 
         def held(predicted: float) -> float:  # the current one's score
             return floor if stalled else max(predicted, floor)
 
         scores[current] = held(scores[current])
+        for cand in pool:  # a configuration left for its stalls: at most what it served
+            if cand != current:
+                scores[cand] = min(scores[cand], self._stalled_cap(cand, now))
         labels = {cand.roles_label: s for cand, s in scores.items()}
         quicker, itl = self._lower_itl(now, current, pool, scores, labels, records, move_s,
                                        proven, itl_records)
@@ -396,16 +410,17 @@ class Autoscaler:
         gain = (scores[best] - base) / base if base > 0 else float("inf")
         if self.refine is not None and gain >= c.min_gain:
             for cand in (current, best):
+                if cand == current and stalled:
+                    continue  # scored as served: no simulation of it counts
                 scores[cand] = labels[cand.roles_label] = self.refine(cand, records)
             scores[current] = labels[current.roles_label] = held(scores[current])
+            scores[best] = labels[best.roles_label] = min(scores[best],
+                                                          self._stalled_cap(best, now))
             base = scores[current]
             gain = (scores[best] - base) / base if base > 0 else float("inf")
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels, **shown)
-        if self._failing(served) and self._quicker(best, current, itl_records):
-            self._leader, self._wins = None, 0  # the stalled rescue's mirror
-            return Decision(now, current, None, "stalling", labels, **shown)
         both = _proven(proven, best, current)
         rescue = not both and served is not None and served < c.max_served_rescue
         bar = c.min_gain if both or rescue else c.min_gain_unproven
@@ -421,17 +436,19 @@ class Autoscaler:
             return Decision(now, current, None, "overloaded", labels)
         busy, net = self._net(current, best, scores, records, move_s,
                               self.refine or self.score)
-        return self._commit(now, current, best, labels, busy, net, net >= bar, why)
+        d = self._commit(now, current, best, labels, busy, net, net >= bar, why)
+        if d.target is not None and why == "stalled":
+            self._left_stalled[current.roles_label] = (now, floor)
+        return d
 
-    def _stalled(self, current: PoolConfig, pool: Sequence[PoolConfig], served: float | None,
-                 itl_records: Sequence[TrafficRecord]) -> bool:
-        """Rule 3's stalled rescue (with an ITL score): the current configuration
-        measurably serves less than ``max_served_rescue`` of its requests within the
-        SLOs, and another is predicted at most ``1 - min_itl_gain_unproven`` of its ITL
-        p99 (on ``itl_records``): the simulator sees the stalls that fail it, so its
-        predicted goodput is not held above what it measurably serves."""
-        return self._failing(served) and any(
-            self._quicker(current, cand, itl_records) for cand in pool if cand != current)
+    def _stalled_cap(self, cand: PoolConfig, now: float) -> float:
+        """The most ``cand`` is scored: what it served when the planner left it as
+        ``stalled``, for ``memory_s`` after (else no cap). The simulator's prediction of
+        it is the one the stalled rescue set aside; without the cap the goodput rule
+        could move back to it as soon as the configuration entered serves less than
+        that prediction, and the two would take turns."""
+        at, served = self._left_stalled.get(cand.roles_label, (-math.inf, math.inf))
+        return served if now - at <= self.config.memory_s else math.inf
 
     def _failing(self, served: float | None) -> bool:
         """Whether the current configuration measurably serves less than
@@ -445,8 +462,9 @@ class Autoscaler:
         if self.itl is None:
             return False
         its = self.itl(slow, itl_records)
-        return its > 0 and (self.itl(quick, itl_records)
-                            <= (1 - self.config.min_itl_gain_unproven) * its)
+        fast = self.itl(quick, itl_records) if its > 0 else 0.0
+        # 0: no simulated request ended with two tokens (not a quick configuration)
+        return 0 < fast <= (1 - self.config.min_itl_gain_unproven) * its
 
     def _seconded(self, current: PoolConfig, best: PoolConfig,
                   records: Sequence[TrafficRecord]) -> bool:
@@ -496,6 +514,9 @@ class Autoscaler:
         net gain passed rule 4's bar."""
         c = self.config
         cost = {"switch_s": busy, "net_gain": net, "itl_p99_ms": itl or {}}
+        if self._failing_now and self._quicker(best, current, self._itl_records):
+            self._leader, self._wins = None, 0  # the stalled rescue's mirror, any rule
+            return Decision(now, current, None, "stalling", labels, **cost)
         if not paid:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "switch_cost", labels, **cost)

@@ -606,6 +606,51 @@ def test_no_rescue_leads_back_to_the_configuration_predicted_to_stall():
     assert (d.target, d.reason) == (MIXED, "switch")  # both proven, not failing
 
 
+def test_a_stalled_rescue_weighs_only_the_quicker_candidates():
+    """Three workers: three mixed (A, failing: 10% served, 100 ms of ITL p99), 1P+2D (B,
+    60 ms, the most predicted goodput) and 2P+1D (C, 25 ms). Only C is predicted half
+    A's ITL p99, so only C is weighed against A's 0.1 req/s: the move goes to C, not to
+    B, whose prediction the stalls set aside as much as A's."""
+    a, b, c = reachable(3, 1, 32)
+    goodput = {a.label: 0.8, b.label: 0.9, c.label: 0.5}
+    itl = {a.label: 100.0, b.label: 60.0, c.label: 25.0}
+    s = Autoscaler([a, b, c], lambda cand, r: goodput[cand.label],
+                   AutoscaleConfig(min_dwell_s=0, window_s=20),
+                   itl=lambda cand, r: itl[cand.label])
+    d = s.decide(0.0, a, RECORDS, proven=(), served=0.1)
+    assert (d.target, d.reason) == (c, "stalled")
+    assert set(d.scores) == {a.roles_label, c.roles_label}
+
+
+def test_a_configuration_left_for_its_stalls_is_scored_at_most_what_it_served():
+    """After the stalled move (two mixed workers serving 20%: 0.2 req/s), the split
+    serves 40%: two mixed workers' prediction of 0.8 would take the workers back (both
+    proven, 60% more than 0.5), and they would stall again. For ``memory_s`` (10
+    windows: 200 s) they are scored at most 0.2; after it, at their prediction."""
+    goodput = {MIXED.label: 0.8, SPLIT.label: 0.5}
+    itl = {MIXED.label: 500, SPLIT.label: 45}
+    s = _itl_scaler(goodput, itl, confirmations=1)
+    assert s.decide(0.0, MIXED, RECORDS, served=0.2).reason == "stalled"
+    d = s.decide(100.0, SPLIT, RECORDS, served=0.4)
+    assert (d.target, d.reason) == (None, "current_best")
+    assert d.scores[MIXED.roles_label] == pytest.approx(0.2)
+    later = s.decide(300.0, SPLIT, RECORDS, served=0.4)
+    assert (later.target, later.reason) == (MIXED, "switch")
+
+
+def test_no_rule_moves_to_the_stalls_while_the_current_configuration_fails():
+    """The split failing (10% served), predicted 1.0 req/s against two mixed workers'
+    1.08 (under the goodput rule's 10%) and at twice the load 1.0 against their 2.0:
+    rule 2c would take the room; two mixed workers are predicted 10x its ITL p99, so
+    the move is refused (``stalling``). With the split serving 80%, 2c moves."""
+    s = _roomy_scaler({MIXED.label: 1.08, SPLIT.label: 1.0},
+                      {MIXED.label: 2.0, SPLIT.label: 1.0},
+                      itl={MIXED.label: 500.0, SPLIT.label: 45.0}, confirmations=1)
+    d = s.decide(0.0, SPLIT, RECORDS, served=0.1)
+    assert (d.target, d.reason) == (None, "stalling")
+    assert s.decide(1.0, SPLIT, RECORDS, served=0.8).reason == "headroom"
+
+
 def test_no_move_for_itl_without_a_large_gain_or_near_equal_goodput():
     s = _itl_scaler({MIXED.label: 1.0, SPLIT.label: 0.98}, {MIXED.label: 500, SPLIT.label: 400})
     assert all(s.decide(t, MIXED, RECORDS).reason == "current_best" for t in (0.0, 5.0, 10.0))
