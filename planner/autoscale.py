@@ -376,22 +376,22 @@ class Autoscaler:
             return Decision(now, current, None, "few_requests")
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
         self._failing_now, self._itl_records = self._failing(served), itl_records
-        quick = [cand for cand in pool if cand != current and self._failing_now
-                 and self._quicker(current, cand, itl_records)]
+        quick = [cand for cand in pool if cand != current
+                 and self._quicker(current, cand, itl_records)] if self._failing_now else []
         stalled = bool(quick)  # then only those are weighed, the current one as served
         if stalled:
             pool = [current, *quick]
-        scores = {cand: self.score(cand, records) for cand in pool}
         arriving = len(records) / c.window_s
         floor = (served or 0.0) * arriving
 
-        def held(predicted: float) -> float:  # the current one's score
-            return floor if stalled else max(predicted, floor)
+        def bounded(cand: PoolConfig, predicted: float) -> float:
+            """The current one: at least what it serves (stalled: just that); another
+            left for its stalls: at most what it served then."""
+            if cand == current:
+                return floor if stalled else max(predicted, floor)
+            return min(predicted, self._stalled_cap(cand, now))
 
-        scores[current] = held(scores[current])
-        for cand in pool:  # a configuration left for its stalls: at most what it served
-            if cand != current:
-                scores[cand] = min(scores[cand], self._stalled_cap(cand, now))
+        scores = {cand: bounded(cand, self.score(cand, records)) for cand in pool}
         labels = {cand.roles_label: s for cand, s in scores.items()}
         quicker, itl = self._lower_itl(now, current, pool, scores, labels, records, move_s,
                                        proven, itl_records)
@@ -412,10 +412,8 @@ class Autoscaler:
             for cand in (current, best):
                 if cand == current and stalled:
                     continue  # scored as served: no simulation of it counts
-                scores[cand] = labels[cand.roles_label] = self.refine(cand, records)
-            scores[current] = labels[current.roles_label] = held(scores[current])
-            scores[best] = labels[best.roles_label] = min(scores[best],
-                                                          self._stalled_cap(best, now))
+                scores[cand] = labels[cand.roles_label] = bounded(
+                    cand, self.refine(cand, records))
             base = scores[current]
             gain = (scores[best] - base) / base if base > 0 else float("inf")
         if gain < c.min_gain:
