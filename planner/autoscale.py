@@ -311,6 +311,22 @@ class Decision:
         return "switch" if self.target is not None else "stay"
 
 
+@dataclass
+class _Window:
+    """One decision under way: what :meth:`Autoscaler.decide` was handed, whether the
+    current configuration measurably fails (:meth:`Autoscaler._failing`), and rule 2c's
+    (or the second witness's) figures as they are found, for the decision's record."""
+    now: float
+    current: PoolConfig
+    records: Sequence[TrafficRecord]
+    move_s: Mapping[str, float] | None
+    proven: Collection[str] | None
+    itl_records: Sequence[TrafficRecord]
+    failing: bool
+    heavy: dict[str, float] = field(default_factory=dict)
+    heavy_itl: dict[str, float] = field(default_factory=dict)
+
+
 class Autoscaler:
     """Keeps the hysteresis state between decisions; one per cluster, one thread."""
 
@@ -340,10 +356,6 @@ class Autoscaler:
         self.last_change: float | None = None
         self._leader: PoolConfig | None = None
         self._wins = 0
-        self._heavy: dict[str, float] = {}  # rule 2c's figures of the decision under way
-        self._heavy_itl: dict[str, float] = {}
-        self._failing_now = False  # the decision under way: the current one fails ...
-        self._itl_records: Sequence[TrafficRecord] = []  # ... and ITL is predicted on these
         self._left_stalled: dict[str, tuple[float, float]] = {}  # label: (when, served)
 
     def decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
@@ -361,23 +373,21 @@ class Autoscaler:
         (:func:`served_share`; None: not measured): its score's floor is that share of
         the window's arrivals per second, and below ``max_served_rescue`` a switch is a
         rescue."""
-        self._heavy, self._heavy_itl = {}, {}
-        return replace(self._decide(now, current, records, move_s, proven,
-                                    itl_records or records, served), served=served,
-                       headroom_goodput=self._heavy, headroom_itl_p99_ms=self._heavy_itl)
+        w = _Window(now, current, records, move_s, proven, itl_records or records,
+                    self._failing(served))
+        return replace(self._decide(w, served), served=served,
+                       headroom_goodput=w.heavy, headroom_itl_p99_ms=w.heavy_itl)
 
-    def _decide(self, now: float, current: PoolConfig, records: Sequence[TrafficRecord],
-                move_s: Mapping[str, float] | None, proven: Collection[str] | None,
-                itl_records: Sequence[TrafficRecord], served: float | None) -> Decision:
-        """:meth:`decide`, its decision without ``served``."""
+    def _decide(self, w: _Window, served: float | None) -> Decision:
+        """:meth:`decide`, its decision without ``served`` and the headroom figures."""
         c = self.config
+        now, current, records = w.now, w.current, w.records
         if len(records) < c.min_requests:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "few_requests")
         pool = self.candidates if current in self.candidates else [current, *self.candidates]
-        self._failing_now, self._itl_records = self._failing(served), itl_records
         quick = [cand for cand in pool if cand != current
-                 and self._quicker(current, cand, itl_records)] if self._failing_now else []
+                 and self._quicker(current, cand, w.itl_records)] if w.failing else []
         stalled = bool(quick)  # then only those are weighed, the current one as served
         if stalled:
             pool = [current, *quick]
@@ -393,12 +403,10 @@ class Autoscaler:
 
         scores = {cand: bounded(cand, self.score(cand, records)) for cand in pool}
         labels = {cand.roles_label: s for cand, s in scores.items()}
-        quicker, itl = self._lower_itl(now, current, pool, scores, labels, records, move_s,
-                                       proven, itl_records)
+        quicker, itl = self._lower_itl(w, pool, scores, labels)
         if quicker is not None:
             return quicker
-        roomier = self._roomier(now, current, pool, scores, labels, records, move_s,
-                                proven, itl)
+        roomier = self._roomier(w, pool, scores, labels, itl)
         if roomier is not None:
             return roomier
         shown = {"itl_p99_ms": itl}  # compared, and no move for it
@@ -419,12 +427,12 @@ class Autoscaler:
         if gain < c.min_gain:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "gain_below_threshold", labels, **shown)
-        both = _proven(proven, best, current)
+        both = _proven(w.proven, best, current)
         rescue = not both and served is not None and served < c.max_served_rescue
         bar = c.min_gain if both or rescue else c.min_gain_unproven
         why = "stalled" if stalled else "rescue" if rescue else "switch"
         overloaded = not both and not rescue and base < c.min_served_unproven * arriving
-        if gain < bar and not overloaded and self._seconded(current, best, records):
+        if gain < bar and not overloaded and self._seconded(w, best):
             bar, why = c.min_gain, "seconded"  # (its simulations spared where refused)
         if gain < bar:
             self._leader, self._wins = None, 0
@@ -432,9 +440,8 @@ class Autoscaler:
         if overloaded:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "overloaded", labels)
-        busy, net = self._net(current, best, scores, records, move_s,
-                              self.refine or self.score)
-        d = self._commit(now, current, best, labels, busy, net, net >= bar, why)
+        busy, net = self._net(w, best, scores, self.refine or self.score)
+        d = self._commit(w, best, labels, busy, net, net >= bar, why)
         if d.target is not None and why == "stalled":
             self._left_stalled[current.roles_label] = (now, floor)
         return d
@@ -464,8 +471,7 @@ class Autoscaler:
         # 0: no simulated request ended with two tokens (not a quick configuration)
         return 0 < fast <= (1 - self.config.min_itl_gain_unproven) * its
 
-    def _seconded(self, current: PoolConfig, best: PoolConfig,
-                  records: Sequence[TrafficRecord]) -> bool:
+    def _seconded(self, w: _Window, best: PoolConfig) -> bool:
         """Rule 3's second witness (with a headroom score): an unproven gain between
         ``min_gain`` and ``min_gain_unproven`` is enough where, at rule 2c's heavier
         load, ``best`` is predicted on its own an unproven-sized lead over the current
@@ -473,46 +479,46 @@ class Autoscaler:
         ``1 - itl_tolerance`` of its goodput at ``min_itl_gain_unproven`` less ITL p99.
         The figures compared land in the decision (``headroom_goodput``,
         ``headroom_itl_p99_ms``)."""
-        c = self.config
+        c, current = self.config, w.current
         if self.headroom is None:
             return False
-        heavy = {cand: self.headroom(cand, records) for cand in (current, best)}
-        self._heavy = {cand.roles_label: g for cand, g in heavy.items()}
+        heavy = {cand: self.headroom(cand, w.records) for cand in (current, best)}
+        w.heavy = {cand.roles_label: g for cand, g in heavy.items()}
         if heavy[best] <= 0:
             return False
         if heavy[best] >= (1 + c.min_gain_unproven) * heavy[current]:
             return True
         if self.headroom_itl is None or heavy[best] < (1 - c.itl_tolerance) * heavy[current]:
             return False
-        its = {cand: self.headroom_itl(cand, records) for cand in (current, best)}
-        self._heavy_itl = {cand.roles_label: ms for cand, ms in its.items()}
+        its = {cand: self.headroom_itl(cand, w.records) for cand in (current, best)}
+        w.heavy_itl = {cand.roles_label: ms for cand, ms in its.items()}
         return its[current] > 0 and its[best] <= (1 - c.min_itl_gain_unproven) * its[current]
 
-    def _net(self, current: PoolConfig, best: PoolConfig, scores: Mapping[PoolConfig, float],
-             records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
+    def _net(self, w: _Window, best: PoolConfig, scores: Mapping[PoolConfig, float],
              score: Score) -> tuple[float, float]:
         """The switch's role changes' seconds and its net gain over the horizon (rule 4),
         what serves while they run scored by ``score`` (as ``scores`` were)."""
+        current = w.current
         base = scores[current]
-        busy = sum((move_s or {}).get(role, 0.0) for role in moves(current, best))
+        busy = sum((w.move_s or {}).get(role, 0.0) for role in moves(current, best))
         if busy <= 0:
             return 0.0, (scores[best] - base) / base if base > 0 else float("inf")
         h = self.config.horizon_s
         during = serving_while_moving(current, best)
-        g_during = score(during, records) if during is not None else 0.0
+        g_during = score(during, w.records) if during is not None else 0.0
         served = g_during * min(busy, h) + scores[best] * max(0.0, h - busy)
         return busy, (served / (base * h) - 1 if base > 0 else (
             float("inf") if served > 0 else -1.0))
 
-    def _commit(self, now: float, current: PoolConfig, best: PoolConfig,
-                labels: dict[str, float], busy: float, net: float, paid: bool, why: str,
-                itl: dict[str, float] | None = None) -> Decision:
+    def _commit(self, w: _Window, best: PoolConfig, labels: dict[str, float], busy: float,
+                net: float, paid: bool, why: str, itl: dict[str, float] | None = None
+                ) -> Decision:
         """Rules 4-6 for a candidate that won on goodput (``why``: ``switch``, ``rescue``,
         ``stalled``, ``seconded``), on ITL (``lower_itl``) or on room (``headroom``); ``paid``: its
         net gain passed rule 4's bar."""
-        c = self.config
+        c, now, current = self.config, w.now, w.current
         cost = {"switch_s": busy, "net_gain": net, "itl_p99_ms": itl or {}}
-        if self._failing_now and self._quicker(best, current, self._itl_records):
+        if w.failing and self._quicker(best, current, w.itl_records):
             self._leader, self._wins = None, 0  # the stalled rescue's mirror, any rule
             return Decision(now, current, None, "stalling", labels, **cost)
         if not paid:
@@ -540,11 +546,9 @@ class Autoscaler:
         near = [cand for cand in pool if scores[cand] >= (1 - self.config.itl_tolerance) * top]
         return near if current in near and len(near) >= 2 else []
 
-    def _roomier(self, now: float, current: PoolConfig, pool: Sequence[PoolConfig],
+    def _roomier(self, w: _Window, pool: Sequence[PoolConfig],
                  scores: Mapping[PoolConfig, float], labels: dict[str, float],
-                 records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
-                 proven: Collection[str] | None, itl: Mapping[str, float]
-                 ) -> Decision | None:
+                 itl: Mapping[str, float]) -> Decision | None:
         """Rule 2c: where no candidate beats the current one by ``min_gain`` (the
         goodput rule would not move), among those predicted at least ``1 -
         itl_tolerance`` of its goodput, the one of most predicted goodput at the heavier
@@ -555,7 +559,7 @@ class Autoscaler:
         None: the rule does not apply, and goodput decides. The goodput rule does not
         undo it: no candidate, the one left among them, is predicted ``min_gain`` more
         than the target (with three or more, one that is leaves the target out)."""
-        c = self.config
+        c, current = self.config, w.current
         mine, top = scores[current], max(scores.values())
         if self.headroom is None or mine <= 0 or top >= (1 + c.min_gain) * mine:
             return None
@@ -564,19 +568,19 @@ class Autoscaler:
                 and (1 + c.min_gain) * scores[cand] > top]  # the goodput rule stays there
         if len(near) < 2:
             return None
-        heavy = {cand: self.headroom(cand, records) for cand in near}
-        self._heavy = {cand.roles_label: g for cand, g in heavy.items()}
+        heavy = {cand: self.headroom(cand, w.records) for cand in near}
+        w.heavy = {cand.roles_label: g for cand, g in heavy.items()}
         roomy = max(near, key=lambda cand: (heavy[cand], cand == current))
         base = heavy[current]
         gain = (heavy[roomy] - base) / base if base > 0 else float("inf")
-        if roomy == current or gain < (c.min_gain if _proven(proven, roomy, current)
+        if roomy == current or gain < (c.min_gain if _proven(w.proven, roomy, current)
                                        else c.min_gain_unproven) or self._left_by_2b(roomy, itl):
-            roomy = self._quicker_heavier(current, near, heavy, records, proven)
+            roomy = self._quicker_heavier(w, near, heavy)
             if roomy is None or self._left_by_2b(roomy, itl):
                 return None
-        busy, net = self._net(current, roomy, scores, records, move_s, self.score)
-        return self._commit(now, current, roomy, labels, busy, net,
-                            net >= -c.itl_tolerance, "headroom", dict(itl))
+        busy, net = self._net(w, roomy, scores, self.score)
+        return self._commit(w, roomy, labels, busy, net, net >= -c.itl_tolerance,
+                            "headroom", dict(itl))
 
     def _left_by_2b(self, target: PoolConfig, itl: Mapping[str, float]) -> bool:
         """Whether rule 2b would leave ``target`` for a quicker candidate: one's
@@ -586,9 +590,8 @@ class Autoscaler:
         return its is not None and any(ms <= (1 - self.config.min_itl_gain) * its
                                        for ms in itl.values())
 
-    def _quicker_heavier(self, current: PoolConfig, near: Sequence[PoolConfig],
-                         heavy: Mapping[PoolConfig, float], records: Sequence[TrafficRecord],
-                         proven: Collection[str] | None) -> PoolConfig | None:
+    def _quicker_heavier(self, w: _Window, near: Sequence[PoolConfig],
+                         heavy: Mapping[PoolConfig, float]) -> PoolConfig | None:
         """Rule 2c on ITL: among ``near``, those predicted at least ``1 -
         itl_tolerance`` of the current one's goodput at the heavier load (``heavy``)
         and not ``min_gain`` less than any's there (else 2c's goodput branch would
@@ -596,25 +599,23 @@ class Autoscaler:
         predicted ITL p99 there, when that is ``min_itl_gain``
         (``min_itl_gain_unproven`` unless both are proven) below the current one's
         there. None: no headroom ITL score, or none is enough quicker."""
-        c = self.config
+        c, current = self.config, w.current
         if self.headroom_itl is None:
             return None
         top = max(heavy.values())
         able = [current] + [cand for cand in near if cand != current
                             and heavy[cand] >= (1 - c.itl_tolerance) * heavy[current]
                             and (1 + c.min_gain) * heavy[cand] > top]
-        its = {cand: self.headroom_itl(cand, records) for cand in able}
-        self._heavy_itl = {cand.roles_label: ms for cand, ms in its.items()}
+        its = {cand: self.headroom_itl(cand, w.records) for cand in able}
+        w.heavy_itl = {cand.roles_label: ms for cand, ms in its.items()}
         quick = min(able, key=lambda cand: (its[cand], cand != current))
-        margin = (c.min_itl_gain if _proven(proven, quick, current)
+        margin = (c.min_itl_gain if _proven(w.proven, quick, current)
                   else c.min_itl_gain_unproven)
         return quick if quick != current and its[quick] <= (1 - margin) * its[current] \
             else None
 
-    def _lower_itl(self, now: float, current: PoolConfig, pool: Sequence[PoolConfig],
-                   scores: Mapping[PoolConfig, float], labels: dict[str, float],
-                   records: Sequence[TrafficRecord], move_s: Mapping[str, float] | None,
-                   proven: Collection[str] | None, itl_records: Sequence[TrafficRecord]
+    def _lower_itl(self, w: _Window, pool: Sequence[PoolConfig],
+                   scores: Mapping[PoolConfig, float], labels: dict[str, float]
                    ) -> tuple[Decision | None, dict[str, float]]:
         """Rule 2b: among the candidates within ``itl_tolerance`` of the best predicted
         goodput, the current one among them, the one of lowest predicted ITL p99, when
@@ -629,22 +630,22 @@ class Autoscaler:
         candidate serves anything, the current configuration is not among the
         near-best, or none is enough quicker), and goodput decides; beside it, the ITLs
         compared (empty: none)."""
-        c = self.config
+        c, now, current = self.config, w.now, w.current
         near = self._near(current, pool, scores)
         if self.itl is None or not near:
             return None, {}
-        itl = {cand: self.itl(cand, itl_records) for cand in near}
+        itl = {cand: self.itl(cand, w.itl_records) for cand in near}
         shown = {cand.roles_label: ms for cand, ms in itl.items()}
         quick = min(near, key=lambda cand: (itl[cand], cand != current))
         if quick == current or not itl[quick] <= (1 - c.min_itl_gain) * itl[current]:
             return None, shown
-        both = _proven(proven, quick, current)
+        both = _proven(w.proven, quick, current)
         if not both and not itl[quick] <= (1 - c.min_itl_gain_unproven) * itl[current]:
             self._leader, self._wins = None, 0
             return Decision(now, current, None, "unproven", labels, itl_p99_ms=shown), shown
-        busy, net = self._net(current, quick, scores, records, move_s, self.score)
-        return self._commit(now, current, quick, labels, busy, net,
-                            net >= -c.itl_tolerance, "lower_itl", shown), shown
+        busy, net = self._net(w, quick, scores, self.score)
+        return self._commit(w, quick, labels, busy, net, net >= -c.itl_tolerance,
+                            "lower_itl", shown), shown
 
 
 def _proven(proven: Collection[str] | None, *configs: PoolConfig) -> bool:
