@@ -156,14 +156,12 @@ def test_the_split_cluster_is_the_split_the_adaptive_planner_would_switch_to(tmp
 def test_the_clusters_take_each_point_in_turn_the_order_alternating():
     """Seed k's point j runs the clusters in sweep_order(names, k + j): A B, B A, A B, B A
     through a seed, lowest load first, and the next seed starts the other way."""
-    from benchmarks.headline import sweep_order
+    from benchmarks.headline import schedule, sweep_order
 
     clusters = ("colocated", "static", "adaptive")
     assert [sweep_order(clusters, k) for k in range(3)] == [
         clusters, ("adaptive", "static", "colocated"), clusters]
     assert sweep_order(("colocated",), 1) == ("colocated",)
-    from benchmarks.headline import schedule
-
     pair = ("colocated", "adaptive")
     runs = [[name for _, _, turn in schedule(pair, k, (1.2, 0.25, 0.85, 0.5)) for name in turn]
             for k in range(2)]
