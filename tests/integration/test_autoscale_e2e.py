@@ -48,8 +48,12 @@ def _roles(c) -> list[str]:  # noqa: ANN001
 def test_the_planner_moves_roles_under_load_and_loses_nothing(scaled, tiny_checkpoints,
                                                               monkeypatch):
     c = scaled
+    # No rescue: what share the workers serve within the profile's SLOs depends on the
+    # machine's speed (a loaded CI runner served under 30% and the first tick rescued);
+    # the scripted scores alone say when to move here.
     loop = AutoscaleLoop(c, AutoscaleConfig(interval_s=3600, window_s=300, min_requests=3,
-                                            min_dwell_s=0, confirmations=2))
+                                            min_dwell_s=0, confirmations=2,
+                                            max_served_rescue=0.0))
     prefer = {"split": 2.0, "mixed": 1.0}
     loop.recalibrate = lambda now: None  # type: ignore[method-assign] - scripted scores
     loop.autoscaler.score = lambda cfg, records: prefer["mixed" if cfg.kind == "mixed"
