@@ -249,7 +249,7 @@ def _stop_planner(planner: AutoscaleLoop, path: Path) -> None:
                   "step_model": model, "itl_p99_ms": d.itl_p99_ms,
                   "headroom_goodput": d.headroom_goodput,
                   "headroom_itl_p99_ms": d.headroom_itl_p99_ms,
-                  "served": d.served, "cpu_s": cpu,
+                  "served": d.served, "tpot_bound": d.tpot_bound, "cpu_s": cpu,
                   "prefill_cap": _cap_decision(cd)}
                  for d, model, cd, cpu in zip(planner.decisions, planner.step_models,
                                               planner.cap_decisions, planner.cpu_seconds,

@@ -48,7 +48,8 @@ steps: the profile's; ``planner_move_seconds{role}``: a change leaving ``role`` 
 ``planner_switch_seconds``: the last weighed switch's changes; for the cap
 ``planner_prefill_cap``, ``planner_cap_decisions_total{action,reason}`` and
 ``planner_predicted_itl_p99_ms{cap}``; ``planner_served_share``: the share of recent
-requests the running configuration served within the SLOs), served
+requests the running configuration served within the SLOs, ``planner_served_tpot_bound``:
+whether their misses were the decode's), served
 beside the router's when the cluster has a metrics port. :meth:`AutoscaleLoop.stop`
 ends the thread between decisions.
 """
@@ -94,6 +95,7 @@ from planner.autoscale import (
     role_changes,
     served_share,
     simulated,
+    tpot_bound,
     window_slo,
 )
 from planner.config import PoolConfig
@@ -248,8 +250,9 @@ class AutoscaleLoop:
         longer = expected_outputs(span)
         self.recalibrate(now)
         proven = set(self._scored[1])  # the candidates the score runs on their own fit
+        served, decode_misses = self.served(now, seen) or (None, False)
         d = self.autoscaler.decide(now, current, records, self.move_estimates(records),
-                                   proven, longer, self.served(now, seen))
+                                   proven, longer, served, decode_misses)
         self.decisions.append(d)
         self.cpu_seconds.append(time.thread_time() - cpu)
         self.metrics.set("planner_decision_cpu_seconds", self.cpu_seconds[-1])
@@ -265,6 +268,7 @@ class AutoscaleLoop:
             self.metrics.set("planner_predicted_headroom_itl_p99_ms", itl, config=label)
         if d.served is not None:
             self.metrics.set("planner_served_share", d.served)
+            self.metrics.set("planner_served_tpot_bound", float(d.tpot_bound))
         if d.net_gain is not None:
             self.metrics.set("planner_switch_seconds", d.switch_s)
         cost = (f"; switching takes ~{d.switch_s:.1f} s of role changes, net gain "
@@ -272,7 +276,9 @@ class AutoscaleLoop:
         itl = ("; predicted ITL p99 " + ", ".join(f"{k}: {v:.0f} ms"
                                                   for k, v in d.itl_p99_ms.items())
                if d.itl_p99_ms else "")
-        served = f" (served {d.served:.0%} within the SLOs)" if d.served is not None else ""
+        served = (f" (served {d.served:.0%} within the SLOs"
+                  + (", the misses TPOT's" if d.tpot_bound else "") + ")"
+                  if d.served is not None else "")
         itl += (f"; at {1 + self.config.headroom:g}x the load: " + ", ".join(
             f"{k}: {v:.3f}/s" + (f", {d.headroom_itl_p99_ms[k]:.0f} ms"
                                  if k in d.headroom_itl_p99_ms else "")
@@ -371,14 +377,15 @@ class AutoscaleLoop:
             self.metrics.inc("planner_role_changes_total", role=role)
             log.info("autoscale: %s is now %s", address, role)
 
-    def served(self, now: float, seen: Sequence[TrafficRecord]) -> float | None:
+    def served(self, now: float, seen: Sequence[TrafficRecord]) -> tuple[float, bool] | None:
         """The share of its requests the running configuration measurably served within
         the SLOs (:func:`planner.autoscale.served_share`: its score's floor, and the
-        rescue's test): of one window of arrivals that ended a lag ago, the lag the 90th
-        percentile of the ended requests' latency (at most a window), so that few of
-        them are still in flight. None: no request has ended, the span holds fewer
-        than ``min_requests``, or it began before the last switch (of roles, or of the
-        stall-free cap) settled."""
+        rescue's test), and whether its misses were the decode's
+        (:func:`planner.autoscale.tpot_bound`): of one window of arrivals that ended a
+        lag ago, the lag the 90th percentile of the ended requests' latency (at most a
+        window), so that few of them are still in flight. None: no request has ended,
+        the span holds fewer than ``min_requests``, or it began before the last switch
+        (of roles, or of the stall-free cap) settled."""
         latencies = [r.e2e_s for r in seen if r.e2e_s is not None]
         if not latencies:
             return None
@@ -390,7 +397,7 @@ class AutoscaleLoop:
         if len(span) < self.config.min_requests:
             return None
         slo = window_slo(self.profile.step(self.cluster.threads), span, *self._slo)
-        return served_share(span, slo)
+        return served_share(span, slo), tpot_bound(span, slo)
 
     def move_estimates(self, records: Sequence[TrafficRecord]) -> dict[str, float]:
         """Seconds a worker leaving each role takes to change, for the switch's cost:

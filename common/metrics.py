@@ -73,6 +73,9 @@ CATALOG: tuple[Spec, ...] = (
     Spec("planner_served_share", "gauge", "The share of a recent window's requests the "
          "running configuration served within the SLOs, from the routers' logged "
          "latencies: times the arrival rate, the floor of its predicted goodput"),
+    Spec("planner_served_tpot_bound", "gauge", "1 where that window's misses were the "
+         "decode's (every ended request met the TTFT SLO, and more missed TPOT than are "
+         "in flight or failed): the overloaded guard does not hold then; else 0"),
     Spec("planner_role_changes_total", "counter", "Role changes the planner made, by new role",
          ("role",)),
     Spec("planner_served_factor", "gauge", "The serving calibration the planner simulates "

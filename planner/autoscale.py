@@ -38,7 +38,9 @@ decision says which did not (its ``reason``):
    ``proven`` configurations the caller names (those scored with a serving calibration
    fitted while they ran, see below); ``overloaded``: such an unproven comparison is
    not made at all while the current configuration is predicted to serve less than
-   ``min_served_unproven`` of the window's requests within the SLOs. ``min_gain``
+   ``min_served_unproven`` of the window's requests within the SLOs, unless its
+   measured misses were the decode's (``tpot_bound``, :func:`tpot_bound`: see
+   below). ``min_gain``
    will do for ``min_gain_unproven`` (the guard stands; a switch then says
    ``seconded``) where rule 2c's heavier load seconds it:
    there, on its own, the candidate is predicted ``min_gain_unproven`` more goodput,
@@ -128,6 +130,25 @@ mixed workers were predicted 0.73 req/s against its 0.2 (and, 29 s before in the
 point, an ITL p99 of 264 ms against its 39), and the planner began moving back to them
 34 s into the point (``rescue``), where the split served 1.76x colocated.
 
+Why the decode's misses lift ``overloaded``. The guard keeps an unproven split out
+where the simulator errs most, and on a 2-core EPYC it kept the chat mixed where a
+split served more: at 85% load static 1P+1D served 1.09-2.4x colocated's goodput, and
+the planner refused the split as ``overloaded`` on predictions of up to 2.1x two mixed
+workers while they served 30-69% of their requests within the SLOs. The mixed
+workload's refusals came at the same shares (31-58%) and predictions (1.3-1.4x), where
+a split served 0.33-1.17x colocated: one prefill worker queues its 1,536-token prompts.
+What told them apart was how the requests failed. In the served spans of the 47 chat
+refusals of eight headline runs at 25-120% load (``loadtest/results/headline-epyc-*``,
+rebuilt from their requests' latencies), no request missed its TTFT, and in 32 of the
+33 with misses the TPOT misses (3-39) outnumbered those in flight (the other: one TPOT
+miss, three in flight); in all 16 of the mixed workload's (ten runs, EPYC and Xeon),
+some request missed its TTFT, or more were in flight than had missed TPOT. A request
+that got its first token in time and then fell behind was stalled by prompts computed
+beside its decode, which a split removes; one that waited for its first token queued
+for prefill, which a split's fewer prefill threads make longer. So the guard stands
+unless the measured misses were the decode's; the unproven margin and the
+confirmations stand either way.
+
 Why 2b. Goodput alone cannot tell two configurations that both serve the window within
 the SLOs, and their inter-token latency can differ by 3x: on a 2-core Xeon's chat
 headline, the split (1 prefill + 1 decode worker) served 0.98-1.04x two mixed workers'
@@ -203,7 +224,8 @@ class AutoscaleConfig:
     error is at its largest. In a 2-core Xeon's headline runs of 2026-12-06, the planner
     split the pools at 120% load four times on predictions of 1.3-2x two mixed workers
     (``loadtest/results/headline-xeon-1206-traced/``, ``-cap/``) and served 0.77-0.86x
-    colocated there (0.90x once more on the chat workload)."""
+    colocated there (0.90x once more on the chat workload). It does not hold where the
+    current configuration's measured misses were the decode's (:func:`tpot_bound`)."""
     max_served_rescue: float = 0.3
     """Neither margin (``min_gain_unproven``) nor guard (``min_served_unproven``) holds
     where the current configuration measurably serves less than this share of its
@@ -297,6 +319,9 @@ class Decision:
     served: float | None = None
     """The share of the current configuration's recent requests that met the SLOs
     (None: not measured); its score is at least this share of the window's arrivals."""
+    tpot_bound: bool = False
+    """Whether those requests' misses were the decode's (:func:`tpot_bound`): then
+    ``overloaded`` does not hold."""
     headroom_goodput: dict[str, float] = field(default_factory=dict)
     """Predicted goodput at rule 2c's heavier load of the candidates it compared (or
     rule 3's second witness, ``seconded``: the current one and the best), by
@@ -323,6 +348,7 @@ class _Window:
     proven: Collection[str] | None
     itl_records: Sequence[TrafficRecord]
     failing: bool
+    tpot_bound: bool
     heavy: dict[str, float] = field(default_factory=dict)
     heavy_itl: dict[str, float] = field(default_factory=dict)
 
@@ -362,7 +388,7 @@ class Autoscaler:
                move_s: Mapping[str, float] | None = None,
                proven: Collection[str] | None = None,
                itl_records: Sequence[TrafficRecord] | None = None,
-               served: float | None = None) -> Decision:
+               served: float | None = None, tpot_bound: bool = False) -> Decision:
         """``move_s``: seconds a worker leaving each role (``mixed``, ``prefill``,
         ``decode``) takes to change; a role not named: free. ``proven``: the
         ``roles_label`` s of the configurations scored with their own calibration (None:
@@ -372,10 +398,11 @@ class Autoscaler:
         the share of the current configuration's recent requests that met the SLOs
         (:func:`served_share`; None: not measured): its score's floor is that share of
         the window's arrivals per second, and below ``max_served_rescue`` a switch is a
-        rescue."""
+        rescue. ``tpot_bound``: whether its misses there were the decode's
+        (:func:`tpot_bound`): no ``overloaded`` guard then."""
         w = _Window(now, current, records, move_s, proven, itl_records or records,
-                    self._failing(served))
-        return replace(self._decide(w, served), served=served,
+                    self._failing(served), tpot_bound)
+        return replace(self._decide(w, served), served=served, tpot_bound=tpot_bound,
                        headroom_goodput=w.heavy, headroom_itl_p99_ms=w.heavy_itl)
 
     def _decide(self, w: _Window, served: float | None) -> Decision:
@@ -431,7 +458,8 @@ class Autoscaler:
         rescue = not both and served is not None and served < c.max_served_rescue
         bar = c.min_gain if both or rescue else c.min_gain_unproven
         why = "stalled" if stalled else "rescue" if rescue else "switch"
-        overloaded = not both and not rescue and base < c.min_served_unproven * arriving
+        overloaded = (not both and not rescue and not w.tpot_bound
+                      and base < c.min_served_unproven * arriving)
         if gain < bar and not overloaded and self._seconded(w, best):
             bar, why = c.min_gain, "seconded"  # (its simulations spared where refused)
         if gain < bar:
@@ -990,6 +1018,31 @@ def served_share(records: Sequence[TrafficRecord], slo: SLO) -> float:
         return slo.met(r.ttft_s, tpot_s(r.ttft_s, r.e2e_s, r.output_tokens), r.e2e_s)
 
     return sum(map(met, records)) / len(records) if records else 0.0
+
+
+def tpot_bound(records: Sequence[TrafficRecord], slo: SLO) -> bool:
+    """Whether the misses among ``records`` (the span :func:`served_share` measured)
+    were the decode's: every one that ended met the TTFT SLO, and more missed the TPOT
+    SLO than missed in no way known (still in flight, failed, or past an end-to-end
+    SLO alone: a request not ended may still wait for its first token). Then prompts
+    computed beside running decodes failed them, which a split removes; where prompts
+    queue for their prefill instead (TTFT misses), a split's fewer prefill threads
+    queue them longer."""
+    tpot, unknown = 0, 0
+    for r in records:
+        if not r.done or r.ttft_s is None or r.e2e_s is None:
+            unknown += 1
+            continue
+        if slo.ttft_ms is not None and r.ttft_s * 1e3 > slo.ttft_ms:
+            return False
+        per_token = tpot_s(r.ttft_s, r.e2e_s, r.output_tokens)
+        if slo.met(r.ttft_s, per_token, r.e2e_s):
+            continue
+        if slo.tpot_ms is not None and per_token is not None and per_token * 1e3 > slo.tpot_ms:
+            tpot += 1
+        else:
+            unknown += 1
+    return tpot > unknown
 
 
 def window_prompts(records: Sequence[TrafficRecord], rng: random.Random,

@@ -18,6 +18,7 @@ from planner.autoscale import (
     role_changes,
     served_share,
     serving_while_moving,
+    tpot_bound,
     window_slo,
 )
 from planner.config import PoolConfig
@@ -425,6 +426,42 @@ def test_an_unproven_leap_is_made_where_the_current_configuration_measurably_fai
     assert guarded.decide(0.0, MIXED, busy, proven=()).reason == "overloaded"  # unmeasured
     with pytest.raises(ValueError, match="max_served_rescue"):
         AutoscaleConfig(max_served_rescue=-0.1)
+
+
+def test_misses_are_the_decodes_when_none_missed_ttft_and_tpot_outnumbers_the_unknown():
+    slo = SLO(ttft_ms=500, tpot_ms=50)
+
+    def rec(ttft=0.1, tpot=0.04, out=11, done=True):
+        return TrafficRecord(0.0, 100, 0, out, ttft_s=ttft if done else None, done=done,
+                             e2e_s=ttft + (out - 1) * tpot if done else None)
+
+    met, slow, queued, flight = rec(), rec(tpot=0.08), rec(ttft=0.6), rec(done=False)
+    assert tpot_bound([met, slow, slow, flight], slo)  # 2 TPOT misses, 1 in flight
+    assert not tpot_bound([met, slow, flight], slo)  # as many in flight: unknown
+    assert not tpot_bound([slow, slow, slow, queued], slo)  # one waited for its first token
+    assert not tpot_bound([met, met], slo) and not tpot_bound([], slo)  # no miss
+    failed = TrafficRecord(0.0, 100, 0, 0)  # ended with no token: unknown
+    assert not tpot_bound([slow, failed], slo)
+    # a miss past an end-to-end SLO alone is of no known kind
+    e2e = SLO(ttft_ms=500, tpot_ms=50, e2el_ms=300)
+    assert not tpot_bound([slow, rec(), rec()], e2e)  # 1 TPOT, 2 past e2e (0.5 s) alone
+    assert tpot_bound([slow, slow, rec()], e2e)
+    assert tpot_bound([slow], SLO(tpot_ms=50)) and not tpot_bound([slow], SLO(ttft_ms=500))
+
+
+def test_an_overloaded_configuration_whose_misses_were_the_decodes_may_be_left():
+    """The guard's setup (two mixed workers predicted 0.5 req/s of 1 offered, the split
+    1.0, unproven): measured failing on TPOT alone, the split is entered; the unproven
+    margin still holds (a 20% lead: ``unproven``)."""
+    busy = [TrafficRecord(float(i), 1536, 0, 16) for i in range(60)]
+    s = _scaler({MIXED.label: 0.5, SPLIT.label: 1.0}, window_s=60, min_dwell_s=0,
+                confirmations=1)
+    assert s.decide(0.0, MIXED, busy, proven={MIXED.label}, served=0.5).reason == "overloaded"
+    d = s.decide(5.0, MIXED, busy, proven={MIXED.label}, served=0.5, tpot_bound=True)
+    assert (d.reason, d.target, d.served, d.tpot_bound) == ("switch", SPLIT, 0.5, True)
+    near = _scaler({MIXED.label: 0.5, SPLIT.label: 0.6}, window_s=60, confirmations=1)
+    assert near.decide(0.0, MIXED, busy, proven=(), served=0.5,
+                       tpot_bound=True).reason == "unproven"
 
 
 def test_window_prompts_share_what_the_routers_saw_cached():
