@@ -1012,12 +1012,8 @@ def served_share(records: Sequence[TrafficRecord], slo: SLO) -> float:
     still in flight, or one that failed, counts as a miss (the live loop measures a span
     that ended a few latencies ago, so that few are still in flight). A request of
     several choices is judged on their tokens together."""
-    def met(r: TrafficRecord) -> bool:
-        if not r.done or r.ttft_s is None or r.e2e_s is None:
-            return False
-        return slo.met(r.ttft_s, tpot_s(r.ttft_s, r.e2e_s, r.output_tokens), r.e2e_s)
-
-    return sum(map(met, records)) / len(records) if records else 0.0
+    misses = [_miss(r, slo) for r in records]
+    return misses.count(None) / len(records) if records else 0.0
 
 
 def tpot_bound(records: Sequence[TrafficRecord], slo: SLO) -> bool:
@@ -1028,21 +1024,24 @@ def tpot_bound(records: Sequence[TrafficRecord], slo: SLO) -> bool:
     computed beside running decodes failed them, which a split removes; where prompts
     queue for their prefill instead (TTFT misses), a split's fewer prefill threads
     queue them longer."""
-    tpot, unknown = 0, 0
-    for r in records:
-        if not r.done or r.ttft_s is None or r.e2e_s is None:
-            unknown += 1
-            continue
-        if slo.ttft_ms is not None and r.ttft_s * 1e3 > slo.ttft_ms:
-            return False
-        per_token = tpot_s(r.ttft_s, r.e2e_s, r.output_tokens)
-        if slo.met(r.ttft_s, per_token, r.e2e_s):
-            continue
-        if slo.tpot_ms is not None and per_token is not None and per_token * 1e3 > slo.tpot_ms:
-            tpot += 1
-        else:
-            unknown += 1
-    return tpot > unknown
+    misses = [_miss(r, slo) for r in records]
+    return "ttft" not in misses and misses.count("tpot") > misses.count("unknown")
+
+
+def _miss(r: TrafficRecord, slo: SLO) -> str | None:
+    """How ``r`` missed ``slo``: None (it met it), ``ttft``, ``tpot`` (first token in
+    time, then too slow a token), or ``unknown`` (not ended, failed, or past an
+    end-to-end SLO alone)."""
+    if not r.done or r.ttft_s is None or r.e2e_s is None:
+        return "unknown"
+    if slo.ttft_ms is not None and r.ttft_s * 1e3 > slo.ttft_ms:
+        return "ttft"
+    per_token = tpot_s(r.ttft_s, r.e2e_s, r.output_tokens)
+    if slo.met(r.ttft_s, per_token, r.e2e_s):
+        return None
+    if slo.tpot_ms is not None and per_token is not None and per_token * 1e3 > slo.tpot_ms:
+        return "tpot"
+    return "unknown"
 
 
 def window_prompts(records: Sequence[TrafficRecord], rng: random.Random,
