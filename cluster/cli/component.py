@@ -14,6 +14,7 @@ import os
 import sys
 
 from cluster.deployment import DeploymentConfig, load_yaml
+from common.process_exit import exit_after_shutdown
 from common.redis_url import with_password
 
 from .options import (
@@ -241,7 +242,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"pdserve worker: {e}", file=sys.stderr)
         return EXIT_INVALID
     asyncio.run(serve(config))
-    return 0
+    # serve closed everything it owns; its transfer threads are daemons that may still
+    # wake from a torch call, which in a finalizing interpreter aborts the process
+    exit_after_shutdown(0)
+    return 0  # not reached
 
 
 def cmd_router(args: argparse.Namespace) -> int:

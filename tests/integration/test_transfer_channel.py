@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 
+from common.process_exit import exit_after_shutdown
 from workers.transfer import (
     KVLayout,
     KVReceiver,
@@ -182,6 +183,7 @@ def agent_main() -> None:
         sender.close()
     if receiver is not None:
         receiver.close()
+    exit_after_shutdown(0)  # as a worker ends (common.process_exit says why)
 
 
 class Agent:
