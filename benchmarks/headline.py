@@ -53,7 +53,8 @@ from common.cost_model import load_profile
 from loadtest.metrics import SLO, percentile
 from loadtest.runner import RunOptions, run
 from loadtest.workloads import Request, arrival_times, mixed_workload, multi_turn_workload
-from planner.autoscale import AutoscaleConfig, CapDecision, prefill_caps
+from planner.autoscale import AutoscaleConfig
+from planner.caps import CapDecision, prefill_caps
 
 from .headline_report import TURNS, report
 from .machine import machine_line
@@ -67,7 +68,7 @@ CLUSTERS = {
 }
 """Not run unless named (``--clusters colocated,capped,split``): ``capped`` is colocated
 with a fixed stall-free cap, the smallest the live planner would try on the profile
-(:func:`planner.autoscale.prefill_caps`); ``split`` is 1 prefill + 1 decode worker with
+(:func:`planner.caps.prefill_caps`); ``split`` is 1 prefill + 1 decode worker with
 the router placing each prompt from live state on the profile (:mod:`router.adaptive`):
 the split the adaptive cluster switches to, held through the sweep, which measures what
 its planner only predicts."""

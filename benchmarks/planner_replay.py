@@ -13,7 +13,7 @@ point (every ``--every`` s, from one window in) this does what the live planner
   cluster's rebuilt from its decisions); a refused fit keeps the last accepted one as
   the planner does;
 - the traffic: the point's requests that arrived in ``[t - window, t]``;
-- each configuration's predicted goodput (:func:`planner.autoscale.simulated_goodput`,
+- each configuration's predicted goodput (:func:`planner.scores.simulated_goodput`,
   the headline's SLOs): 2 mixed, and 1P + 1D with every prompt remote as the static
   cluster runs.
 
@@ -56,14 +56,10 @@ from cluster.deployment import DeploymentConfig
 from common.cost_model import Profile, load_profile
 from common.served_fit import ServedFitError, fit_served_roles
 from common.traffic import TrafficRecord
-from planner.autoscale import (
-    AutoscaleConfig,
-    FitMemory,
-    reachable,
-    role_changes,
-    simulated_goodput,
-)
+from planner.autoscale import AutoscaleConfig, FitMemory
 from planner.config import PoolConfig
+from planner.moves import reachable, role_changes
+from planner.scores import simulated_goodput
 from workers.step_trace import TracedStep
 
 from .headline import requests_of
@@ -87,7 +83,7 @@ def pools_of(label: str) -> PoolConfig:
 def roles_over_time(decisions: Path, folder: Path) -> Callable[[str, float], str]:
     """Each adaptive worker's role at a time (by the port its trace file names): all
     mixed at first, then moved at every switch as the planner moves them
-    (:func:`planner.autoscale.role_changes`, on the workers' ``HOST:PORT`` addresses;
+    (:func:`planner.moves.role_changes`, on the workers' ``HOST:PORT`` addresses;
     one host, so ports order them)."""
     roles = {role_and_port(f)[1]: "mixed" for f in folder.glob("*.steps.csv")}
     timeline: list[tuple[float, dict[str, str]]] = [(-math.inf, dict(roles))]

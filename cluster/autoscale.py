@@ -9,7 +9,7 @@ windows, :func:`common.traffic.expected_outputs`),
 and asks
 :class:`planner.autoscale.Autoscaler` whether another configuration the workers can
 reach by changing roles would serve it with more goodput, by simulating each on the
-machine profile (:func:`planner.autoscale.simulated_goodput`). The profile's serving
+machine profile (:func:`planner.scores.simulated_goodput`). The profile's serving
 calibration is refitted first from the steps the workers served in the same window
 (they publish them, ``pdserve worker --publish-steps``: :mod:`common.served_steps`,
 :func:`common.served_fit.fit_served_roles`: all roles' steps together, and each role's
@@ -34,8 +34,8 @@ seconds (:meth:`AutoscaleLoop.move_estimates`; the cost rule of
 
 With ``--autoscale-prefill-cap``, a candidate that wins is scored again, with the
 current one, each with its best stall-free cap (``--prefill-tokens-while-decoding``,
-:func:`planner.autoscale.best_cap_goodput`), and when the roles stay, the cap is decided
-next (:class:`planner.autoscale.PrefillCapChooser`, on the last :data:`CAP_WINDOWS`
+:func:`planner.caps.best_cap_goodput`), and when the roles stay, the cap is decided
+next (:class:`planner.caps.PrefillCapChooser`, on the last :data:`CAP_WINDOWS`
 windows of traffic) and, on a change, set on every worker (``SetRole`` keeping the
 role: the worker takes it at its next step).
 
@@ -76,29 +76,12 @@ from common.served_steps import StepLog
 from common.threads import lower_thread_priority
 from common.traffic import TrafficLog, TrafficRecord, expected_outputs
 from loadtest.metrics import percentile
-from planner.autoscale import (
-    AutoscaleConfig,
-    Autoscaler,
-    CapDecision,
-    Decision,
-    FitMemory,
-    Predict,
-    PrefillCapChooser,
-    Score,
-    best_cap_goodput,
-    current_config,
-    goodput_of,
-    itl_of,
-    per_window,
-    prefill_caps,
-    reachable,
-    role_changes,
-    served_share,
-    simulated,
-    tpot_bound,
-    window_slo,
-)
+from planner.autoscale import AutoscaleConfig, Autoscaler, Decision, FitMemory
+from planner.caps import CapDecision, PrefillCapChooser, best_cap_goodput, prefill_caps
 from planner.config import PoolConfig
+from planner.moves import current_config, reachable, role_changes
+from planner.scores import Predict, Score, goodput_of, itl_of, per_window, simulated
+from planner.window import served_share, tpot_bound, window_slo
 from workers.engine.params import resolve_block_size
 
 from .local import LocalCluster, free_port
@@ -379,9 +362,9 @@ class AutoscaleLoop:
 
     def served(self, now: float, seen: Sequence[TrafficRecord]) -> tuple[float, bool] | None:
         """The share of its requests the running configuration measurably served within
-        the SLOs (:func:`planner.autoscale.served_share`: its score's floor, and the
+        the SLOs (:func:`planner.window.served_share`: its score's floor, and the
         rescue's test), and whether its misses were the decode's
-        (:func:`planner.autoscale.tpot_bound`): of one window of arrivals that ended a
+        (:func:`planner.window.tpot_bound`): of one window of arrivals that ended a
         lag ago, the lag the 90th percentile of the ended requests' latency (at most a
         window), so that few of them are still in flight. None: no request has ended,
         the span holds fewer than ``min_requests``, or it began before the last switch
@@ -497,7 +480,7 @@ class AutoscaleLoop:
                  load: float = 1.0) -> Predict:
         """The simulator's figures of a candidate on its own calibration (``owns``, by
         roles label) if it has one, else on the window's ``fit`` (None: the profile's),
-        at ``load`` times the window's (:func:`planner.autoscale.simulated`)."""
+        at ``load`` times the window's (:func:`planner.scores.simulated`)."""
         predicts: dict[int, Predict] = {}
 
         def on(f: ServedFits | None) -> Predict:

@@ -7,14 +7,15 @@ Every ``interval_s`` the driver calls :meth:`Autoscaler.decide` with the request
 arrived in the last ``window_s`` (:mod:`common.traffic`). Each candidate (the
 configurations the workers can reach by changing roles, their threads fixed) is scored
 by ``score(config, records)``, in production the simulator's predicted goodput
-(:func:`simulated_goodput`); where one beats the current configuration by ``min_gain``
-there, both are scored again with their best stall-free cap (``refine``,
-:func:`best_cap_goodput`: the cap changes at no cost, :class:`PrefillCapChooser`). The
-current configuration's score is at least the goodput it measurably serves: the share
-of its recent requests that met the SLOs (``served``, :func:`served_share`, when the
-caller measured it) times the window's arrival rate; a prediction is not trusted below
-a measurement. The current configuration is left only when all of these hold, else the
-decision says which did not (its ``reason``):
+(:func:`planner.scores.simulated_goodput`); where one beats the current configuration by
+``min_gain`` there, both are scored again with their best stall-free cap (``refine``,
+:func:`planner.caps.best_cap_goodput`: the cap changes at no cost,
+:class:`planner.caps.PrefillCapChooser`). The current configuration's score is at least
+the goodput it measurably serves: the share of its recent requests that met the SLOs
+(``served``, :func:`planner.window.served_share`, when the caller measured it) times the
+window's arrival rate; a prediction is not trusted below a measurement. The current
+configuration is left only when all of these hold, else the decision says which did not
+(its ``reason``):
 
 1. ``few_requests``: the window has at least ``min_requests`` requests;
 2. ``current_best``: another candidate scores best; or (2b, with an ITL score) a
@@ -39,7 +40,7 @@ decision says which did not (its ``reason``):
    fitted while they ran, see below); ``overloaded``: such an unproven comparison is
    not made at all while the current configuration is predicted to serve less than
    ``min_served_unproven`` of the window's requests within the SLOs, unless its
-   measured misses were the decode's (``tpot_bound``, :func:`tpot_bound`: see
+   measured misses were the decode's (``tpot_bound``, :func:`planner.window.tpot_bound`: see
    below). ``min_gain``
    will do for ``min_gain_unproven`` (the guard stands; a switch then says
    ``seconded``) where rule 2c's heavier load seconds it:
@@ -158,9 +159,9 @@ decodes makes them all wait through it), and the goodput-only planner stayed mix
 
 The switch's cost (4). Its role changes run one worker at a time, each taking the
 seconds the caller says a worker leaving that role takes (``move_s``: the live loop
-measures them); meanwhile the other workers serve, as :func:`serving_while_moving`. The
-planner takes the window's traffic to go on for ``AutoscaleConfig.horizon_s`` and
-compares what each choice serves over it::
+measures them); meanwhile the other workers serve, as
+:func:`planner.moves.serving_while_moving`. The planner takes the window's traffic to go
+on for ``AutoscaleConfig.horizon_s`` and compares what each choice serves over it::
 
     stay:   g(current) * H
     switch: g(while moving) * M + g(best) * (H - M)     M: the changes' seconds
@@ -191,20 +192,15 @@ since the switch to it) must show the larger ``min_gain_unproven``.
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
-from common.cost_model import Profile, StepModel
 from common.traffic import TrafficRecord
-from loadtest.metrics import SLO, tpot_s
-from loadtest.workloads import DEFAULT_TOKEN_IDS, Request
 
 from .config import PoolConfig
-from .predict import predicted, run
-
-Score = Callable[[PoolConfig, Sequence[TrafficRecord]], float]
+from .moves import moves, serving_while_moving
+from .scores import Score
 
 
 @dataclass(frozen=True)
@@ -225,7 +221,8 @@ class AutoscaleConfig:
     split the pools at 120% load four times on predictions of 1.3-2x two mixed workers
     (``loadtest/results/headline-xeon-1206-traced/``, ``-cap/``) and served 0.77-0.86x
     colocated there (0.90x once more on the chat workload). It does not hold where the
-    current configuration's measured misses were the decode's (:func:`tpot_bound`)."""
+    current configuration's measured misses were the decode's
+    (:func:`planner.window.tpot_bound`)."""
     max_served_rescue: float = 0.3
     """Neither margin (``min_gain_unproven``) nor guard (``min_served_unproven``) holds
     where the current configuration measurably serves less than this share of its
@@ -320,7 +317,7 @@ class Decision:
     """The share of the current configuration's recent requests that met the SLOs
     (None: not measured); its score is at least this share of the window's arrivals."""
     tpot_bound: bool = False
-    """Whether those requests' misses were the decode's (:func:`tpot_bound`): then
+    """Whether those requests' misses were the decode's (:func:`planner.window.tpot_bound`): then
     ``overloaded`` does not hold."""
     headroom_goodput: dict[str, float] = field(default_factory=dict)
     """Predicted goodput at rule 2c's heavier load of the candidates it compared (or
@@ -361,7 +358,7 @@ class Autoscaler:
                  itl: Score | None = None, headroom: Score | None = None,
                  headroom_itl: Score | None = None) -> None:
         """``refine``: a costlier score (the live loop's: with the best stall-free cap,
-        :func:`best_cap_goodput`) taken only where a candidate beats the current one by
+        :func:`planner.caps.best_cap_goodput`) taken only where a candidate beats the current one by
         ``min_gain`` on ``score``, for those two, before the rules that follow (3-6).
         ``itl``: a configuration's predicted ITL p99 (ms) on the window, for rule 2b
         (None: goodput alone decides). ``headroom``: its predicted goodput at the
@@ -396,10 +393,10 @@ class Autoscaler:
         (default ``records``; the live loop hands it a longer span: one window's p99
         swings with whether a long prompt landed among many decodes in it). ``served``:
         the share of the current configuration's recent requests that met the SLOs
-        (:func:`served_share`; None: not measured): its score's floor is that share of
-        the window's arrivals per second, and below ``max_served_rescue`` a switch is a
-        rescue. ``tpot_bound``: whether its misses there were the decode's
-        (:func:`tpot_bound`): no ``overloaded`` guard then."""
+        (:func:`planner.window.served_share`; None: not measured): its score's floor is
+        that share of the window's arrivals per second, and below ``max_served_rescue``
+        a switch is a rescue. ``tpot_bound``: whether its misses there were the decode's
+        (:func:`planner.window.tpot_bound`): no ``overloaded`` guard then."""
         w = _Window(now, current, records, move_s, proven, itl_records or records,
                     self._failing(served), tpot_bound)
         return replace(self._decide(w, served), served=served, tpot_bound=tpot_bound,
@@ -682,125 +679,6 @@ def _proven(proven: Collection[str] | None, *configs: PoolConfig) -> bool:
     return proven is None or {cand.roles_label for cand in configs} <= set(proven)
 
 
-Predict = Callable[[PoolConfig, Sequence[TrafficRecord]], Mapping[str, float]]
-"""A configuration's predicted figures on the window (``goodput``, ``itl_p99_ms``)."""
-
-CAP_STEPS = (3.0, 6.0)
-"""The stall-free caps the live planner tries, as the multiple of an unloaded one-request
-decode step that a step computing that many prompt tokens takes (:func:`prefill_caps`).
-Two decode steps' worth (64 tokens on a 2-core Xeon) was tried too: a headline run's
-windows predicted it 10-25% less goodput than no cap wherever long prompts queued."""
-
-
-def prefill_caps(profile: Profile, threads: int, steps: Sequence[float] = CAP_STEPS
-                 ) -> tuple[int, ...]:
-    """0 (no cap) and, per multiple ``k`` in ``steps``, the most prompt tokens (whole KV
-    blocks, within the step budget) whose prefill takes at most ``k`` decode steps on
-    ``profile``: relative to the machine (a GPU computes hundreds of prompt tokens in a
-    decode step's time, two CPU cores a few dozen)."""
-    step, block = profile.step(threads), profile.block_size
-    caps = {0}
-    for k in steps:
-        n = 0
-        while (n + block <= profile.max_num_batched_tokens
-               and step.prefill_seconds(n + block) <= k * step.decode_seconds(1, n + block)):
-            n += block
-        if n:
-            caps.add(n)
-    return tuple(sorted(caps))
-
-
-def with_caps(config: PoolConfig, caps: Sequence[int]) -> list[PoolConfig]:
-    """``config`` with each of ``caps`` and the cap it carries, by cap."""
-    return [replace(config, prefill_tokens_while_decoding=cap)
-            for cap in sorted({config.prefill_tokens_while_decoding, *caps})]
-
-
-@dataclass(frozen=True)
-class CapDecision:
-    at: float
-    current: int
-    """The cap in force (0: none)."""
-    target: int | None
-    """The cap to set; None: keep."""
-    reason: str
-    predicted: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """Each cap's predicted (goodput, ITL p99 ms)."""
-
-
-class PrefillCapChooser:
-    """The stall-free cap (``--prefill-tokens-while-decoding``) for the configuration
-    the workers have, decided after the roles (:class:`Autoscaler`) on the same window.
-
-    A long prompt computed in one step makes every running decode wait through it: on
-    a 2-core Xeon, 1,536 prompt tokens in a 0.5-1 s step where a decode step takes 40
-    ms. Capping a step's prompt tokens while anyone decodes (Sarathi-Serve's stall-free
-    batching) bounds that wait, and costs the prompt more steps: worth it under load,
-    where many decodes wait through many prompts, and worse at a low one, where a rare
-    long step is above the 99th percentile of the gaps and the cap's many medium steps
-    are not. So the planner simulates the current configuration with each cap
-    (:func:`prefill_caps`) on the traffic it is handed (the live loop hands it the last
-    two windows: one window's p99 swings with whether a long prompt landed among many
-    decodes in it) and takes, among the caps within ``tolerance`` of the best predicted
-    goodput, the one with the lowest predicted ITL p99. It changes
-    the cap when that one cuts ITL p99 by ``min_itl_gain`` or serves ``min_gain`` more,
-    ``confirmations`` decisions in a row (a change costs nothing: the workers take it
-    at their next step). Reasons: ``few_requests``, ``current_best``,
-    ``below_threshold``, ``confirming``, ``switch``.
-
-    Not yet seen by the router: its live placement rule (:mod:`router.adaptive`; also the
-    simulator's ``adaptive`` candidate) estimates a prompt computed on a decode worker in
-    chunks of that worker's spare step budget, not of its cap, so with a cap in force on
-    a split it takes local prompts for faster, and their stall for longer, than they
-    are. The simulated workers themselves run the cap, as the real ones do."""
-
-    def __init__(self, caps: Sequence[int], predict: Predict, *, min_requests: int = 10,
-                 tolerance: float = 0.05, min_itl_gain: float = 0.2, min_gain: float = 0.10,
-                 confirmations: int = 2) -> None:
-        if not caps:
-            raise ValueError("the cap chooser needs at least one cap")
-        self.caps, self.predict = tuple(caps), predict
-        self.min_requests, self.tolerance = min_requests, tolerance
-        self.min_itl_gain, self.min_gain = min_itl_gain, min_gain
-        self.confirmations = confirmations
-        self._leader: int | None = None
-        self._wins = 0
-
-    def reset(self) -> None:
-        """Forget a leader (the roles changed: its window no longer applies)."""
-        self._leader, self._wins = None, 0
-
-    def decide(self, now: float, current: PoolConfig,
-               records: Sequence[TrafficRecord]) -> CapDecision:
-        have = current.prefill_tokens_while_decoding
-        if len(records) < self.min_requests:
-            self.reset()
-            return CapDecision(now, have, None, "few_requests")
-        predicted = {}
-        for capped in with_caps(current, self.caps):
-            m = self.predict(capped, records)
-            predicted[capped.prefill_tokens_while_decoding] = (float(m["goodput"]),
-                                                                float(m["itl_p99_ms"]))
-        top = max(g for g, _ in predicted.values())
-        eligible = [c for c, (g, _) in predicted.items() if g >= (1 - self.tolerance) * top]
-        best = min(eligible, key=lambda c: (predicted[c][1], c != have))
-        if best == have:
-            self.reset()
-            return CapDecision(now, have, None, "current_best", predicted)
-        (g_best, itl_best), (g_have, itl_have) = predicted[best], predicted[have]
-        faster = itl_best <= (1 - self.min_itl_gain) * itl_have
-        more = g_best >= (1 + self.min_gain) * g_have if g_have > 0 else g_best > 0
-        if not (faster or more):
-            self.reset()
-            return CapDecision(now, have, None, "below_threshold", predicted)
-        self._wins = self._wins + 1 if best == self._leader else 1
-        self._leader = best
-        if self._wins < self.confirmations:
-            return CapDecision(now, have, None, "confirming", predicted)
-        self.reset()
-        return CapDecision(now, have, best, "switch", predicted)
-
-
 Fit = TypeVar("Fit")
 
 
@@ -826,305 +704,3 @@ class FitMemory(Generic[Fit]):
     def proven(self, now: float) -> set[str]:
         """The labels with an own calibration at ``now``."""
         return {label for label in self._fits if self.own(label, now) is not None}
-
-
-def reachable(workers: int, threads: int, static_threshold: int,
-              adaptive_itl_budget_ms: float | None = None,
-              kv_offer: str = "layers",
-              ttft_slo_ms: float | None = None) -> list[PoolConfig]:
-    """The configurations ``workers`` workers of ``threads`` threads each reach by
-    changing roles: all mixed, or every P:D split (adaptive instead of static when the
-    router places prompts live, to ``ttft_slo_ms`` when it has that target; the prefill
-    workers offering KV by ``kv_offer``)."""
-    out = [PoolConfig("mixed", mixed_workers=workers, mixed_threads=threads)]
-    kind = "adaptive" if adaptive_itl_budget_ms else "disaggregated"
-    for p in range(1, workers):
-        out.append(PoolConfig(kind, prefill_workers=p, decode_workers=workers - p,
-                              prefill_threads=threads, decode_threads=threads,
-                              local_prefill_threshold=static_threshold,
-                              itl_budget_ms=adaptive_itl_budget_ms, kv_offer=kv_offer,
-                              ttft_slo_ms=ttft_slo_ms if adaptive_itl_budget_ms else None))
-    return out
-
-
-def _sizes(config: PoolConfig) -> dict[str, int]:
-    return {"mixed": config.mixed_workers, "prefill": config.prefill_workers,
-            "decode": config.decode_workers}
-
-
-def moves(current: PoolConfig, target: PoolConfig) -> list[str]:
-    """The roles the workers that change leave, one per worker, in
-    :func:`role_changes`' order (by role: mixed, prefill, decode)."""
-    have, want = _sizes(current), _sizes(target)
-    return [role for role in have for _ in range(max(0, have[role] - want[role]))]
-
-
-def serving_while_moving(current: PoolConfig, target: PoolConfig) -> PoolConfig | None:
-    """The pools that serve while the first worker of ``current -> target`` changes its
-    role: ``current`` less that worker; whole requests on the workers left when they
-    no longer form a prefill and a decode pool (as the router serves then). None: no
-    worker is left. Later changes of the same switch are taken to serve alike (exact
-    for two workers: one serves, colocated, while the other changes)."""
-    leaving = moves(current, target)
-    if not leaving:
-        return current
-    sizes = _sizes(current)
-    sizes[leaving[0]] -= 1
-    if sum(sizes.values()) == 0:
-        return None
-    if sizes["mixed"] or not (sizes["prefill"] and sizes["decode"]):
-        threads = max(current.mixed_threads, current.prefill_threads, current.decode_threads)
-        return PoolConfig("mixed", mixed_workers=sum(sizes.values()), mixed_threads=threads,
-                          prefill_tokens_while_decoding=current.prefill_tokens_while_decoding)
-    return replace(current, prefill_workers=sizes["prefill"], decode_workers=sizes["decode"])
-
-
-def role_changes(roles: dict[str, str], target: PoolConfig) -> list[tuple[str, str]]:
-    """``(worker, new role)`` moves taking workers (``worker -> role`` now) to ``target``'s
-    pool sizes, fewest moves, in an order that never leaves the router without a way to
-    serve: a worker leaving the last mixed slot goes to decode first (the router serves
-    colocated on whatever workers remain while the others change)."""
-    want = _sizes(target)
-    if sum(want.values()) != len(roles):
-        raise ValueError(f"{target.label} needs {sum(want.values())} workers, the cluster "
-                         f"has {len(roles)}")
-    have = {r: sorted(w for w, role in roles.items() if role == r) for r in want}
-    spare = [w for r in want for w in have[r][want[r]:]]  # beyond their role's target
-    missing = [r for r in ("decode", "prefill", "mixed")
-               for _ in range(max(0, want[r] - len(have[r])))]
-    return list(zip(spare, missing, strict=True))
-
-
-def current_config(roles: dict[str, str],
-                   candidates: Sequence[PoolConfig]) -> PoolConfig | None:
-    """The candidate whose pool sizes the workers' roles (``worker -> role``) have now;
-    None when none does (a role change half done)."""
-    n = {r: sum(1 for role in roles.values() if role == r)
-         for r in ("mixed", "prefill", "decode")}
-    return next((c for c in candidates if _sizes(c) == n), None)
-
-
-def simulated_goodput(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
-                      slo_tpot_ms: float | None = None, seed: int = 0,
-                      slo_profile: Profile | None = None,
-                      window_s: float | None = None) -> Score:
-    """The production score: :func:`simulated`'s predicted goodput (requests/s meeting
-    the SLOs)."""
-    return goodput_of(simulated(profile, threads, slo_ttft_ms, slo_tpot_ms, seed,
-                                slo_profile, window_s))
-
-
-def goodput_of(figures: Predict) -> Score:
-    """The score of ``figures``: the predicted goodput."""
-    return lambda config, records: float(figures(config, records)["goodput"])
-
-
-def itl_of(figures: Predict) -> Score:
-    """The ITL score of ``figures`` (rule 2b): the predicted ITL p99, ms."""
-    return lambda config, records: float(figures(config, records)["itl_p99_ms"])
-
-
-def per_window(figures: Predict, windows: int = 2) -> Predict:
-    """``figures`` simulating each configuration once per list of records (the same
-    list object, held so that its id stays its own) for the last ``windows`` lists,
-    however many scores read it: a decision's goodput, ITL p99 (on a longer span) and
-    the cap's come from one run each."""
-    last: list[tuple[Sequence[TrafficRecord], dict]] = []  # newest last
-
-    def remembered(config: PoolConfig, records: Sequence[TrafficRecord]) -> Mapping:
-        held = next((out for seen, out in last if seen is records), None)
-        if held is None:
-            held = {}
-            last.append((records, held))
-            del last[:-windows]
-        if config not in held:
-            held[config] = figures(config, records)
-        return held[config]
-
-    return remembered
-
-
-def best_cap_goodput(figures: Predict, caps: Sequence[int]) -> Score:
-    """A configuration's score as the best predicted goodput it has with any of ``caps``
-    (or the cap it carries). The cap changes at no cost, so a role switch must beat what
-    the current roles would serve with their best cap, not only with the one in force:
-    in a 2-core Xeon's headline run, two overloaded windows predicted two mixed workers
-    1.12 and 1.35 req/s without a cap, 1.42 with one, and the split 1.67 and 2.03; scored
-    without the cap, the planner split the pools there and served 0.79x colocated."""
-    def score(config: PoolConfig, records: Sequence[TrafficRecord]) -> float:
-        return max(float(figures(capped, records)["goodput"])
-                   for capped in with_caps(config, caps))
-
-    return score
-
-
-def simulated(profile: Profile, threads: int, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None, seed: int = 0,
-              slo_profile: Profile | None = None, window_s: float | None = None,
-              load: float = 1.0) -> Predict:
-    """The simulator's predicted figures (:func:`planner.predict.predicted`: goodput,
-    latency percentiles) of a configuration on the window's requests, replayed at their
-    arrival times with their prompt and output lengths, and prompts that share what the
-    window says was cached (:func:`window_prompts`): the simulated prefix cache and
-    cache-aware routing then find those hits, or miss them, as the candidate would. A
-    conversation's turns the routers linked follow one another (:func:`window_requests`).
-
-    SLOs not given are relative to the machine: TTFT 5x the unloaded prefill of the
-    window's mean prompt, TPOT 2x an unloaded decode step at that context, both on
-    ``slo_profile`` (default: ``profile``; a profile refitted from served steps keeps
-    the saved one's SLOs, so that targets do not move with the machine's speed).
-
-    ``window_s``: goodput is the requests served within the SLOs per second of it, the
-    window the records arrived in (the live planner's, whose served floor is the share it
-    measured of the window's requests over the same seconds); None: per second of the
-    simulated run, as a benchmark reports it, whose drain tail differs by configuration.
-    On that basis a configuration measured to serve a whole window scored 1-7% above the
-    same one simulated to serve it whole (synthetic 15 s chat windows, a 2-core EPYC's
-    profile): up to past rule 2b's 5% tolerance, for nothing.
-
-    ``load``: the window's sessions start that many times as often (its seconds
-    shrunk by it: :func:`window_requests`), for rule 2c's heavier load."""
-    if load <= 0:
-        raise ValueError(f"load must be > 0, got {load}")
-    step = (slo_profile or profile).step(threads)
-
-    def figures(config: PoolConfig, records: Sequence[TrafficRecord]) -> dict:
-        requests, starts = window_requests(records, random.Random(seed), load=load)
-        result = run(profile, config, requests, starts)
-        return predicted(result, window_slo(step, records, slo_ttft_ms, slo_tpot_ms),
-                         units=config.units(), window_s=window_s and window_s / load)
-
-    return figures
-
-
-def window_slo(step: StepModel, records: Sequence[TrafficRecord],
-               slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> SLO:
-    """The SLOs a window's goodput counts against (:func:`simulated`): those given, else
-    5x the unloaded prefill of its mean prompt and 2x an unloaded decode step there."""
-    mean_prompt = sum(max(1, r.prompt_tokens) for r in records) // max(1, len(records))
-    return SLO(slo_ttft_ms or 5000 * step.prefill_seconds(mean_prompt),
-               slo_tpot_ms or 2000 * step.decode_seconds(1, mean_prompt))
-
-
-def served_share(records: Sequence[TrafficRecord], slo: SLO) -> float:
-    """The share of ``records`` (requests the running configuration served) that
-    finished within ``slo``, by the latencies their router logged. A floor: a request
-    still in flight, or one that failed, counts as a miss (the live loop measures a span
-    that ended a few latencies ago, so that few are still in flight). A request of
-    several choices is judged on their tokens together."""
-    misses = [_miss(r, slo) for r in records]
-    return misses.count(None) / len(records) if records else 0.0
-
-
-def tpot_bound(records: Sequence[TrafficRecord], slo: SLO) -> bool:
-    """Whether the misses among ``records`` (the span :func:`served_share` measured)
-    were the decode's: every one that ended met the TTFT SLO, and more missed the TPOT
-    SLO than missed in no way known (still in flight, failed, or past an end-to-end
-    SLO alone: a request not ended may still wait for its first token). Then prompts
-    computed beside running decodes failed them, which a split removes; where prompts
-    queue for their prefill instead (TTFT misses), a split's fewer prefill threads
-    queue them longer."""
-    misses = [_miss(r, slo) for r in records]
-    return "ttft" not in misses and misses.count("tpot") > misses.count("unknown")
-
-
-def _miss(r: TrafficRecord, slo: SLO) -> str | None:
-    """How ``r`` missed ``slo``: None (it met it), ``ttft``, ``tpot`` (first token in
-    time, then too slow a token), or ``unknown`` (not ended, failed, or past an
-    end-to-end SLO alone)."""
-    if not r.done or r.ttft_s is None or r.e2e_s is None:
-        return "unknown"
-    if slo.ttft_ms is not None and r.ttft_s * 1e3 > slo.ttft_ms:
-        return "ttft"
-    per_token = tpot_s(r.ttft_s, r.e2e_s, r.output_tokens)
-    if slo.met(r.ttft_s, per_token, r.e2e_s):
-        return None
-    if slo.tpot_ms is not None and per_token is not None and per_token * 1e3 > slo.tpot_ms:
-        return "tpot"
-    return "unknown"
-
-
-def window_prompts(records: Sequence[TrafficRecord], rng: random.Random,
-                   ids: Sequence[int] = DEFAULT_TOKEN_IDS) -> list[list[int]]:
-    """Token ids for the window's prompts (``records`` in arrival order). A record whose
-    ``parent`` (the earlier request its prompt begins with, :mod:`router.lineage`) is in
-    the window begins with that prompt (at most all but one of its own tokens); any
-    other's first ``cached_tokens`` (at most all but one) are copied from the latest
-    earlier prompt at least that long; the rest are fresh.
-
-    Without a parent, the shared prefix is a guess: the routers log how many of a
-    prompt's tokens a worker had cached, not which ones, so it copies enough for the
-    simulated prefix cache to hold that many tokens for some worker, where the
-    candidate's routing may or may not find them (often another conversation's prompt,
-    on a busy worker). With fresh prompts throughout, every candidate paid every prompt
-    in full, where a chat's later turns compute only their new ~256 tokens: all
-    latencies too high, and a split, whose one prefill worker computes every prompt, the
-    more so."""
-    prompts: list[list[int]] = []
-    for i, (r, parent) in enumerate(zip(records, _parents(records), strict=True)):
-        n = max(1, r.prompt_tokens)
-        if parent < i:
-            head = prompts[parent][:n - 1]
-        else:
-            cached = min(r.cached_tokens, n - 1)
-            head = next((p[:cached] for p in reversed(prompts) if len(p) >= cached),
-                        []) if cached > 0 else []
-        prompts.append(head + [rng.choice(ids) for _ in range(n - len(head))])
-    return prompts
-
-
-LOG_SLACK_S = 0.001
-"""How far before its parent's logged end a turn may have arrived and still be taken to
-follow it: the log keeps latencies to 0.1 ms."""
-
-
-def window_requests(records: Sequence[TrafficRecord], rng: random.Random,
-                    ids: Sequence[int] = DEFAULT_TOKEN_IDS, load: float = 1.0
-                    ) -> tuple[list[Request], list[float]]:
-    """The window as the simulator's workload: requests grouped into sessions, and each
-    session's start (seconds after the window's first arrival, divided by ``load``: at
-    ``load`` 1.5 the sessions come 1.5 times as often, each turn's pause kept).
-
-    A request that arrived after its parent (:func:`window_prompts`) had ended, in the
-    window, is that session's next turn: the simulator sends it the same pause after
-    the parent's simulated end as it came after the real one, as a multi-turn client
-    does (one such turn per parent; a parent that ended with no logged latencies, or
-    one still running when the request came, leaves it a session of its own). Every
-    other request starts a session at its own arrival. Replayed each at its arrival
-    instead, a 2-core EPYC's chat headline windows had a turn arrive in the simulation
-    while its previous turn still decoded (whose simulated steps ran a little slower
-    than the real ones) on the worker caching its prefix, and predicted two mixed
-    workers an ITL p99 of 458 ms where they served 21 ms (25% load; closed-loop turns
-    predicted 29 ms)."""
-    records = sorted(records, key=lambda r: r.arrival)
-    prompts = window_prompts(records, rng, ids)
-    t0 = records[0].arrival if records else 0.0
-    session: list[int] = []
-    think: list[float | None] = []
-    starts: list[float] = []
-    followed: set[int] = set()
-    for i, (r, p) in enumerate(zip(records, _parents(records), strict=True)):
-        end = _ended_at(records[p]) if p < i and p not in followed else None
-        if end is not None and r.arrival >= end - LOG_SLACK_S:
-            followed.add(p)
-            session.append(session[p])
-            think.append(max(0.0, r.arrival - end))
-        else:
-            session.append(len(starts))
-            think.append(None)
-            starts.append((r.arrival - t0) / load)
-    requests = [Request(prompt, max(1, r.output_tokens), conversation=s, think_s=w)
-                for r, prompt, s, w in zip(records, prompts, session, think, strict=True)]
-    return requests, starts
-
-
-def _parents(records: Sequence[TrafficRecord]) -> list[int]:
-    """Each record's parent's index in ``records`` (:mod:`router.lineage`), or its own
-    where it has none there."""
-    at = {r.key: i for i, r in enumerate(records) if r.key}
-    return [at.get(r.parent, i) if r.parent else i for i, r in enumerate(records)]
-
-
-def _ended_at(r: TrafficRecord) -> float | None:
-    """When a finished request's last token came (None: not finished, or no latencies)."""
-    return r.arrival + r.e2e_s if r.done and r.e2e_s is not None else None

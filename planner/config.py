@@ -46,7 +46,7 @@ class PoolConfig:
     """Disaggregated only: the prefill workers' ``--kv-offer``."""
     prefill_tokens_while_decoding: int = 0
     """Every worker's ``--prefill-tokens-while-decoding`` (0: none): the live planner
-    sets it from the traffic (:class:`planner.autoscale.PrefillCapChooser`)."""
+    sets it from the traffic (:class:`planner.caps.PrefillCapChooser`)."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

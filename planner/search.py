@@ -23,7 +23,7 @@ worker per GPU, running the profile's 1-thread step model):
   note, where that module is not installed);
 - with ``prefill_caps`` (``pdserve plan --prefill-caps``), each of them once per cap,
   every worker's ``--prefill-tokens-while-decoding`` (``auto``: the live planner's,
-  :func:`planner.autoscale.prefill_caps`, per thread count).
+  :func:`planner.caps.prefill_caps`, per thread count).
 
 **The symmetric-slice approximation.** Workers of one pool are identical and the router
 spreads load over them, so a cluster of many behaves like many copies of a small slice,

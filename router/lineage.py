@@ -2,7 +2,7 @@
 chat's turn to the one before it. Pure logic, no I/O.
 
 A multi-turn client sends turn k+1 after turn k's reply, and its prompt begins with
-turn k's prompt. The planner's simulator (:mod:`planner.autoscale`) replays a window of
+turn k's prompt. The planner's simulator (:mod:`planner.window`) replays a window of
 logged requests; replayed each at its own arrival time, turn k+1 arrived in the
 simulation while turn k was still decoding whenever the simulated decode ran a little
 slower than the real one (its calibration is fitted, not exact), on the worker that

@@ -154,7 +154,7 @@ def _workload(args: argparse.Namespace, profile, resources):  # noqa: ANN001, AN
 
 def _caps(spec: str, profile):  # noqa: ANN001, ANN202 - Profile -> caps by threads, or None
     """``--prefill-caps``: None for 0 alone (no cap candidates), else caps by threads."""
-    from planner.autoscale import prefill_caps
+    from planner.caps import prefill_caps
 
     if spec.strip() == "auto":
         return lambda threads: prefill_caps(profile, threads)

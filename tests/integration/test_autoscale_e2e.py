@@ -21,7 +21,8 @@ from cluster.autoscale import KEEP_FIT_WINDOWS, AutoscaleLoop
 from common import served_fit
 from common.cost_model import save_profile
 from common.stream_log import StreamLog
-from planner.autoscale import AutoscaleConfig, simulated, simulated_goodput
+from planner.autoscale import AutoscaleConfig
+from planner.scores import simulated, simulated_goodput
 from planner.synthetic import synthetic_profile
 
 MAX_TOKENS = 6

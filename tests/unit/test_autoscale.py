@@ -6,23 +6,12 @@ import pytest
 from common.traffic import TrafficRecord
 from loadtest.metrics import SLO
 from loadtest.workloads import DEFAULT_TOKEN_IDS as DEFAULT_IDS
-from planner.autoscale import (
-    AutoscaleConfig,
-    Autoscaler,
-    FitMemory,
-    PrefillCapChooser,
-    best_cap_goodput,
-    moves,
-    prefill_caps,
-    reachable,
-    role_changes,
-    served_share,
-    serving_while_moving,
-    tpot_bound,
-    window_slo,
-)
+from planner.autoscale import AutoscaleConfig, Autoscaler, FitMemory
+from planner.caps import PrefillCapChooser, best_cap_goodput, prefill_caps
 from planner.config import PoolConfig
+from planner.moves import moves, reachable, role_changes, serving_while_moving
 from planner.synthetic import synthetic_profile
+from planner.window import served_share, tpot_bound, window_slo
 
 MIXED, SPLIT = reachable(2, 1, 32)
 RECORDS = [TrafficRecord(float(i), 128, 0, 64) for i in range(20)]
@@ -67,7 +56,7 @@ def test_predicted_and_measured_goodput_are_per_second_of_the_window():
     whose drain tail differs by configuration), the very figure of the running
     configuration measured to serve them all (its floor): a floor no higher than an
     equal prediction."""
-    from planner.autoscale import simulated
+    from planner.scores import simulated
 
     records = [TrafficRecord(100.0 + 2 * i, 128, 0, 16) for i in range(10)]
     profile = synthetic_profile("cpu")
@@ -166,7 +155,7 @@ def test_the_simulated_score_does_not_flap_under_a_steady_load():
     most once (to whichever configuration it finds better), never back and forth."""
     import random
 
-    from planner.autoscale import simulated_goodput
+    from planner.scores import simulated_goodput
     from planner.synthetic import synthetic_profile
 
     profile = synthetic_profile("cpu")
@@ -348,7 +337,7 @@ def test_the_simulated_cap_cuts_itl_p99_under_load_and_keeps_the_prompt_tokens()
     beside it, a lone long prompt's TTFT is unchanged."""
     import random
 
-    from planner.autoscale import simulated
+    from planner.scores import simulated
     from planner.synthetic import synthetic_profile
 
     profile = synthetic_profile("cpu")
@@ -467,7 +456,7 @@ def test_an_overloaded_configuration_whose_misses_were_the_decodes_may_be_left()
 def test_window_prompts_share_what_the_routers_saw_cached():
     import random
 
-    from planner.autoscale import window_prompts
+    from planner.window import window_prompts
 
     records = [TrafficRecord(0.0, 100, 0, 8), TrafficRecord(1.0, 40, 0, 8),
                TrafficRecord(2.0, 300, 96, 8), TrafficRecord(3.0, 50, 80, 8),
@@ -489,7 +478,7 @@ def test_a_window_with_cached_prefixes_predicts_the_cache_hits():
     """A chat-like window (each conversation's next turn extends its last prompt): with
     the cached tokens the routers logged, the simulated workers compute less of each
     prompt than with fresh prompts, and the first token comes sooner."""
-    from planner.autoscale import simulated
+    from planner.scores import simulated
     from planner.synthetic import synthetic_profile
 
     records, t = [], 0.0
@@ -533,7 +522,7 @@ def test_a_window_replays_a_conversations_turns_one_after_another():
     request came, a parent's second continuation, a parent outside the window."""
     import random
 
-    from planner.autoscale import window_requests
+    from planner.window import window_requests
 
     records = [
         TrafficRecord(10.0, 192, 0, 64, "a", ttft_s=0.2, e2e_s=1.0),
@@ -563,7 +552,7 @@ def test_linked_turns_do_not_predict_the_stalls_of_turns_replayed_each_at_its_ar
     the simulation, and its prefill stalled turn k's last token: ITL p99 the prefill's
     length (the planner then split two mixed workers at 25% load for an ITL they never
     had). Linked, each turn follows its parent's simulated end: no stall."""
-    from planner.autoscale import simulated
+    from planner.scores import simulated
 
     figures = simulated(synthetic_profile("cpu"), 1, slo_ttft_ms=3000, slo_tpot_ms=150)
     decode_ms = 1000 * synthetic_profile("cpu").step(1).decode_seconds(1, 704)
@@ -967,7 +956,8 @@ def test_steady_load_with_headroom_never_flaps():
 def test_a_heavier_load_starts_sessions_sooner_and_keeps_each_turns_pause():
     import random
 
-    from planner.autoscale import simulated, window_requests
+    from planner.scores import simulated
+    from planner.window import window_requests
 
     window = _chat_window(0.9)
     at1, starts1 = window_requests(window, random.Random(0))
@@ -1028,7 +1018,7 @@ def test_an_itl_tolerance_without_a_band_under_min_gain_is_refused_with_an_itl_s
 
 
 def test_per_window_simulates_each_configuration_once_a_window():
-    from planner.autoscale import goodput_of, itl_of, per_window
+    from planner.scores import goodput_of, itl_of, per_window
 
     runs = []
 

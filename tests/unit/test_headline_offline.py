@@ -119,7 +119,7 @@ def test_the_static_views_predict_the_split_within_a_factor_of_two(rows):
 
 def test_the_capped_cluster_is_colocated_with_the_planners_smallest_cap(tmp_path) -> None:
     from benchmarks.headline import HeadlineOptions, _config
-    from planner.autoscale import prefill_caps
+    from planner.caps import prefill_caps
 
     o = HeadlineOptions(model="m", profile=str(PROFILE), out=str(tmp_path))
     capped, colocated = (_config(o, name, tmp_path, None) for name in ("capped", "colocated"))
@@ -135,7 +135,7 @@ def test_the_split_cluster_is_the_split_the_adaptive_planner_would_switch_to(tmp
     each prompt live, as the adaptive cluster's does once split (without the profile
     the router would place by the static threshold: another configuration)."""
     from benchmarks.headline import HeadlineOptions, _config
-    from planner.autoscale import current_config, reachable
+    from planner.moves import current_config, reachable
 
     o = HeadlineOptions(model="m", profile=str(PROFILE), out=str(tmp_path))
     split, adaptive = (_config(o, name, tmp_path, None) for name in ("split", "adaptive"))

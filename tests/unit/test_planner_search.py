@@ -162,7 +162,7 @@ def test_pdserve_plan_kv_offer_reaches_the_split_candidates(tmp_path, capsys) ->
 def test_pdserve_plan_prefill_caps_try_each_candidate_once_per_cap(tmp_path, capsys) -> None:
     """``--prefill-caps``: each candidate again with every worker's stall-free cap, the
     cap in its config and label; ``auto``: the live planner's caps for the profile."""
-    from planner.autoscale import prefill_caps
+    from planner.caps import prefill_caps
 
     path = tmp_path / "profile.json"
     save_profile(CPU, path)

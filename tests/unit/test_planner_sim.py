@@ -199,7 +199,7 @@ def test_multi_turn_sends_a_turn_after_the_reply_and_reuses_the_history() -> Non
 
 
 def test_a_turns_own_think_time_replaces_the_runs() -> None:
-    """A replay of logged turns (planner.autoscale.window_requests) gives each turn the
+    """A replay of logged turns (planner.window.window_requests) gives each turn the
     pause it had: turn 2 leaves 0.3 s after turn 1's reply, turn 3 at once after turn
     2's, whatever the run's think time."""
     a, b, c = multi_turn_workload(1, 3, 64, 16, seed=5)
