@@ -1,11 +1,21 @@
 """``pdserve plan --validate`` in small, on the default model: profile this machine
 (quick grid, one thread), predict two candidates of a long-prompt mix on 2 cores, run
-both for real with the same requests, and check that the whole loop closes: both
-configurations measured, no request failed, a decision and its regret computed. The
-regret and the prediction errors are reported, not held to: they are timing on a shared
-box (a CI run beside other work measured goodput 3x off; full runs beside two other
-jobs measured regret 12.5%, then 100% with one configuration's goodput at 0), and
-accuracy targets live in the benchmark (`pdserve plan --validate`, README)."""
+both for real with the same requests, and hold the loop to bounds: both configurations
+measured, no request failed, the decision's regret and each candidate's prediction
+errors within :data:`CI_BOUNDS`.
+
+Those bounds are the CI's, wider than the benchmark's (the issue's 5% regret, 10%
+latency and 5% goodput: ``pdserve plan --validate``, README), because this is timing on a
+shared box. Measured on a 2-vCPU AMD EPYC (2026-12-07), this test's workload at about
+half of the calibrated capacity: three runs alone, regret 0%, goodput within 8%, TTFT
+p90 within 8%, ITL p90 over-predicted 14-29%; with a busy loop on one of the two cores
+throughout, load 0.8, regret 10%, goodput -11%, ITL p90 +58%. The same at 0.9 of
+capacity (the earlier rate): regret 0-0.1% alone, 42% beside the busy loop (the plan,
+made before the runs on the saved profile, saw 0.9 where the runs measured 1.3, and
+there the split served 1.7x two mixed workers). So the bounds catch a simulator that is
+wrong (a factor of two in latency, a third in goodput, a decision that loses half), not
+a noisy minute; and a validation that breaks one is run once more, which a neighbour
+that came and went does not break again and a wrong simulator does."""
 
 from __future__ import annotations
 
@@ -34,6 +44,9 @@ GRID = StepGrid(prefill_new=(16, 64, 256, 512, 768), prefill_cached=(0, 256),
                 mixed=((4, 128, 256), (8, 256, 64)), reps=2, decode_steps=2)
 """Shapes within this workload's (prompts up to ~900 tokens): ~20 s on 2 cores."""
 
+CI_BOUNDS = Bounds(regret=0.5, latency_error=1.0, goodput_error=0.35)
+"""What the validation in CI fails on: see the module's docstring."""
+
 
 def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
     profile, _ = run_profile(ProfileOptions(
@@ -43,20 +56,24 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
     # in its own minute anyway, and a calibration is ~50 s of this box's two cores.
     save_profile(profile, tmp_path / "profile.json")
     requests = mixed_workload(12, 128, 48, 0.25, 640, 8, 0.2, seed=7)
-    # A third of what the colocated pair can serve here, as the engine-only profile
-    # sees it (served, somewhat less: the load asserted below is of the calibrated one).
+    # A fifth of what the colocated pair can serve here, as the engine-only profile sees
+    # it: about half of what the calibrated one says (the load asserted below), where
+    # latency errors are judged (under Bounds.saturation).
     closed = simulate(profile, COLOCATED, requests, [0.0] * len(requests))
-    rate = closed["request_throughput"] / 3
+    rate = closed["request_throughput"] / 5
     arrivals = arrival_times(len(requests), rate, 1.0, seed=7)
     solo = simulate(profile, COLOCATED, requests[:1], [0.0])
     slo = SLO(4 * solo["ttft_p90_ms"] + 500, 3 * solo["tpot_p90_ms"] + 20)
-    summary = validate(ValidateOptions(
-        model=str(smollm2_path), profile=str(tmp_path / "profile.json"),
-        workload=ExplicitWorkload(requests, arrivals, f"mixed at {rate:.2f} req/s"),
-        cores=2, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms,
-        configs=(COLOCATED.label, SPLIT_LABEL), thresholds=(256,),
-        bounds=Bounds(regret=math.inf, latency_error=math.inf, goodput_error=math.inf),
-        out=str(tmp_path / "validate"), served_after_s=arrivals[len(arrivals) // 2]), profile)
+    for attempt in (1, 2):  # once more where a bound broke (the docstring says why)
+        summary = validate(ValidateOptions(
+            model=str(smollm2_path), profile=str(tmp_path / "profile.json"),
+            workload=ExplicitWorkload(requests, arrivals, f"mixed at {rate:.2f} req/s"),
+            cores=2, slo_ttft_ms=slo.ttft_ms, slo_tpot_ms=slo.tpot_ms,
+            configs=(COLOCATED.label, SPLIT_LABEL), thresholds=(256,), bounds=CI_BOUNDS,
+            out=str(tmp_path / f"validate-{attempt}"),
+            served_after_s=arrivals[len(arrivals) // 2]), profile)
+        if not summary["verdict"]:
+            break
     assert {r["config"] for r in summary["rows"]} == {COLOCATED.label, SPLIT_LABEL}
     assert all(r["failed"] == 0 for r in summary["rows"])
     for r in summary["rows"]:  # each candidate predicted with the calibration of its minute
