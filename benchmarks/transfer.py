@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from common.process_exit import exit_after_shutdown
 from workers.transfer.blocks import KVDestination, PagedCacheDestination, gather_blocks
 from workers.transfer.channel import TransferConfig
 from workers.transfer.header import KVLayout
@@ -285,12 +286,13 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.child:
         child(args)
-        return
-    try:
-        parse_modes(args.modes)
-    except ValueError as e:
-        p.error(str(e))
-    run(args)
+    else:
+        try:
+            parse_modes(args.modes)
+        except ValueError as e:
+            p.error(str(e))
+        run(args)
+    exit_after_shutdown(0)  # both ends closed: no finalization (common.process_exit)
 
 
 if __name__ == "__main__":

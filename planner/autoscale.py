@@ -40,13 +40,13 @@ configuration is left only when all of these hold, else the decision says which 
    fitted while they ran, see below); ``overloaded``: such an unproven comparison is
    not made at all while the current configuration is predicted to serve less than
    ``min_served_unproven`` of the window's requests within the SLOs, unless its
-   measured misses were the decode's (``tpot_bound``, :func:`planner.window.tpot_bound`: see
-   below). ``min_gain``
-   will do for ``min_gain_unproven`` (the guard stands; a switch then says
-   ``seconded``) where rule 2c's heavier load seconds it:
-   there, on its own, the candidate is predicted ``min_gain_unproven`` more goodput,
-   or (with a headroom ITL score) as much within ``itl_tolerance`` at
-   ``min_itl_gain_unproven`` less ITL p99 (see below). Neither margin nor guard holds
+   measured misses were the decode's (``tpot_bound``,
+   :func:`planner.window.tpot_bound`: see below). ``min_gain`` will do for
+   ``min_gain_unproven`` (the guard stands; a switch then says ``seconded``) where rule
+   2c's heavier load seconds it: there, on its own, the candidate is predicted
+   ``min_gain_unproven`` more goodput, or (with a headroom ITL score) as much within
+   ``itl_tolerance`` at ``min_itl_gain_unproven`` less ITL p99 (see below). Neither
+   margin nor guard holds
    where the current configuration measurably serves less than ``max_served_rescue``
    of its requests within them (``served``): little is left to lose, a gain of
    ``min_gain`` will do, and the switch (reason ``rescue``) is made to be measured,

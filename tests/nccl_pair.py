@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from common.process_exit import exit_after_shutdown
 from workers.transfer import (
     KVLayout,
     KVReceiver,
@@ -54,3 +55,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_after_shutdown(0)  # as a worker ends (common.process_exit says why)

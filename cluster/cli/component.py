@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import traceback
 
 from cluster.deployment import DeploymentConfig, load_yaml
 from common.process_exit import exit_after_shutdown
@@ -241,9 +242,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ValueError as e:  # bad settings, an unreadable --redis-password-file
         print(f"pdserve worker: {e}", file=sys.stderr)
         return EXIT_INVALID
-    asyncio.run(serve(config))
-    # serve closed everything it owns; its transfer threads are daemons that may still
-    # wake from a torch call, which in a finalizing interpreter aborts the process
+    # Either way the process ends without the interpreter's finalization: the transfer
+    # threads are daemons that may still wake from a torch call, which in a finalizing
+    # interpreter aborts the process (common.process_exit). serve closed what it owns;
+    # a serve that failed may leave KV ends open, which the exit closes.
+    try:
+        asyncio.run(serve(config))
+    except Exception as e:  # noqa: BLE001 - reported, then the same exit with status 1
+        from workers.model_store import ModelStoreError
+
+        if isinstance(e, ModelStoreError):
+            print(f"pdserve worker: {e}", file=sys.stderr)
+        else:
+            traceback.print_exc()
+        exit_after_shutdown(1)
     exit_after_shutdown(0)
     return 0  # not reached
 

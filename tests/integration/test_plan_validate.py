@@ -5,17 +5,17 @@ measured, no request failed, the decision's regret and each candidate's predicti
 errors within :data:`CI_BOUNDS`.
 
 Those bounds are the CI's, wider than the benchmark's (the issue's 5% regret, 10%
-latency and 5% goodput: ``pdserve plan --validate``, README), because this is timing on a
-shared box. Measured on a 2-vCPU AMD EPYC (2026-12-07), this test's workload at about
+latency and 5% goodput: ``pdserve plan --validate``, README), because this is timing on
+a shared box. Measured on a 2-vCPU AMD EPYC (2026-12-07), this test's workload at about
 half of the calibrated capacity: three runs alone, regret 0%, goodput within 8%, TTFT
-p90 within 8%, ITL p90 over-predicted 14-29%; with a busy loop on one of the two cores
+p90 within 8%, ITL p90 over-predicted 4-29%; with a busy loop on one of the two cores
 throughout, load 0.8, regret 10%, goodput -11%, ITL p90 +58%. The same at 0.9 of
 capacity (the earlier rate): regret 0-0.1% alone, 42% beside the busy loop (the plan,
 made before the runs on the saved profile, saw 0.9 where the runs measured 1.3, and
 there the split served 1.7x two mixed workers). So the bounds catch a simulator that is
-wrong (a factor of two in latency, a third in goodput, a decision that loses half), not
-a noisy minute; and a validation that breaks one is run once more, which a neighbour
-that came and went does not break again and a wrong simulator does."""
+wrong (a latency off by a factor of two either way, a goodput by a third, a decision
+that loses half), not a noisy minute; and a validation that breaks one is run once more,
+which a neighbour that came and went does not break again and a wrong simulator does."""
 
 from __future__ import annotations
 
@@ -44,8 +44,24 @@ GRID = StepGrid(prefill_new=(16, 64, 256, 512, 768), prefill_cached=(0, 256),
                 mixed=((4, 128, 256), (8, 256, 64)), reps=2, decode_steps=2)
 """Shapes within this workload's (prompts up to ~900 tokens): ~20 s on 2 cores."""
 
-CI_BOUNDS = Bounds(regret=0.5, latency_error=1.0, goodput_error=0.35)
-"""What the validation in CI fails on: see the module's docstring."""
+CI_BOUNDS = Bounds(regret=0.5, latency_error=1.0, goodput_error=0.35, saturation=math.inf)
+"""What the validation in CI fails on (the module's docstring says why so wide): latency
+judged at any load, so that a slow minute cannot switch it off. The verdict bounds a
+latency over-predicted by up to 2x the measured (+100%); :func:`broken` adds one
+under-predicted to less than half of it."""
+
+
+def broken(summary: dict) -> list[str]:
+    """What broke a CI bound (empty: none): the verdict's, and a TTFT or ITL p90
+    predicted at less than half the measured (the verdict's relative error cannot reach
+    -100%, so its bound alone holds only an over-prediction)."""
+    out = list(summary["verdict"])
+    for row in summary["rows"]:
+        for key in ("ttft_p90_ms", "itl_p90_ms"):
+            if row["error"][key] < -0.5:
+                out.append(f"{row['config']}: {key} predicted {row['error'][key]:+.0%} "
+                           "of the measured (bound: half of it)")
+    return out
 
 
 def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
@@ -57,8 +73,7 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
     save_profile(profile, tmp_path / "profile.json")
     requests = mixed_workload(12, 128, 48, 0.25, 640, 8, 0.2, seed=7)
     # A fifth of what the colocated pair can serve here, as the engine-only profile sees
-    # it: about half of what the calibrated one says (the load asserted below), where
-    # latency errors are judged (under Bounds.saturation).
+    # it: about half of what the calibrated one says (the load asserted below).
     closed = simulate(profile, COLOCATED, requests, [0.0] * len(requests))
     rate = closed["request_throughput"] / 5
     arrivals = arrival_times(len(requests), rate, 1.0, seed=7)
@@ -72,7 +87,7 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
             configs=(COLOCATED.label, SPLIT_LABEL), thresholds=(256,), bounds=CI_BOUNDS,
             out=str(tmp_path / f"validate-{attempt}"),
             served_after_s=arrivals[len(arrivals) // 2]), profile)
-        if not summary["verdict"]:
+        if not broken(summary):
             break
     assert {r["config"] for r in summary["rows"]} == {COLOCATED.label, SPLIT_LABEL}
     assert all(r["failed"] == 0 for r in summary["rows"])
@@ -87,7 +102,7 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
         for speed in r["step_speed"].values():
             assert speed["steps"] > 0 and math.isfinite(speed["drift"]), r
             assert 0.2 < speed["median_ratio"] < 5, r  # the served model, not off by orders
-        assert 0 < r["load"] < 2, r  # offered over simulated capacity (~1/3 nominal)
+        assert 0 < r["load"] < 2, r  # offered over simulated capacity (~0.55 here)
     split = next(r for r in summary["rows"] if r["config"] == SPLIT_LABEL)
     # The static rule goes by prompt length alone: the simulator's copy of the placement
     # and the router's must agree prompt for prompt (the short ones stay local); a prompt
@@ -106,6 +121,5 @@ def test_a_small_validation_stays_within_its_bounds(smollm2_path, tmp_path):
         assert window["fit"] or window["refused"].endswith("needs 100"), window
         if window["fit"]:
             assert all(math.isfinite(e) for e in window["error"].values()), window
-    assert summary["regret"] is None or 0.0 <= summary["regret"] <= 1.0, summary  # None: 0 goodput
     assert summary["recommended"] in {COLOCATED.label, SPLIT_LABEL}, summary
-    assert not summary["verdict"], summary["verdict"]
+    assert not broken(summary), broken(summary)  # the regret among them (None: 0 goodput)
