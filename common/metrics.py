@@ -251,8 +251,13 @@ class Metrics:
         return prom.generate_latest(self.registry).decode()
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on a daemon thread; returns the bound port (0: pick one)."""
-        server, thread = prom.start_http_server(port, host, registry=self.registry)
+        """Serve ``/metrics`` on a daemon thread; returns the bound port (0: pick one).
+        Raises OSError naming the address when it cannot bind."""
+        try:
+            server, thread = prom.start_http_server(port, host, registry=self.registry)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot serve metrics on {host}:{port}: {e.strerror or e} "
+                                   "(another process's port? 0 picks a free one)") from e
         self._server = server
         self._thread: threading.Thread = thread
         bound = server.server_address[1]

@@ -251,7 +251,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - reported, then the same exit with status 1
         from workers.model_store import ModelStoreError
 
-        if isinstance(e, ModelStoreError):
+        if isinstance(e, (ModelStoreError, OSError)):  # a model, a port: said in a line
             print(f"pdserve worker: {e}", file=sys.stderr)
         else:
             traceback.print_exc()
@@ -280,7 +280,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     except (ValueError, KeyError) as e:  # bad settings, an unreadable file
         print(f"pdserve router: {e}", file=sys.stderr)
         return EXIT_INVALID
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except OSError as e:  # a port taken, as the worker says it
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 1
     return 0
 
 API_KEYS_ENV = "PDSERVE_API_KEYS_FILE"

@@ -104,3 +104,24 @@ def test_worker_reads_the_redis_password_from_a_file(tiny_checkpoints, tmp_path)
                     proc.wait()
         assert secret not in (tmp_path / "worker.log").read_text(errors="replace")
         client.close()
+
+
+def test_a_worker_that_cannot_serve_says_why_in_a_line_and_exits_1(tiny_checkpoints) -> None:
+    """Its metrics port held by another process: the worker fails after its KV end and
+    engine started, says which address in one line (no traceback), and ends with status 1,
+    not by an abort in the interpreter's finalization (common.process_exit)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "cluster.cli", "worker", "--role", "decode", "--model",
+             str(tiny_checkpoints["llama"]), "--port", "0", "--threads", "1", "--dtype",
+             "float32", "--kv-cache-gb", "0.01", "--block-size", "4", "--metrics-port",
+             str(taken)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pdserve worker: ") and f"127.0.0.1:{taken}" in last, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "terminate called" not in r.stderr, r.stderr[-2000:]
