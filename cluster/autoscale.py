@@ -81,7 +81,7 @@ from planner.caps import CapDecision, PrefillCapChooser, best_cap_goodput, prefi
 from planner.config import PoolConfig
 from planner.moves import current_config, reachable, role_changes
 from planner.scores import Predict, Score, goodput_of, itl_of, per_window, simulated
-from planner.window import served_share, tpot_bound, window_slo
+from planner.window import served_measures, window_slo
 from workers.engine.params import resolve_block_size
 
 from .local import LocalCluster, free_port
@@ -380,7 +380,7 @@ class AutoscaleLoop:
         if len(span) < self.config.min_requests:
             return None
         slo = window_slo(self.profile.step(self.cluster.threads), span, *self._slo)
-        return served_share(span, slo), tpot_bound(span, slo)
+        return served_measures(span, slo)
 
     def move_estimates(self, records: Sequence[TrafficRecord]) -> dict[str, float]:
         """Seconds a worker leaving each role takes to change, for the switch's cost:

@@ -3,9 +3,9 @@ and as its simulator replays it.
 
 Measured: :func:`served_share` (the share of the requests the running configuration
 served within the SLOs: the floor of its score) and :func:`tpot_bound` (whether its
-misses were the decode's), both by :func:`_miss`; :func:`window_slo` (the SLOs a
-window's goodput counts against). Replayed: :func:`window_requests` (the window as the
-simulator's workload: conversations' turns following one another) and
+misses were the decode's), both at once by :func:`served_measures`; :func:`window_slo`
+(the SLOs a window's goodput counts against). Replayed: :func:`window_requests` (the
+window as the simulator's workload: conversations' turns following one another) and
 :func:`window_prompts` (token ids sharing what the routers logged as cached), read by
 :func:`planner.scores.simulated`.
 """
@@ -37,8 +37,7 @@ def served_share(records: Sequence[TrafficRecord], slo: SLO) -> float:
     still in flight, or one that failed, counts as a miss (the live loop measures a span
     that ended a few latencies ago, so that few are still in flight). A request of
     several choices is judged on their tokens together."""
-    misses = [_miss(r, slo) for r in records]
-    return misses.count(None) / len(records) if records else 0.0
+    return served_measures(records, slo)[0]
 
 
 def tpot_bound(records: Sequence[TrafficRecord], slo: SLO) -> bool:
@@ -49,8 +48,15 @@ def tpot_bound(records: Sequence[TrafficRecord], slo: SLO) -> bool:
     computed beside running decodes failed them, which a split removes; where prompts
     queue for their prefill instead (TTFT misses), a split's fewer prefill threads
     queue them longer."""
+    return served_measures(records, slo)[1]
+
+
+def served_measures(records: Sequence[TrafficRecord], slo: SLO) -> tuple[float, bool]:
+    """:func:`served_share` and :func:`tpot_bound` of ``records``, each request's miss
+    classified once (the live loop reads both of one span every decision)."""
     misses = [_miss(r, slo) for r in records]
-    return "ttft" not in misses and misses.count("tpot") > misses.count("unknown")
+    share = misses.count(None) / len(records) if records else 0.0
+    return share, "ttft" not in misses and misses.count("tpot") > misses.count("unknown")
 
 
 def _miss(r: TrafficRecord, slo: SLO) -> str | None:
