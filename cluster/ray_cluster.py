@@ -50,6 +50,7 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from common.logs import log_to_stderr
 from common.redis_url import password_of, without_password
 
 from .deployment import ROLES, DeploymentConfig
@@ -82,6 +83,10 @@ class ComponentActor:
         node_ip = ray.util.get_node_ip_address()
         self.kind, config = parse([a.replace("{node_ip}", node_ip) for a in argv],
                                   redis_password)
+        # Ray leaves a worker process's INFO records unhandled: configured as `pdserve
+        # worker|router` does, they reach this actor's worker-*.err (and Ray's driver).
+        log_to_stderr(f"{getattr(config, 'role', self.kind)}@{node_ip}"
+                      + (f":{config.port}" if config.port else ""))
         self.config = dataclasses.replace(config, ray_metrics=True)
         self._ready = threading.Event()
         self._serving: object = None

@@ -79,6 +79,7 @@ from .engine_commands import (
 from .engine_reservations import ReservationDriver
 from .reservation import Reservation, ReservationMachine
 from .step_trace import StepTrace
+from .transfer import TransferResult
 
 __all__ = ["EngineCounters", "EngineLoop", "EngineUnavailableError", "KVExpect"]
 
@@ -439,6 +440,7 @@ class EngineLoop(ReservationDriver):
         elif isinstance(cmd, TransferDone):
             rec = self._remote.get(cmd.add.request_id)
             if rec is not None and rec.add is cmd.add:
+                _log_failed_receive(cmd.result)
                 self._carry_out(rec, rec.machine.transfer_ended(cmd.result.ok))
         elif self.failure is not None:
             self._deliver(cmd, self._unavailable())
@@ -494,6 +496,12 @@ class EngineLoop(ReservationDriver):
         for rec in pending:
             rec.machine.abort(reason)
             self._deliver(rec.add, error)
+
+
+def _log_failed_receive(result: TransferResult) -> None:
+    if result.fault:  # the reservation computes the prompt here instead
+        log.warning("KV receive of %s ended %s after %.1fs: %s", result.request_id,
+                    result.state.value, result.seconds, result.reason)
 
 
 def _piled_up(first: object, queue: asyncio.Queue) -> list:

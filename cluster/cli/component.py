@@ -15,6 +15,7 @@ import sys
 import traceback
 
 from cluster.deployment import DeploymentConfig, load_yaml
+from common.logs import log_to_stderr
 from common.process_exit import exit_after_shutdown
 from common.redis_url import with_password
 
@@ -161,13 +162,6 @@ def component_config(argv: list[str],
     raise ValueError(f"not a component command line: {argv}")
 
 
-def _log_to_stderr(name: str) -> None:
-    import logging
-
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
-
-
 def worker_config(args: argparse.Namespace,  # noqa: ANN201 - WorkerConfig
                   password: str | None = None):
     from workers.engine.params import EngineConfig
@@ -236,7 +230,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from workers.server import serve
 
-    _log_to_stderr(f"{args.role}@{args.port}")
+    log_to_stderr(f"{args.role}@{args.port}")
     try:
         config = worker_config(args)
     except ValueError as e:  # bad settings, an unreadable --redis-password-file
@@ -265,7 +259,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     from router.server import serve
 
-    _log_to_stderr(f"router@{args.port}")
+    log_to_stderr(f"router@{args.port}")
     if args.api_keys is None:  # the environment, read once, here at the edge
         args.api_keys = os.environ.get(API_KEYS_ENV) or None
     try:

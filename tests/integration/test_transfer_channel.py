@@ -147,6 +147,10 @@ def agent_main() -> None:
             time.sleep(cmd["compute_s"])
             for offer, cache, src, it in offers:
                 decide, kv = it.get("decide", "go"), make_kv(it["seed"], layout_of(it), len(src))
+                if decide == "bye":  # the pair breaks on this side while gloo's connection
+                    # stays up: the decode side hears the bye, and no reset (what a lossy
+                    # link did in CI; a harness reaching in, as no public call does this)
+                    sender._pairs[cmd["address"]].close("test: the prefill side's pair broke")
                 layers = it["layers"] // 2 if decide == "void-midway" else it["layers"]
                 if "layer_s" in cmd or decide in ("void-midway", "told-undecided"):
                     for layer in range(layers):  # layer by layer, told
@@ -387,6 +391,26 @@ def test_memory_is_returned_only_once_lingering_messages_resolve() -> None:
     pending = TransferHandle("p", counters)
     assert pending.advance(TransferState.SENDING) and not pending.cancel_pending()
     assert TransferHandle("c", counters).cancel_pending("gone")
+
+
+def test_an_abandoned_transfer_ends_now_and_quiesces_when_its_thread_lets_go() -> None:
+    """What a receive pair's close does to a transfer still landing on it: FAILED at
+    once (the request goes on), the memory held until its receive thread settles."""
+    counters = StateCounters()
+    h = TransferHandle("a", counters, frozenset({TransferState.PENDING}))
+    assert h.seal() and h.advance(TransferState.RECEIVING)  # direct: not cancellable
+    ended: list[TransferState] = []
+    returned: list[int] = []
+    h.add_done_callback(lambda r: ended.append(r.state))
+    h.add_quiesced_callback(lambda: returned.append(1))
+    settle = h.abandon("pair 3 closed under the transfer")
+    assert settle is not None and ended == [TransferState.FAILED]
+    assert h.result().reason == "pair 3 closed under the transfer"
+    assert not h.quiesced and not returned
+    assert h.abandon("again") is None  # ended already: nothing more to settle
+    assert not h.advance(TransferState.DONE)  # the thread's late outcome loses
+    settle()
+    assert h.quiesced and returned == [1] and counters.snapshot(0).current["failed"] == 1
 
 
 def test_gather_scatter_roundtrip_through_block_ids() -> None:
@@ -831,3 +855,46 @@ def test_an_early_offer_whose_layers_all_went_may_wait_longer_than_a_message(
     assert agents["prefill-b"].call("early", address=decode.address, items=[again],
                                     compute_s=0.0, config=slow_go)["results"][0]["state"] == "done"
     assert h.wait(10).ok and decode.stats().pairs_open == 1
+
+
+def test_a_pair_closed_under_an_early_offer_fails_it_at_once_and_holds_its_blocks(
+        agents: dict[str, Agent], decode: KVReceiver) -> None:
+    """The prefill side closes a pair (its bye) while an accepted early offer's first
+    message is still awaited, and gloo's connection stays up (a lossy link once hid the
+    reset from a posted receive). The transfer ends FAILED at once, where before it
+    waited out ``data_timeout_s + early_go_timeout_s`` (65 s in a CI run); its memory
+    stays held (not quiesced) until the receive thread lets go, here when the sender's
+    expired trailer comes. A next transfer opens a new pair."""
+    slow_go = {**TEST_CFG, "early_go_timeout_s": 4.0}
+    it = item("bye-early", list(range(8, 16)), seed=91, decide="bye")
+    lay = layout_of(it)
+    cache = new_cache(lay)
+    h = decode.expect("bye-early", lay, it["block_ids"],
+                      PagedCacheDestination(cache, it["block_ids"], 16))
+    agents["prefill-a"].submit("early", address=decode.address, items=[it], compute_s=0.3,
+                               config=slow_go)
+    deadline = time.monotonic() + 10
+    while h.state is TransferState.PENDING:
+        assert time.monotonic() < deadline, "the early offer was never accepted"
+        time.sleep(0.01)
+    accepted = time.monotonic()
+    result = h.wait(10)
+    took = time.monotonic() - accepted
+    assert result.state is TransferState.FAILED and "closed under the transfer" in (
+        result.reason or ""), result
+    assert took < 2.0, f"the closed pair's transfer ended {took:.1f}s after the accept"
+    assert not h.quiesced  # its receive thread still waits: the blocks stay held
+    sent = agents["prefill-a"].reply()["results"][0]
+    assert sent["state"] == "timed_out", sent  # expired on the prefill side: trailer sent
+    deadline = time.monotonic() + 10
+    while not h.quiesced:
+        assert time.monotonic() < deadline, "the abandoned transfer never let go"
+        time.sleep(0.05)
+    assert decode.stats().entered["failed"] == 1
+    again = item("after-bye", [50, 51], seed=92)
+    h = decode.expect("after-bye", lay, [50, 51], PagedCacheDestination(cache, [50, 51], 16))
+    assert agents["prefill-a"].call("early", address=decode.address, items=[again],
+                                    compute_s=0.0, config=slow_go)["results"][0]["state"] == "done"
+    assert h.wait(10).ok
+    view = cache.view(lay.num_layers, 2, -1, 16, 2, 32)
+    assert torch.equal(view[:, :, 50:52], make_kv(92, lay, 2))

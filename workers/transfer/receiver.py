@@ -7,7 +7,8 @@ Threads, all daemons:
   pair from a prefill name replaces that name's old pair (a restarted prefill worker
   never leaves a stale one behind). An offer is matched with its reservation (or parked
   until the reservation arrives, at most ``offer_timeout_s``) and handed to a receive
-  thread. A bye closes its pair;
+  thread. A bye closes its pair, which ends every transfer still landing on it
+  (FAILED, its memory held until its receive thread lets go);
 - ``kvx-recv-<request>``, one per matched offer: checks it (refusal leaves the
   destination untouched), picks the framing, accepts, lands the payload
   (:mod:`workers.transfer.landing`) and compares its checksum with the offer's (an
@@ -32,7 +33,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -115,6 +117,9 @@ class _RecvPair:
         self.last_used = time.monotonic()
         self.receiving = 0  # receive threads on this pair (owner's lock)
         self._lock = threading.Lock()
+        # The transfers of this pair's receive threads, and the settle of each one the
+        # pair's close abandoned (called as its thread leaves: its memory is free then).
+        self._serving: dict[TransferHandle, Callable[[], None] | None] = {}
 
     def decide(self, seq: int, answer: bytes) -> bool:
         """Set the transfer's decision unless the sender already cancelled (or anyone
@@ -148,12 +153,42 @@ class _RecvPair:
             log.warning("pair %d: could not refuse transfer %d (%s): %s", self.pair_id, seq,
                         reason, e)
 
+    @contextmanager
+    def serving(self, handle: TransferHandle) -> Iterator[None]:
+        """Held by a receive thread for as long as it may touch ``handle``'s memory."""
+        with self._lock:
+            self._serving[handle] = None
+        try:
+            yield
+        finally:
+            with self._lock:
+                settle = self._serving.pop(handle)
+            if settle is not None:
+                settle()
+
     def close(self, reason: str) -> None:
+        """Closed for good: no offer is accepted on it any more, and every transfer still
+        landing on it ends FAILED now, whatever its receive thread still waits on. (A
+        posted gloo receive may outlive its peer's close by a whole wait: on a lossy
+        link an early offer's first message or trailer, waiting ``data_timeout_s +
+        early_go_timeout_s``, was seen to miss the connection's reset. Its request
+        computes the prompt at once; the blocks stay held until the thread lets go.)"""
         with self._lock:
             if self.closed is not None:
                 return
             self.closed = reason
+            serving = list(self._serving)
         log.info("transfer pair %d from %s closed: %s", self.pair_id, self.name, reason)
+        for handle in serving:
+            settle = handle.abandon(f"pair {self.pair_id} from {self.name!r} closed under "
+                                    f"the transfer: {reason}")
+            if settle is None:
+                continue
+            with self._lock:
+                if handle in self._serving:  # its thread settles it on leaving
+                    self._serving[handle], settle = settle, None
+            if settle is not None:  # its thread has already left
+                settle()
         try:
             self.store.set("closed", reason)
         except Exception:  # noqa: BLE001 - the store goes away with the receiver
@@ -256,9 +291,9 @@ class KVReceiver:
         return True
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Fail every live reservation that can still be called back, close every pair,
-        stop the threads, release the port. Receives in flight end by themselves within
-        ``data_timeout_s`` per message (their handles then turn FAILED)."""
+        """Fail every live reservation that can still be called back, close every pair
+        (which fails the receives in flight on it; their threads let go of the memory
+        within ``data_timeout_s`` per message), stop the threads, release the port."""
         with self._lock:
             if self._stop.is_set():
                 return
@@ -510,7 +545,8 @@ class KVReceiver:
 
     def _serve_counted(self, offer: _Offer, res: _Reservation) -> None:
         try:
-            self._serve(offer, res)
+            with offer.pair.serving(res.handle):
+                self._serve(offer, res)
         finally:
             with self._lock:
                 offer.pair.receiving -= 1
@@ -577,8 +613,8 @@ class KVReceiver:
             handle.advance(TransferState.DONE, nbytes=header.payload_bytes)
         except Exception as e:  # noqa: BLE001 - every failure ends the transfer
             state = TransferState.TIMED_OUT if is_timeout(e) else TransferState.FAILED
-            pair.close(f"transport error: {e}")
             handle.advance(state, f"payload from {pair.name!r} (pair {pair.pair_id}) broke: {e}")
+            pair.close(f"transport error: {e}")  # and the others landing on it with it
         finally:
             pair.slots.release()
 

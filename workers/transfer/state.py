@@ -136,6 +136,11 @@ class TransferResult:
     def ok(self) -> bool:
         return self.state is TransferState.DONE
 
+    @property
+    def fault(self) -> bool:
+        """Ended by a fault (FAILED, TIMED_OUT), not done nor the owner's own cancel."""
+        return self.state in (TransferState.FAILED, TransferState.TIMED_OUT)
+
 
 class TransferHandle:
     """One transfer on one end. Safe to poll, wait on and cancel from any thread.
@@ -239,24 +244,51 @@ class TransferHandle:
         """Move to ``new``. False when already terminal (another path won the race);
         raises on a transition the machine does not have (a bug)."""
         with self._cond:
-            old = self._state
-            if old.terminal:
+            if self._state.terminal:
                 return False
-            if new not in _ALLOWED[old]:
-                raise AssertionError(f"illegal transfer transition {old.value} -> {new.value}")
-            self._state, self._reason = new, reason
-            self._nbytes += nbytes
-            self._counters.record(old, new)
-            if not new.terminal:
-                return True
-            self._seconds = time.monotonic() - self._started
-            callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
+            callbacks = self._move(new, reason, nbytes)
+        self._ended(callbacks)
+        return True
+
+    def abandon(self, reason: str, new: TransferState = TransferState.FAILED
+                ) -> Callable[[], None] | None:
+        """End the transfer now, from outside the thread that moves its payload (its pair
+        closed under it: that thread may wait on a posted message for a long while yet,
+        and the request must not). Terminal at once; quiesced only once the returned
+        ``settle`` is called, by that thread when it is done with the memory. None when
+        the transfer had already ended (nothing to settle)."""
+        with self._cond:
+            if self._state.terminal:
+                return None
+            settle = self._linger_locked()
+            callbacks = self._move(new, reason, 0)
+        self._ended(callbacks)
+        return settle
+
+    def _move(self, new: TransferState, reason: str | None, nbytes: int
+              ) -> list[Callable[[TransferResult], None]] | None:
+        """The transition, under ``_cond``; the done callbacks to run once terminal."""
+        old = self._state
+        if new not in _ALLOWED[old]:
+            raise AssertionError(f"illegal transfer transition {old.value} -> {new.value}")
+        self._state, self._reason = new, reason
+        self._nbytes += nbytes
+        self._counters.record(old, new)
+        if not new.terminal:
+            return None
+        self._seconds = time.monotonic() - self._started
+        callbacks, self._callbacks = self._callbacks, []
+        self._cond.notify_all()
+        return callbacks
+
+    def _ended(self, callbacks: list[Callable[[TransferResult], None]] | None) -> None:
+        """After a terminal move, outside the lock: tell the callers, maybe quiesce."""
+        if callbacks is None:
+            return
         result = self.result()
         for fn in callbacks:
             fn(result)
         self._maybe_quiesce()
-        return True
 
     @property
     def quiesced(self) -> bool:
@@ -276,14 +308,17 @@ class TransferHandle:
         """Used by the channel before ending a transfer whose posted messages have not
         resolved: returns ``settle``, to call once they all have."""
         with self._cond:
-            self._lingering += 1
-        done = threading.Event()
+            return self._linger_locked()
 
-        def settle() -> None:
-            if done.is_set():
-                return
-            done.set()
+    def _linger_locked(self) -> Callable[[], None]:
+        self._lingering += 1
+        done = [False]
+
+        def settle() -> None:  # once; a second call does nothing
             with self._cond:
+                if done[0]:
+                    return
+                done[0] = True
                 self._lingering -= 1
             self._maybe_quiesce()
 
