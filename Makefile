@@ -52,9 +52,10 @@ bench: install
 	$(VENV)/bin/pdserve bench-serving  # vLLM too when PDSERVE_VLLM_PYTHON names its venv
 
 # Across nodes on this machine: the multi-node tests (five test hosts: network namespaces
-# on a private bridge, cluster/testhosts.py), then the link benchmark (three hosts).
+# on a private bridge, cluster/testhosts.py) with a soak of 12 lossy-link windows (~4 min),
+# then the link benchmark (three hosts).
 multinode: install
-	unshare -n sh -c 'ip link set lo up && exec $(PY) -m pytest -q tests/integration/test_multinode.py'
+	unshare -n sh -c 'ip link set lo up && exec env PDSERVE_SOAK_WINDOWS=12 $(PY) -m pytest -q tests/integration/test_multinode.py'
 	$(VENV)/bin/pdserve bench-multinode
 
 lint: install

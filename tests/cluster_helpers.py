@@ -123,8 +123,10 @@ class Load:
     def __init__(self, target: str, prompts: list[list[int]], max_tokens: int,
                  threads: int = 3, ignore_eos: bool = True) -> None:
         self.target, self.stop, self.ignore_eos = target, threading.Event(), ignore_eos
+        self._lock = threading.Lock()
         self.prompts, self.max_tokens = prompts, max_tokens
         self.results: list[tuple[int, object]] = []
+        self.seconds: list[float] = []  # each result's wall time, in the same order
         self._threads = [threading.Thread(target=self._run, args=(k,)) for k in range(threads)]
         for t in self._threads:
             t.start()
@@ -134,13 +136,16 @@ class Load:
             i = k
             while not self.stop.is_set():
                 p = i % len(self.prompts)
+                t0 = time.monotonic()
                 try:
                     got: object = client.generate(self.prompts[p], max_tokens=self.max_tokens,
                                                   temperature=0.0, ignore_eos=self.ignore_eos,
                                                   timeout=60)
                 except Exception as e:  # noqa: BLE001 - the test reports it
                     got = e
-                self.results.append((p, got))
+                with self._lock:  # the two lists stay in step
+                    self.results.append((p, got))
+                    self.seconds.append(time.monotonic() - t0)
                 i += 1
 
     def routed(self, key: str, address: str, since: int) -> bool:

@@ -25,6 +25,7 @@ where namespaces or bridges cannot be made.
 
 from __future__ import annotations
 
+import os
 import secrets
 import sys
 import time
@@ -221,6 +222,36 @@ def test_a_slow_lossy_link_costs_no_stream(mn, workload):
     # A transfer whose pair closed under it (a send timed out on the lossy link) ends at
     # once, but its blocks stay held until its receive thread's wait ends: an early
     # offer's first message or trailer waits data 5 s + the offer's 60 s at most.
+    assert_cluster_idle(mn, timeout=90)
+
+
+SOAK_WINDOWS = int(os.environ.get("PDSERVE_SOAK_WINDOWS", "0"))
+
+
+@pytest.mark.skipif(SOAK_WINDOWS <= 0, reason="a soak (~20 s a window): PDSERVE_SOAK_WINDOWS=N "
+                    "runs it, as `make multinode` does with 12")
+def test_soak_lossy_windows_hold_no_stream(mn, workload):
+    """The lossy link of the test above, ``PDSERVE_SOAK_WINDOWS`` times (3 s clean, 15 s
+    lossy) under steady load: every stream token-exact, none held anywhere near the
+    client's deadline, nothing leaked. Found the transfer that waited 65 s for a message
+    its closed pair would never bring (about 1 request in 600)."""
+    prompts, expected = workload
+    hosts = mn.hosts
+    load = Load(mn.target, prompts, MAX_TOKENS, threads=3, ignore_eos=False)
+    try:
+        for _ in range(SOAK_WINDOWS):
+            time.sleep(3)
+            hosts[2].shape(delay_ms=40.0, jitter_ms=10.0, loss=0.03)
+            time.sleep(15)
+            hosts[2].shape()
+    finally:
+        hosts[2].shape()
+        load.finish()
+    slowest = sorted(load.seconds)[-5:]
+    print(f"lossy soak: {len(load.results)} requests over {SOAK_WINDOWS} windows, slowest "
+          + ", ".join(f"{s:.1f}s" for s in slowest))
+    _all_exact(load, expected)
+    assert slowest[-1] < 30.0, slowest  # 16 tokens; a request held by a hang takes 60+
     assert_cluster_idle(mn, timeout=90)
 
 
