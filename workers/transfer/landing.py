@@ -74,9 +74,11 @@ def receive_direct(pg: dist.ProcessGroup, header: TransferHeader, plan: list[Mes
     quiesce until they resolve. The first message may wait ``first_timeout_s`` (an early
     offer's follows the prefill's first layer)."""
     regions = [destination.region(m.p0, m.i0, m.i1) for m in plan]
-    works = [pg.recv([r], 0, tag_for(header.seq, i)) for i, r in enumerate(regions)]
+    works: list[dist.Work] = []
     digest = PayloadHash()
     try:
+        for i, r in enumerate(regions):  # one failing to post: the ones before are held
+            works.append(pg.recv([r], 0, tag_for(header.seq, i)))
         for i, (w, r) in enumerate(zip(works, regions, strict=True)):
             w.wait(td(first_timeout_s if i == 0 and first_timeout_s else timeout_s))
             digest.update(r)  # a device region: the host copy orders after the receive

@@ -84,6 +84,10 @@ from workers.transfer.state import (
 
 log = logging.getLogger(__name__)
 
+BYE_GRACE_S = 1.0
+"""How long the transfers landing on a pair outlive its bye: what the sender had sent
+before it (a drained prefill worker's last payloads) may still be on the wire."""
+
 
 @dataclass(eq=False)
 class _Reservation:
@@ -120,6 +124,7 @@ class _RecvPair:
         # The transfers of this pair's receive threads, and the settle of each one the
         # pair's close abandoned (called as its thread leaves: its memory is free then).
         self._serving: dict[TransferHandle, Callable[[], None] | None] = {}
+        self._landed: set[TransferHandle] = set()
 
     def decide(self, seq: int, answer: bytes) -> bool:
         """Set the transfer's decision unless the sender already cancelled (or anyone
@@ -155,7 +160,8 @@ class _RecvPair:
 
     @contextmanager
     def serving(self, handle: TransferHandle) -> Iterator[None]:
-        """Held by a receive thread for as long as it may touch ``handle``'s memory."""
+        """Held by a receive thread for as long as it may end ``handle``; see
+        :meth:`landed` for the memory."""
         with self._lock:
             self._serving[handle] = None
         try:
@@ -163,37 +169,59 @@ class _RecvPair:
         finally:
             with self._lock:
                 settle = self._serving.pop(handle)
+                self._landed.discard(handle)
             if settle is not None:
                 settle()
 
-    def close(self, reason: str) -> None:
+    def landed(self, handle: TransferHandle) -> None:
+        """The payload is in and no receive is posted into the destination any more (what
+        is left, a checksum or an early offer's trailer, touches none of it): an abandon
+        from now on holds no memory, and one before lets go of it now."""
+        with self._lock:
+            self._landed.add(handle)
+            settle, self._serving[handle] = self._serving[handle], None
+        if settle is not None:
+            settle()
+
+    def close(self, reason: str, grace_s: float = 0.0) -> None:
         """Closed for good: no offer is accepted on it any more, and every transfer still
-        landing on it ends FAILED now, whatever its receive thread still waits on. (A
-        posted gloo receive may outlive its peer's close by a whole wait: on a lossy
-        link an early offer's first message or trailer, waiting ``data_timeout_s +
-        early_go_timeout_s``, was seen to miss the connection's reset. Its request
-        computes the prompt at once; the blocks stay held until the thread lets go.)"""
+        landing on it ends FAILED, whatever its receive thread still waits on, at once or
+        after ``grace_s`` (a bye's: what the sender sent before it may still be on the
+        way). A posted gloo receive may outlive its peer's close by a whole wait: on a
+        lossy link an early offer's first message or trailer, waiting ``data_timeout_s +
+        early_go_timeout_s``, was seen to miss the connection's reset (a CI run's request
+        held 65 s). Its request now computes the prompt at once; the blocks stay held
+        while a receive may still write them."""
         with self._lock:
             if self.closed is not None:
                 return
             self.closed = reason
-            serving = list(self._serving)
         log.info("transfer pair %d from %s closed: %s", self.pair_id, self.name, reason)
-        for handle in serving:
-            settle = handle.abandon(f"pair {self.pair_id} from {self.name!r} closed under "
-                                    f"the transfer: {reason}")
-            if settle is None:
-                continue
-            with self._lock:
-                if handle in self._serving:  # its thread settles it on leaving
-                    self._serving[handle], settle = settle, None
-            if settle is not None:  # its thread has already left
-                settle()
+        if grace_s > 0:
+            timer = threading.Timer(grace_s, self._abandon_serving, args=(reason,))
+            timer.daemon = True
+            timer.start()
+        else:
+            self._abandon_serving(reason)
         try:
             self.store.set("closed", reason)
         except Exception:  # noqa: BLE001 - the store goes away with the receiver
             pass
         self.owner._forget_pair(self)
+
+    def _abandon_serving(self, reason: str) -> None:
+        with self._lock:
+            serving = [(h, h in self._landed) for h in self._serving]
+        for handle, landed in serving:
+            settle = handle.abandon(f"pair {self.pair_id} from {self.name!r} closed under "
+                                    f"the transfer: {reason}", hold=not landed)
+            if settle is None:
+                continue
+            with self._lock:  # still landing: its thread settles it (landed, or leaving)
+                if handle in self._serving and handle not in self._landed:
+                    self._serving[handle], settle = settle, None
+            if settle is not None:  # landed or gone meanwhile: nothing to hold
+                settle()
 
 
 class KVReceiver:
@@ -366,7 +394,7 @@ class KVReceiver:
                 raise AuthError("unauthenticated", f"unsigned bye for pair {parts[0]}")
             self._auth.verify(Stamp.from_text(*parts[1:]), "bye", self.address, pair.session,
                               parts[0].encode())
-        pair.close("the prefill worker closed the pair")
+        pair.close("the prefill worker closed the pair", grace_s=BYE_GRACE_S)
 
     def _on_join(self, msg: bytes) -> None:
         """``v1 <id> <backend> <name>`` (no key), or ``v2 <id> <backend> <ts> <nonce>
@@ -593,6 +621,7 @@ class KVReceiver:
                 landed = receive_staged(pair.pg, header, plan, res.destination, handle,
                                         cfg.data_timeout_s, cfg.recv_window, self._buffers,
                                         wait_s)
+            pair.landed(handle)  # no receive posted into the destination any more
             expected = header.payload_checksum
             if header.trailer:  # posted after the payload's: NCCL matches in posting order
                 expected, status = self._read_trailer(pair, header, wait_s)
@@ -609,7 +638,8 @@ class KVReceiver:
             if landed != expected:  # the pair is in step: it stays open
                 self._checksum_failed(pair, header, handle, landed, expected)
                 return
-            self._counters.add_bytes(header.payload_bytes)
+            if handle.state is TransferState.RECEIVING:  # a closed pair's ended FAILED
+                self._counters.add_bytes(header.payload_bytes)
             handle.advance(TransferState.DONE, nbytes=header.payload_bytes)
         except Exception as e:  # noqa: BLE001 - every failure ends the transfer
             state = TransferState.TIMED_OUT if is_timeout(e) else TransferState.FAILED

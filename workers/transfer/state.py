@@ -23,11 +23,14 @@ blocks, so an engine loop can poll every step.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 class TransferState(enum.Enum):
@@ -250,17 +253,21 @@ class TransferHandle:
         self._ended(callbacks)
         return True
 
-    def abandon(self, reason: str, new: TransferState = TransferState.FAILED
-                ) -> Callable[[], None] | None:
+    def abandon(self, reason: str, new: TransferState = TransferState.FAILED,
+                hold: bool = True) -> Callable[[], None] | None:
         """End the transfer now, from outside the thread that moves its payload (its pair
         closed under it: that thread may wait on a posted message for a long while yet,
-        and the request must not). Terminal at once; quiesced only once the returned
-        ``settle`` is called, by that thread when it is done with the memory. None when
-        the transfer had already ended (nothing to settle)."""
+        and the request must not). Terminal at once; with ``hold``, quiesced only once
+        the returned ``settle`` is called, by that thread when it is done with the
+        memory. Nothing is held where nothing can write any more: without ``hold`` (the
+        caller knows), or where ``cancel`` would be honoured now (a staged receive writes
+        under :meth:`writing`, a pending one has posted nothing). None when the transfer
+        had already ended (nothing to settle)."""
         with self._cond:
             if self._state.terminal:
                 return None
-            settle = self._linger_locked()
+            held = hold and self._state not in self._cancellable
+            settle = self._linger_locked() if held else (lambda: None)
             callbacks = self._move(new, reason, 0)
         self._ended(callbacks)
         return settle
@@ -282,12 +289,16 @@ class TransferHandle:
         return callbacks
 
     def _ended(self, callbacks: list[Callable[[TransferResult], None]] | None) -> None:
-        """After a terminal move, outside the lock: tell the callers, maybe quiesce."""
+        """After a terminal move, outside the lock: tell the callers, maybe quiesce. A
+        callback that raises is logged: the others and the quiescence still happen."""
         if callbacks is None:
             return
         result = self.result()
         for fn in callbacks:
-            fn(result)
+            try:
+                fn(result)
+            except Exception:  # noqa: BLE001 - one caller's bug must not strand the memory
+                log.exception("transfer %r: a done callback failed", self.request_id)
         self._maybe_quiesce()
 
     @property
@@ -330,7 +341,10 @@ class TransferHandle:
                 return
             callbacks, self._quiesce_callbacks = self._quiesce_callbacks, []
         for fn in callbacks:
-            fn()
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the others still get their memory back
+                log.exception("transfer %r: a quiesced callback failed", self.request_id)
 
     @contextmanager
     def writing(self) -> Iterator[bool]:
