@@ -183,7 +183,8 @@ class _RecvPair:
         if settle is not None:
             settle()
 
-    def close(self, reason: str, grace_s: float = 0.0) -> None:
+    def close(self, reason: str, grace_s: float = 0.0,
+              but: TransferHandle | None = None) -> None:
         """Closed for good: no offer is accepted on it any more, and every transfer still
         landing on it ends FAILED, whatever its receive thread still waits on, at once or
         after ``grace_s`` (a bye's: what the sender sent before it may still be on the
@@ -191,27 +192,28 @@ class _RecvPair:
         lossy link an early offer's first message or trailer, waiting ``data_timeout_s +
         early_go_timeout_s``, was seen to miss the connection's reset (a CI run's request
         held 65 s). Its request now computes the prompt at once; the blocks stay held
-        while a receive may still write them."""
+        while a receive may still write them. ``but``: the caller's own transfer, which
+        it ends itself."""
         with self._lock:
             if self.closed is not None:
                 return
             self.closed = reason
         log.info("transfer pair %d from %s closed: %s", self.pair_id, self.name, reason)
         if grace_s > 0:
-            timer = threading.Timer(grace_s, self._abandon_serving, args=(reason,))
+            timer = threading.Timer(grace_s, self._abandon_serving, args=(reason, but))
             timer.daemon = True
             timer.start()
         else:
-            self._abandon_serving(reason)
+            self._abandon_serving(reason, but)
         try:
             self.store.set("closed", reason)
         except Exception:  # noqa: BLE001 - the store goes away with the receiver
             pass
         self.owner._forget_pair(self)
 
-    def _abandon_serving(self, reason: str) -> None:
+    def _abandon_serving(self, reason: str, but: TransferHandle | None) -> None:
         with self._lock:
-            serving = [(h, h in self._landed) for h in self._serving]
+            serving = [(h, h in self._landed) for h in self._serving if h is not but]
         for handle, landed in serving:
             settle = handle.abandon(f"pair {self.pair_id} from {self.name!r} closed under "
                                     f"the transfer: {reason}", hold=not landed)
@@ -643,8 +645,10 @@ class KVReceiver:
             handle.advance(TransferState.DONE, nbytes=header.payload_bytes)
         except Exception as e:  # noqa: BLE001 - every failure ends the transfer
             state = TransferState.TIMED_OUT if is_timeout(e) else TransferState.FAILED
+            # the pair first (whoever sees this transfer end sees its pair closed), and
+            # the others landing on it with it; this one ends with its own reason
+            pair.close(f"transport error: {e}", but=handle)
             handle.advance(state, f"payload from {pair.name!r} (pair {pair.pair_id}) broke: {e}")
-            pair.close(f"transport error: {e}")  # and the others landing on it with it
         finally:
             pair.slots.release()
 
