@@ -84,7 +84,7 @@ class ComponentActor:
         self.kind, config = parse([a.replace("{node_ip}", node_ip) for a in argv],
                                   redis_password)
         # Ray leaves a worker process's INFO records unhandled: configured as `pdserve
-        # worker|router` does, they reach this actor's worker-*.err (and Ray's driver).
+        # worker|router` does, they reach this actor's worker-*.err.
         log_to_stderr(f"{getattr(config, 'role', self.kind)}@{node_ip}"
                       + (f":{config.port}" if config.port else ""))
         self.config = dataclasses.replace(config, ray_metrics=True)

@@ -253,9 +253,8 @@ class TransferHandle:
         self._ended(callbacks)
         return True
 
-    def abandon(self, reason: str, new: TransferState = TransferState.FAILED,
-                hold: bool = True) -> Callable[[], None] | None:
-        """End the transfer now, from outside the thread that moves its payload (its pair
+    def abandon(self, reason: str, hold: bool = True) -> Callable[[], None] | None:
+        """End the transfer now (FAILED), from outside the thread that moves its payload (its pair
         closed under it: that thread may wait on a posted message for a long while yet,
         and the request must not). Terminal at once; with ``hold``, quiesced only once
         the returned ``settle`` is called, by that thread when it is done with the
@@ -268,7 +267,7 @@ class TransferHandle:
                 return None
             held = hold and self._state not in self._cancellable
             settle = self._linger_locked() if held else (lambda: None)
-            callbacks = self._move(new, reason, 0)
+            callbacks = self._move(TransferState.FAILED, reason, 0)
         self._ended(callbacks)
         return settle
 
